@@ -1,0 +1,53 @@
+"""Names shared by the broker, the client, the CLI and the Spark reader.
+
+Topic and property names follow RocketMQ's so that operators who know it
+recognise them (see SPEC.md, "Names and defaults").
+"""
+
+from __future__ import annotations
+
+import re
+
+HALF_TOPIC = "RMQ_SYS_TRANS_HALF_TOPIC"
+OP_TOPIC = "RMQ_SYS_TRANS_OP_HALF_TOPIC"
+OP_TAG = "d"
+DISCARD_TOPIC = "TRANS_CHECK_MAX_TIME_TOPIC"
+# RocketMQ's logs (and the seeds) spell it this way; accepted wherever a topic is named.
+DISCARD_TOPIC_ALIAS = "TRANS_CHECK_MAXTIME_TOPIC"
+
+# Message properties.
+PROP_TRAN_MSG = "TRAN_MSG"
+PROP_PGROUP = "PGROUP"
+PROP_REAL_TOPIC = "REAL_TOPIC"
+PROP_REAL_QID = "REAL_QID"
+PROP_UNIQ_KEY = "UNIQ_KEY"
+PROP_CHECK_TIMES = "TRANSACTION_CHECK_TIMES"
+PROP_CHECK_IMMUNITY = "CHECK_IMMUNITY_TIME_IN_SECONDS"
+PROP_PREPARED_QUEUE_OFFSET = "TRAN_PREPARED_QUEUE_OFFSET"
+PROP_TAGS = "TAGS"
+PROP_KEYS = "KEYS"
+PROP_DELAY = "DELAY"
+# txmq's own additions (prefixed so they never collide with user properties).
+PROP_DECIDED_BY = "TXMQ_DECIDED_BY"  # producer | check | operator, on op records
+PROP_HALF_CL_OFFSET = "TXMQ_HALF_CL_OFFSET"  # on op records: commit-log offset of the decided half copy
+PROP_ORIGIN_CL_OFFSET = "TXMQ_ORIGIN_CL_OFFSET"  # on check copies / discards: the first half record
+PROP_DISCARD_REASON = "TXMQ_DISCARD_REASON"  # max-checks | retention
+PROP_REPLAYED = "TXMQ_REPLAYED"  # on a half copy put back from the discard topic
+
+SYSTEM_TOPICS = frozenset({HALF_TOPIC, OP_TOPIC, DISCARD_TOPIC})
+
+TOPIC_RE = re.compile(r"^[%|a-zA-Z0-9_-]{1,127}$")
+
+DEFAULT_PORT = 10911
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_QUEUES = 4
+
+
+def canonical_topic(name: str) -> str:
+    """Map the discard topic's alias to its real name; other names unchanged."""
+    return DISCARD_TOPIC if name == DISCARD_TOPIC_ALIAS else name
+
+
+def is_system_topic(name: str) -> bool:
+    name = canonical_topic(name)
+    return name in SYSTEM_TOPICS or name.startswith("RMQ_SYS_")
