@@ -1,0 +1,47 @@
+# The two set-up commands (README): `make run` and `make test`.
+# Both create a local virtual environment in .venv on first use.
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY      = $(VENV)/bin/python
+PIP     = $(VENV)/bin/pip
+ARGS   ?=
+
+.PHONY: run test test-fast fault-long binary bench completions clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -e .
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed pyproject.toml
+	$(PIP) install -q -e '.[test,spark]'
+	touch $@
+
+## run: install into .venv and run the broker on the default data directory (~/.local/share/txmq)
+run: $(VENV)/.installed
+	$(VENV)/bin/txmq broker start $(ARGS)
+
+## test: install (with the test and spark extras) and run the whole suite
+test: $(VENV)/.installed-test
+	$(PY) -m pytest -q $(ARGS)
+
+test-fast: $(VENV)/.installed-test
+	$(PY) -m pytest -q -m "not spark and not slow" $(ARGS)
+
+## fault-long: the long fault-injection run (many kill/restart cycles)
+fault-long: $(VENV)/.installed-test
+	TXMQ_FAULT_LONG=1 $(PY) -m pytest -q -m fault $(ARGS)
+
+## binary: a single-file zipapp, dist/txmq.pyz (`python3 dist/txmq.pyz broker start`)
+binary: $(VENV)/.installed-test
+	rm -rf build/shiv && mkdir -p dist
+	$(VENV)/bin/shiv --compressed -c txmq -o dist/txmq.pyz --reproducible . -q
+	@echo "built dist/txmq.pyz"
+
+completions: $(VENV)/.installed
+	$(PY) -m txmq.cli.completions_gen
+
+clean:
+	rm -rf build dist *.egg-info .pytest_cache

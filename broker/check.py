@@ -1,0 +1,262 @@
+"""The check-back service (SPEC step 4).
+
+Every check interval it walks the half queue from its progress offset, in
+batches, yielding to the event loop between batches so sends keep flowing:
+
+- an offset that is not the latest copy of a pending transaction (decided,
+  or superseded by a later copy): skip;
+- checked ``max_checks`` times, or stored longer ago than the retention:
+  move it to the discard topic;
+- stored after the pass began: stop (the walk ends at the queue's max
+  offset taken when the pass started);
+- younger than its immunity (the transaction timeout, or the message's own
+  ``CHECK_IMMUNITY_TIME_IN_SECONDS``): stop here, later passes come back;
+- no live producer of its group: leave it, spending no check, and note
+  "no producer online"; the progress cannot move past it;
+- otherwise re-append it with ``TRANSACTION_CHECK_TIMES`` + 1 and push a
+  ``check_transaction`` to one live connection of the group.
+
+The half progress is the first offset the walk could not leave behind; it
+never moves past an undecided transaction. The op progress moves over op
+records whose half offset is below the half progress. Both persist in
+``txcheck.json``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+from typing import Any
+
+from txmq.constants import HALF_TOPIC, OP_TOPIC, PROP_CHECK_TIMES
+from txmq.store import atomic_write_json, read_json
+
+from .config import CheckSettings
+from .core import record_to_map
+from .tx import TransactionService, as_record, half_copy
+from .txindex import PendingTx
+
+log = logging.getLogger("txmq.check")
+
+
+class CheckProgress:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        d = read_json(path, {}) or {}
+        self.half = int(d.get("half_progress", 0)) if isinstance(d, dict) else 0
+        self.op = int(d.get("op_progress", 0)) if isinstance(d, dict) else 0
+
+    def save(self) -> None:
+        atomic_write_json(self.path, {"half_progress": self.half, "op_progress": self.op})
+
+
+class CheckService:
+    def __init__(self, core, tx: TransactionService, progress: CheckProgress, settings_path: Path, settings: CheckSettings) -> None:
+        self.core = core
+        self.tx = tx
+        self.progress = progress
+        self.settings_path = settings_path
+        self.settings = settings
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._stopping = False
+        self.passes = 0
+        self.last_pass: dict[str, Any] = {}
+        self.next_pass_at: float = 0.0
+        self._pass_lock = asyncio.Lock()
+
+    # ---- settings ---------------------------------------------------------
+    def set(self, key: str, value: Any) -> tuple[Any, Any]:
+        new_settings = self.settings.with_value(key, value)  # KeyError / ValueError first
+        old = getattr(self.settings, key)
+        self.settings = new_settings
+        atomic_write_json(self.settings_path, self.settings.to_dict())
+        log.info("event=config_set key=%s old=%s new=%s", key, old, getattr(self.settings, key))
+        self._wake.set()  # a shorter interval takes effect now
+        return old, getattr(self.settings, key)
+
+    # ---- background loop --------------------------------------------------
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="txmq-check")
+
+    async def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+
+    async def _run(self) -> None:
+        while not self._stopping:
+            interval = self.settings.check_interval_s
+            self.next_pass_at = self.core.clock() + interval
+            try:
+                await asyncio.wait_for(self._wake.wait(), interval)
+            except asyncio.TimeoutError:
+                pass
+            if self._stopping:
+                return
+            if self._wake.is_set():
+                # woken by a settings change: restart the wait with the new interval
+                self._wake.clear()
+                if self.core.clock() < self.next_pass_at and self.settings.check_interval_s >= interval:
+                    continue
+            try:
+                await self.run_pass()
+            except Exception:
+                log.exception("event=check_pass_failed")
+
+    # ---- one pass ---------------------------------------------------------
+    async def run_pass(self) -> dict[str, Any]:
+        async with self._pass_lock:
+            return await self._pass()
+
+    async def _pass(self) -> dict[str, Any]:
+        core, idx, s = self.core, self.tx.index, self.settings
+        store = core.store
+        now = core.clock()
+        now_ms = int(now * 1000)
+        t0 = asyncio.get_running_loop().time()
+        half_max = store.queue_max_offset(HALF_TOPIC, 0)
+        start = max(self.progress.half, store.queue_min_offset(HALF_TOPIC, 0))
+        blocked: int | None = None  # first offset the progress cannot pass
+        stats = {"walked": 0, "checked": 0, "discarded": 0, "no_producer": 0, "immune": 0}
+        qo = start
+        stop = False
+        batch = max(1, core.config.check_batch)
+        while qo < half_max and not stop:
+            end = min(half_max, qo + batch)
+            to_check: list[tuple[PendingTx, Any]] = []
+            to_discard: list[tuple[PendingTx, str]] = []
+            for off in range(qo, end):
+                tx_id = idx.by_half.get(off)
+                if tx_id is None:
+                    continue
+                p = idx.pending[tx_id]
+                if p.checks >= s.max_checks:
+                    to_discard.append((p, "max-checks"))
+                    continue
+                if now_ms - p.first_stored_ts > s.retention_s * 1000:
+                    to_discard.append((p, "retention"))
+                    continue
+                if p.stored_ts > now_ms:
+                    stop = True
+                    end = off
+                    break
+                immunity = p.immunity_s if p.immunity_s is not None else s.transaction_timeout_s
+                if now_ms - p.born_ts < immunity * 1000:
+                    stats["immune"] += 1
+                    if blocked is None:
+                        blocked = off
+                    if p.immunity_s is None or p.immunity_s <= s.transaction_timeout_s:
+                        stop = True
+                        end = off
+                        break
+                    continue  # a longer per-message immunity: skip it, keep walking
+                conn = core.registry.pick(p.group)
+                if conn is None:
+                    p.last_check_result = "no producer online"
+                    p.last_check_at = now_ms
+                    stats["no_producer"] += 1
+                    if blocked is None:
+                        blocked = off
+                    continue
+                to_check.append((p, conn))
+            stats["walked"] += end - qo
+            if to_discard:
+                await self._discard(to_discard)
+                stats["discarded"] += len(to_discard)
+            if to_check:
+                await self._check(to_check, now_ms)
+                stats["checked"] += len(to_check)
+            qo = end
+            await asyncio.sleep(0)  # let sends through between batches
+        new_half = blocked if blocked is not None else qo
+        if new_half > self.progress.half:
+            self.progress.half = new_half
+        self._advance_op()
+        self.progress.save()
+        self.passes += 1
+        took = asyncio.get_running_loop().time() - t0
+        self.last_pass = {**stats, "took_s": round(took, 4), "half_progress": self.progress.half, "op_progress": self.progress.op, "at": now_ms}
+        core.metrics.inc("check_passes")
+        if stats["checked"] or stats["discarded"]:
+            log.info("event=check_pass %s", " ".join(f"{k}={v}" for k, v in self.last_pass.items()))
+        return self.last_pass
+
+    def _advance_op(self) -> None:
+        ops = self.tx.index.ops_since_progress
+        i = 0
+        half = self.progress.half
+        while i < len(ops) and ops[i][1] < half:
+            i += 1
+        if i:
+            self.progress.op = ops[i - 1][0] + 1
+            del ops[:i]
+
+    async def _check(self, items: list[tuple[PendingTx, Any]], now_ms: int) -> None:
+        core, idx = self.core, self.tx.index
+        recs = core.store.read_many([p.cl_offset for p, _ in items])
+        msgs = [half_copy(r, **{PROP_CHECK_TIMES: str(p.checks + 1)}) for (p, _), r in zip(items, recs)]
+        results = await core.append_written(msgs)
+        for (p, conn), msg, res in zip(items, msgs, results):
+            if idx.pending.get(p.tx_id) is not p:
+                continue  # decided while we were appending; the copy is stale and will be skipped
+            rec = as_record(msg, res)
+            idx.apply_half(rec)
+            p.last_check_at = now_ms
+            p.last_check_result = "sent"
+            conn.push("check_transaction", {
+                "group": p.group, "tx_id": p.tx_id, "commit_log_offset": rec.commit_log_offset,
+                "half_offset": rec.queue_offset, "message": record_to_map(rec),
+            })
+        core.metrics.inc("checks_sent", len(items))
+
+    async def _discard(self, items: list[tuple[PendingTx, str]]) -> None:
+        core, idx = self.core, self.tx.index
+        recs = core.store.read_many([p.cl_offset for p, _ in items])
+        msgs = [self.tx.discard_message(r, reason) for (_, reason), r in zip(items, recs)]
+        results = await core.append_written(msgs)
+        for (p, reason), msg, res in zip(items, msgs, results):
+            if idx.pending.get(p.tx_id) is not p:
+                continue
+            idx.apply_discard(as_record(msg, res))
+            log.warning("event=discard tx_id=%s group=%s topic=%s checks=%d reason=%s", p.tx_id, p.group, p.topic, p.checks, reason)
+        core.metrics.inc("discarded", len(items))
+
+    # ---- for listings ------------------------------------------------------
+    def next_check_at(self, p: PendingTx) -> int | None:
+        s = self.settings
+        immunity = p.immunity_s if p.immunity_s is not None else s.transaction_timeout_s
+        eligible = p.born_ts / 1000.0 + immunity
+        at = max(eligible, self.next_pass_at or self.core.clock())
+        return int(at * 1000)
+
+    def offsets(self) -> dict[str, Any]:
+        store = self.core.store
+        idx = self.tx.index
+        discarded = sum(1 for d in idx.decided.values() if d.outcome.name == "DISCARDED")
+        return {
+            "half": {"progress": self.progress.half, "max": store.queue_max_offset(HALF_TOPIC, 0)},
+            "op": {"progress": self.progress.op, "max": store.queue_max_offset(OP_TOPIC, 0)},
+            "pending": len(idx.pending),
+            "discarded": discarded,
+        }
+
+    async def check_now(self, tx_id: str) -> dict[str, Any]:
+        from txmq.wire import ErrorCode, TxmqError
+
+        p = self.tx.index.pending.get(tx_id)
+        if p is None:
+            raise TxmqError(f"no pending transaction {tx_id}", ErrorCode.TX_NOT_FOUND)
+        conn = self.core.registry.pick(p.group)
+        if conn is None:
+            p.last_check_result = "no producer online"
+            raise TxmqError(f"no producer of group {p.group!r} is online", ErrorCode.NO_PRODUCER)
+        await self._check([(p, conn)], int(self.core.clock() * 1000))
+        return {"sent": True, "message": f"check-back sent to a producer of {p.group}"}
+

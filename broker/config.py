@@ -1,0 +1,86 @@
+"""Broker configuration: start options and the live-tunable check settings."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+from txmq.constants import DEFAULT_HOST, DEFAULT_PORT, DEFAULT_QUEUES
+
+
+def default_data_dir() -> Path:
+    """The embedded default data directory (XDG data home)."""
+    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+    return Path(base) / "txmq"
+
+
+@dataclass(frozen=True, slots=True)
+class CheckSettings:
+    """What `txmq config set` changes while the broker runs; persisted in config.json."""
+
+    check_interval_s: float = 60.0
+    transaction_timeout_s: float = 6.0
+    max_checks: int = 15
+    retention_s: float = 72 * 3600.0
+
+    def validated(self) -> "CheckSettings":
+        if not (0.01 <= self.check_interval_s <= 86400 * 7):
+            raise ValueError("check_interval_s must be between 0.01 and 604800")
+        if not (0 <= self.transaction_timeout_s <= 86400 * 30):
+            raise ValueError("transaction_timeout_s must be between 0 and 2592000")
+        if not (1 <= int(self.max_checks) <= 1_000_000) or int(self.max_checks) != self.max_checks:
+            raise ValueError("max_checks must be an integer between 1 and 1000000")
+        if not (1 <= self.retention_s <= 86400 * 3650):
+            raise ValueError("retention_s must be between 1 and 315360000")
+        return self
+
+    def with_value(self, key: str, value: Any) -> "CheckSettings":
+        names = {f.name for f in fields(self)}
+        if key not in names:
+            raise KeyError(key)
+        if key == "max_checks":
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError("max_checks must be an integer")
+            value = int(value)
+        else:
+            value = float(value)
+        return replace(self, **{key: value}).validated()
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None, base: "CheckSettings | None" = None) -> "CheckSettings":
+        s = base or cls()
+        for k, v in (d or {}).items():
+            try:
+                s = s.with_value(k, v)
+            except (KeyError, ValueError, TypeError):
+                continue
+        return s
+
+
+@dataclass(frozen=True, slots=True)
+class BrokerConfig:
+    data_dir: Path = field(default_factory=default_data_dir)
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_PORT
+    flush: str = "async"  # "sync" | "async"
+    flush_interval_s: float = 0.5
+    flush_timeout_s: float = 10.0
+    max_frame: int = 8 << 20
+    max_body: int = 4 << 20
+    max_inflight_per_conn: int = 1024
+    default_queues: int = DEFAULT_QUEUES
+    auth_token: str | None = None
+    segment_size: int = 1 << 30
+    cq_entries_per_file: int = 300_000
+    # Check settings given on the command line; config.json (set live) wins
+    # over defaults but an explicit start option wins over config.json.
+    check: CheckSettings = field(default_factory=CheckSettings)
+    check_overrides: tuple[str, ...] = ()
+    check_batch: int = 512
+    metrics_port: int | None = None
+    shutdown_timeout_s: float = 10.0

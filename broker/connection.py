@@ -1,0 +1,204 @@
+"""Per-connection state: an asyncio.Protocol that frames, dispatches and replies.
+
+- Two-phase decoding (txmq.wire.FrameDecoder): the length is checked before
+  the payload is buffered, then the payload parsed.
+- Requests are pipelined; replies go out in completion order, and all
+  replies produced in one loop iteration leave in one write.
+- Backpressure: when the transport's write buffer passes its high-water
+  mark (a client that stops reading), or too many requests are in flight,
+  the connection stops reading until it drains. Memory per connection is
+  bounded by max_frame + the write buffer limit + in-flight requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import itertools
+import logging
+from typing import Any
+
+from txmq.wire import FATAL, ErrorCode, FrameDecoder, FrameError, TxmqError, parse_payload, push, reply
+from txmq.wire import REQUEST
+
+from .handlers import HANDLERS
+
+log = logging.getLogger("txmq.conn")
+_ids = itertools.count(1)
+
+WRITE_HIGH = 4 << 20
+
+
+class BrokerConnection(asyncio.Protocol):
+    def __init__(self, core, server_state) -> None:
+        self.core = core
+        self.state = server_state
+        self.conn_id = next(_ids)
+        self.client_id = ""
+        self.transport: asyncio.Transport | None = None
+        self.decoder = FrameDecoder(core.config.max_frame)
+        self.authed = not core.config.auth_token
+        self.inflight = 0
+        self._out: list[bytes] = []
+        self._flush_scheduled = False
+        self._write_paused = False
+        self._read_paused = False
+        self._closing = False
+        self._tasks: set[asyncio.Task] = set()
+        self.peer = ""
+
+    # ---- asyncio.Protocol ---------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        self.transport.set_write_buffer_limits(high=WRITE_HIGH)
+        peer = transport.get_extra_info("peername")
+        self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
+        self.state.connections.add(self)
+        self.core.connections += 1
+        self.core.metrics.inc("connections_accepted")
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._closing = True
+        self.state.connections.discard(self)
+        self.core.connections -= 1
+        self.core.registry.unregister_all(self)
+
+    def pause_writing(self) -> None:
+        self._write_paused = True
+        self._pause_reading()
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        self._maybe_resume_reading()
+
+    def data_received(self, data: bytes) -> None:
+        if self._closing:
+            return
+        try:
+            payloads = self.decoder.feed(data)
+        except TxmqError as err:
+            self._fatal(0, err)
+            return
+        for payload in payloads:
+            try:
+                frame = parse_payload(payload)
+            except FrameError as err:
+                self._fatal(0, err)
+                return
+            if frame.kind != REQUEST:
+                continue  # clients answer pushes with requests; stray replies are ignored
+            self._dispatch(frame.id, frame.op, frame.fields)  # type: ignore[arg-type]
+            if self._closing:
+                return
+
+    # ---- dispatch -------------------------------------------------------------
+    def _dispatch(self, id_: int, op: str, fields: dict[str, Any]) -> None:
+        if not self.authed:
+            if op != "hello":
+                self._fatal(id_, TxmqError("authentication required: send hello with the broker's token first", ErrorCode.AUTH_REQUIRED))
+                return
+            token = fields.get("token")
+            expected = self.core.config.auth_token.encode()
+            if not isinstance(token, str) or not hmac.compare_digest(token.encode(), expected):
+                self.core.metrics.inc("auth_failures")
+                log.warning("event=auth_failed peer=%s", self.peer)
+                self._fatal(id_, TxmqError("authentication failed: wrong token", ErrorCode.AUTH_FAILED))
+                return
+            self.authed = True
+        handler = HANDLERS.get(op)
+        if handler is None:
+            self._reply_error(id_, TxmqError(f"unknown operation {op[:64]!r}", ErrorCode.UNKNOWN_OPERATION))
+            return
+        if self.core.draining and op not in ("heartbeat", "broker_info"):
+            self._reply_error(id_, TxmqError("broker is shutting down", ErrorCode.SHUTTING_DOWN))
+            return
+        try:
+            result = handler(self.core, self, fields)
+        except TxmqError as err:
+            self._reply_error(id_, err)
+            return
+        except Exception as exc:  # a bug: answer, log, keep serving
+            self._reply_error(id_, self.core.store_error(exc))
+            return
+        if isinstance(result, dict):
+            self._send(reply(id_, result))
+            return
+        self.inflight += 1
+        if self.inflight >= self.core.config.max_inflight_per_conn:
+            self._pause_reading()
+        fut = asyncio.ensure_future(result)
+        self.state.inflight.add(fut)
+        fut.add_done_callback(lambda f, id_=id_: self._done(id_, f))
+
+    def _done(self, id_: int, fut: asyncio.Future) -> None:
+        self.state.inflight.discard(fut)
+        self.inflight -= 1
+        if fut.cancelled():
+            self._reply_error(id_, TxmqError("broker is shutting down", ErrorCode.SHUTTING_DOWN))
+        else:
+            exc = fut.exception()
+            if exc is None:
+                self._send(reply(id_, fut.result()))
+            elif isinstance(exc, TxmqError):
+                self._reply_error(id_, exc)
+            else:
+                self._reply_error(id_, self.core.store_error(exc))
+        self._maybe_resume_reading()
+
+    # ---- output ---------------------------------------------------------------
+    def _reply_error(self, id_: int, err: TxmqError) -> None:
+        self.core.metrics.inc(f"errors_{err.code.name.lower()}")
+        self._send(reply(id_, err.to_fields(), int(err.code)))
+
+    def _fatal(self, id_: int, err: TxmqError) -> None:
+        assert err.code in FATAL or err.code == ErrorCode.MALFORMED_FRAME
+        self.core.metrics.inc(f"errors_{err.code.name.lower()}")
+        log.info("event=connection_refused peer=%s reason=%s", self.peer, err.code.name)
+        self._send(reply(id_, err.to_fields(), int(err.code)))
+        self._flush()
+        self._closing = True
+        if self.transport is not None:
+            self.transport.close()
+
+    def _send(self, data: bytes) -> None:
+        if self.transport is None or self.transport.is_closing():
+            return
+        self._out.append(data)
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        if self._out and self.transport is not None and not self.transport.is_closing():
+            out, self._out = self._out, []
+            self.transport.write(b"".join(out) if len(out) > 1 else out[0])
+        else:
+            self._out.clear()
+
+    def push(self, op: str, fields: dict[str, Any]) -> None:
+        self._send(push(op, fields))
+
+    def writable(self) -> bool:
+        return self.transport is not None and not self.transport.is_closing() and not self._write_paused
+
+    def _pause_reading(self) -> None:
+        if not self._read_paused and self.transport is not None and not self.transport.is_closing():
+            self._read_paused = True
+            self.transport.pause_reading()
+
+    def _maybe_resume_reading(self) -> None:
+        if (
+            self._read_paused
+            and not self._write_paused
+            and self.inflight < self.core.config.max_inflight_per_conn // 2
+            and self.transport is not None
+            and not self.transport.is_closing()
+        ):
+            self._read_paused = False
+            self.transport.resume_reading()
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self._flush()
+            self.transport.close()

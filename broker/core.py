@@ -1,0 +1,321 @@
+"""The transport-independent broker core.
+
+Handlers (broker/handlers.py) validate wire fields and call these methods;
+another front end could call them just as well. Every method runs on the
+event loop thread; blocking work (fsync) happens in the flusher's thread.
+
+Appends from all connections that arrive in one loop iteration are written
+with one store.append (one write syscall) by the Appender, then wait for
+durability according to the flush policy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Sequence
+
+from txmq import __version__
+from txmq.constants import PROP_UNIQ_KEY, is_system_topic
+from txmq.store import (
+    AppendResult,
+    ConsumerOffsets,
+    GetResult,
+    GetStatus,
+    Message,
+    Record,
+    RecordTooLargeError,
+    Store,
+    StoreConfig,
+    StoreError,
+    StoreFullError,
+)
+from txmq.wire import ErrorCode, TxmqError
+
+from .clock import Clock
+from .config import BrokerConfig
+from .flush import Flusher
+from .metrics import Metrics
+from .registry import ProducerRegistry
+from .topics import TopicTable
+
+log = logging.getLogger("txmq.broker")
+
+MAX_WAIT_MS = 30_000
+
+
+def msg_id_of(rec: Record) -> str:
+    return rec.properties.get(PROP_UNIQ_KEY) or f"{rec.commit_log_offset:016X}"
+
+
+def record_to_map(rec: Record) -> dict[str, Any]:
+    return {
+        "topic": rec.topic,
+        "queue_id": rec.queue_id,
+        "queue_offset": rec.queue_offset,
+        "commit_log_offset": rec.commit_log_offset,
+        "size": rec.size,
+        "msg_id": msg_id_of(rec),
+        "born_ts": rec.born_ts,
+        "store_ts": rec.store_ts,
+        "tx_type": int(rec.tx_type),
+        "prepared_offset": rec.prepared_offset,
+        "properties": rec.properties,
+        "body": rec.body,
+    }
+
+
+class Appender:
+    """Batches appends submitted in one loop iteration into one store.append."""
+
+    def __init__(self, core: "BrokerCore") -> None:
+        self.core = core
+        self._batch: list[Message] = []
+        self._futs: list[tuple[asyncio.Future, int, int]] = []  # (future, start index, count)
+        self._scheduled = False
+
+    def submit(self, msgs: Sequence[Message]) -> asyncio.Future:
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._futs.append((fut, len(self._batch), len(msgs)))
+        self._batch.extend(msgs)
+        if not self._scheduled:
+            self._scheduled = True
+            loop.call_soon(self._drain)
+        return fut
+
+    def _drain(self) -> None:
+        self._scheduled = False
+        batch, futs = self._batch, self._futs
+        self._batch, self._futs = [], []
+        if not batch:
+            return
+        try:
+            results = self.core.store.append(batch)
+        except Exception as exc:  # one bad batch must not kill the loop
+            err = self.core.store_error(exc)
+            if len(futs) > 1 and isinstance(exc, RecordTooLargeError):
+                # Retry each submission alone so only the offender fails.
+                for fut, start, count in futs:
+                    try:
+                        res = self.core.store.append(batch[start : start + count])
+                    except Exception as exc2:
+                        fut.set_exception(self.core.store_error(exc2))
+                    else:
+                        self._done(fut, res)
+                return
+            for fut, _, _ in futs:
+                if not fut.done():
+                    fut.set_exception(err)
+            return
+        for fut, start, count in futs:
+            self._done(fut, results[start : start + count])
+
+    def _done(self, fut: asyncio.Future, results: list[AppendResult]) -> None:
+        core = self.core
+        core.metrics.appended(results)
+        core.notify_appended(results)
+        if not fut.done():
+            fut.set_result(results)
+
+
+class BrokerCore:
+    def __init__(self, config: BrokerConfig, clock: Clock | None = None) -> None:
+        self.config = config
+        self.clock = clock or Clock()
+        self.data_dir = Path(config.data_dir)
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.store = Store(
+            self.data_dir,
+            StoreConfig(
+                segment_size=config.segment_size,
+                cq_entries_per_file=config.cq_entries_per_file,
+                retention_s=config.check.retention_s,
+            ),
+            clock=self.clock,
+        )
+        self.metrics = Metrics()
+        self.registry = ProducerRegistry()
+        self.broker_id = f"txmq-{os.getpid()}"
+        self.started_at = time.time()
+        self.recovery = None
+        self._rr = itertools.count()
+        self._pollers: dict[tuple[str, int], list[asyncio.Future]] = defaultdict(list)
+        self.connections = 0
+        self.draining = False  # refuse new requests; in-flight ones finish
+        self.shutting_down = False  # refuse appends
+
+    # ---- lifecycle -------------------------------------------------------
+    def open(self) -> None:
+        """Open the store (recovery). Synchronous: call before serving."""
+        self.recovery = self.store.open()
+        r = self.recovery
+        if r.dropped_bytes:
+            log.warning("event=recovery_truncated dropped_bytes=%d reason=%r at=%s", r.dropped_bytes, r.reason, r.truncated_at)
+        log.info("event=store_opened max_offset=%d segments=%d redispatched=%d took_s=%.3f", r.max_offset, r.segments, r.redispatched, r.duration_s)
+        self.topics = TopicTable(self.data_dir / "topics.json", self.config.default_queues)
+        self.topics.merge_from_store(self.store.queues())
+        self.offsets = ConsumerOffsets(self.data_dir / "offsets.json")
+
+    async def start(self) -> None:
+        self.appender = Appender(self)
+        self.flusher = Flusher(
+            self.store,
+            sync=self.config.flush == "sync",
+            interval_s=self.config.flush_interval_s,
+            on_persist=self.offsets.persist,
+            observe=self.metrics.flush_latency,
+        )
+        self.flusher.start()
+
+    async def stop(self) -> None:
+        self.shutting_down = True
+        for waiters in self._pollers.values():
+            for fut in waiters:
+                if not fut.done():
+                    fut.set_result(None)
+        self._pollers.clear()
+        await self.flusher.stop()
+        self.offsets.persist()
+        self.store.close()
+
+    # ---- errors ----------------------------------------------------------
+    def store_error(self, exc: BaseException) -> TxmqError:
+        if isinstance(exc, TxmqError):
+            return exc
+        if isinstance(exc, StoreFullError):
+            self.metrics.inc("store_full_errors")
+            return TxmqError("store full: the data directory's disk has no space left; nothing was written", ErrorCode.STORE_FULL)
+        if isinstance(exc, RecordTooLargeError):
+            return TxmqError(str(exc), ErrorCode.BODY_TOO_LARGE)
+        if isinstance(exc, (StoreError, OSError)):
+            log.error("event=store_error error=%r", exc)
+            return TxmqError(f"store error: {exc}", ErrorCode.STORE_ERROR)
+        log.exception("event=internal_error", exc_info=exc)
+        return TxmqError(f"internal error: {type(exc).__name__}", ErrorCode.INTERNAL)
+
+    # ---- appending -------------------------------------------------------
+    async def append(self, msgs: Sequence[Message]) -> list[AppendResult]:
+        """Write msgs (one batch) and wait until durable per the flush policy."""
+        if self.shutting_down:
+            raise TxmqError("broker is shutting down", ErrorCode.SHUTTING_DOWN)
+        results = await self.appender.submit(msgs)
+        await self.wait_durable(results[-1].end_offset)
+        return results
+
+    async def append_written(self, msgs: Sequence[Message]) -> list[AppendResult]:
+        """Write msgs; returns once written (not necessarily durable)."""
+        if self.shutting_down:
+            raise TxmqError("broker is shutting down", ErrorCode.SHUTTING_DOWN)
+        return await self.appender.submit(msgs)
+
+    async def wait_durable(self, end_offset: int) -> None:
+        fut = self.flusher.wait_durable(end_offset)
+        if fut is not None:
+            try:
+                await asyncio.wait_for(asyncio.shield(fut), self.config.flush_timeout_s)
+            except asyncio.TimeoutError:
+                raise TxmqError("flush timed out: the record was written but is not known to be durable", ErrorCode.STORE_ERROR) from None
+
+    def pick_queue(self, topic: str, queue_id: int | None) -> int:
+        n, _ = self.topics.ensure(topic)
+        if queue_id is None or queue_id < 0:
+            return next(self._rr) % n
+        if queue_id >= n:
+            raise TxmqError(f"queue {queue_id} does not exist: topic {topic} has {n} queues", ErrorCode.NO_SUCH_QUEUE)
+        return queue_id
+
+    def notify_appended(self, results: Sequence[AppendResult]) -> None:
+        if not self._pollers:
+            return
+        # Wake every long-poll on a queue that got data. AppendResult carries no
+        # topic, so wake all pollers; they re-pull and go back to sleep if empty.
+        pollers, self._pollers = self._pollers, defaultdict(list)
+        for waiters in pollers.values():
+            for fut in waiters:
+                if not fut.done():
+                    fut.set_result(None)
+
+    # ---- consuming -------------------------------------------------------
+    async def pull(self, topic: str, queue_id: int, offset: int, max_count: int, max_bytes: int, wait_ms: int) -> dict[str, Any]:
+        n = self.topics.queues(topic)
+        if n is None or not (0 <= queue_id < n):
+            return {"status": "no_queue", "messages": [], "next_offset": offset, "min_offset": 0, "max_offset": 0}
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + min(wait_ms, MAX_WAIT_MS) / 1000.0
+        while True:
+            res = self.store.get_messages(topic, queue_id, offset, max_count, max_bytes)
+            if res.status is GetStatus.NO_QUEUE:  # a known topic whose queue has no entry yet
+                res = GetResult(GetStatus.NO_MESSAGE if offset == 0 else GetStatus.OFFSET_OVERFLOW, [], offset, 0, 0)
+            if res.status is not GetStatus.NO_MESSAGE or wait_ms <= 0 or self.draining:
+                break
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                break
+            fut = loop.create_future()
+            self._pollers[(topic, queue_id)].append(fut)
+            try:
+                await asyncio.wait_for(fut, remaining)
+            except asyncio.TimeoutError:
+                pass
+        self.metrics.inc("messages_pulled", len(res.records))
+        return {
+            "status": res.status.name.lower(),
+            "messages": [record_to_map(r) for r in res.records],
+            "next_offset": res.next_offset,
+            "min_offset": res.min_offset,
+            "max_offset": res.max_offset,
+        }
+
+    async def commit_offset(self, group: str, topic: str, queue_id: int, offset: int) -> None:
+        self.offsets.commit(group, topic, queue_id, offset)
+        await self.flusher.wait_persisted()
+
+    def fetch_offsets(self, group: str, topic: str) -> dict[int, int]:
+        n = self.topics.queues(topic) or 0
+        out = {}
+        for q in range(n):
+            off = self.offsets.get(group, topic, q)
+            if off is not None:
+                out[q] = off
+        return out
+
+    def list_topics(self, system: bool) -> list[dict[str, Any]]:
+        rows = []
+        for name, n in sorted(self.topics.all().items()):
+            sysflag = is_system_topic(name)
+            if sysflag and not system:
+                continue
+            msgs = sum(self.store.queue_max_offset(name, q) - self.store.queue_min_offset(name, q) for q in range(n))
+            rows.append({"topic": name, "queues": n, "messages": msgs, "system": sysflag})
+        return rows
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "version": __version__,
+            "broker_id": self.broker_id,
+            "started_at_ms": int(self.started_at * 1000),
+            "uptime_s": round(time.time() - self.started_at, 3),
+            "data_dir": str(self.data_dir),
+            "flush": self.config.flush,
+            "host": self.config.host,
+            "port": self.config.port,
+            "max_offset": self.store.max_offset,
+            "durable_offset": self.store.durable_offset,
+            "min_offset": self.store.min_offset,
+            "connections": self.connections,
+            "topics": len([t for t in self.topics.all() if not is_system_topic(t)]),
+            "producer_groups": self.registry.groups(),
+            "auth": bool(self.config.auth_token),
+            "counters": self.metrics.snapshot(),
+        }
+
+    def stats(self) -> dict[str, Any]:
+        from .server import stats_of
+
+        return stats_of(self)

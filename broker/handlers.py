@@ -1,0 +1,310 @@
+"""One function per wire operation: validate fields, call the core, shape the reply.
+
+A handler returns a reply dict, or an awaitable of one. Field errors raise
+TxmqError(INVALID_FIELD), which the connection turns into an error reply.
+See docs/protocol.md for the operations.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Awaitable, Callable
+
+from txmq import __version__
+from txmq.constants import PROP_TRAN_MSG, canonical_topic, is_system_topic
+from txmq.store import Message, TxType
+from txmq.wire import PROTOCOL_VERSION, ErrorCode, TxmqError
+
+from .topics import check_topic_name
+
+Reply = dict[str, Any] | Awaitable[dict[str, Any]]
+Handler = Callable[["Any", "Any", dict[str, Any]], Reply]
+
+
+# ---- field helpers ---------------------------------------------------------
+def _bad(msg: str) -> TxmqError:
+    return TxmqError(msg, ErrorCode.INVALID_FIELD)
+
+
+def req_str(f: dict, key: str, max_len: int = 255) -> str:
+    v = f.get(key)
+    if not isinstance(v, str) or not v:
+        raise _bad(f"field {key!r} must be a non-empty string")
+    if len(v) > max_len:
+        raise _bad(f"field {key!r} is longer than {max_len} characters")
+    return v
+
+
+def opt_str(f: dict, key: str, max_len: int = 255) -> str | None:
+    return None if f.get(key) is None else req_str(f, key, max_len)
+
+
+def req_int(f: dict, key: str, lo: int = 0, hi: int = 1 << 62) -> int:
+    v = f.get(key)
+    if type(v) is not int:
+        raise _bad(f"field {key!r} must be an integer")
+    if not (lo <= v <= hi):
+        raise _bad(f"field {key!r} must be between {lo} and {hi}")
+    return v
+
+
+def opt_int(f: dict, key: str, default: int | None, lo: int = 0, hi: int = 1 << 62) -> int | None:
+    return default if f.get(key) is None else req_int(f, key, lo, hi)
+
+
+def opt_bool(f: dict, key: str) -> bool:
+    v = f.get(key, False)
+    if not isinstance(v, bool):
+        raise _bad(f"field {key!r} must be a boolean")
+    return v
+
+
+def body_of(f: dict, max_body: int) -> bytes:
+    v = f.get("body", b"")
+    if isinstance(v, str):
+        v = v.encode()
+    if not isinstance(v, (bytes, bytearray)):
+        raise _bad("field 'body' must be binary")
+    if len(v) > max_body:
+        raise TxmqError(f"body of {len(v)} bytes exceeds the {max_body}-byte limit", ErrorCode.BODY_TOO_LARGE)
+    return bytes(v)
+
+
+def props_of(f: dict) -> dict[str, str]:
+    v = f.get("properties")
+    if v is None:
+        return {}
+    if not isinstance(v, dict) or not all(isinstance(k, str) and isinstance(x, str) for k, x in v.items()):
+        raise _bad("field 'properties' must be a map of strings to strings")
+    if len(v) > 256:
+        raise _bad("at most 256 properties")
+    return v
+
+
+def user_topic(f: dict) -> str:
+    topic = check_topic_name(f.get("topic"))
+    if is_system_topic(topic):
+        raise TxmqError(f"topic {topic} is a system topic and cannot be sent to directly", ErrorCode.SYSTEM_TOPIC)
+    return topic
+
+
+def refs_of(f: dict, keys: tuple[str, ...]) -> list[dict[str, Any]]:
+    refs = f.get("refs")
+    if not isinstance(refs, list) or len(refs) > 100_000:
+        raise _bad("field 'refs' must be a list")
+    out = []
+    for r in refs:
+        if not isinstance(r, dict) or not any(r.get(k) is not None for k in keys):
+            raise _bad(f"each ref must be a map with one of {', '.join(keys)}")
+        ref = {}
+        for k in keys:
+            if r.get(k) is not None:
+                if k == "tx_id":
+                    ref[k] = req_str(r, k)
+                else:
+                    ref[k] = req_int(r, k)
+        out.append(ref)
+    return out
+
+
+# ---- session ---------------------------------------------------------------
+def hello(core, conn, f: dict) -> Reply:
+    for key in ("producer_groups", "consumer_groups"):
+        groups = f.get(key) or []
+        if not isinstance(groups, list) or not all(isinstance(g, str) and g for g in groups) or len(groups) > 64:
+            raise _bad(f"field {key!r} must be a list of group names")
+    for g in f.get("producer_groups") or []:
+        core.registry.register(g, conn)
+    conn.client_id = opt_str(f, "client_id") or conn.client_id
+    return {"version": __version__, "protocol": PROTOCOL_VERSION, "broker_id": core.broker_id, "flush": core.config.flush}
+
+
+def heartbeat(core, conn, f: dict) -> Reply:
+    return {"time_ms": int(time.time() * 1000)}
+
+
+def broker_info(core, conn, f: dict) -> Reply:
+    return core.info()
+
+
+# ---- sending ---------------------------------------------------------------
+def send(core, conn, f: dict) -> Reply:
+    topic = user_topic(f)
+    body = body_of(f, core.config.max_body)
+    props = props_of(f)
+    qid = opt_int(f, "queue_id", None, -1, 1023)
+    born = opt_int(f, "born_ts", None) or int(time.time() * 1000)
+    if props.get(PROP_TRAN_MSG) == "true":
+        return core.tx.send_half(topic, qid, body, props, born)
+    qid = core.pick_queue(topic, qid)
+    return _send_plain(core, [Message(topic, qid, TxType.NORMAL, born, props, body)], single=True)
+
+
+def send_batch(core, conn, f: dict) -> Reply:
+    topic = user_topic(f)
+    items = f.get("messages")
+    if not isinstance(items, list) or not items or len(items) > 10_000:
+        raise _bad("field 'messages' must be a non-empty list of at most 10000 messages")
+    qid = core.pick_queue(topic, opt_int(f, "queue_id", None, -1, 1023))
+    now = int(time.time() * 1000)
+    msgs = []
+    for m in items:
+        if not isinstance(m, dict):
+            raise _bad("each message must be a map")
+        props = props_of(m)
+        if props.get(PROP_TRAN_MSG) == "true":
+            raise _bad("transactional messages cannot be sent in a batch")
+        msgs.append(Message(topic, qid, TxType.NORMAL, opt_int(m, "born_ts", None) or now, props, body_of(m, core.config.max_body)))
+    return _send_plain(core, msgs, single=False)
+
+
+async def _send_plain(core, msgs: list[Message], single: bool) -> dict[str, Any]:
+    results = await core.append(msgs)
+    core.metrics.inc("messages_sent", len(results))
+    rows = [
+        {"msg_id": m.properties.get("UNIQ_KEY") or f"{r.commit_log_offset:016X}", "topic": m.topic, "queue_id": m.queue_id,
+         "queue_offset": r.queue_offset, "commit_log_offset": r.commit_log_offset}
+        for m, r in zip(msgs, results)
+    ]
+    return rows[0] if single else {"results": rows}
+
+
+# ---- transactions ----------------------------------------------------------
+def end_transaction(core, conn, f: dict) -> Reply:
+    state = req_str(f, "state")
+    if state not in ("commit", "rollback", "unknown"):
+        raise _bad("field 'state' must be commit, rollback or unknown")
+    source = "check" if opt_bool(f, "from_check") else "producer"
+    return core.tx.end_transaction(
+        req_str(f, "group"), req_str(f, "tx_id"), req_int(f, "commit_log_offset"), req_int(f, "half_offset"), state, source
+    )
+
+
+# ---- consuming -------------------------------------------------------------
+def pull(core, conn, f: dict) -> Reply:
+    topic = canonical_topic(req_str(f, "topic"))
+    return core.pull(
+        topic,
+        req_int(f, "queue_id", 0, 1023),
+        req_int(f, "offset"),
+        opt_int(f, "max_count", 32, 1, 10_000),
+        opt_int(f, "max_bytes", 1 << 20, 1, 64 << 20),
+        opt_int(f, "wait_ms", 0, 0, 1 << 31),
+    )
+
+
+async def _commit_offset(core, f: dict) -> dict:
+    await core.commit_offset(req_str(f, "group"), canonical_topic(req_str(f, "topic")), req_int(f, "queue_id", 0, 1023), req_int(f, "offset"))
+    return {}
+
+
+def commit_offset(core, conn, f: dict) -> Reply:
+    req_str(f, "group"), req_str(f, "topic"), req_int(f, "queue_id", 0, 1023), req_int(f, "offset")
+    return _commit_offset(core, f)
+
+
+def fetch_offsets(core, conn, f: dict) -> Reply:
+    return {"offsets": core.fetch_offsets(req_str(f, "group"), canonical_topic(req_str(f, "topic")))}
+
+
+def create_topic(core, conn, f: dict) -> Reply:
+    topic = user_topic(f)
+    n, created = core.topics.ensure(topic, opt_int(f, "queues", None, 1, 1024))
+    return {"topic": topic, "queues": n, "created": created}
+
+
+def list_topics(core, conn, f: dict) -> Reply:
+    return {"topics": core.list_topics(opt_bool(f, "system"))}
+
+
+# ---- administration --------------------------------------------------------
+def tx_pending(core, conn, f: dict) -> Reply:
+    topic = opt_str(f, "topic")
+    rows, total = core.tx.pending_rows(
+        opt_str(f, "group"), canonical_topic(topic) if topic else None,
+        opt_int(f, "min_age_ms", 0), opt_int(f, "limit", 1000, 1, 10_000_000), core.check.next_check_at,
+    )
+    return {"transactions": rows, "total": total}
+
+
+def tx_offsets(core, conn, f: dict) -> Reply:
+    return core.check.offsets()
+
+
+def tx_resolve(core, conn, f: dict) -> Reply:
+    action = req_str(f, "action")
+    if action not in ("commit", "rollback"):
+        raise _bad("field 'action' must be commit or rollback")
+    refs = refs_of(f, ("tx_id", "half_offset", "commit_log_offset"))
+
+    async def run() -> dict:
+        return {"results": await core.tx.resolve(action, refs, opt_bool(f, "dry_run"))}
+
+    return run()
+
+
+def tx_check_now(core, conn, f: dict) -> Reply:
+    return core.check.check_now(req_str(f, "tx_id"))
+
+
+def discard_list(core, conn, f: dict) -> Reply:
+    return {"discarded": core.tx.discarded(opt_int(f, "limit", 1000, 1, 10_000_000))}
+
+
+def discard_replay(core, conn, f: dict) -> Reply:
+    to = req_str(f, "to")
+    if to not in ("half", "commit"):
+        raise _bad("field 'to' must be half or commit")
+    all_ = opt_bool(f, "all")
+    refs = None if all_ else refs_of(f, ("tx_id", "discard_offset"))
+
+    async def run() -> dict:
+        return {"results": await core.tx.replay(to, refs, all_, opt_bool(f, "dry_run"))}
+
+    return run()
+
+
+def config_get(core, conn, f: dict) -> Reply:
+    return core.check.settings.to_dict()
+
+
+def config_set(core, conn, f: dict) -> Reply:
+    key = req_str(f, "key")
+    value = f.get("value")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TxmqError("field 'value' must be a number", ErrorCode.INVALID_CONFIG)
+    try:
+        old, new = core.check.set(key, value)
+    except KeyError:
+        raise TxmqError(f"unknown setting {key!r}: one of check_interval_s, transaction_timeout_s, max_checks, retention_s", ErrorCode.INVALID_CONFIG) from None
+    except ValueError as e:
+        raise TxmqError(str(e), ErrorCode.INVALID_CONFIG) from None
+    return {"key": key, "old": old, "new": new}
+
+
+def stats(core, conn, f: dict) -> Reply:
+    return core.stats()
+
+
+HANDLERS: dict[str, Handler] = {
+    "hello": hello,
+    "heartbeat": heartbeat,
+    "broker_info": broker_info,
+    "send": send,
+    "send_batch": send_batch,
+    "end_transaction": end_transaction,
+    "pull": pull,
+    "commit_offset": commit_offset,
+    "fetch_offsets": fetch_offsets,
+    "create_topic": create_topic,
+    "list_topics": list_topics,
+    "tx_pending": tx_pending,
+    "tx_offsets": tx_offsets,
+    "tx_resolve": tx_resolve,
+    "tx_check_now": tx_check_now,
+    "discard_list": discard_list,
+    "discard_replay": discard_replay,
+    "config_get": config_get,
+    "config_set": config_set,
+    "stats": stats,
+}

@@ -1,0 +1,161 @@
+"""Broker lifecycle: open the store, rebuild the transaction index, serve, shut down.
+
+``Broker.serve(sock, shutdown)`` takes an already-bound socket and an
+awaitable shutdown signal, so tests bind 127.0.0.1:0 and never race for a
+port. Shutdown order (the reverse of start): stop accepting, let in-flight
+requests finish (bounded by shutdown_timeout_s), stop the check service,
+close connections, flush and close the store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from dataclasses import replace
+from typing import Any
+
+from txmq.store import atomic_write_json, read_json
+
+from .check import CheckProgress, CheckService
+from .clock import Clock
+from .config import BrokerConfig, CheckSettings
+from .connection import BrokerConnection
+from .core import BrokerCore
+from .tx import TransactionService
+from .txindex import rebuild
+
+log = logging.getLogger("txmq.broker")
+
+JANITOR_INTERVAL_S = 60.0
+
+
+class ServerState:
+    def __init__(self) -> None:
+        self.connections: set[BrokerConnection] = set()
+        self.inflight: set[asyncio.Future] = set()
+
+
+class Broker:
+    def __init__(self, config: BrokerConfig, clock: Clock | None = None) -> None:
+        self.config = config
+        self.core = BrokerCore(config, clock)
+        self.state = ServerState()
+        self.server: asyncio.AbstractServer | None = None
+        self.ready = asyncio.Event()
+        self._janitor: asyncio.Task | None = None
+
+    def _settings(self) -> CheckSettings:
+        """Defaults < config.json (set live) < explicit start options."""
+        path = self.core.data_dir / "config.json"
+        settings = CheckSettings.from_dict(read_json(path, {}))
+        for key in self.config.check_overrides:
+            settings = settings.with_value(key, getattr(self.config.check, key))
+        atomic_write_json(path, settings.to_dict())
+        return settings
+
+    async def start(self) -> None:
+        core = self.core
+        t0 = time.perf_counter()
+        core.open()
+        settings = self._settings()
+        progress = CheckProgress(core.data_dir / "txcheck.json")
+        index = rebuild(core.store, progress.half, progress.op)
+        core.tx = TransactionService(core, index)
+        core.check = CheckService(core, core.tx, progress, core.data_dir / "config.json", settings)
+        core.store.config = replace(core.store.config, retention_s=settings.retention_s)
+        await core.start()
+        core.check.start()
+        self._janitor = asyncio.get_running_loop().create_task(self._janitor_loop(), name="txmq-janitor")
+        log.info("event=broker_ready pending=%d decided=%d took_s=%.3f", len(index.pending), len(index.decided), time.perf_counter() - t0)
+
+    async def serve(self, sock: socket.socket, shutdown: asyncio.Event | None = None) -> None:
+        """Start, accept on sock until shutdown is set, then stop."""
+        await self.start()
+        loop = asyncio.get_running_loop()
+        self.server = await loop.create_server(lambda: BrokerConnection(self.core, self.state), sock=sock, backlog=2048)
+        host, port = sock.getsockname()[:2]
+        self.core.config_port = port
+        log.info("event=listening host=%s port=%d flush=%s data_dir=%s", host, port, self.config.flush, self.core.data_dir)
+        self.ready.set()
+        try:
+            await (shutdown or asyncio.Event()).wait()
+        finally:
+            await self.stop()
+
+    async def stop(self) -> None:
+        log.info("event=shutdown_begin connections=%d inflight=%d", len(self.state.connections), len(self.state.inflight))
+        self.core.draining = True
+        self.core.notify_appended(())  # wake long polls so they answer now
+        if self.server is not None:
+            self.server.close()
+        if self.state.inflight:
+            await asyncio.wait(list(self.state.inflight), timeout=self.config.shutdown_timeout_s)
+        if self._janitor is not None:
+            self._janitor.cancel()
+        await self.core.check.stop()
+        await self.core.stop()  # refuses new work, flushes, closes the store
+        for conn in list(self.state.connections):
+            conn.close()
+        if self.server is not None:
+            try:
+                await asyncio.wait_for(self.server.wait_closed(), 2.0)
+            except (asyncio.TimeoutError, Exception):
+                pass
+        log.info("event=shutdown_done")
+
+    async def _janitor_loop(self) -> None:
+        """Retention: delete expired segments, never one holding an undecided half message."""
+        while True:
+            await asyncio.sleep(JANITOR_INTERVAL_S)
+            core = self.core
+            core.store.config = replace(core.store.config, retention_s=core.check.settings.retention_s)
+            pend = core.tx.index.pending.values()
+            protect = min((p.origin_cl_offset for p in pend), default=core.store.max_offset)
+            try:
+                deleted = await asyncio.get_running_loop().run_in_executor(None, core.store.delete_expired, core.clock(), protect)
+            except Exception:
+                log.exception("event=retention_failed")
+                continue
+            if deleted:
+                log.info("event=retention_deleted files=%d", len(deleted))
+
+
+def bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
+
+
+def install_uvloop() -> str:
+    """Use uvloop when it loads; fall back to asyncio's loop otherwise."""
+    try:
+        import uvloop
+
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+        return "uvloop"
+    except Exception:  # not installed or not supported on this platform
+        return "asyncio"
+
+
+def stats_of(core) -> dict[str, Any]:
+    pending_by_topic: dict[str, int] = {}
+    for p in core.tx.index.pending.values():
+        pending_by_topic[p.topic] = pending_by_topic.get(p.topic, 0) + 1
+    return {
+        "counters": core.metrics.snapshot(),
+        "gauges": {
+            "pending": len(core.tx.index.pending),
+            "pending_by_topic": pending_by_topic,
+            "connections": core.connections,
+            "max_offset": core.store.max_offset,
+            "durable_offset": core.store.durable_offset,
+            "check_passes": core.check.passes,
+            "last_check_pass": core.check.last_pass,
+        },
+    }

@@ -1,0 +1,53 @@
+"""Run a real broker in-process for tests: ``async with running_broker(dir) as b``."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import replace
+from pathlib import Path
+from typing import AsyncIterator
+
+from .clock import Clock
+from .config import BrokerConfig, CheckSettings
+from .server import Broker, bind
+
+
+class RunningBroker:
+    def __init__(self, broker: Broker, host: str, port: int) -> None:
+        self.broker = broker
+        self.core = broker.core
+        self.host = host
+        self.port = port
+        self.address = f"{host}:{port}"
+
+
+@contextlib.asynccontextmanager
+async def running_broker(data_dir: str | Path, clock: Clock | None = None, **overrides) -> AsyncIterator[RunningBroker]:
+    """Start a broker on a pre-bound 127.0.0.1 port; stop it cleanly on exit.
+
+    Check settings (check_interval_s, transaction_timeout_s, max_checks,
+    retention_s) may be passed directly as keyword arguments.
+    """
+    check_keys = [k for k in ("check_interval_s", "transaction_timeout_s", "max_checks", "retention_s") if k in overrides]
+    check = CheckSettings()
+    for k in check_keys:
+        check = check.with_value(k, overrides.pop(k))
+    config = BrokerConfig(data_dir=Path(data_dir), host="127.0.0.1", port=0, check=check, check_overrides=tuple(check_keys))
+    config = replace(config, **overrides)
+    sock = bind("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    config = replace(config, port=port)
+    broker = Broker(config, clock)
+    shutdown = asyncio.Event()
+    task = asyncio.create_task(broker.serve(sock, shutdown))
+    ready = asyncio.create_task(broker.ready.wait())
+    done, _ = await asyncio.wait({task, ready}, return_when=asyncio.FIRST_COMPLETED)
+    if task in done:
+        ready.cancel()
+        task.result()  # raises the start-up error
+    try:
+        yield RunningBroker(broker, "127.0.0.1", port)
+    finally:
+        shutdown.set()
+        await task

@@ -1,0 +1,57 @@
+"""Topic table: queue counts, auto-creation, name rules; persisted in topics.json."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from txmq.constants import DISCARD_TOPIC, HALF_TOPIC, OP_TOPIC, TOPIC_RE, canonical_topic, is_system_topic
+from txmq.store import atomic_write_json, read_json
+from txmq.wire import ErrorCode, TxmqError
+
+
+def check_topic_name(topic: object) -> str:
+    if not isinstance(topic, str) or not TOPIC_RE.match(topic):
+        raise TxmqError(f"invalid topic name {topic!r}: must match ^[%|a-zA-Z0-9_-]{{1,127}}$", ErrorCode.INVALID_TOPIC)
+    return canonical_topic(topic)
+
+
+class TopicTable:
+    def __init__(self, path: Path, default_queues: int) -> None:
+        self.path = path
+        self.default_queues = default_queues
+        self._queues: dict[str, int] = {HALF_TOPIC: 1, OP_TOPIC: 1, DISCARD_TOPIC: 1}
+        for name, n in (read_json(path, {}) or {}).items():
+            if isinstance(name, str) and isinstance(n, int) and n > 0:
+                self._queues[name] = n
+
+    def merge_from_store(self, queues: dict[str, list[int]]) -> None:
+        """Topics present in the store but missing from topics.json (e.g. lost file)."""
+        changed = False
+        for name, qids in queues.items():
+            need = max(qids) + 1 if qids else 1
+            if self._queues.get(name, 0) < need:
+                self._queues[name] = max(need, self.default_queues if not is_system_topic(name) else 1)
+                changed = True
+        if changed:
+            self.save()
+
+    def save(self) -> None:
+        atomic_write_json(self.path, {k: v for k, v in self._queues.items() if not is_system_topic(k)})
+
+    def queues(self, topic: str) -> int | None:
+        return self._queues.get(topic)
+
+    def ensure(self, topic: str, queues: int | None = None) -> tuple[int, bool]:
+        """The topic's queue count, creating it if missing. Returns (queues, created)."""
+        n = self._queues.get(topic)
+        if n is not None:
+            return n, False
+        n = queues or self.default_queues
+        if not (1 <= n <= 1024):
+            raise TxmqError("queues must be between 1 and 1024", ErrorCode.INVALID_FIELD)
+        self._queues[topic] = n
+        self.save()
+        return n, True
+
+    def all(self) -> dict[str, int]:
+        return dict(self._queues)

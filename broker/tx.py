@@ -1,0 +1,361 @@
+"""Transactional messages: half sends, end transaction, operator resolve and replay.
+
+The SPEC's steps 1 and 3, plus txmq's "one outcome per transaction". All
+state changes go through the TxIndex right after the records are written
+(before waiting for durability), so the index always matches the log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from typing import Any
+
+from txmq.constants import (
+    DISCARD_TOPIC,
+    HALF_TOPIC,
+    OP_TAG,
+    OP_TOPIC,
+    PROP_CHECK_TIMES,
+    PROP_DECIDED_BY,
+    PROP_DELAY,
+    PROP_DISCARD_REASON,
+    PROP_HALF_CL_OFFSET,
+    PROP_ORIGIN_CL_OFFSET,
+    PROP_PGROUP,
+    PROP_PREPARED_QUEUE_OFFSET,
+    PROP_REAL_QID,
+    PROP_REAL_TOPIC,
+    PROP_REPLAYED,
+    PROP_TAGS,
+    PROP_TRAN_MSG,
+    PROP_UNIQ_KEY,
+)
+from txmq.store import AppendResult, CorruptRecordError, Message, Record, StoreError, TxType
+from txmq.wire import ErrorCode, TxmqError
+
+from .txindex import Decided, Outcome, PendingTx, TxIndex
+
+log = logging.getLogger("txmq.tx")
+
+SOURCES = ("producer", "check", "operator")
+
+
+def new_tx_id() -> str:
+    return os.urandom(16).hex().upper()
+
+
+def as_record(msg: Message, res: AppendResult) -> Record:
+    return Record(
+        commit_log_offset=res.commit_log_offset, size=res.size, topic=msg.topic, queue_id=msg.queue_id,
+        queue_offset=res.queue_offset, tx_type=msg.tx_type, born_ts=msg.born_ts, store_ts=res.store_ts,
+        prepared_offset=msg.prepared_offset, properties=msg.properties, body=msg.body,
+    )
+
+
+def half_copy(rec: Record, **props: str) -> Message:
+    """A new copy of a half record for the half queue (check-back or replay)."""
+    p = dict(rec.properties)
+    p.setdefault(PROP_ORIGIN_CL_OFFSET, str(rec.commit_log_offset))
+    p.pop(PROP_DISCARD_REASON, None)
+    p.update(props)
+    return Message(HALF_TOPIC, 0, TxType.PREPARED, rec.born_ts, p, rec.body)
+
+
+class TransactionService:
+    def __init__(self, core, index: TxIndex) -> None:
+        self.core = core
+        self.index = index
+        self._deciding: dict[str, asyncio.Future] = {}
+
+    # ---- step 1: half messages --------------------------------------------
+    async def send_half(self, topic: str, queue_id: int | None, body: bytes, props: dict[str, str], born_ts: int) -> dict[str, Any]:
+        group = props.get(PROP_PGROUP)
+        if not group:
+            raise TxmqError("a transactional message needs a producer group (PGROUP)", ErrorCode.INVALID_FIELD)
+        core = self.core
+        qid = core.pick_queue(topic, queue_id)
+        props = dict(props)
+        props.pop(PROP_DELAY, None)  # delay levels do not apply to transactional messages
+        tx_id = props.get(PROP_UNIQ_KEY) or new_tx_id()
+        if self.index.outcome(tx_id) is not None or tx_id in self._deciding:
+            raise TxmqError(f"transaction id {tx_id} is already in use", ErrorCode.INVALID_FIELD)
+        props[PROP_UNIQ_KEY] = tx_id
+        props[PROP_TRAN_MSG] = "true"
+        props[PROP_REAL_TOPIC] = topic
+        props[PROP_REAL_QID] = str(qid)
+        msg = Message(HALF_TOPIC, 0, TxType.PREPARED, born_ts, props, body)
+        (res,) = await core.append_written([msg])
+        self.index.apply_half(as_record(msg, res))
+        core.metrics.inc("half_stored")
+        await core.wait_durable(res.end_offset)
+        return {
+            "msg_id": tx_id, "tx_id": tx_id, "topic": topic, "queue_id": qid,
+            "half_offset": res.queue_offset, "commit_log_offset": res.commit_log_offset,
+        }
+
+    # ---- step 3: end transaction ------------------------------------------
+    def read_half(self, cl_offset: int) -> Record:
+        store = self.core.store
+        if cl_offset < store.min_offset or cl_offset >= store.max_offset:
+            raise TxmqError(f"no half message at commit-log offset {cl_offset}", ErrorCode.TX_NOT_FOUND)
+        try:
+            rec = store.read(cl_offset)
+        except (CorruptRecordError, StoreError, ValueError):
+            raise TxmqError(f"no message starts at commit-log offset {cl_offset}", ErrorCode.TX_NOT_FOUND) from None
+        if rec.topic != HALF_TOPIC or rec.tx_type != TxType.PREPARED:
+            raise TxmqError(f"the message at commit-log offset {cl_offset} is not a half message (topic {rec.topic})", ErrorCode.TX_NOT_HALF)
+        return rec
+
+    async def end_transaction(
+        self, group: str, tx_id: str, cl_offset: int, half_offset: int, state: str, source: str
+    ) -> dict[str, Any]:
+        rec = self.read_half(cl_offset)
+        props = rec.properties
+        if props.get(PROP_PGROUP) != group:
+            raise TxmqError(f"producer group {group!r} does not match the half message's group {props.get(PROP_PGROUP)!r}", ErrorCode.TX_GROUP_MISMATCH)
+        if rec.queue_offset != half_offset:
+            raise TxmqError(f"half offset {half_offset} does not match the half message's offset {rec.queue_offset}", ErrorCode.TX_OFFSET_MISMATCH)
+        if props.get(PROP_UNIQ_KEY) != tx_id:
+            raise TxmqError(f"transaction id {tx_id!r} does not match the half message's {props.get(PROP_UNIQ_KEY)!r}", ErrorCode.TX_ID_MISMATCH)
+        m = self.core.metrics
+        if source == "check":
+            m.inc("checks_answered")
+        if state == "unknown":
+            m.inc("unknown_answers")
+            p = self.index.pending.get(tx_id)
+            if p is not None and source == "check":
+                p.last_check_result = "unknown"
+            out = self.index.outcome(tx_id)
+            return {"status": "noop", "outcome": (out or Outcome.PENDING).label}
+        if state not in ("commit", "rollback"):
+            raise TxmqError(f"state must be commit, rollback or unknown, not {state!r}", ErrorCode.INVALID_FIELD)
+        return await self.decide(rec, state == "commit", source)
+
+    async def decide(self, rec: Record, commit: bool, source: str, allow_discarded: bool = False) -> dict[str, Any]:
+        """Commit or roll back the transaction of half record `rec`, at most once."""
+        tx_id = rec.properties[PROP_UNIQ_KEY]
+        while (inflight := self._deciding.get(tx_id)) is not None:
+            await asyncio.shield(inflight)
+        want = Outcome.COMMITTED if commit else Outcome.ROLLED_BACK
+        d = self.index.decided.get(tx_id)
+        if d is not None and not (allow_discarded and d.outcome is Outcome.DISCARDED):
+            if d.outcome is want:
+                return self._already(d)
+            verb = "commit" if commit else "roll back"
+            raise TxmqError(f"cannot {verb} transaction {tx_id}: it was already {d.outcome.label.replace('_', ' ')}", ErrorCode.TX_CONFLICT, outcome=d.outcome.label)
+        if d is None and tx_id not in self.index.pending:
+            raise TxmqError(f"transaction {tx_id} is not known to the broker", ErrorCode.TX_NOT_FOUND)
+        fut = asyncio.get_running_loop().create_future()
+        self._deciding[tx_id] = fut
+        try:
+            msgs = []
+            if commit:
+                msgs.append(self._rebuild(rec))
+            msgs.append(self._op(rec, commit, source))
+            results = await self.core.append_written(msgs)
+            op_rec = as_record(msgs[-1], results[-1])
+            self.index.apply_op(op_rec)
+            self._count_decision(rec, commit, source)
+        finally:
+            del self._deciding[tx_id]
+            fut.set_result(None)
+        await self.core.wait_durable(results[-1].end_offset)
+        reply: dict[str, Any] = {"status": "ok", "outcome": want.label}
+        if commit:
+            c = results[0]
+            reply.update(commit_log_offset=c.commit_log_offset, queue_offset=c.queue_offset,
+                         topic=msgs[0].topic, queue_id=msgs[0].queue_id)
+        return reply
+
+    def _already(self, d: Decided) -> dict[str, Any]:
+        return {"status": "already", "outcome": d.outcome.label, "decided_by": d.decided_by}
+
+    def _count_decision(self, rec: Record, commit: bool, source: str) -> None:
+        m = self.core.metrics
+        m.inc(f"{'committed' if commit else 'rolled_back'}_{source}")
+        m.decided(max(0.0, self.core.clock() - rec.born_ts / 1000.0))
+        if source == "operator":
+            log.info("event=operator_%s tx_id=%s group=%s topic=%s", "commit" if commit else "rollback",
+                     rec.properties.get(PROP_UNIQ_KEY), rec.properties.get(PROP_PGROUP), rec.properties.get(PROP_REAL_TOPIC))
+
+    def _rebuild(self, rec: Record) -> Message:
+        """The original message: real topic and queue restored, the transactional flag cleared."""
+        p = dict(rec.properties)
+        topic = p.get(PROP_REAL_TOPIC) or ""
+        qid = int(p.get(PROP_REAL_QID) or 0)
+        p.pop(PROP_TRAN_MSG, None)
+        p.pop(PROP_REPLAYED, None)
+        p.pop(PROP_DISCARD_REASON, None)
+        p[PROP_PREPARED_QUEUE_OFFSET] = str(rec.queue_offset)
+        n, _ = self.core.topics.ensure(topic)
+        if qid >= n:
+            qid = qid % n
+        return Message(topic, qid, TxType.COMMIT, rec.born_ts, p, rec.body, prepared_offset=rec.commit_log_offset)
+
+    def _op(self, rec: Record, commit: bool, source: str) -> Message:
+        p = rec.properties
+        props = {
+            PROP_TAGS: OP_TAG,
+            PROP_UNIQ_KEY: p[PROP_UNIQ_KEY],
+            PROP_PGROUP: p.get(PROP_PGROUP, ""),
+            PROP_REAL_TOPIC: p.get(PROP_REAL_TOPIC, ""),
+            PROP_HALF_CL_OFFSET: str(rec.commit_log_offset),
+            PROP_DECIDED_BY: source,
+            PROP_CHECK_TIMES: p.get(PROP_CHECK_TIMES, "0"),
+        }
+        body = str(rec.queue_offset).encode()
+        kind = TxType.COMMIT if commit else TxType.ROLLBACK
+        return Message(OP_TOPIC, 0, kind, int(self.core.clock() * 1000), props, body, prepared_offset=rec.commit_log_offset)
+
+    # ---- discard (used by the check service) ------------------------------
+    def discard_message(self, rec: Record, reason: str) -> Message:
+        p = dict(rec.properties)
+        p.setdefault(PROP_ORIGIN_CL_OFFSET, str(rec.commit_log_offset))
+        p[PROP_DISCARD_REASON] = reason
+        return Message(DISCARD_TOPIC, 0, TxType.PREPARED, rec.born_ts, p, rec.body)
+
+    # ---- operator: resolve -------------------------------------------------
+    def find(self, ref: dict[str, Any]) -> Record:
+        """The half record a REF names: tx_id, half_offset, or commit_log_offset."""
+        idx = self.index
+        if ref.get("tx_id") is not None:
+            tx_id = str(ref["tx_id"])
+            p = idx.pending.get(tx_id)
+            if p is not None:
+                return self.read_half(p.cl_offset)
+            d = idx.decided.get(tx_id)
+            if d is None:
+                raise TxmqError(f"no transaction with id {tx_id}", ErrorCode.TX_NOT_FOUND)
+            if d.outcome is Outcome.DISCARDED:
+                raise TxmqError(f"transaction {tx_id} was discarded; use `txmq discard replay`", ErrorCode.TX_CONFLICT, outcome=d.outcome.label)
+            return self._decided_half(tx_id, d)
+        if ref.get("commit_log_offset") is not None:
+            return self.read_half(int(ref["commit_log_offset"]))
+        if ref.get("half_offset") is not None:
+            ho = int(ref["half_offset"])
+            entries = self.core.store.cq_entries(HALF_TOPIC, 0, ho, 1)
+            if not entries:
+                raise TxmqError(f"no half message at half offset {ho}", ErrorCode.TX_NOT_FOUND)
+            return self.read_half(entries[0][0])
+        raise TxmqError("a ref needs tx_id, half_offset or commit_log_offset", ErrorCode.INVALID_FIELD)
+
+    def _decided_half(self, tx_id: str, d: Decided) -> Record:
+        entries = self.core.store.cq_entries(HALF_TOPIC, 0, d.half_offset, 1)
+        if entries:
+            try:
+                rec = self.read_half(entries[0][0])
+                if rec.properties.get(PROP_UNIQ_KEY) == tx_id:
+                    return rec
+            except TxmqError:
+                pass
+        raise _AlreadyDecided(d)
+
+    async def resolve(self, action: str, refs: list[dict[str, Any]], dry_run: bool) -> list[dict[str, Any]]:
+        commit = action == "commit"
+        out = []
+        for ref in refs:
+            row: dict[str, Any] = {"ref": ref, "tx_id": ref.get("tx_id")}
+            try:
+                rec = self.find(ref)
+                row["tx_id"] = tx_id = rec.properties[PROP_UNIQ_KEY]
+                d = self.index.decided.get(tx_id)
+                if dry_run:
+                    row.update(self._dry(d, commit, tx_id))
+                else:
+                    r = await self.decide(rec, commit, "operator")
+                    row.update(status="ok" if r["status"] == "ok" else "already",
+                               message=f"{'committed' if commit else 'rolled back'}" if r["status"] == "ok" else f"already {r['outcome'].replace('_', ' ')}")
+            except _AlreadyDecided as e:
+                same = e.d.outcome is (Outcome.COMMITTED if commit else Outcome.ROLLED_BACK)
+                row.update(status="already" if same else "conflict", message=f"already {e.d.outcome.label.replace('_', ' ')}")
+            except TxmqError as e:
+                row.update(status={ErrorCode.TX_CONFLICT: "conflict", ErrorCode.TX_NOT_FOUND: "not_found"}.get(e.code, "error"), message=e.message)
+            out.append(row)
+        return out
+
+    @staticmethod
+    def _dry(d: Decided | None, commit: bool, tx_id: str) -> dict[str, Any]:
+        if d is None:
+            return {"status": "ok", "message": f"would {'commit' if commit else 'roll back'} (dry run)"}
+        same = d.outcome is (Outcome.COMMITTED if commit else Outcome.ROLLED_BACK)
+        return {"status": "already" if same else "conflict", "message": f"already {d.outcome.label.replace('_', ' ')}"}
+
+    # ---- operator: the discard topic ---------------------------------------
+    def discarded(self, limit: int) -> list[dict[str, Any]]:
+        rows = []
+        for tx_id, d in self.index.decided.items():
+            if d.outcome is Outcome.DISCARDED:
+                rows.append({"tx_id": tx_id, "topic": d.topic, "group": d.group, "checks": d.checks,
+                             "discarded_at": d.decided_at, "discard_offset": d.half_offset,
+                             "reason": d.decided_by, "commit_log_offset": d.cl_offset})
+        rows.sort(key=lambda r: r["discard_offset"])
+        return rows[:limit]
+
+    async def replay(self, to: str, refs: list[dict[str, Any]] | None, all_: bool, dry_run: bool) -> list[dict[str, Any]]:
+        if all_:
+            refs = [{"tx_id": r["tx_id"]} for r in self.discarded(10**9)]
+        out = []
+        for ref in refs or []:
+            row: dict[str, Any] = {"ref": ref, "tx_id": ref.get("tx_id")}
+            try:
+                tx_id, d = self._find_discarded(ref)
+                row["tx_id"] = tx_id
+                if d is None or d.outcome is not Outcome.DISCARDED:
+                    state = self.index.outcome(tx_id)
+                    row.update(status="conflict", message=f"not in the discard topic (it is {state.label if state is not None else 'unknown'})")
+                elif dry_run:
+                    row.update(status="ok", message=f"would replay to {to} (dry run)")
+                else:
+                    rec = self.core.store.read(d.cl_offset)
+                    if to == "half":
+                        msg = half_copy(rec, **{PROP_CHECK_TIMES: "0", PROP_REPLAYED: "1"})
+                        (res,) = await self.core.append_written([msg])
+                        self.index.apply_half(as_record(msg, res))
+                        await self.core.wait_durable(res.end_offset)
+                    else:
+                        await self.decide(rec, True, "operator", allow_discarded=True)
+                    self.core.metrics.inc("replayed")
+                    log.info("event=discard_replay tx_id=%s to=%s", tx_id, to)
+                    row.update(status="ok", message=f"replayed to {to}")
+            except TxmqError as e:
+                row.update(status={ErrorCode.TX_CONFLICT: "conflict", ErrorCode.TX_NOT_FOUND: "not_found"}.get(e.code, "error"), message=e.message)
+            out.append(row)
+        return out
+
+    def _find_discarded(self, ref: dict[str, Any]) -> tuple[str, Decided | None]:
+        if ref.get("tx_id") is not None:
+            tx_id = str(ref["tx_id"])
+            if self.index.outcome(tx_id) is None:
+                raise TxmqError(f"no transaction with id {tx_id}", ErrorCode.TX_NOT_FOUND)
+            return tx_id, self.index.decided.get(tx_id)
+        if ref.get("discard_offset") is not None:
+            off = int(ref["discard_offset"])
+            for tx_id, d in self.index.decided.items():
+                if d.outcome is Outcome.DISCARDED and d.half_offset == off:
+                    return tx_id, d
+            raise TxmqError(f"no discarded transaction at discard offset {off}", ErrorCode.TX_NOT_FOUND)
+        raise TxmqError("a ref needs tx_id or discard_offset", ErrorCode.INVALID_FIELD)
+
+    # ---- listing -----------------------------------------------------------
+    def pending_rows(self, group: str | None, topic: str | None, min_age_ms: int, limit: int, next_check) -> tuple[list[dict[str, Any]], int]:
+        now_ms = int(self.core.clock() * 1000)
+        rows: list[PendingTx] = []
+        total = 0
+        for p in self.index.pending.values():
+            if group and p.group != group:
+                continue
+            if topic and p.topic != topic:
+                continue
+            if now_ms - p.born_ts < min_age_ms:
+                continue
+            total += 1
+            rows.append(p)
+        rows.sort(key=lambda p: p.half_offset)
+        return [p.as_dict(now_ms, next_check(p)) for p in rows[:limit]], total
+
+
+class _AlreadyDecided(Exception):
+    def __init__(self, d: Decided) -> None:
+        self.d = d

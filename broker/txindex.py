@@ -1,0 +1,238 @@
+"""The transaction index: pending half messages and decided outcomes.
+
+Rebuilt from the log at start (see :func:`rebuild`) and kept in step with
+every append the transaction service makes. It is what gives txmq "one
+outcome per transaction": a decided transaction id answers every later end
+transaction with its first outcome.
+
+This module is synchronous and reads the store only through its read API,
+so the CLI uses it on a data directory offline (``txmq inspect --data-dir``).
+
+Events, in commit-log order, and their effect:
+
+- half record (a first copy, a check copy, or a replayed copy): if the
+  transaction is decided, ignore it (a stale copy), except that a copy marked
+  ``TXMQ_REPLAYED`` re-opens a discarded transaction; otherwise it becomes
+  the transaction's latest copy.
+- op record (tag ``d``; tx_type commit or rollback): the outcome.
+- discard record: outcome ``discarded``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Iterable
+
+from txmq.constants import (
+    DISCARD_TOPIC,
+    HALF_TOPIC,
+    OP_TOPIC,
+    PROP_CHECK_IMMUNITY,
+    PROP_CHECK_TIMES,
+    PROP_DECIDED_BY,
+    PROP_DISCARD_REASON,
+    PROP_ORIGIN_CL_OFFSET,
+    PROP_PGROUP,
+    PROP_REAL_QID,
+    PROP_REAL_TOPIC,
+    PROP_REPLAYED,
+    PROP_UNIQ_KEY,
+)
+from txmq.store import Record, TxType
+
+
+class Outcome(IntEnum):
+    PENDING = 0
+    COMMITTED = 1
+    ROLLED_BACK = 2
+    DISCARDED = 3
+
+    @property
+    def label(self) -> str:
+        return {0: "pending", 1: "committed", 2: "rolled_back", 3: "discarded"}[int(self)]
+
+
+class PendingTx:
+    """A transaction waiting for its outcome; fields of its latest half copy."""
+
+    __slots__ = (
+        "tx_id", "group", "topic", "queue_id", "half_offset", "cl_offset", "origin_cl_offset",
+        "born_ts", "stored_ts", "first_stored_ts", "checks", "immunity_s",
+        "last_check_at", "last_check_result",
+    )
+
+    def __init__(self, rec: Record) -> None:
+        p = rec.properties
+        self.tx_id: str = p.get(PROP_UNIQ_KEY, "")
+        self.group: str = p.get(PROP_PGROUP, "")
+        self.topic: str = p.get(PROP_REAL_TOPIC, "")
+        self.queue_id: int = _int(p.get(PROP_REAL_QID), 0)
+        self.born_ts: int = rec.born_ts
+        self.first_stored_ts: int = rec.store_ts
+        self.origin_cl_offset: int = _int(p.get(PROP_ORIGIN_CL_OFFSET), rec.commit_log_offset)
+        self.last_check_at: int | None = None
+        self.last_check_result: str | None = None
+        self.update(rec)
+
+    def update(self, rec: Record) -> None:
+        p = rec.properties
+        self.half_offset = rec.queue_offset
+        self.cl_offset = rec.commit_log_offset
+        self.stored_ts = rec.store_ts
+        self.checks = _int(p.get(PROP_CHECK_TIMES), 0)
+        imm = p.get(PROP_CHECK_IMMUNITY)
+        self.immunity_s = _float(imm) if imm else None
+
+    def as_dict(self, now_ms: int, next_check_at: int | None = None) -> dict:
+        return {
+            "tx_id": self.tx_id,
+            "half_offset": self.half_offset,
+            "commit_log_offset": self.cl_offset,
+            "topic": self.topic,
+            "queue_id": self.queue_id,
+            "group": self.group,
+            "born_at": self.born_ts,
+            "stored_at": self.first_stored_ts,
+            "age_s": round(max(0, now_ms - self.born_ts) / 1000.0, 3),
+            "checks": self.checks,
+            "last_check_at": self.last_check_at,
+            "last_check_result": self.last_check_result,
+            "next_check_at": next_check_at,
+        }
+
+
+@dataclass(slots=True)
+class Decided:
+    outcome: Outcome
+    decided_at: int  # ms
+    decided_by: str  # producer | check | operator | max-checks | retention
+    half_offset: int
+    cl_offset: int  # of the op / discard record
+    group: str
+    topic: str
+    checks: int = 0
+
+
+def _int(v: str | None, default: int) -> int:
+    try:
+        return int(v) if v is not None else default
+    except ValueError:
+        return default
+
+
+def _float(v: str) -> float | None:
+    try:
+        return float(v)
+    except ValueError:
+        return None
+
+
+class TxIndex:
+    def __init__(self) -> None:
+        self.pending: dict[str, PendingTx] = {}
+        # half-queue offset of each pending transaction's latest copy -> tx id
+        self.by_half: dict[int, str] = {}
+        self.decided: dict[str, Decided] = {}
+        # op records not yet passed by the op progress: (op queue offset, half offset)
+        self.ops_since_progress: list[tuple[int, int]] = []
+
+    # ---- applying records ------------------------------------------------
+    def apply_half(self, rec: Record) -> PendingTx | None:
+        tx_id = rec.properties.get(PROP_UNIQ_KEY)
+        if not tx_id:
+            return None
+        d = self.decided.get(tx_id)
+        if d is not None:
+            if d.outcome is Outcome.DISCARDED and rec.properties.get(PROP_REPLAYED):
+                del self.decided[tx_id]
+            else:
+                return None
+        p = self.pending.get(tx_id)
+        if p is None:
+            p = self.pending[tx_id] = PendingTx(rec)
+        else:
+            self.by_half.pop(p.half_offset, None)
+            p.update(rec)
+        self.by_half[p.half_offset] = tx_id
+        return p
+
+    def apply_op(self, rec: Record, op_progress: int = 0) -> None:
+        props = rec.properties
+        tx_id = props.get(PROP_UNIQ_KEY)
+        half_offset = _int(rec.body.decode("ascii", "replace") if rec.body else None, -1)
+        if rec.queue_offset >= op_progress:
+            self.ops_since_progress.append((rec.queue_offset, half_offset))
+        if not tx_id:
+            return
+        outcome = Outcome.COMMITTED if rec.tx_type == TxType.COMMIT else Outcome.ROLLED_BACK
+        self._decide(tx_id, outcome, rec, props.get(PROP_DECIDED_BY, "producer"), half_offset)
+
+    def apply_discard(self, rec: Record) -> None:
+        tx_id = rec.properties.get(PROP_UNIQ_KEY)
+        if tx_id:
+            self._decide(tx_id, Outcome.DISCARDED, rec, rec.properties.get(PROP_DISCARD_REASON, "max-checks"), rec.queue_offset)
+
+    def _decide(self, tx_id: str, outcome: Outcome, rec: Record, by: str, half_offset: int) -> None:
+        p = self.pending.pop(tx_id, None)
+        checks = _int(rec.properties.get(PROP_CHECK_TIMES), 0)
+        if p is not None:
+            self.by_half.pop(p.half_offset, None)
+            checks = p.checks
+        self.decided[tx_id] = Decided(
+            outcome, rec.store_ts, by, half_offset, rec.commit_log_offset,
+            rec.properties.get(PROP_PGROUP, p.group if p else ""),
+            rec.properties.get(PROP_REAL_TOPIC, p.topic if p else ""),
+            checks,
+        )
+
+    def apply(self, rec: Record, op_progress: int = 0) -> None:
+        if rec.topic == HALF_TOPIC:
+            self.apply_half(rec)
+        elif rec.topic == OP_TOPIC:
+            self.apply_op(rec, op_progress)
+        elif rec.topic == DISCARD_TOPIC:
+            self.apply_discard(rec)
+
+    def outcome(self, tx_id: str) -> Outcome | None:
+        if tx_id in self.pending:
+            return Outcome.PENDING
+        d = self.decided.get(tx_id)
+        return d.outcome if d else None
+
+    def first_undecided_half(self) -> int | None:
+        """Smallest half offset of a pending transaction's latest copy."""
+        return min(self.by_half) if self.by_half else None
+
+
+def rebuild(reader, half_progress: int, op_progress: int, batch: int = 2048) -> TxIndex:
+    """Rebuild the index from a store (or StoreReader).
+
+    Reads the whole op and discard queues and the half queue from the check
+    progress on (everything before it is decided or superseded by a later
+    copy), merged in commit-log order.
+    """
+    idx = TxIndex()
+    streams = [
+        _queue_records(reader, OP_TOPIC, 0, reader.queue_min_offset(OP_TOPIC, 0), batch),
+        _queue_records(reader, DISCARD_TOPIC, 0, reader.queue_min_offset(DISCARD_TOPIC, 0), batch),
+        _queue_records(reader, HALF_TOPIC, 0, max(half_progress, reader.queue_min_offset(HALF_TOPIC, 0)), batch),
+    ]
+    import heapq
+
+    for rec in heapq.merge(*streams, key=lambda r: r.commit_log_offset):
+        idx.apply(rec, op_progress)
+    return idx
+
+
+def _queue_records(reader, topic: str, queue_id: int, start: int, batch: int) -> Iterable[Record]:
+    off = start
+    while True:
+        res = reader.get_messages(topic, queue_id, off, batch, 64 << 20)
+        if not res.records:
+            if res.status.name == "OFFSET_TOO_SMALL" and res.next_offset > off:
+                off = res.next_offset
+                continue
+            return
+        yield from res.records
+        off = res.next_offset

@@ -1,0 +1,123 @@
+"""txmq broker start|status."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from .. import exitcodes
+from ..common import BrokerOpt, CliError, OutputOpt, TokenOpt, parse_duration, run
+from ..console import Output, default_output, err, kv_table
+
+app = typer.Typer(help="Run a broker or ask one how it is.", no_args_is_help=True)
+
+
+@app.command(
+    epilog="Examples:\n\n  txmq broker start\n\n  txmq broker start --data-dir /var/lib/txmq --flush sync\n\n"
+    "  txmq broker start --check-interval 30s --transaction-timeout 10s --max-checks 5"
+)
+def start(
+    data_dir: Annotated[Optional[Path], typer.Option("--data-dir", "-d", envvar="TXMQ_DATA_DIR", help="Data directory [default: ~/.local/share/txmq].", show_default=False)] = None,
+    host: Annotated[Optional[str], typer.Option(help="Address to listen on [default: 127.0.0.1]. Another address without --auth-token draws a warning.", show_default=False)] = None,
+    port: Annotated[int, typer.Option(help="Port to listen on.")] = 10911,
+    flush: Annotated[str, typer.Option(help="sync: acknowledge after fsync (group commit); async: fsync every --flush-interval.")] = "async",
+    flush_interval: Annotated[str, typer.Option(help="Async flush interval.")] = "500ms",
+    check_interval: Annotated[Optional[str], typer.Option(help="Check-back interval [default: 60s].", show_default=False)] = None,
+    transaction_timeout: Annotated[Optional[str], typer.Option("--transaction-timeout", "--timeout", help="Check immunity of a new half message [default: 6s].", show_default=False)] = None,
+    max_checks: Annotated[Optional[int], typer.Option(help="Checks before a transaction is discarded [default: 15].", show_default=False)] = None,
+    retention: Annotated[Optional[str], typer.Option(help="Log retention [default: 72h].", show_default=False)] = None,
+    auth_token: Annotated[Optional[str], typer.Option(envvar="TXMQ_AUTH_TOKEN", help="Shared secret clients must present.", show_default=False)] = None,
+    metrics_port: Annotated[Optional[int], typer.Option(help="Serve Prometheus metrics on 127.0.0.1:PORT (same host as --host).", show_default=False)] = None,
+    log_format: Annotated[str, typer.Option(help="kv (key=value) or json.")] = "kv",
+    log_level: Annotated[str, typer.Option(help="debug, info, warning, error.")] = "info",
+    segment_size: Annotated[int, typer.Option(help="Commit-log segment size in bytes.", hidden=True)] = 1 << 30,
+    max_frame: Annotated[int, typer.Option(help="Largest frame accepted, bytes.")] = 8 << 20,
+    max_body: Annotated[int, typer.Option(help="Largest message body accepted, bytes.")] = 4 << 20,
+) -> None:
+    """Run a broker in the foreground until SIGINT/SIGTERM (logs on stderr)."""
+    from txmq.broker.config import BrokerConfig, CheckSettings, default_data_dir
+    from txmq.broker.server import Broker, bind, install_uvloop
+    from txmq.store import StoreLockedError
+
+    from .. import logs
+
+    if flush not in ("sync", "async"):
+        raise CliError(f"--flush must be sync or async, not {flush!r}", exitcodes.USAGE)
+    if log_format not in ("kv", "json"):
+        raise CliError("--log-format must be kv or json", exitcodes.USAGE)
+    logs.setup(log_format, log_level)
+    log = logging.getLogger("txmq.broker")
+    check = CheckSettings()
+    overrides = []
+    try:
+        for key, val in (("check_interval_s", check_interval), ("transaction_timeout_s", transaction_timeout), ("retention_s", retention)):
+            if val is not None:
+                check = check.with_value(key, parse_duration(val))
+                overrides.append(key)
+        if max_checks is not None:
+            check = check.with_value("max_checks", max_checks)
+            overrides.append("max_checks")
+    except ValueError as e:
+        raise CliError(str(e), exitcodes.USAGE) from None
+    if host is not None and host not in ("127.0.0.1", "localhost", "::1") and not auth_token:
+        log.warning("event=insecure_listen host=%s msg=%s", host, "'listening beyond loopback without --auth-token: anyone who can reach the port can send, commit and roll back'")
+    config = BrokerConfig(
+        data_dir=data_dir or default_data_dir(), host=host or "127.0.0.1", port=port, flush=flush,
+        flush_interval_s=parse_duration(flush_interval), check=check, check_overrides=tuple(overrides),
+        auth_token=auth_token or None, metrics_port=metrics_port, segment_size=segment_size,
+        max_frame=max_frame, max_body=max_body,
+    )
+    loop_name = install_uvloop()
+    try:
+        sock = bind(config.host, config.port)
+    except OSError as e:
+        raise CliError(f"cannot listen on {config.host}:{config.port}: {e.strerror or e}") from None
+
+    async def main() -> None:
+        shutdown = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, shutdown.set)
+        broker = Broker(config)
+        log.info("event=starting loop=%s data_dir=%s", loop_name, config.data_dir)
+        metrics = None
+        if config.metrics_port is not None:
+            from txmq.broker.prom import serve_metrics
+
+            metrics = serve_metrics(broker.core, config.host, config.metrics_port)
+        try:
+            await broker.serve(sock, shutdown)
+        finally:
+            if metrics is not None:
+                metrics.shutdown()
+
+    try:
+        asyncio.run(main())
+    except StoreLockedError as e:
+        raise CliError(f"data directory {config.data_dir} is in use by another broker ({e})") from None
+
+
+@app.command(epilog="Examples:\n\n  txmq broker status\n\n  txmq broker status -o json | jq .uptime_s")
+def status(broker: BrokerOpt = "127.0.0.1:10911", token: TokenOpt = None, output: OutputOpt = None) -> None:
+    """Whether a broker answers at --broker, and its basic figures."""
+    from ..client_ops import call
+
+    t0 = time.perf_counter()
+    info = call(broker, token, "broker_info", {})
+    rtt_ms = (time.perf_counter() - t0) * 1000
+    output = output or default_output()
+    counters = info.pop("counters", {})
+    row = {
+        "status": "up", "address": broker, "version": info["version"], "uptime_s": info["uptime_s"],
+        "flush": info["flush"], "data_dir": info["data_dir"], "connections": info["connections"],
+        "topics": info["topics"], "max_offset": info["max_offset"], "durable_offset": info["durable_offset"],
+        "producer_groups": info["producer_groups"], "auth": info["auth"], "rtt_ms": round(rtt_ms, 2),
+        "messages_sent": counters.get("messages_sent", 0), "half_stored": counters.get("half_stored", 0),
+    }
+    kv_table(row, output, title=f"txmq broker at {broker}")

@@ -1,0 +1,226 @@
+"""The one place that holds the rich consoles and the output format rules.
+
+Only cli/ prints. Data goes to stdout; messages and errors go to stderr.
+Without a terminal there is no colour and no box drawing, and tables are
+never wrapped or truncated (a pipe has no width).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import sys
+from enum import Enum
+from typing import Any, Callable, Iterable, Sequence
+
+from rich.console import Console
+from rich.theme import Theme
+
+THEME = Theme({"ok": "green", "warn": "yellow", "err": "bold red", "dim": "dim", "key": "cyan"})
+
+out = Console(theme=THEME, soft_wrap=True, highlight=False)
+err = Console(theme=THEME, stderr=True, soft_wrap=True, highlight=False)
+
+
+class Output(str, Enum):
+    table = "table"
+    json = "json"
+    jsonl = "jsonl"
+
+
+def default_output() -> Output:
+    return Output.table if sys.stdout.isatty() else Output.jsonl
+
+
+def resolve_output(output: Output | None) -> Output:
+    return output or default_output()
+
+
+def interactive() -> bool:
+    """Both ends are a person: live views and progress bars are allowed."""
+    return out.is_terminal and err.is_terminal
+
+
+def to_jsonable(v: Any) -> Any:
+    if isinstance(v, (bytes, bytearray)):
+        try:
+            return bytes(v).decode("utf-8")
+        except UnicodeDecodeError:
+            return base64.b64encode(bytes(v)).decode("ascii")
+    if isinstance(v, dict):
+        return {str(k): to_jsonable(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [to_jsonable(x) for x in v]
+    if isinstance(v, Enum):
+        return v.value
+    return v
+
+
+def emit_line(obj: dict[str, Any]) -> None:
+    """One JSON object per line, flushed at once (pipelines see progress)."""
+    sys.stdout.write(json.dumps(to_jsonable(obj), separators=(",", ":"), ensure_ascii=False) + "\n")
+    sys.stdout.flush()
+
+
+def emit_json(obj: Any) -> None:
+    sys.stdout.write(json.dumps(to_jsonable(obj), indent=2, ensure_ascii=False) + "\n")
+    sys.stdout.flush()
+
+
+def warn(message: str) -> None:
+    """A one-line warning on stderr (never on stdout, which may be piped)."""
+    from rich.markup import escape
+
+    err.print("[warn]warning:[/warn] " + escape(message))
+
+
+def note(message: str) -> None:
+    from rich.markup import escape
+
+    err.print("[dim]" + escape(message) + "[/dim]")
+
+
+def fmt_age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    if seconds < 0:
+        return "-" + fmt_age(-seconds)
+    s = int(seconds)
+    if s < 60:
+        if seconds < 1:
+            return f"{int(seconds * 1000)}ms"
+        return f"{seconds:.1f}s" if seconds < 10 else f"{s}s"
+    m, s = divmod(s, 60)
+    if m < 60:
+        return f"{m}m{s:02d}s"
+    h, m = divmod(m, 60)
+    if h < 48:
+        return f"{h}h{m:02d}m"
+    d, h = divmod(h, 24)
+    return f"{d}d{h:02d}h"
+
+
+def fmt_duration(seconds: float | None) -> str:
+    """A duration as it would be typed: 500ms, 6s, 1m30s, 72h (exact, for settings)."""
+    if seconds is None:
+        return "-"
+    if seconds and seconds < 1:
+        return f"{seconds * 1000:g}ms"
+    if seconds != int(seconds):
+        return f"{seconds:g}s"
+    s = int(seconds)
+    parts = []
+    for unit, n in (("d", 86400), ("h", 3600), ("m", 60)):
+        if s >= n and (s % n == 0 or unit != "d"):
+            parts.append(f"{s // n}{unit}")
+            s %= n
+    if s or not parts:
+        parts.append(f"{s}s")
+    return "".join(parts)
+
+
+def fmt_ts(ms: int | None) -> str:
+    if not ms:
+        return "-"
+    import datetime as _dt
+
+    return _dt.datetime.fromtimestamp(ms / 1000).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def fmt_when(ms: int | None, now_ms: int | None = None) -> str:
+    """An absolute time as relative to now: '3m12s ago', 'in 4s'."""
+    if not ms:
+        return "-"
+    import time as _time
+
+    now_ms = now_ms if now_ms is not None else int(_time.time() * 1000)
+    d = (ms - now_ms) / 1000
+    if abs(d) < 0.5:
+        return "now"
+    return f"in {fmt_age(d)}" if d > 0 else f"{fmt_age(-d)} ago"
+
+
+def new_table(title: str | None = None):
+    from rich import box
+    from rich.table import Table
+
+    return Table(
+        title=title, box=box.SIMPLE_HEAD if out.is_terminal else None, header_style="bold",
+        show_edge=False, pad_edge=False, title_justify="left",
+    )
+
+
+def print_table(table: Any) -> None:
+    """On a terminal as rich draws it; in a pipe as plain aligned text, never wrapped."""
+    if out.is_terminal:
+        out.print(table)
+        return
+    plain = Console(width=1 << 16, no_color=True, color_system=None, highlight=False, soft_wrap=True,
+                    force_terminal=False, theme=THEME)
+    with plain.capture() as cap:
+        plain.print(table)
+    text = "\n".join(line.rstrip() for line in cap.get().splitlines()).strip("\n")
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
+
+
+def render(rows: Sequence[dict[str, Any]], output: Output, columns: Sequence[tuple[str, str]] | None = None,
+           title: str | None = None, formatters: dict[str, Callable[[Any], str]] | None = None,
+           document: Any = None, empty: str | None = None) -> None:
+    """Print rows as a table, one JSON document, or JSON lines."""
+    if output is Output.json:
+        emit_json(document if document is not None else list(rows))
+        return
+    if output is Output.jsonl:
+        for r in rows:
+            emit_line(r)
+        return
+    if not rows and empty is not None:
+        err.print(f"[dim]{empty}[/dim]")
+        return
+    columns = columns or [(k, k) for k in (rows[0].keys() if rows else [])]
+    formatters = formatters or {}
+    table = new_table(title)
+    for _, label in columns:
+        table.add_column(label, overflow="fold")
+    for r in rows:
+        table.add_row(*[_cell(r.get(k), formatters.get(k)) for k, _ in columns])
+    print_table(table)
+
+
+def _cell(v: Any, f: Any) -> str:
+    from rich.markup import escape
+
+    if f is not None:
+        return f(v)
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, (bytes, bytearray)):
+        return escape(to_jsonable(v))
+    if isinstance(v, dict):
+        return escape(",".join(f"{k}={x}" for k, x in v.items())) or "-"
+    return escape(str(v))
+
+
+def kv_table(d: dict[str, Any], output: Output, title: str | None = None,
+             formatters: dict[str, Callable[[Any], str]] | None = None) -> None:
+    if output is not Output.table:
+        emit_json(d) if output is Output.json else emit_line(d)
+        return
+    formatters = formatters or {}
+    t = new_table(title)
+    t.show_header = False
+    t.add_column(style="key")
+    t.add_column(overflow="fold")
+    for k, v in d.items():
+        t.add_row(k, _cell(v, formatters.get(k)))
+    print_table(t)
+
+
+def iter_stdin_lines() -> Iterable[str]:
+    for line in sys.stdin:
+        line = line.rstrip("\r\n")
+        if line.strip():
+            yield line

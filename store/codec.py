@@ -1,0 +1,251 @@
+"""Commit-log record codec: bytes <-> Record, no I/O.
+
+A record is a 68-byte header followed by the topic, the properties and the
+body. All integers are little-endian (docs/store-format.md, "Record")::
+
+    offset size field
+    0      4    total_size        u32, whole record, header included
+    4      4    magic             u32, 0x314D5854 (bytes "TXM1")
+    8      4    crc32             u32, zlib CRC-32 of bytes [12, total_size)
+    12     8    commit_log_offset i64, the record's own offset
+    20     1    tx_type           u8, TxType
+    21     1    flags             u8, reserved, 0
+    22     2    topic_len         u16
+    24     4    queue_id          i32
+    28     8    queue_offset      i64
+    36     8    born_ts           i64, ms, set by the producer
+    44     8    store_ts          i64, ms, set by the store
+    52     8    prepared_offset   i64, half message resolved, else -1
+    60     4    props_len         u32
+    64     4    body_len          u32
+    68     ..   topic             UTF-8
+    ..     ..   properties        msgpack map str -> str (0x80 when empty)
+    ..     ..   body
+
+Invalid records are reported, not raised: ``decode_record`` returns None and
+``record_problem`` / ``check_record`` say why, as a short text naming the
+offset, e.g. ``"crc mismatch at 12345"`` or ``"torn record: 40 of 333 bytes
+at 12345"``. Nothing here raises on arbitrary input bytes.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from dataclasses import dataclass
+from enum import IntEnum
+
+import msgpack
+
+MAGIC = 0x314D5854
+HEADER_SIZE = 68
+TAGS_PROPERTY = "TAGS"
+EMPTY_PROPS = b"\x80"  # msgpack of {}
+
+HEADER = struct.Struct(
+    "<"
+    "I"  # 0  total_size
+    "I"  # 4  magic
+    "I"  # 8  crc32 of [12, total_size)
+    "q"  # 12 commit_log_offset
+    "B"  # 20 tx_type
+    "B"  # 21 flags
+    "H"  # 22 topic_len
+    "i"  # 24 queue_id
+    "q"  # 28 queue_offset
+    "q"  # 36 born_ts
+    "q"  # 44 store_ts
+    "q"  # 52 prepared_offset
+    "I"  # 60 props_len
+    "I"  # 64 body_len
+)
+# The same header in the two pieces the encoder packs: the CRC-covered part
+# [12, 68) is packed first, then [0, 12) once its CRC is known.
+_HEAD = struct.Struct("<III")  # total_size, magic, crc32
+_TAIL = struct.Struct("<qBBHiqqqqII")  # commit_log_offset .. body_len
+_SIZE_MAGIC = struct.Struct("<II")
+_CRC = struct.Struct("<I")
+assert HEADER.size == HEADER_SIZE and _HEAD.size + _TAIL.size == HEADER_SIZE
+
+_crc32 = zlib.crc32
+_packb = msgpack.packb
+_unpackb = msgpack.unpackb
+
+
+class TxType(IntEnum):
+    NORMAL = 0
+    PREPARED = 1  # half message
+    COMMIT = 2
+    ROLLBACK = 3
+
+
+_TX_TYPES = tuple(TxType)
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """What the broker asks the store to append."""
+
+    topic: str
+    queue_id: int
+    tx_type: TxType
+    born_ts: int  # ms since the epoch
+    properties: dict[str, str]
+    body: bytes
+    prepared_offset: int = -1
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """A decoded commit-log record."""
+
+    commit_log_offset: int
+    size: int
+    topic: str
+    queue_id: int
+    queue_offset: int
+    tx_type: TxType
+    born_ts: int
+    store_ts: int
+    prepared_offset: int
+    properties: dict[str, str]
+    body: bytes
+
+    @property
+    def end_offset(self) -> int:
+        return self.commit_log_offset + self.size
+
+    @property
+    def tags(self) -> str | None:
+        return self.properties.get(TAGS_PROPERTY)
+
+
+def tag_hash(tags: str | None) -> int:
+    """Deterministic hash of a TAGS property: CRC-32 of its UTF-8, 0 for None or ''."""
+    return _crc32(tags.encode()) if tags else 0
+
+
+def pack_properties(props: dict[str, str]) -> bytes:
+    return _packb(props) if props else EMPTY_PROPS
+
+
+def encode_parts(
+    commit_log_offset: int,
+    topic: bytes,
+    queue_id: int,
+    queue_offset: int,
+    tx_type: int,
+    born_ts: int,
+    store_ts: int,
+    prepared_offset: int,
+    props: bytes,
+    body: bytes,
+) -> tuple[bytes, bytes]:
+    """The record's header as (bytes [0, 12), bytes [12, 68)); topic, props, body follow."""
+    tail = _TAIL.pack(
+        commit_log_offset, tx_type, 0, len(topic), queue_id, queue_offset,
+        born_ts, store_ts, prepared_offset, len(props), len(body),
+    )  # fmt: skip
+    crc = _crc32(body, _crc32(props, _crc32(topic, _crc32(tail))))
+    return _HEAD.pack(HEADER_SIZE + len(topic) + len(props) + len(body), MAGIC, crc), tail
+
+
+def encode_record(msg: Message, commit_log_offset: int, queue_offset: int, store_ts: int) -> bytes:
+    """One record's bytes (the store batches records itself; this is for tests and tools)."""
+    topic = msg.topic.encode()
+    props = pack_properties(msg.properties)
+    head, tail = encode_parts(
+        commit_log_offset, topic, msg.queue_id, queue_offset, msg.tx_type,
+        msg.born_ts, store_ts, msg.prepared_offset, props, msg.body,
+    )  # fmt: skip
+    return b"".join((head, tail, topic, props, msg.body))
+
+
+def _check_fields(buf, pos: int, expected_offset: int, total: int) -> int | str:
+    _, _, _, off, tx, _, tlen, _, _, _, _, _, plen, blen = HEADER.unpack_from(buf, pos)
+    if HEADER_SIZE + tlen + plen + blen != total:
+        return f"bad lengths at {expected_offset}"
+    if off != expected_offset:
+        return f"offset mismatch at {expected_offset}: record says {off}"
+    if tx >= len(_TX_TYPES):
+        return f"bad tx_type {tx} at {expected_offset}"
+    return total
+
+
+def _check_start(buf, pos: int, expected_offset: int, need: int) -> int | str:
+    avail = len(buf) - pos
+    if avail < 8:
+        return f"torn header: {max(avail, 0)} of {HEADER_SIZE} bytes at {expected_offset}"
+    total, magic = _SIZE_MAGIC.unpack_from(buf, pos)
+    if magic != MAGIC:
+        return f"bad magic at {expected_offset}"
+    if total < HEADER_SIZE:
+        return f"bad size {total} at {expected_offset}"
+    if avail < min(need, total) or avail < HEADER_SIZE:
+        return f"torn record: {avail} of {total} bytes at {expected_offset}"
+    return total
+
+
+def check_header(buf, pos: int, expected_offset: int) -> int | str:
+    """Check what the 68-byte header alone can tell (magic, lengths, own offset, tx_type).
+
+    Returns the record's total size, or why it is invalid. A reader uses it to
+    reject garbage before reading a body whose size field may be nonsense.
+    """
+    total = _check_start(buf, pos, expected_offset, HEADER_SIZE)
+    if type(total) is str:
+        return total
+    return _check_fields(buf, pos, expected_offset, total)
+
+
+def check_record(buf, pos: int, expected_offset: int, mv: memoryview | None = None) -> int | str:
+    """Validate the record at buf[pos:] without decoding it: its size, or why it is invalid.
+
+    The CRC is checked before the header fields, so damage anywhere inside a
+    complete record reads as "crc mismatch".
+    """
+    total = _check_start(buf, pos, expected_offset, 1 << 62)
+    if type(total) is str:
+        return total
+    if mv is None:
+        mv = memoryview(buf)
+    if _crc32(mv[pos + 12 : pos + total]) != _CRC.unpack_from(buf, pos + 8)[0]:
+        return f"crc mismatch at {expected_offset}"
+    return _check_fields(buf, pos, expected_offset, total)
+
+
+def decode(buf, pos: int, expected_offset: int, mv: memoryview | None = None) -> Record | str:
+    """The record at buf[pos:], or the reason it is invalid (a str)."""
+    size = check_record(buf, pos, expected_offset, mv)
+    if type(size) is str:
+        return size
+    _, _, _, off, tx, _, tlen, qid, qoff, born, store, prep, plen, blen = HEADER.unpack_from(buf, pos)
+    p = pos + HEADER_SIZE
+    try:
+        topic = str(buf[p : p + tlen], "utf-8")
+    except UnicodeDecodeError:
+        return f"bad topic at {expected_offset}"
+    p += tlen
+    if plen == 1 and buf[p] == 0x80:
+        props = {}
+    else:
+        try:
+            props = _unpackb(buf[p : p + plen], raw=False)
+        except Exception:  # msgpack raises several unrelated types on bad input
+            props = None
+        if type(props) is not dict:
+            return f"bad properties at {expected_offset}"
+    p += plen
+    return Record(off, size, topic, qid, qoff, _TX_TYPES[tx], born, store, prep, props, bytes(buf[p : p + blen]))
+
+
+def decode_record(buf, pos: int, expected_offset: int) -> Record | None:
+    """The record at buf[pos:] if it is valid, else None (``record_problem`` says why)."""
+    rec = decode(buf, pos, expected_offset)
+    return None if type(rec) is str else rec
+
+
+def record_problem(buf, pos: int, expected_offset: int) -> str | None:
+    """Why the record at buf[pos:] is invalid, or None when it is valid."""
+    rec = decode(buf, pos, expected_offset)
+    return rec if type(rec) is str else None

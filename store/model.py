@@ -1,0 +1,57 @@
+"""Typed results and settings of the store (what its methods take and return)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from .codec import Record
+
+
+@dataclass(frozen=True, slots=True)
+class StoreConfig:
+    segment_size: int = 1 << 30  # bytes per commit-log segment file
+    cq_entries_per_file: int = 300_000  # 20-byte entries per consume-queue file
+    retention_s: float = 72 * 3600  # age after which whole segments may be deleted
+    max_record_size: int = 16 << 20  # largest encoded record accepted by append()
+
+
+@dataclass(frozen=True, slots=True)
+class AppendResult:
+    commit_log_offset: int
+    size: int
+    queue_offset: int
+    store_ts: int
+
+    @property
+    def end_offset(self) -> int:
+        return self.commit_log_offset + self.size
+
+
+class GetStatus(Enum):
+    FOUND = "found"
+    NO_MESSAGE = "no_message"  # offset == max: nothing new yet
+    OFFSET_OVERFLOW = "offset_overflow"  # offset > max
+    OFFSET_TOO_SMALL = "offset_too_small"  # offset < min: deleted by retention
+    NO_QUEUE = "no_queue"  # no consume queue for (topic, queue id)
+
+
+@dataclass(frozen=True, slots=True)
+class GetResult:
+    status: GetStatus
+    records: list[Record] = field(default_factory=list)
+    next_offset: int = 0  # queue offset to ask for next
+    min_offset: int = 0
+    max_offset: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class RecoveryReport:
+    dropped_bytes: int  # commit-log bytes cut off at the first invalid record
+    reason: str | None  # why, e.g. "crc mismatch at 12345"; None when nothing was dropped
+    truncated_at: int | None  # commit-log offset the log was cut at, if it was
+    redispatched: int  # consume-queue entries (re)written from the log
+    cq_entries_dropped: int  # consume-queue entries removed (past the end, mismatched, partial)
+    segments: int  # commit-log segment files after recovery
+    max_offset: int  # end of the log after recovery
+    duration_s: float

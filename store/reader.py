@@ -1,0 +1,308 @@
+"""StoreReader: a read-only view of a data directory, safe while a broker writes it.
+
+It takes no lock and changes nothing. Each call looks at the files again:
+new segments are opened, deleted ones forgotten, and the log's tail is
+validated record by record from where the last call stopped (from the
+checkpoint's fsynced offset the first time), so ``max_offset`` is always the
+end of the last complete valid record and a torn tail is never returned.
+
+Consume-queue files lag the log (the broker writes them at checkpoints), so
+the reader also indexes, in memory, the records after the checkpoint's
+consume-queue offset; consume-queue entries pointing at or past the
+validated end are ignored.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+
+from .checkpoint import Checkpoint, read_checkpoint
+from .codec import Record, tag_hash
+from .consumequeue import ENTRY, ENTRY_SIZE, ConsumeQueue, Entry
+from .errors import CorruptRecordError
+from .files import list_numbered, offset_name
+from .model import GetResult, GetStatus
+from .segments import LogView, Segment
+
+_FAR = 1 << 62
+
+
+class StoreReader(LogView):
+    def __init__(self, data_dir: str | os.PathLike) -> None:
+        self.data_dir = os.fspath(data_dir)
+        self._cl_dir = os.path.join(self.data_dir, "commitlog")
+        self._cq_root = os.path.join(self.data_dir, "consumequeue")
+        self._segs: list[Segment] = []
+        self._starts: list[int] = []
+        self._valid_end: int | None = None
+        self._cqs: dict[tuple[str, int], ConsumeQueue] = {}
+        self._overlay: dict[tuple[str, int], tuple[int, bytearray]] = {}
+        self._overlay_pos: int | None = None
+        self._refresh()
+
+    def close(self) -> None:
+        for seg in self._segs:
+            os.close(seg.fd)
+        self._segs, self._starts = [], []
+        for cq in self._cqs.values():
+            cq.close()
+        self._cqs.clear()
+        self._valid_end = None
+
+    def __enter__(self) -> StoreReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- keeping up with the writer ------------------------------------------
+    def _refresh(self) -> None:
+        self._refresh_segments()
+        segs = self._segs
+        if not segs:
+            self._valid_end = 0
+            return
+        end = self._valid_end
+        if end is None or end < segs[0].start or end > segs[-1].end:
+            end = self._trusted_start(lambda c: c.log_offset)
+        for offset, res in self._walk(end, _FAR, validate_only=True):
+            if type(res) is str:
+                break
+            end = offset + res  # type: ignore[operator]
+        self._valid_end = end
+
+    def _refresh_segments(self) -> None:
+        known = {seg.start: seg for seg in self._segs}
+        if self._segs:  # the old last segment may have grown before the writer rolled
+            self._segs[-1].length = os.fstat(self._segs[-1].fd).st_size
+        segs: list[Segment] = []
+        for start in list_numbered(self._cl_dir):
+            seg = known.pop(start, None)
+            if seg is None:
+                path = os.path.join(self._cl_dir, offset_name(start))
+                try:
+                    fd = os.open(path, os.O_RDONLY)
+                except FileNotFoundError:  # deleted by retention meanwhile
+                    continue
+                seg = Segment(start, path, fd, os.fstat(fd).st_size)
+            segs.append(seg)
+        for seg in known.values():
+            os.close(seg.fd)
+        if segs:
+            segs[-1].length = os.fstat(segs[-1].fd).st_size
+        self._segs = segs
+        self._starts = [seg.start for seg in segs]
+
+    def _trusted_start(self, pick) -> int:
+        """A record boundary to start validating or indexing from, per the checkpoint."""
+        ckpt: Checkpoint | None = read_checkpoint(os.path.join(self.data_dir, "checkpoint"))
+        lo, hi = self._segs[0].start, self._segs[-1].end
+        if ckpt is None or pick(ckpt) < lo:
+            return lo
+        return pick(ckpt) if pick(ckpt) <= hi else self._segs[-1].start
+
+    def _readable_end(self) -> int:
+        if self._valid_end is None:
+            self._refresh()
+        return self._valid_end  # type: ignore[return-value]
+
+    # ---- the log -----------------------------------------------------------
+    @property
+    def max_offset(self) -> int:
+        """End of the last complete valid record."""
+        self._refresh()
+        return self._valid_end  # type: ignore[return-value]
+
+    @property
+    def min_offset(self) -> int:
+        self._refresh_segments()
+        return self._segs[0].start if self._segs else 0
+
+    def segments(self) -> list[tuple[int, str, int]]:
+        """(start offset, path, length) of each segment; the last length stops at the valid end."""
+        self._refresh()
+        end = self._valid_end or 0
+        return [(s.start, s.path, max(0, min(s.length, end - s.start))) for s in self._segs if s.start <= end]
+
+    def read(self, offset: int) -> Record:
+        if offset >= self._readable_end():
+            self._refresh()
+        return super().read(offset)
+
+    def read_many(self, offsets: Sequence[int]) -> list[Record]:
+        if offsets and max(offsets) >= self._readable_end():
+            self._refresh()
+        return super().read_many(offsets)
+
+    def scan(self, start: int = 0, end: int | None = None) -> Iterator[Record]:
+        self._refresh()
+        stop = self._valid_end if end is None else min(end, self._valid_end)  # type: ignore[type-var]
+        return self._scan(start, stop)  # type: ignore[arg-type]
+
+    def scan_range(self, start: int, end: int) -> Iterator[Record]:
+        """Every valid record whose offset is in [start, end); start may be any byte position.
+
+        Resynchronises to the first record boundary at or after start (magic,
+        header, CRC and own offset must all check out), so contiguous ranges
+        partition the log exactly. Records past the validated end are not
+        returned.
+        """
+        self._refresh()
+        return self._scan_range(start, min(end, self._valid_end))  # type: ignore[type-var]
+
+    # ---- consume queues ------------------------------------------------------
+    def _index_tail(self) -> None:
+        """Index, in memory, records the consume-queue files may not have yet."""
+        self._refresh()
+        end = self._valid_end
+        pos = self._overlay_pos
+        if not self._segs or end is None:
+            return
+        if pos is None or pos < self._segs[0].start or pos > end:
+            self._overlay.clear()
+            pos = self._trusted_start(lambda c: c.cq_offset)
+        overlay = self._overlay
+        for offset, rec in self._walk(pos, end):
+            if type(rec) is str:
+                break
+            assert isinstance(rec, Record)
+            key = (rec.topic, rec.queue_id)
+            q = rec.queue_offset
+            ov = overlay.get(key)
+            if ov is None or q != ov[0] + len(ov[1]) // ENTRY_SIZE:
+                if ov is not None and q < ov[0] + len(ov[1]) // ENTRY_SIZE:
+                    continue
+                ov = overlay[key] = (q, bytearray())
+            ov[1].extend(ENTRY.pack(offset, rec.size, tag_hash(rec.properties.get("TAGS"))))
+            pos = rec.end_offset
+        self._overlay_pos = end
+
+    def _disk_queue(self, key: tuple[str, int]) -> ConsumeQueue | None:
+        cq = self._cqs.get(key)
+        if cq is None:
+            if not os.path.isdir(os.path.join(self._cq_root, key[0], str(key[1]))):
+                return None
+            cq = self._cqs[key] = ConsumeQueue(self._cq_root, key[0], key[1])
+        cq.reload()
+        return cq
+
+    def _bounds(self, key: tuple[str, int]) -> tuple[int, int] | None:
+        """(first, end) queue offsets with an entry, disk and memory together; None if no queue."""
+        self._index_tail()
+        cq = self._disk_queue(key)
+        ov = self._overlay.get(key)
+        if cq is None and ov is None:
+            return None
+        end = self._valid_end or 0
+        first = hi = 0
+        if cq is not None:
+            first, hi = cq.base, cq.next
+            while hi > first:  # ignore entries past the validated end
+                off, size, _ = ENTRY.unpack(cq.read_raw(hi - 1, hi))
+                if off + size <= end:
+                    break
+                hi -= 1
+        if ov is not None and cq is not None and cq.next > ov[0]:  # now on disk: forget it
+            cut = min(cq.next, ov[0] + len(ov[1]) // ENTRY_SIZE) - ov[0]
+            ov = self._overlay[key] = (ov[0] + cut, ov[1][cut * ENTRY_SIZE :])
+        if ov is not None:
+            ov_first, ov_end = ov[0], ov[0] + len(ov[1]) // ENTRY_SIZE
+            if cq is None or cq.next == cq.base:
+                first, hi = ov_first, ov_end
+            elif ov_first <= hi:
+                hi = max(hi, ov_end)
+        return first, hi
+
+    def _entries(
+        self, key: tuple[str, int], start: int, stop: int, bounds: tuple[int, int] | None = None
+    ) -> list[Entry]:
+        """Entries [start, stop) from disk then memory; bounds from _bounds (computed if not given)."""
+        if bounds is None:
+            bounds = self._bounds(key)
+            if bounds is None:
+                return []
+        first, hi = bounds
+        start, stop = max(start, first), min(stop, hi)
+        if start >= stop:
+            return []
+        cq = self._cqs.get(key)
+        raw = b""
+        disk_end = start
+        if cq is not None and cq.base <= start < cq.next:
+            raw = cq.read_raw(start, stop)
+            disk_end = start + len(raw) // ENTRY_SIZE
+        ov = self._overlay.get(key)
+        if disk_end < stop and ov is not None and ov[0] <= disk_end:
+            a = (disk_end - ov[0]) * ENTRY_SIZE
+            raw += bytes(ov[1][a : a + (stop - disk_end) * ENTRY_SIZE])
+        end = self._valid_end or 0
+        out = []
+        for e in ENTRY.iter_unpack(raw):
+            if e[0] + e[1] > end:
+                break
+            out.append(e)
+        return out
+
+    def queues(self) -> dict[str, list[int]]:
+        self._index_tail()
+        keys = set(self._overlay)
+        if os.path.isdir(self._cq_root):
+            for topic in os.listdir(self._cq_root):
+                tdir = os.path.join(self._cq_root, topic)
+                if os.path.isdir(tdir):
+                    keys.update((topic, int(q)) for q in os.listdir(tdir) if q.isdigit())
+        out: dict[str, list[int]] = {}
+        for topic, qid in sorted(keys):
+            out.setdefault(topic, []).append(qid)
+        return out
+
+    def queue_max_offset(self, topic: str, queue_id: int) -> int:
+        bounds = self._bounds((topic, queue_id))
+        return bounds[1] if bounds else 0
+
+    def queue_min_offset(self, topic: str, queue_id: int) -> int:
+        bounds = self._bounds((topic, queue_id))
+        if bounds is None:
+            return 0
+        return self._min_in(topic, queue_id, bounds)
+
+    def _min_in(self, topic: str, queue_id: int, bounds: tuple[int, int]) -> int:
+        log_min = self._segs[0].start if self._segs else 0
+        lo, hi = bounds
+        while lo < hi:  # entries are sorted by commit-log offset
+            mid = (lo + hi) // 2
+            e = self._entries((topic, queue_id), mid, mid + 1, bounds)
+            if e and e[0][0] >= log_min:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+    def cq_entries(self, topic: str, queue_id: int, start: int, max_count: int) -> list[Entry]:
+        return self._entries((topic, queue_id), start, start + max(max_count, 0))
+
+    def get_messages(
+        self, topic: str, queue_id: int, queue_offset: int, max_count: int = 32, max_bytes: int = 1 << 20
+    ) -> GetResult:
+        bounds = self._bounds((topic, queue_id))
+        if bounds is None:
+            return GetResult(GetStatus.NO_QUEUE, [], 0, 0, 0)
+        lo, hi = self._min_in(topic, queue_id, bounds), bounds[1]
+        if queue_offset < lo:
+            return GetResult(GetStatus.OFFSET_TOO_SMALL, [], lo, lo, hi)
+        if queue_offset >= hi:
+            status = GetStatus.NO_MESSAGE if queue_offset == hi else GetStatus.OFFSET_OVERFLOW
+            return GetResult(status, [], hi, lo, hi)
+        picked = []
+        total = 0
+        stop = queue_offset + max(max_count, 1)
+        for off, size, _ in self._entries((topic, queue_id), queue_offset, stop, bounds):
+            if picked and total + size > max_bytes:
+                break
+            picked.append((off, size))
+            total += size
+        if not picked:
+            raise CorruptRecordError(f"queue {topic}/{queue_id} has no entry at {queue_offset}")
+        records = self._read_sized(picked)
+        return GetResult(GetStatus.FOUND, records, queue_offset + len(records), lo, hi)

@@ -1,0 +1,287 @@
+"""Reading the commit log: segment files, chunked walks, coalesced preads.
+
+Shared by the writing Store and the read-only StoreReader. Nothing here reads
+a whole segment into memory: sequential walks read CHUNK bytes at a time (or
+one record, when a record is larger), and random reads pread only the byte
+ranges asked for, merging neighbours into one call.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from bisect import bisect_right
+from collections.abc import Iterator, Sequence
+
+from .codec import HEADER_SIZE, MAGIC, Record, check_header, check_record, decode
+from .errors import CorruptRecordError
+
+CHUNK = 1 << 20  # bytes per sequential read
+GAP = 16 << 10  # read through holes up to this size rather than issue another pread
+SPAN = 1 << 20  # largest coalesced random read (one record may be larger)
+GUESS = 4096  # bytes read at an offset whose record size is unknown
+_MAGIC_BYTES = MAGIC.to_bytes(4, "little")
+_U32 = struct.Struct("<I")
+
+
+class Segment:
+    """One commit-log file: its global start offset, open fd, and the length in use."""
+
+    __slots__ = ("start", "path", "fd", "length", "last_ts")
+
+    def __init__(self, start: int, path: str, fd: int, length: int) -> None:
+        self.start = start
+        self.path = path
+        self.fd = fd
+        self.length = length
+        self.last_ts: int | None = None  # store_ts of its last record, once known
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+    def __repr__(self) -> str:
+        return f"Segment({self.start}, {self.length})"
+
+
+def walk_segment(
+    seg: Segment, pos: int, stop: int, validate_only: bool = False
+) -> Iterator[tuple[int, Record | int | str]]:
+    """Walk the records of seg from global offset pos (a record boundary).
+
+    Yields (offset, Record) - or (offset, size) when validate_only - for every
+    valid record starting before stop, and ends cleanly at stop or at the
+    segment's end. At an invalid record it yields (offset, reason) and ends.
+    """
+    fd, start, seg_len = seg.fd, seg.start, seg.length
+    base = pos - start  # file position of buf[0]
+    buf = b""
+    mv = memoryview(buf)
+    p = 0
+    check = check_record if validate_only else decode
+    while True:
+        rpos = base + p
+        offset = start + rpos
+        if rpos >= seg_len or offset >= stop:
+            return
+        avail = len(buf) - p
+        have_more = base + len(buf) < seg_len
+        if have_more:
+            need = HEADER_SIZE
+            if avail >= HEADER_SIZE:
+                need = _U32.unpack_from(buf, p)[0]
+                if need > avail:  # check the header before trusting its size
+                    total = check_header(buf, p, offset)
+                    need = total if type(total) is int else 0
+            if avail < need:
+                want = min(max(CHUNK, need - avail), seg_len - base - len(buf))
+                data = os.pread(fd, want, base + len(buf))
+                if not data:  # the file is shorter than we were told
+                    seg_len = base + len(buf)
+                    continue
+                buf = buf[p:] + data if avail else data
+                mv = memoryview(buf)
+                base, p = rpos, 0
+                continue
+        res = check(buf, p, offset, mv)
+        if type(res) is str:
+            yield offset, res
+            return
+        yield offset, res
+        p += res if validate_only else res.size
+
+
+def resync(seg: Segment, pos: int) -> int | None:
+    """The first offset >= pos in seg where a valid record starts, or None.
+
+    Looks for the magic, then checks the header (own offset == position) and
+    only then reads and CRC-checks the whole candidate.
+    """
+    fd, start, seg_len = seg.fd, seg.start, seg.length
+    base = pos - start
+    if base >= seg_len:
+        return None
+    buf = os.pread(fd, min(CHUNK, seg_len - base), base)
+    cand = 0  # candidates below this index of buf are ruled out
+    while True:
+        idx = buf.find(_MAGIC_BYTES, cand + 4)
+        c = idx - 4
+        if idx >= 0 and len(buf) - c < HEADER_SIZE and base + len(buf) < seg_len:
+            idx = -1  # candidate header cut by the chunk: refill, then look again
+        if idx < 0:
+            if base + len(buf) >= seg_len:
+                return None
+            keep = max(cand, len(buf) - HEADER_SIZE)
+            data = os.pread(fd, min(CHUNK, seg_len - base - len(buf)), base + len(buf))
+            if not data:
+                return None
+            buf = buf[keep:] + data
+            base, cand = base + keep, 0
+            continue
+        total = check_header(buf, c, start + base + c)
+        if type(total) is int:
+            if len(buf) - c < total and base + c + total <= seg_len:
+                more = os.pread(fd, total - (len(buf) - c), base + len(buf))
+                buf = buf[c:] + more
+                base, cand, c = base + c, 0, 0
+            if type(check_record(buf, c, start + base + c)) is int:
+                return start + base + c
+        cand = c + 1
+
+
+class LogView:
+    """Record reads over a sorted list of segments (subclasses keep the list current)."""
+
+    _segs: list[Segment]
+    _starts: list[int]
+
+    def _readable_end(self) -> int:  # records must start below this
+        raise NotImplementedError
+
+    def _seg_at(self, offset: int) -> Segment | None:
+        i = bisect_right(self._starts, offset) - 1
+        if i < 0:
+            return None
+        seg = self._segs[i]
+        return seg if offset < seg.end else None
+
+    def _seg_index(self, offset: int) -> int:
+        return max(bisect_right(self._starts, offset) - 1, 0)
+
+    # ---- random reads ----------------------------------------------------
+    def read(self, offset: int) -> Record:
+        """The record starting at offset; CorruptRecordError if no valid record starts there."""
+        seg = self._seg_at(offset) if offset < self._readable_end() else None
+        if seg is None:
+            raise CorruptRecordError(f"no record at {offset}: outside the log")
+        return self._read_one(seg, offset, None)
+
+    def _read_one(self, seg: Segment, offset: int, data: bytes | None) -> Record:
+        fpos = offset - seg.start
+        if data is None:
+            data = os.pread(seg.fd, min(GUESS, seg.length - fpos), fpos)
+        total = check_header(data, 0, offset)
+        if type(total) is int and total > len(data) and fpos + total <= seg.length:
+            data += os.pread(seg.fd, total - len(data), fpos + len(data))
+        rec = decode(data, 0, offset)
+        if type(rec) is str:
+            raise CorruptRecordError(rec)
+        return rec
+
+    def read_many(self, offsets: Sequence[int]) -> list[Record]:
+        """The records at offsets (in that order), read with as few preads as possible."""
+        end = self._readable_end()
+        order = sorted(range(len(offsets)), key=offsets.__getitem__)
+        out: list[Record | None] = [None] * len(offsets)
+        i = 0
+        while i < len(order):
+            first = offsets[order[i]]
+            seg = self._seg_at(first) if first < end else None
+            if seg is None:
+                raise CorruptRecordError(f"no record at {first}: outside the log")
+            j = i + 1
+            while j < len(order):
+                o = offsets[order[j]]
+                if o >= seg.end or o - offsets[order[j - 1]] > GAP or o - first > SPAN:
+                    break
+                j += 1
+            last = offsets[order[j - 1]]
+            fpos = first - seg.start
+            chunk = os.pread(seg.fd, min(last - first + GUESS, seg.length - fpos), fpos)
+            mv = memoryview(chunk)
+            for k in range(i, j):
+                o = offsets[order[k]]
+                rec = decode(chunk, o - first, o, mv)
+                if type(rec) is str:  # cut by the chunk (a big record) or really bad
+                    rec = self._read_one(seg, o, None)
+                out[order[k]] = rec
+            i = j
+        return out  # type: ignore[return-value]
+
+    def _read_sized(self, entries: Sequence[tuple[int, int]]) -> list[Record]:
+        """Records at (offset, size) pairs sorted by offset, as consume queues give them."""
+        out: list[Record] = []
+        n = len(entries)
+        i = 0
+        while i < n:
+            first, size = entries[i]
+            seg = self._seg_at(first)
+            if seg is None:
+                raise CorruptRecordError(f"no record at {first}: outside the log")
+            run_end = first + size
+            j = i + 1
+            while j < n:
+                o, s = entries[j]
+                if o - run_end > GAP or o + s - first > SPAN or o + s > seg.end or o < run_end:
+                    break
+                run_end = o + s
+                j += 1
+            chunk = os.pread(seg.fd, run_end - first, first - seg.start)
+            mv = memoryview(chunk)
+            for k in range(i, j):
+                o = entries[k][0]
+                rec = decode(chunk, o - first, o, mv)
+                if type(rec) is str:
+                    raise CorruptRecordError(rec)
+                out.append(rec)
+            i = j
+        return out
+
+    # ---- sequential reads ------------------------------------------------
+    def _walk(
+        self, start: int, stop: int, validate_only: bool = False
+    ) -> Iterator[tuple[int, Record | int | str]]:
+        """walk_segment over every segment from start (a boundary) to stop.
+
+        A gap between segments yields (end of the first, "segment gap at N").
+        """
+        segs = self._segs
+        i = self._seg_index(start)
+        pos = start
+        while i < len(segs) and pos < stop:
+            seg = segs[i]
+            if pos < seg.start:
+                yield pos, f"segment gap at {pos}: next segment starts at {seg.start}"
+                return
+            for item in walk_segment(seg, pos, stop, validate_only):
+                yield item
+                if type(item[1]) is str:
+                    return
+            pos = seg.end
+            i += 1
+
+    def _scan(self, start: int, end: int) -> Iterator[Record]:
+        first = self._segs[0].start if self._segs else 0
+        start = max(start, first)
+        for offset, rec in self._walk(start, end):
+            if type(rec) is str:
+                raise CorruptRecordError(rec)
+            yield rec  # type: ignore[misc]
+
+    def _scan_range(self, start: int, end: int) -> Iterator[Record]:
+        """Records starting in [start, end); start may be any byte position.
+
+        end must not exceed the readable end (callers clamp it), so every
+        invalid record met here is damage and raises CorruptRecordError.
+        """
+        segs = self._segs
+        if not segs:
+            return
+        start = max(start, segs[0].start)
+        i = self._seg_index(start)
+        while i < len(segs) and start < end:
+            seg = segs[i]
+            pos = start if start > seg.start else seg.start
+            if pos > seg.start:
+                found = resync(seg, pos)
+                if found is None:
+                    start = seg.end
+                    i += 1
+                    continue
+                pos = found
+            for _, rec in walk_segment(seg, pos, end):
+                if type(rec) is str:  # before the readable end: damage, not a torn tail
+                    raise CorruptRecordError(rec)
+                yield rec  # type: ignore[misc]
+            start = seg.end
+            i += 1

@@ -1,0 +1,403 @@
+"""The Store: one commit log plus its consume queues, in one data directory.
+
+The owner thread opens the store, appends and reads. ``sync`` and
+``checkpoint`` may run in one worker thread at the same time (group
+commit): they take ``_lock`` only to capture or publish state, never across
+an fsync, and ``_sync_lock`` serialises them with each other and with
+closing segment fds.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+
+import msgpack
+
+from .checkpoint import Checkpoint, read_checkpoint, write_checkpoint
+from .codec import EMPTY_PROPS, HEADER_SIZE, TAGS_PROPERTY, Message, Record, encode_parts, tag_hash
+from .commitlog import CommitLog
+from .consumequeue import ENTRY, ENTRY_SIZE, ConsumeQueue, Entry
+from .errors import RecordTooLargeError, StoreError, StoreLockedError
+from .files import fsync_dir
+from .model import AppendResult, GetResult, GetStatus, RecoveryReport, StoreConfig
+from .recovery import flush_all, load_queues, recover
+
+_packb = msgpack.packb
+_pack_entry = ENTRY.pack
+_MAX_QUEUE_ID = (1 << 31) - 1
+_MAX_TOPIC_BYTES = (1 << 16) - 1
+
+
+class Store:
+    def __init__(
+        self,
+        data_dir: str | os.PathLike,
+        config: StoreConfig = StoreConfig(),
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.data_dir = os.fspath(data_dir)
+        self.config = config
+        self._clock = clock
+        self._log: CommitLog | None = None
+        self._queues: dict[tuple[str, int], ConsumeQueue] = {}
+        self._dirty: set[ConsumeQueue] = set()  # queues with pending entries
+        self._topic_bytes: dict[str, bytes] = {}
+        self._lock = threading.Lock()  # state shared with the sync/checkpoint thread
+        self._sync_lock = threading.Lock()  # one sync or checkpoint at a time
+        self._lock_fd: int | None = None
+        self._last_ckpt: Checkpoint | None = None  # what the checkpoint file holds
+        self._limit = min(config.max_record_size, config.segment_size)
+        self._cq_root = os.path.join(self.data_dir, "consumequeue")
+
+    def __enter__(self) -> Store:
+        self.open()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- lifecycle ---------------------------------------------------------
+    def open(self) -> RecoveryReport:
+        """Lock the directory and recover it (docs/store-format.md, "Recovery").
+
+        A damaged tail is cut and reported, never raised; only a held lock
+        (StoreLockedError) or an I/O error (OSError) fails the open.
+        """
+        if self._log is not None:
+            raise StoreError("store is already open")
+        t0 = time.perf_counter()
+        os.makedirs(self.data_dir, exist_ok=True)
+        self._lock_fd = _take_lock(os.path.join(self.data_dir, "LOCK"))
+        try:
+            log = CommitLog(os.path.join(self.data_dir, "commitlog"))
+            log.open_files()
+            self._log = log
+            queues, dropped = load_queues(self._cq_root)
+            ckpt = self._last_ckpt = read_checkpoint(self._checkpoint_path)
+            rec = recover(log, queues, ckpt, self._cq_root, self.config.cq_entries_per_file)
+            self._queues = queues
+            log.durable = max(log.min_offset, min(ckpt.log_offset, log.end)) if ckpt else log.min_offset
+            flush_all(queues, self.config.cq_entries_per_file, fsync=True)
+            self.checkpoint()
+        except BaseException:
+            self._release()
+            raise
+        return RecoveryReport(
+            dropped_bytes=rec.dropped_bytes,
+            reason=rec.reason,
+            truncated_at=rec.truncated_at,
+            redispatched=rec.redispatched,
+            cq_entries_dropped=rec.cq_entries_dropped + dropped,
+            segments=len(log.segments),
+            max_offset=log.end,
+            duration_s=time.perf_counter() - t0,
+        )
+
+    def close(self) -> None:
+        """Flush, checkpoint and release the lock. Safe to call twice."""
+        if self._log is None:
+            return
+        try:
+            self.checkpoint()
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        with self._sync_lock:
+            if self._log is not None:
+                self._log.close()
+            for cq in self._queues.values():
+                cq.close()
+            self._log = None
+            self._queues = {}
+            self._dirty = set()
+            if self._lock_fd is not None:
+                os.close(self._lock_fd)  # releases the flock
+                self._lock_fd = None
+
+    @property
+    def _checkpoint_path(self) -> str:
+        return os.path.join(self.data_dir, "checkpoint")
+
+    def _open_log(self) -> CommitLog:
+        log = self._log
+        if log is None:
+            raise StoreError("store is not open")
+        return log
+
+    # ---- offsets -----------------------------------------------------------
+    @property
+    def durable_offset(self) -> int:
+        return self._open_log().durable
+
+    @property
+    def max_offset(self) -> int:
+        return self._open_log().end
+
+    @property
+    def min_offset(self) -> int:
+        return self._open_log().min_offset
+
+    # ---- appending ---------------------------------------------------------
+    def append(self, msgs: Sequence[Message]) -> list[AppendResult]:
+        """Append msgs as records: one pwrite per segment touched, page cache on return.
+
+        Queue offsets and store_ts are assigned here; consume-queue entries
+        are buffered in memory until the next checkpoint. Raises
+        RecordTooLargeError before writing anything, StoreFullError (after
+        rolling the whole batch back) when the disk is full.
+        """
+        log = self._open_log()
+        if not msgs:
+            return []
+        store_ts = int(self._clock() * 1000)
+        seg_size, limit = self.config.segment_size, self._limit
+        queues, topics = self._queues, self._topic_bytes
+        cur = log.segments[-1]
+        pos, used = cur.end, cur.length
+        group_start = pos
+        groups: list[tuple[int, bytes]] = []
+        parts: list[bytes] = []
+        nexts: dict[tuple[str, int], int] = {}
+        results: list[AppendResult] = []
+        dispatch: list[tuple[tuple[str, int], int, int, int]] = []
+        for m in msgs:
+            topic, qid, props, body = m.topic, m.queue_id, m.properties, m.body
+            tb = topics.get(topic)
+            if tb is None:
+                tb = self._topic(topic)
+            pb = _packb(props) if props else EMPTY_PROPS
+            total = HEADER_SIZE + len(tb) + len(pb) + len(body)
+            if total > limit:
+                raise RecordTooLargeError(f"record of {total} bytes exceeds the limit of {limit} bytes")
+            if used + total > seg_size and used:
+                groups.append((group_start, b"".join(parts)))
+                parts = []
+                group_start, used = pos, 0
+            key = (topic, qid)
+            q = nexts.get(key)
+            if q is None:
+                cq = queues.get(key)
+                q = cq.next if cq is not None else _check_queue_id(qid)
+            nexts[key] = q + 1
+            head, tail = encode_parts(pos, tb, qid, q, m.tx_type, m.born_ts, store_ts, m.prepared_offset, pb, body)
+            parts += (head, tail, tb, pb, body)
+            results.append(AppendResult(pos, total, q, store_ts))
+            tags = props.get(TAGS_PROPERTY) if props else None
+            dispatch.append((key, pos, total, tag_hash(tags) if tags else 0))
+            pos += total
+            used += total
+        groups.append((group_start, b"".join(parts)))
+        written = log.write_batch(groups)
+        with self._lock:
+            log.publish(written, store_ts)
+            dirty = self._dirty
+            for key, off, size, tag in dispatch:
+                cq = queues.get(key)
+                if cq is None:
+                    cq = queues[key] = ConsumeQueue(self._cq_root, key[0], key[1])
+                cq.pending += _pack_entry(off, size, tag)
+                cq.next += 1
+                dirty.add(cq)
+        return results
+
+    def _topic(self, topic: str) -> bytes:
+        if not topic or "/" in topic or "\0" in topic or topic in (".", ".."):
+            raise ValueError(f"invalid topic name {topic!r}")
+        tb = topic.encode()
+        if len(tb) > _MAX_TOPIC_BYTES:
+            raise ValueError("topic name too long")
+        if len(self._topic_bytes) > 100_000:
+            self._topic_bytes.clear()
+        self._topic_bytes[topic] = tb
+        return tb
+
+    # ---- durability --------------------------------------------------------
+    def sync(self) -> int:
+        """fsync the log up to what was written when called; returns the durable offset.
+
+        Safe from a worker thread while the owner thread appends and reads.
+        """
+        log = self._open_log()
+        with self._sync_lock:
+            with self._lock:
+                target, fds, dir_dirty = log.capture_sync()
+            self._fsync_log(log, fds, dir_dirty)
+            with self._lock:
+                durable = log.synced(target)
+            log.close_retired()
+            return durable
+
+    def _fsync_log(self, log: CommitLog, fds: list[int], dir_dirty: bool) -> None:
+        try:
+            for fd in fds:
+                os.fdatasync(fd)
+            if dir_dirty:
+                fsync_dir(log.dir)
+        except BaseException:
+            if dir_dirty:
+                log.dir_dirty = True
+            raise
+
+    def checkpoint(self) -> None:
+        """sync(), write and fsync buffered consume-queue entries, then replace the checkpoint file."""
+        log = self._open_log()
+        per_file = self.config.cq_entries_per_file
+        with self._sync_lock:
+            with self._lock:
+                target, fds, dir_dirty = log.capture_sync()
+                plans = [(cq, cq.plan_flush()) for cq in self._dirty]
+                self._dirty = set()
+            done = []
+            try:
+                self._fsync_log(log, fds, dir_dirty)
+                with self._lock:
+                    log.synced(target)
+                for cq, plan in plans:
+                    if plan is not None:
+                        base, data, last = plan
+                        done.append((cq, base, len(data) // ENTRY_SIZE, cq.write(base, data, last, per_file)))
+                for cq, _ in plans:
+                    cq.fsync()
+            finally:
+                with self._lock:
+                    for cq, base, count, new in done:
+                        cq.commit_flush(base, count, new)
+                    for cq, _ in plans:
+                        if cq.pending:
+                            self._dirty.add(cq)
+            ckpt = Checkpoint(target, target)
+            if ckpt != self._last_ckpt:  # an unchanged checkpoint costs no fsyncs
+                write_checkpoint(self._checkpoint_path, ckpt)
+                self._last_ckpt = ckpt
+            log.close_retired()
+
+    # ---- reading -----------------------------------------------------------
+    def read(self, offset: int) -> Record:
+        return self._open_log().read(offset)
+
+    def read_many(self, offsets: Sequence[int]) -> list[Record]:
+        return self._open_log().read_many(offsets)
+
+    def scan(self, start: int = 0, end: int | None = None) -> Iterator[Record]:
+        """Records from start (a record boundary, or below the log's start) up to end, in order."""
+        log = self._open_log()
+        return log._scan(start, log.end if end is None else end)
+
+    def queues(self) -> dict[str, list[int]]:
+        out: dict[str, list[int]] = {}
+        for topic, qid in sorted(self._queues):
+            out.setdefault(topic, []).append(qid)
+        return out
+
+    def queue_max_offset(self, topic: str, queue_id: int) -> int:
+        cq = self._queues.get((topic, queue_id))
+        return cq.next if cq is not None else 0
+
+    def queue_min_offset(self, topic: str, queue_id: int) -> int:
+        cq = self._queues.get((topic, queue_id))
+        if cq is None:
+            return 0
+        with self._lock:
+            return cq.min_offset(self._open_log().min_offset)
+
+    def cq_entries(self, topic: str, queue_id: int, start: int, max_count: int) -> list[Entry]:
+        """(commit-log offset, size, tag hash) for queue offsets [start, start + max_count).
+
+        Offsets that have no entry (past the end, or before the queue's first
+        file) are left out, so the list may start later than start.
+        """
+        cq = self._queues.get((topic, queue_id))
+        if cq is None or max_count <= 0:
+            return []
+        with self._lock:
+            return cq.entries(start, start + max_count)
+
+    def get_messages(
+        self, topic: str, queue_id: int, queue_offset: int, max_count: int = 32, max_bytes: int = 1 << 20
+    ) -> GetResult:
+        log = self._open_log()
+        cq = self._queues.get((topic, queue_id))
+        if cq is None:
+            return GetResult(GetStatus.NO_QUEUE, [], 0, 0, 0)
+        with self._lock:
+            lo, hi = cq.min_offset(log.min_offset), cq.next
+            if queue_offset < lo or queue_offset >= hi:
+                raw = b""
+            else:
+                raw = cq.read_raw(queue_offset, min(queue_offset + max(max_count, 1), hi))
+        if queue_offset < lo:
+            return GetResult(GetStatus.OFFSET_TOO_SMALL, [], lo, lo, hi)
+        if queue_offset >= hi:
+            status = GetStatus.NO_MESSAGE if queue_offset == hi else GetStatus.OFFSET_OVERFLOW
+            return GetResult(status, [], hi, lo, hi)
+        entries = []
+        total = 0
+        for off, size, _ in ENTRY.iter_unpack(raw):
+            if entries and total + size > max_bytes:
+                break
+            entries.append((off, size))
+            total += size
+        records = log._read_sized(entries)
+        return GetResult(GetStatus.FOUND, records, queue_offset + len(records), lo, hi)
+
+    # ---- retention ---------------------------------------------------------
+    def delete_expired(self, now: float, protect_from: int) -> list[str]:
+        """Delete leading segments older than retention_s and ending at or before protect_from.
+
+        Never deletes the current segment. Also deletes leading consume-queue
+        files whose entries all point below the new start of the log.
+        Returns the deleted files' paths relative to the data directory.
+        """
+        log = self._open_log()
+        cutoff_ms = (now - self.config.retention_s) * 1000
+        segs = log.segments
+        count = 0
+        while count < len(segs) - 1:
+            seg = segs[count]
+            ts = log.last_store_ts(seg) if seg.length else -1
+            if seg.end > protect_from or ts is None or ts >= cutoff_ms:
+                break
+            count += 1
+        if not count:
+            return []
+        deleted: list[str] = []
+        with self._lock:
+            gone = log.delete_front(count)
+            log_min = log.min_offset
+            for cq in self._queues.values():
+                deleted += cq.delete_files_below(log_min)
+        idle = self._sync_lock.acquire(blocking=False)
+        try:
+            for seg in gone:
+                log.retire(seg.fd, no_sync_running=idle)
+        finally:
+            if idle:
+                self._sync_lock.release()
+        root = self.data_dir
+        return [os.path.relpath(s.path, root) for s in gone] + [os.path.relpath(p, root) for p in deleted]
+
+
+def _check_queue_id(qid: int) -> int:
+    if not 0 <= qid <= _MAX_QUEUE_ID:
+        raise ValueError(f"queue id {qid} out of range")
+    return 0
+
+
+def _take_lock(path: str) -> int:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise StoreLockedError(f"{path} is held by another process") from None
+    except BaseException:
+        os.close(fd)
+        raise
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    return fd

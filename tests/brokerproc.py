@@ -1,0 +1,67 @@
+"""Run `txmq broker start` as a subprocess (for crash and CLI tests)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class BrokerProcess:
+    def __init__(self, data_dir: Path, *args: str, port: int | None = None, env: dict | None = None) -> None:
+        self.data_dir = Path(data_dir)
+        self.args = list(args)
+        self.port = port or free_port()
+        self.env = env
+        self.proc: subprocess.Popen | None = None
+        self.log = self.data_dir.parent / f"broker-{self.port}.log"
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 20.0) -> "BrokerProcess":
+        cmd = [sys.executable, "-m", "txmq", "broker", "start", "--data-dir", str(self.data_dir), "--port", str(self.port), *self.args]
+        env = {**os.environ, **(self.env or {})}
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(self.log, "ab"), env=env)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"broker exited with {self.proc.returncode}: {self.log.read_text()[-2000:]}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
+                    return self
+            except OSError:
+                time.sleep(0.05)
+        raise TimeoutError(f"broker did not start: {self.log.read_text()[-2000:]}")
+
+    def kill(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self, timeout: float = 20.0) -> int:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                return self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+                return -9
+        return self.proc.returncode if self.proc else 0
+
+    def __enter__(self) -> "BrokerProcess":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

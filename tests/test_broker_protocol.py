@@ -1,0 +1,161 @@
+"""Bad input on the wire: every bad frame gets an error; other connections carry on."""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+
+import msgpack
+import pytest
+
+from conftest import arun
+from txmq import wire
+from txmq.broker.testing import running_broker
+from txmq.wire import ErrorCode
+from wireclient import RawClient
+
+
+def frame(obj) -> bytes:
+    payload = msgpack.packb(obj, use_bin_type=True)
+    return struct.pack(">I", len(payload)) + payload
+
+
+async def reply_then_close(c: RawClient) -> wire.Frame:
+    f = await c.read_frame()
+    assert f is not None and f.kind == wire.REPLY
+    assert await c.read_frame() is None  # connection closed by the broker
+    return f
+
+
+BAD_FATAL = [
+    (b"\x00\x00\x00\x05garba", ErrorCode.MALFORMED_FRAME),
+    (b"\x00\x00\x00\x01\xc1", ErrorCode.MALFORMED_FRAME),  # 0xc1 is never valid msgpack
+    (frame({"not": "an array"}), ErrorCode.MALFORMED_FRAME),
+    (frame([0, 1, "send"]), ErrorCode.MALFORMED_FRAME),
+    (frame([9, 1, "send", {}]), ErrorCode.MALFORMED_FRAME),
+    (frame([0, -1, "send", {}]), ErrorCode.MALFORMED_FRAME),
+    (frame([0, 1, 42, {}]), ErrorCode.MALFORMED_FRAME),
+    (frame([0, 1, "send", [1, 2]]), ErrorCode.MALFORMED_FRAME),
+    (b"\xff\xff\xff\xff", ErrorCode.FRAME_TOO_LARGE),
+]
+
+
+@pytest.mark.parametrize("data,code", BAD_FATAL)
+def test_malformed_frame_gets_error_and_close_without_disturbing_others(tmp_path, data, code):
+    async def go():
+        async with running_broker(tmp_path / "d") as b:
+            good = await RawClient.open(b.address)
+            await good.ok("send", {"topic": "t", "body": b"before"})
+            bad = await RawClient.open(b.address)
+            bad.send_raw(data)
+            f = await reply_then_close(bad)
+            assert f.op == code and f.fields["error"]
+            r = await good.ok("send", {"topic": "t", "body": b"after"})
+            assert r["topic"] == "t"
+            await good.close()
+
+    arun(go())
+
+
+NON_FATAL = [
+    ("nope", {}, ErrorCode.UNKNOWN_OPERATION),
+    ("send", {"topic": 5, "body": b"x"}, ErrorCode.INVALID_TOPIC),
+    ("send", {"topic": "bad topic!", "body": b"x"}, ErrorCode.INVALID_TOPIC),
+    ("send", {"topic": "t", "body": 12}, ErrorCode.INVALID_FIELD),
+    ("send", {"topic": "t", "body": b"x", "properties": {"a": 1}}, ErrorCode.INVALID_FIELD),
+    ("send", {"topic": "t", "body": b"x", "queue_id": 99}, ErrorCode.NO_SUCH_QUEUE),
+    ("send", {"topic": "t", "body": b"x", "queue_id": "0"}, ErrorCode.INVALID_FIELD),
+    ("send", {"topic": "t", "body": b"x", "properties": {"TRAN_MSG": "true"}}, ErrorCode.INVALID_FIELD),
+    ("send_batch", {"topic": "t", "messages": []}, ErrorCode.INVALID_FIELD),
+    ("send_batch", {"topic": "t", "messages": [{"body": b"x", "properties": {"TRAN_MSG": "true", "PGROUP": "g"}}]}, ErrorCode.INVALID_FIELD),
+    ("pull", {"topic": "t", "queue_id": -1, "offset": 0}, ErrorCode.INVALID_FIELD),
+    ("pull", {"topic": "t", "queue_id": 0}, ErrorCode.INVALID_FIELD),
+    ("end_transaction", {"group": "g"}, ErrorCode.INVALID_FIELD),
+    ("commit_offset", {"group": "g", "topic": "t", "queue_id": 0, "offset": -5}, ErrorCode.INVALID_FIELD),
+    ("tx_resolve", {"action": "commit", "refs": [{}]}, ErrorCode.INVALID_FIELD),
+    ("config_set", {"key": "max_checks", "value": "x"}, ErrorCode.INVALID_CONFIG),
+]
+
+
+@pytest.mark.parametrize("op,fields,code", NON_FATAL)
+def test_bad_fields_get_error_reply_and_connection_stays(tmp_path, op, fields, code):
+    async def go():
+        async with running_broker(tmp_path / "d") as b:
+            c = await RawClient.open(b.address)
+            got, f = await c.req(op, fields)
+            assert got == code, f
+            assert f["name"] == ErrorCode(code).name and f["retriable"] is False
+            assert (await c.ok("heartbeat"))["time_ms"] > 0  # same connection still works
+            await c.close()
+
+    arun(go())
+
+
+def test_body_too_large(tmp_path):
+    async def go():
+        async with running_broker(tmp_path / "d", max_body=1024) as b:
+            c = await RawClient.open(b.address)
+            code, f = await c.req("send", {"topic": "t", "body": b"x" * 1025})
+            assert code == ErrorCode.BODY_TOO_LARGE
+            await c.close()
+
+    arun(go())
+
+
+def test_pipelined_requests_are_matched_by_id(tmp_path):
+    async def go():
+        async with running_broker(tmp_path / "d") as b:
+            c = await RawClient.open(b.address)
+            n = 500
+            c.send_raw(b"".join(wire.request(i + 1, "send", {"topic": "p", "body": str(i).encode(), "queue_id": 0}) for i in range(n)))
+            got = {}
+            while len(got) < n:
+                f = await c.read_frame()
+                got[f.id] = f.fields
+            offsets = [got[i + 1]["queue_offset"] for i in range(n)]
+            assert offsets == list(range(n))  # written in arrival order
+            await c.close()
+
+    arun(go())
+
+
+def test_auth_token_required(tmp_path):
+    async def go():
+        async with running_broker(tmp_path / "d", auth_token="s3cret") as b:
+            c = await RawClient.open(b.address)
+            c.send_raw(wire.request(1, "send", {"topic": "t", "body": b"x"}))
+            f = await reply_then_close(c)
+            assert f.op == ErrorCode.AUTH_REQUIRED
+            c = await RawClient.open(b.address)
+            c.send_raw(wire.request(1, "hello", {"token": "wrong"}))
+            f = await reply_then_close(c)
+            assert f.op == ErrorCode.AUTH_FAILED
+            c = await RawClient.open(b.address)
+            await c.ok("hello", {"token": "s3cret"})
+            await c.ok("send", {"topic": "t", "body": b"x"})
+            info = await c.ok("broker_info")
+            assert info["auth"] is True
+            assert (await c.ok("list_topics"))["topics"][0]["messages"] == 1  # only the authenticated send landed
+            await c.close()
+
+    arun(go())
+
+
+def test_long_poll_wakes_on_new_message(tmp_path):
+    async def go():
+        async with running_broker(tmp_path / "d") as b:
+            c = await RawClient.open(b.address)
+            await c.ok("create_topic", {"topic": "lp", "queues": 1})
+            p = await RawClient.open(b.address)
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+            poll = asyncio.create_task(p.req("pull", {"topic": "lp", "queue_id": 0, "offset": 0, "wait_ms": 5000}))
+            await asyncio.sleep(0.1)
+            await c.ok("send", {"topic": "lp", "body": b"wake"})
+            code, r = await poll
+            assert code == 0 and r["status"] == "found" and r["messages"][0]["body"] == b"wake"
+            assert loop.time() - t0 < 2
+            await c.close()
+            await p.close()
+
+    arun(go())

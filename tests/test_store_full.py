@@ -1,0 +1,98 @@
+"""StoreFullError: a failed write is rolled back completely and appends resume."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import pytest
+
+from txmq.store import Message, Store, StoreConfig, StoreFullError, TxType
+from txmq.store import commitlog
+
+SMALL = StoreConfig(segment_size=4096, cq_entries_per_file=7)
+
+
+def msg(qid=0, body=b"f" * 100):
+    return Message("T", qid, TxType.NORMAL, 1, {"TAGS": "x"}, body)
+
+
+class DiskFills:
+    """os.pwrite that writes part of what it is given once, then fails with ENOSPC."""
+
+    def __init__(self, real, after_calls=0, err=errno.ENOSPC):
+        self.real, self.after, self.err, self.calls = real, after_calls, err, 0
+
+    def __call__(self, fd, data, pos):
+        self.calls += 1
+        if self.calls <= self.after:
+            return self.real(fd, data, pos)
+        if self.calls == self.after + 1 and len(data) > 1:
+            return self.real(fd, memoryview(data)[: len(data) // 2], pos)  # a short write first
+        raise OSError(self.err, os.strerror(self.err))
+
+
+def snapshot(s, d):
+    files = {n: os.path.getsize(d / "commitlog" / n) for n in os.listdir(d / "commitlog")}
+    return s.max_offset, s.queue_max_offset("T", 0), s.queue_max_offset("T", 1), files
+
+
+@pytest.mark.parametrize("err", [errno.ENOSPC, errno.EDQUOT, errno.EFBIG])
+def test_store_full_rolls_back_and_appends_resume(tmp_path, monkeypatch, err):
+    d = tmp_path / "d"
+    s = Store(d, SMALL)
+    s.open()
+    try:
+        s.append([msg(qid=i % 2) for i in range(10)])
+        before = snapshot(s, d)
+        monkeypatch.setattr(commitlog.os, "pwrite", DiskFills(os.pwrite, err=err))
+        with pytest.raises(StoreFullError):
+            s.append([msg(qid=i % 2) for i in range(5)])
+        assert snapshot(s, d) == before
+        monkeypatch.undo()
+        res = s.append([msg(qid=1)])
+        assert res[0].queue_offset == 5 and res[0].commit_log_offset == before[0]
+        assert [r.queue_offset for r in s.get_messages("T", 1, 0, max_count=100).records] == list(range(6))
+    finally:
+        s.close()
+    s = Store(d, SMALL)
+    report = s.open()
+    s.close()
+    assert (report.dropped_bytes, report.redispatched) == (0, 0)
+
+
+def test_store_full_in_a_new_segment_removes_it(tmp_path, monkeypatch):
+    d = tmp_path / "d"
+    s = Store(d, SMALL)
+    s.open()
+    try:
+        s.append([msg() for _ in range(20)])
+        before = snapshot(s, d)
+        # the batch spans three segments: the first write succeeds, the second fails
+        monkeypatch.setattr(commitlog.os, "pwrite", DiskFills(os.pwrite, after_calls=1))
+        with pytest.raises(StoreFullError):
+            s.append([msg(body=b"g" * 1000) for _ in range(10)])
+        assert snapshot(s, d) == before
+        monkeypatch.undo()
+        big = s.append([msg(body=b"g" * 1000) for _ in range(10)])
+        assert big[0].queue_offset == 20 and big[0].commit_log_offset == before[0]
+        assert [r.body for r in s.scan(before[0])] == [b"g" * 1000] * 10
+    finally:
+        s.close()
+
+
+def test_other_write_errors_roll_back_and_propagate(tmp_path, monkeypatch):
+    d = tmp_path / "d"
+    s = Store(d, SMALL)
+    s.open()
+    try:
+        s.append([msg()])
+        before = snapshot(s, d)
+        monkeypatch.setattr(commitlog.os, "pwrite", DiskFills(os.pwrite, err=errno.EIO))
+        with pytest.raises(OSError) as info:
+            s.append([msg(), msg()])
+        assert not isinstance(info.value, StoreFullError) and info.value.errno == errno.EIO
+        assert snapshot(s, d) == before
+    finally:
+        monkeypatch.undo()
+        s.close()

@@ -1,0 +1,193 @@
+"""The txmq wire protocol: length-prefixed msgpack frames.
+
+Byte layout of one frame::
+
+    0  4  length   u32 big-endian, size of the payload that follows
+    4  ..  payload msgpack array, one of:
+           [0, id, op, fields]      request   (id: u32 > 0, op: str, fields: map)
+           [1, id, code, fields]    reply     (code 0 = ok, else an ErrorCode)
+           [2, 0, op, fields]       one-way push (broker -> client: check_transaction)
+
+Requests and replies are matched by ``id``; a connection may have many
+requests in flight and replies may come back in any order. Error replies
+carry ``{"error": str, "name": str, "retriable": bool}``.
+
+This module does no I/O, so the broker, the client and the tests share it.
+See docs/protocol.md for every operation and its fields.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any
+
+import msgpack
+
+REQUEST = 0
+REPLY = 1
+PUSH = 2
+
+HEADER = struct.Struct(">I")  # payload length
+DEFAULT_MAX_FRAME = 8 << 20
+PROTOCOL_VERSION = 1
+
+
+class ErrorCode(IntEnum):
+    OK = 0
+    MALFORMED_FRAME = 1
+    UNKNOWN_OPERATION = 2
+    INVALID_FIELD = 3
+    FRAME_TOO_LARGE = 4
+    BODY_TOO_LARGE = 5
+    INVALID_TOPIC = 6
+    SYSTEM_TOPIC = 7
+    NO_SUCH_QUEUE = 8
+    AUTH_REQUIRED = 9
+    AUTH_FAILED = 10
+    STORE_FULL = 11
+    STORE_ERROR = 12
+    SHUTTING_DOWN = 13
+    BUSY = 14
+    TX_NOT_FOUND = 20
+    TX_NOT_HALF = 21
+    TX_GROUP_MISMATCH = 22
+    TX_OFFSET_MISMATCH = 23
+    TX_CONFLICT = 24
+    TX_ID_MISMATCH = 25
+    NO_PRODUCER = 26
+    INVALID_CONFIG = 30
+    INTERNAL = 99
+
+
+RETRIABLE = frozenset({ErrorCode.STORE_FULL, ErrorCode.STORE_ERROR, ErrorCode.SHUTTING_DOWN, ErrorCode.BUSY})
+# After these the broker closes the connection: the byte stream cannot be trusted.
+FATAL = frozenset({ErrorCode.MALFORMED_FRAME, ErrorCode.FRAME_TOO_LARGE, ErrorCode.AUTH_REQUIRED, ErrorCode.AUTH_FAILED})
+
+
+class TxmqError(Exception):
+    """An error with a wire code; raised by the broker core, rebuilt by the client."""
+
+    code: ErrorCode = ErrorCode.INTERNAL
+
+    def __init__(self, message: str, code: ErrorCode | None = None, **fields: Any) -> None:
+        super().__init__(message)
+        if code is not None:
+            self.code = code
+        self.message = message
+        self.fields = fields
+
+    @property
+    def retriable(self) -> bool:
+        return self.code in RETRIABLE
+
+    def to_fields(self) -> dict[str, Any]:
+        return {"error": self.message, "name": self.code.name, "retriable": self.retriable, **self.fields}
+
+    @classmethod
+    def from_reply(cls, code: int, fields: dict[str, Any]) -> "TxmqError":
+        try:
+            ec = ErrorCode(code)
+        except ValueError:
+            ec = ErrorCode.INTERNAL
+        extra = {k: v for k, v in fields.items() if k not in ("error", "name", "retriable")}
+        return cls(str(fields.get("error", ec.name)), ec, **extra)
+
+    def __str__(self) -> str:
+        return f"{self.code.name}: {self.message}"
+
+
+class FrameError(TxmqError):
+    code = ErrorCode.MALFORMED_FRAME
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    kind: int
+    id: int
+    op: str | int  # op name for requests/pushes, error code for replies
+    fields: dict[str, Any]
+
+
+_packer = msgpack.Packer(use_bin_type=True)
+
+
+def encode(kind: int, id_: int, op: str | int, fields: dict[str, Any]) -> bytes:
+    payload = _packer.pack([kind, id_, op, fields])
+    return HEADER.pack(len(payload)) + payload
+
+
+def request(id_: int, op: str, fields: dict[str, Any]) -> bytes:
+    return encode(REQUEST, id_, op, fields)
+
+
+def reply(id_: int, fields: dict[str, Any], code: int = 0) -> bytes:
+    return encode(REPLY, id_, code, fields)
+
+
+def push(op: str, fields: dict[str, Any]) -> bytes:
+    return encode(PUSH, 0, op, fields)
+
+
+def parse_payload(payload: bytes | memoryview) -> Frame:
+    """Parse one frame's payload; raises FrameError on anything malformed."""
+    try:
+        obj = msgpack.unpackb(payload, raw=False, strict_map_key=True, use_list=True)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise FrameError(f"payload is not valid msgpack ({type(exc).__name__})") from None
+    if not isinstance(obj, list) or len(obj) != 4:
+        raise FrameError("payload must be an array [kind, id, op, fields]")
+    kind, id_, op, fields = obj
+    if kind not in (REQUEST, REPLY, PUSH):
+        raise FrameError(f"unknown frame kind {kind!r}")
+    if type(id_) is not int or not (0 <= id_ < 1 << 32):
+        raise FrameError("frame id must be an unsigned 32-bit integer")
+    if kind == REPLY:
+        if type(op) is not int:
+            raise FrameError("reply code must be an integer")
+    elif not isinstance(op, str):
+        raise FrameError("operation must be a string")
+    if fields is None:
+        fields = {}
+    if not isinstance(fields, dict):
+        raise FrameError("fields must be a map")
+    return Frame(kind, id_, op, fields)
+
+
+class FrameDecoder:
+    """Incremental splitter: feed bytes, get complete payloads.
+
+    Two-phase, like mini-redis: the length prefix is checked against the
+    limit before any payload is buffered, so a huge length is refused at
+    once instead of being waited for.
+    """
+
+    __slots__ = ("_buf", "max_frame")
+
+    def __init__(self, max_frame: int = DEFAULT_MAX_FRAME) -> None:
+        self._buf = bytearray()
+        self.max_frame = max_frame
+
+    def feed(self, data: bytes) -> list[bytes]:
+        buf = self._buf
+        buf += data
+        out: list[bytes] = []
+        pos = 0
+        n = len(buf)
+        while n - pos >= 4:
+            (length,) = HEADER.unpack_from(buf, pos)
+            if length > self.max_frame:
+                del buf[:pos]
+                raise TxmqError(f"frame of {length} bytes exceeds the {self.max_frame}-byte limit", ErrorCode.FRAME_TOO_LARGE)
+            if n - pos - 4 < length:
+                break
+            out.append(bytes(buf[pos + 4 : pos + 4 + length]))
+            pos += 4 + length
+        if pos:
+            del buf[:pos]
+        return out
+
+    @property
+    def buffered(self) -> int:
+        return len(self._buf)
