@@ -199,34 +199,46 @@ class CheckService:
             del ops[:i]
 
     async def _check(self, items: list[tuple[PendingTx, Any]], now_ms: int) -> None:
+        """Re-append each half with its check count + 1, then push a check-back for the copy."""
         core, idx = self.core, self.tx.index
         recs = core.store.read_many([p.cl_offset for p, _ in items])
         msgs = [half_copy(r, **{PROP_CHECK_TIMES: str(p.checks + 1)}) for (p, _), r in zip(items, recs)]
-        results = await core.append_written(msgs)
-        for (p, conn), msg, res in zip(items, msgs, results):
-            if idx.pending.get(p.tx_id) is not p:
-                continue  # decided while we were appending; the copy is stale and will be skipped
-            rec = as_record(msg, res)
-            idx.apply_half(rec)
-            p.last_check_at = now_ms
-            p.last_check_result = "sent"
-            conn.push("check_transaction", {
-                "group": p.group, "tx_id": p.tx_id, "commit_log_offset": rec.commit_log_offset,
-                "half_offset": rec.queue_offset, "message": record_to_map(rec),
-            })
-        core.metrics.inc("checks_sent", len(items))
+
+        def shape(results) -> None:
+            sent = 0
+            for (p, conn), msg, res in zip(items, msgs, results):
+                if idx.pending.get(p.tx_id) is not p:
+                    continue  # decided meanwhile; the copy is stale and later passes skip it
+                rec = as_record(msg, res)
+                idx.apply_half(rec)
+                self.tx.remember(rec)
+                p.last_check_at = now_ms
+                p.last_check_result = "sent"
+                conn.push("check_transaction", {
+                    "group": p.group, "tx_id": p.tx_id, "commit_log_offset": rec.commit_log_offset,
+                    "half_offset": rec.queue_offset, "message": record_to_map(rec),
+                })
+                sent += 1
+            core.metrics.counters["checks_sent"] += sent
+
+        await core.append_written(msgs, shape)
 
     async def _discard(self, items: list[tuple[PendingTx, str]]) -> None:
         core, idx = self.core, self.tx.index
         recs = core.store.read_many([p.cl_offset for p, _ in items])
         msgs = [self.tx.discard_message(r, reason) for (_, reason), r in zip(items, recs)]
-        results = await core.append_written(msgs)
-        for (p, reason), msg, res in zip(items, msgs, results):
-            if idx.pending.get(p.tx_id) is not p:
-                continue
-            idx.apply_discard(as_record(msg, res))
-            log.warning("event=discard tx_id=%s group=%s topic=%s checks=%d reason=%s", p.tx_id, p.group, p.topic, p.checks, reason)
-        core.metrics.inc("discarded", len(items))
+
+        def shape(results) -> None:
+            n = 0
+            for (p, reason), msg, res in zip(items, msgs, results):
+                if idx.pending.get(p.tx_id) is not p:
+                    continue
+                idx.apply_discard(as_record(msg, res))
+                n += 1
+                log.warning("event=discard tx_id=%s group=%s topic=%s checks=%d reason=%s", p.tx_id, p.group, p.topic, p.checks, reason)
+            core.metrics.counters["discarded"] += n
+
+        await core.append(msgs, shape)
 
     # ---- for listings ------------------------------------------------------
     def next_check_at(self, p: PendingTx) -> int | None:

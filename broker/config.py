@@ -69,7 +69,6 @@ class BrokerConfig:
     port: int = DEFAULT_PORT
     flush: str = "async"  # "sync" | "async"
     flush_interval_s: float = 0.5
-    flush_timeout_s: float = 10.0
     max_frame: int = 8 << 20
     max_body: int = 4 << 20
     max_inflight_per_conn: int = 1024

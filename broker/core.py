@@ -18,7 +18,7 @@ import os
 import time
 from collections import defaultdict
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from txmq import __version__
 from txmq.constants import PROP_UNIQ_KEY, is_system_topic
@@ -71,18 +71,28 @@ def record_to_map(rec: Record) -> dict[str, Any]:
 
 
 class Appender:
-    """Batches appends submitted in one loop iteration into one store.append."""
+    """Batches appends submitted in one loop iteration into one store.append.
+
+    ``submit`` returns a future and creates no task: ``shape`` turns the
+    append results into the caller's value right after the write (index
+    updates happen there, so they always match the log), and with
+    ``durable`` the future resolves only once the flusher has fsynced past
+    the batch (sync flush mode). A request on the hot path costs one future.
+    """
 
     def __init__(self, core: "BrokerCore") -> None:
         self.core = core
         self._batch: list[Message] = []
-        self._futs: list[tuple[asyncio.Future, int, int]] = []  # (future, start index, count)
+        self._subs: list[tuple[asyncio.Future, int, int, Callable[[list[AppendResult]], Any] | None, bool]] = []
         self._scheduled = False
 
-    def submit(self, msgs: Sequence[Message]) -> asyncio.Future:
+    def submit(self, msgs: Sequence[Message], shape: Callable[[list[AppendResult]], Any] | None = None, durable: bool = True) -> asyncio.Future:
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        self._futs.append((fut, len(self._batch), len(msgs)))
+        if self.core.shutting_down:
+            fut.set_exception(TxmqError("broker is shutting down", ErrorCode.SHUTTING_DOWN))
+            return fut
+        self._subs.append((fut, len(self._batch), len(msgs), shape, durable))
         self._batch.extend(msgs)
         if not self._scheduled:
             self._scheduled = True
@@ -91,37 +101,67 @@ class Appender:
 
     def _drain(self) -> None:
         self._scheduled = False
-        batch, futs = self._batch, self._futs
-        self._batch, self._futs = [], []
+        batch, subs = self._batch, self._subs
+        self._batch, self._subs = [], []
         if not batch:
             return
+        store = self.core.store
+        before = store.max_offset
         try:
-            results = self.core.store.append(batch)
+            results = store.append(batch)
         except Exception as exc:  # one bad batch must not kill the loop
-            err = self.core.store_error(exc)
-            if len(futs) > 1 and isinstance(exc, RecordTooLargeError):
+            if len(subs) > 1 and isinstance(exc, RecordTooLargeError):
                 # Retry each submission alone so only the offender fails.
-                for fut, start, count in futs:
+                for sub in subs:
+                    fut, start, count = sub[0], sub[1], sub[2]
                     try:
-                        res = self.core.store.append(batch[start : start + count])
+                        res = store.append(batch[start : start + count])
                     except Exception as exc2:
                         fut.set_exception(self.core.store_error(exc2))
                     else:
-                        self._done(fut, res)
+                        self._settle_written(sub, res)
                 return
-            for fut, _, _ in futs:
-                if not fut.done():
-                    fut.set_exception(err)
+            err = self.core.store_error(exc)
+            for sub in subs:
+                if not sub[0].done():
+                    sub[0].set_exception(err)
             return
-        for fut, start, count in futs:
-            self._done(fut, results[start : start + count])
+        m = self.core.metrics.counters
+        m["records_appended"] += len(results)
+        m["bytes_appended"] += store.max_offset - before
+        for sub in subs:
+            self._settle_written(sub, results[sub[1] : sub[1] + sub[2]])
+        self.core.notify_appended(results)
 
-    def _done(self, fut: asyncio.Future, results: list[AppendResult]) -> None:
-        core = self.core
-        core.metrics.appended(results)
-        core.notify_appended(results)
-        if not fut.done():
-            fut.set_result(results)
+    def _settle_written(self, sub, results: list[AppendResult]) -> None:
+        fut, _, _, shape, durable = sub
+        if fut.done():
+            return
+        try:
+            value = shape(results) if shape is not None else results
+        except Exception as exc:
+            fut.set_exception(self.core.store_error(exc))
+            return
+        if durable:
+            waiter = self.core.flusher.wait_durable(results[-1].end_offset)
+            if waiter is not None:
+                waiter.add_done_callback(lambda w: _settle_durable(fut, w, value))
+                return
+        fut.set_result(value)
+
+
+def _settle_durable(fut: asyncio.Future, waiter: asyncio.Future, value: Any) -> None:
+    if fut.done():
+        return
+    exc = waiter.exception()
+    if exc is None:
+        fut.set_result(value)
+        return
+    if isinstance(exc, TxmqError) and isinstance(value, dict):
+        # Written but not known durable: say which record, so a producer can end it.
+        extra = {k: value[k] for k in ("tx_id", "commit_log_offset", "half_offset") if k in value}
+        exc = TxmqError(exc.message, exc.code, **extra)
+    fut.set_exception(exc)
 
 
 class BrokerCore:
@@ -200,27 +240,13 @@ class BrokerCore:
         return TxmqError(f"internal error: {type(exc).__name__}", ErrorCode.INTERNAL)
 
     # ---- appending -------------------------------------------------------
-    async def append(self, msgs: Sequence[Message]) -> list[AppendResult]:
-        """Write msgs (one batch) and wait until durable per the flush policy."""
-        if self.shutting_down:
-            raise TxmqError("broker is shutting down", ErrorCode.SHUTTING_DOWN)
-        results = await self.appender.submit(msgs)
-        await self.wait_durable(results[-1].end_offset)
-        return results
+    def append(self, msgs: Sequence[Message], shape: Callable[[list[AppendResult]], Any] | None = None) -> asyncio.Future:
+        """Write msgs (one batch); the future resolves once durable per the flush policy."""
+        return self.appender.submit(msgs, shape, durable=True)
 
-    async def append_written(self, msgs: Sequence[Message]) -> list[AppendResult]:
-        """Write msgs; returns once written (not necessarily durable)."""
-        if self.shutting_down:
-            raise TxmqError("broker is shutting down", ErrorCode.SHUTTING_DOWN)
-        return await self.appender.submit(msgs)
-
-    async def wait_durable(self, end_offset: int) -> None:
-        fut = self.flusher.wait_durable(end_offset)
-        if fut is not None:
-            try:
-                await asyncio.wait_for(asyncio.shield(fut), self.config.flush_timeout_s)
-            except asyncio.TimeoutError:
-                raise TxmqError("flush timed out: the record was written but is not known to be durable", ErrorCode.STORE_ERROR) from None
+    def append_written(self, msgs: Sequence[Message], shape: Callable[[list[AppendResult]], Any] | None = None) -> asyncio.Future:
+        """Write msgs; the future resolves once written (not necessarily durable)."""
+        return self.appender.submit(msgs, shape, durable=False)
 
     def pick_queue(self, topic: str, queue_id: int | None) -> int:
         n, _ = self.topics.ensure(topic)

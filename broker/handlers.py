@@ -158,15 +158,17 @@ def send_batch(core, conn, f: dict) -> Reply:
     return _send_plain(core, msgs, single=False)
 
 
-async def _send_plain(core, msgs: list[Message], single: bool) -> dict[str, Any]:
-    results = await core.append(msgs)
-    core.metrics.inc("messages_sent", len(results))
-    rows = [
-        {"msg_id": m.properties.get("UNIQ_KEY") or f"{r.commit_log_offset:016X}", "topic": m.topic, "queue_id": m.queue_id,
-         "queue_offset": r.queue_offset, "commit_log_offset": r.commit_log_offset}
-        for m, r in zip(msgs, results)
-    ]
-    return rows[0] if single else {"results": rows}
+def _send_plain(core, msgs: list[Message], single: bool) -> Reply:
+    def shape(results) -> dict[str, Any]:
+        core.metrics.counters["messages_sent"] += len(results)
+        rows = [
+            {"msg_id": m.properties.get("UNIQ_KEY") or f"{r.commit_log_offset:016X}", "topic": m.topic, "queue_id": m.queue_id,
+             "queue_offset": r.queue_offset, "commit_log_offset": r.commit_log_offset}
+            for m, r in zip(msgs, results)
+        ]
+        return rows[0] if single else {"results": rows}
+
+    return core.append(msgs, shape)
 
 
 # ---- transactions ----------------------------------------------------------
@@ -204,7 +206,8 @@ def commit_offset(core, conn, f: dict) -> Reply:
 
 
 def fetch_offsets(core, conn, f: dict) -> Reply:
-    return {"offsets": core.fetch_offsets(req_str(f, "group"), canonical_topic(req_str(f, "topic")))}
+    offsets = core.fetch_offsets(req_str(f, "group"), canonical_topic(req_str(f, "topic")))
+    return {"offsets": {str(q): off for q, off in offsets.items()}}  # msgpack map keys are strings
 
 
 def create_topic(core, conn, f: dict) -> Reply:

@@ -7,7 +7,6 @@ Prometheus endpoint and `txmq stats` read snapshots of them.
 from __future__ import annotations
 
 from collections import Counter
-from typing import Sequence
 
 
 class Metrics:
@@ -23,11 +22,6 @@ class Metrics:
 
     def inc(self, name: str, n: int = 1) -> None:
         self.counters[name] += n
-
-    def appended(self, results: Sequence) -> None:
-        c = self.counters
-        c["records_appended"] += len(results)
-        c["bytes_appended"] += sum(r.size for r in results)
 
     def flush_latency(self, seconds: float) -> None:
         self.flush_count += 1

@@ -42,8 +42,22 @@ log = logging.getLogger("txmq.tx")
 SOURCES = ("producer", "check", "operator")
 
 
-def new_tx_id() -> str:
-    return os.urandom(16).hex().upper()
+class TxIds:
+    """Transaction ids: 16 random hex digits per broker run + a 16-digit counter.
+
+    Unique across restarts (the random prefix) and ~20x cheaper than uuid4.
+    """
+
+    def __init__(self) -> None:
+        self.prefix = os.urandom(8).hex().upper()
+        self.n = 0
+
+    def __call__(self) -> str:
+        self.n += 1
+        return f"{self.prefix}{self.n:016X}"
+
+
+HALF_CACHE_ENTRIES = 32768
 
 
 def as_record(msg: Message, res: AppendResult) -> Record:
@@ -67,10 +81,20 @@ class TransactionService:
     def __init__(self, core, index: TxIndex) -> None:
         self.core = core
         self.index = index
+        self.new_tx_id = TxIds()
         self._deciding: dict[str, asyncio.Future] = {}
+        # Recently stored half records by commit-log offset, so the common
+        # end_transaction needs no read; bounded (oldest evicted first).
+        self._half_cache: dict[int, Record] = {}
+
+    def remember(self, rec: Record) -> None:
+        cache = self._half_cache
+        cache[rec.commit_log_offset] = rec
+        if len(cache) > HALF_CACHE_ENTRIES:
+            del cache[next(iter(cache))]
 
     # ---- step 1: half messages --------------------------------------------
-    async def send_half(self, topic: str, queue_id: int | None, body: bytes, props: dict[str, str], born_ts: int) -> dict[str, Any]:
+    def send_half(self, topic: str, queue_id: int | None, body: bytes, props: dict[str, str], born_ts: int) -> asyncio.Future:
         group = props.get(PROP_PGROUP)
         if not group:
             raise TxmqError("a transactional message needs a producer group (PGROUP)", ErrorCode.INVALID_FIELD)
@@ -78,7 +102,7 @@ class TransactionService:
         qid = core.pick_queue(topic, queue_id)
         props = dict(props)
         props.pop(PROP_DELAY, None)  # delay levels do not apply to transactional messages
-        tx_id = props.get(PROP_UNIQ_KEY) or new_tx_id()
+        tx_id = props.get(PROP_UNIQ_KEY) or self.new_tx_id()
         if self.index.outcome(tx_id) is not None or tx_id in self._deciding:
             raise TxmqError(f"transaction id {tx_id} is already in use", ErrorCode.INVALID_FIELD)
         props[PROP_UNIQ_KEY] = tx_id
@@ -86,17 +110,25 @@ class TransactionService:
         props[PROP_REAL_TOPIC] = topic
         props[PROP_REAL_QID] = str(qid)
         msg = Message(HALF_TOPIC, 0, TxType.PREPARED, born_ts, props, body)
-        (res,) = await core.append_written([msg])
-        self.index.apply_half(as_record(msg, res))
-        core.metrics.inc("half_stored")
-        await core.wait_durable(res.end_offset)
-        return {
-            "msg_id": tx_id, "tx_id": tx_id, "topic": topic, "queue_id": qid,
-            "half_offset": res.queue_offset, "commit_log_offset": res.commit_log_offset,
-        }
+
+        def shape(results: list[AppendResult]) -> dict[str, Any]:
+            res = results[0]
+            rec = as_record(msg, res)
+            self.index.apply_half(rec)
+            self.remember(rec)
+            core.metrics.counters["half_stored"] += 1
+            return {
+                "msg_id": tx_id, "tx_id": tx_id, "topic": topic, "queue_id": qid,
+                "half_offset": res.queue_offset, "commit_log_offset": res.commit_log_offset,
+            }
+
+        return core.append([msg], shape)
 
     # ---- step 3: end transaction ------------------------------------------
     def read_half(self, cl_offset: int) -> Record:
+        rec = self._half_cache.get(cl_offset)
+        if rec is not None:
+            return rec
         store = self.core.store
         if cl_offset < store.min_offset or cl_offset >= store.max_offset:
             raise TxmqError(f"no half message at commit-log offset {cl_offset}", ErrorCode.TX_NOT_FOUND)
@@ -108,9 +140,9 @@ class TransactionService:
             raise TxmqError(f"the message at commit-log offset {cl_offset} is not a half message (topic {rec.topic})", ErrorCode.TX_NOT_HALF)
         return rec
 
-    async def end_transaction(
+    def end_transaction(
         self, group: str, tx_id: str, cl_offset: int, half_offset: int, state: str, source: str
-    ) -> dict[str, Any]:
+    ) -> dict[str, Any] | asyncio.Future:
         rec = self.read_half(cl_offset)
         props = rec.properties
         if props.get(PROP_PGROUP) != group:
@@ -119,11 +151,11 @@ class TransactionService:
             raise TxmqError(f"half offset {half_offset} does not match the half message's offset {rec.queue_offset}", ErrorCode.TX_OFFSET_MISMATCH)
         if props.get(PROP_UNIQ_KEY) != tx_id:
             raise TxmqError(f"transaction id {tx_id!r} does not match the half message's {props.get(PROP_UNIQ_KEY)!r}", ErrorCode.TX_ID_MISMATCH)
-        m = self.core.metrics
+        m = self.core.metrics.counters
         if source == "check":
-            m.inc("checks_answered")
+            m["checks_answered"] += 1
         if state == "unknown":
-            m.inc("unknown_answers")
+            m["unknown_answers"] += 1
             p = self.index.pending.get(tx_id)
             if p is not None and source == "check":
                 p.last_check_result = "unknown"
@@ -131,50 +163,79 @@ class TransactionService:
             return {"status": "noop", "outcome": (out or Outcome.PENDING).label}
         if state not in ("commit", "rollback"):
             raise TxmqError(f"state must be commit, rollback or unknown, not {state!r}", ErrorCode.INVALID_FIELD)
-        return await self.decide(rec, state == "commit", source)
+        if source == "check":
+            p = self.index.pending.get(tx_id)
+            if p is not None:
+                p.last_check_result = state
+        return self.decide(rec, state == "commit", source)
 
-    async def decide(self, rec: Record, commit: bool, source: str, allow_discarded: bool = False) -> dict[str, Any]:
-        """Commit or roll back the transaction of half record `rec`, at most once."""
+    def decide(self, rec: Record, commit: bool, source: str, allow_discarded: bool = False) -> asyncio.Future:
+        """Commit or roll back the transaction of half record `rec`, at most once.
+
+        Returns a future of the reply. The outcome is entered in the index
+        as soon as the records are written, before the fsync, so a
+        concurrent duplicate sees it; a duplicate that arrives while the
+        write is pending waits for it (``_deciding``).
+        """
         tx_id = rec.properties[PROP_UNIQ_KEY]
-        while (inflight := self._deciding.get(tx_id)) is not None:
-            await asyncio.shield(inflight)
+        inflight = self._deciding.get(tx_id)
+        if inflight is not None:
+            return asyncio.ensure_future(self._decide_after(inflight, rec, commit, source, allow_discarded))
+        loop = asyncio.get_running_loop()
         want = Outcome.COMMITTED if commit else Outcome.ROLLED_BACK
         d = self.index.decided.get(tx_id)
         if d is not None and not (allow_discarded and d.outcome is Outcome.DISCARDED):
+            fut = loop.create_future()
             if d.outcome is want:
-                return self._already(d)
-            verb = "commit" if commit else "roll back"
-            raise TxmqError(f"cannot {verb} transaction {tx_id}: it was already {d.outcome.label.replace('_', ' ')}", ErrorCode.TX_CONFLICT, outcome=d.outcome.label)
+                fut.set_result(self._already(d))
+            else:
+                verb = "commit" if commit else "roll back"
+                fut.set_exception(TxmqError(f"cannot {verb} transaction {tx_id}: it was already {d.outcome.label.replace('_', ' ')}",
+                                            ErrorCode.TX_CONFLICT, outcome=d.outcome.label))
+            return fut
         if d is None and tx_id not in self.index.pending:
-            raise TxmqError(f"transaction {tx_id} is not known to the broker", ErrorCode.TX_NOT_FOUND)
-        fut = asyncio.get_running_loop().create_future()
-        self._deciding[tx_id] = fut
-        try:
-            msgs = []
-            if commit:
-                msgs.append(self._rebuild(rec))
-            msgs.append(self._op(rec, commit, source))
-            results = await self.core.append_written(msgs)
-            op_rec = as_record(msgs[-1], results[-1])
-            self.index.apply_op(op_rec)
-            self._count_decision(rec, commit, source)
-        finally:
-            del self._deciding[tx_id]
-            fut.set_result(None)
-        await self.core.wait_durable(results[-1].end_offset)
-        reply: dict[str, Any] = {"status": "ok", "outcome": want.label}
+            fut = loop.create_future()
+            fut.set_exception(TxmqError(f"transaction {tx_id} is not known to the broker", ErrorCode.TX_NOT_FOUND))
+            return fut
+        msgs = []
         if commit:
-            c = results[0]
-            reply.update(commit_log_offset=c.commit_log_offset, queue_offset=c.queue_offset,
-                         topic=msgs[0].topic, queue_id=msgs[0].queue_id)
-        return reply
+            msgs.append(self._rebuild(rec))
+        msgs.append(self._op(rec, commit, source))
+        gate = loop.create_future()
+        self._deciding[tx_id] = gate
+
+        def shape(results: list[AppendResult]) -> dict[str, Any]:
+            self._release(tx_id, gate)
+            self.index.apply_op(as_record(msgs[-1], results[-1]))
+            self._half_cache.pop(rec.commit_log_offset, None)
+            self._count_decision(rec, commit, source)
+            reply: dict[str, Any] = {"status": "ok", "outcome": want.label}
+            if commit:
+                c = results[0]
+                reply.update(commit_log_offset=c.commit_log_offset, queue_offset=c.queue_offset,
+                             topic=msgs[0].topic, queue_id=msgs[0].queue_id)
+            return reply
+
+        fut = self.core.append(msgs, shape)
+        fut.add_done_callback(lambda _f: self._release(tx_id, gate))  # the write failed: let waiters retry
+        return fut
+
+    def _release(self, tx_id: str, gate: asyncio.Future) -> None:
+        if self._deciding.get(tx_id) is gate:
+            del self._deciding[tx_id]
+        if not gate.done():
+            gate.set_result(None)
+
+    async def _decide_after(self, inflight: asyncio.Future, rec: Record, commit: bool, source: str, allow_discarded: bool) -> dict[str, Any]:
+        await asyncio.shield(inflight)
+        return await self.decide(rec, commit, source, allow_discarded)
 
     def _already(self, d: Decided) -> dict[str, Any]:
         return {"status": "already", "outcome": d.outcome.label, "decided_by": d.decided_by}
 
     def _count_decision(self, rec: Record, commit: bool, source: str) -> None:
         m = self.core.metrics
-        m.inc(f"{'committed' if commit else 'rolled_back'}_{source}")
+        m.counters[f"{'committed' if commit else 'rolled_back'}_{source}"] += 1
         m.decided(max(0.0, self.core.clock() - rec.born_ts / 1000.0))
         if source == "operator":
             log.info("event=operator_%s tx_id=%s group=%s topic=%s", "commit" if commit else "rollback",
@@ -311,9 +372,7 @@ class TransactionService:
                     rec = self.core.store.read(d.cl_offset)
                     if to == "half":
                         msg = half_copy(rec, **{PROP_CHECK_TIMES: "0", PROP_REPLAYED: "1"})
-                        (res,) = await self.core.append_written([msg])
-                        self.index.apply_half(as_record(msg, res))
-                        await self.core.wait_durable(res.end_offset)
+                        await self.core.append([msg], lambda results: self._replayed(msg, results[0]))
                     else:
                         await self.decide(rec, True, "operator", allow_discarded=True)
                     self.core.metrics.inc("replayed")
@@ -323,6 +382,11 @@ class TransactionService:
                 row.update(status={ErrorCode.TX_CONFLICT: "conflict", ErrorCode.TX_NOT_FOUND: "not_found"}.get(e.code, "error"), message=e.message)
             out.append(row)
         return out
+
+    def _replayed(self, msg: Message, res: AppendResult) -> None:
+        rec = as_record(msg, res)
+        self.index.apply_half(rec)
+        self.remember(rec)
 
     def _find_discarded(self, ref: dict[str, Any]) -> tuple[str, Decided | None]:
         if ref.get("tx_id") is not None:

@@ -1,0 +1,651 @@
+"""Connections to a txmq broker: one socket (`Connection`) and a reconnecting session (`Client`).
+
+`Connection` is an `asyncio.Protocol`: requests are futures keyed by frame
+id, so any number can be in flight and replies may come back in any order;
+nothing in the request path creates a task. Frames issued in the same loop
+iteration leave in one `transport.write`. Pushes (`[2, 0, op, fields]`) go
+to a handler called on the loop.
+
+`Client` owns at most one `Connection` at a time. When the broker goes away
+it reconnects with backoff (50 ms doubling to 2 s) and sends `hello` again
+with its groups, so a transactional producer is registered again and
+check-backs find it after a broker restart. A request that is merely waiting
+for a connection is sent once one is back; a request that was already on
+the wire when the connection dropped is retried only when it is safe to
+repeat (`SAFE_TO_RETRY`), never a `send`.
+
+Errors: a broker error reply is rebuilt with `TxmqError.from_reply`. A lost
+connection fails every request in flight with `ConnectionLost`, a
+`TxmqError` with code `SHUTTING_DOWN` (so ``retriable`` is true): the
+request may or may not have reached the broker. Using a closed `Client`
+raises `ClientClosed` (same code, but not retriable).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from txmq import wire
+from txmq.constants import DEFAULT_HOST, DEFAULT_PORT
+from txmq.wire import ErrorCode, TxmqError
+
+log = logging.getLogger("txmq.client")
+
+PushHandler = Callable[[str, dict[str, Any]], None]
+
+DEFAULT_ADDRESS = f"{DEFAULT_HOST}:{DEFAULT_PORT}"
+# Replies can hold a whole pull batch; the broker is trusted more than a peer.
+CLIENT_MAX_FRAME = 64 << 20
+
+# Operations that may be repeated after a connection drop without changing
+# the outcome. `end_transaction` belongs here because the broker keeps one
+# outcome per transaction and answers a repeat with status "already".
+SAFE_TO_RETRY = frozenset(
+    {
+        "hello",
+        "heartbeat",
+        "broker_info",
+        "pull",
+        "fetch_offsets",
+        "list_topics",
+        "create_topic",
+        "config_get",
+        "stats",
+        "tx_pending",
+        "tx_offsets",
+        "discard_list",
+        "end_transaction",
+    }
+)
+
+
+class ConnectionLost(TxmqError):
+    """The connection dropped (or could not be made); retriable.
+
+    A request that fails with this may or may not have been carried out.
+    """
+
+    code = ErrorCode.SHUTTING_DOWN
+
+
+class ClientClosed(ConnectionLost):
+    """The client was closed by its owner; retrying will not help."""
+
+    @property
+    def retriable(self) -> bool:
+        return False
+
+
+def parse_address(address: str, default_port: int = DEFAULT_PORT) -> tuple[str, int]:
+    """Split "host:port" (or "host", "[::1]:port", ":port") into (host, port)."""
+    address = address.strip()
+    if not address:
+        return DEFAULT_HOST, default_port
+    if address.startswith("["):
+        host, sep, rest = address[1:].partition("]")
+        if not sep:
+            raise ValueError(f"bad address {address!r}: missing ']'")
+        port = rest[1:] if rest.startswith(":") else ""
+        if rest and not rest.startswith(":"):
+            raise ValueError(f"bad address {address!r}")
+    elif address.count(":") == 1:
+        host, port = address.split(":")
+    elif ":" in address:  # a bare IPv6 address
+        host, port = address, ""
+    else:
+        host, port = address, ""
+    host = host or DEFAULT_HOST
+    if not port:
+        return host, default_port
+    try:
+        p = int(port)
+    except ValueError:
+        raise ValueError(f"bad port in address {address!r}") from None
+    if not 0 < p < 65536:
+        raise ValueError(f"port out of range in address {address!r}")
+    return host, p
+
+
+def default_client_id() -> str:
+    return f"{socket.gethostname()}@{os.getpid()}@{os.urandom(3).hex()}"
+
+
+class Connection(asyncio.Protocol):
+    """One socket to a broker. Create with `connect()` / `Connection.connect()`."""
+
+    def __init__(
+        self,
+        push_handler: PushHandler | None = None,
+        on_lost: Callable[["Connection", BaseException | None], None] | None = None,
+        max_frame: int = CLIENT_MAX_FRAME,
+    ) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._push_handler = push_handler
+        self._on_lost = on_lost
+        self._decoder = wire.FrameDecoder(max_frame)
+        self._pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        # Timeouts without a timer per request: deadlines of requests in flight,
+        # swept by one timer set for the earliest of them.
+        self._deadlines: dict[int, tuple[float, str, float]] = {}
+        self._sweep: asyncio.TimerHandle | None = None
+        self._sweep_at = 0.0
+        self._next_id = 0
+        self._transport: asyncio.Transport | None = None
+        self._wbuf: list[bytes] = []
+        self._flush_handle: asyncio.Handle | None = None
+        self._paused = False
+        self._resumed: asyncio.Future[None] | None = None
+        self._closed = False
+        self._close_reason: TxmqError | None = None
+        self.lost = self._loop.create_future()  # resolves once the socket is gone
+        self.peer = "?"
+        self.hello: dict[str, Any] = {}
+
+    # ---- establishing -------------------------------------------------
+
+    @classmethod
+    async def connect(
+        cls,
+        host: str = DEFAULT_HOST,
+        port: int = DEFAULT_PORT,
+        *,
+        token: str | None = None,
+        client_id: str | None = None,
+        producer_groups: Iterable[str] = (),
+        consumer_groups: Iterable[str] = (),
+        push_handler: PushHandler | None = None,
+        on_lost: Callable[["Connection", BaseException | None], None] | None = None,
+        timeout: float | None = 10.0,
+    ) -> "Connection":
+        """Open a socket and send `hello` (with the token when given) before anything else."""
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(timeout):
+                _, conn = await loop.create_connection(lambda: cls(push_handler, on_lost), host, port)
+        except (OSError, TimeoutError) as exc:
+            raise ConnectionLost(f"cannot connect to {host}:{port}: {exc or type(exc).__name__}") from exc
+        hello: dict[str, Any] = {"client_id": client_id or default_client_id()}
+        if token is not None:
+            hello["token"] = token
+        if groups := list(producer_groups):
+            hello["producer_groups"] = groups
+        if groups := list(consumer_groups):
+            hello["consumer_groups"] = groups
+        try:
+            conn.hello = await conn.request("hello", hello, timeout)
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]  # uvloop's are not asyncio.Transport subclasses
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+            except OSError:
+                pass
+        peer = transport.get_extra_info("peername")
+        if peer:
+            self.peer = f"{peer[0]}:{peer[1]}"
+
+    # ---- requests -----------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._pending)
+
+    def send_request(self, op: str, fields: dict[str, Any], timeout: float | None = None) -> asyncio.Future[dict[str, Any]]:
+        """Queue a request and return the future of its reply fields (no task, no await)."""
+        if self._closed:
+            raise self._lost_error()
+        pending = self._pending
+        i = self._next_id
+        while True:
+            i = i + 1 if i < 0xFFFFFFFF else 1
+            if i not in pending:
+                break
+        self._next_id = i
+        fut = self._loop.create_future()
+        pending[i] = fut
+        self._wbuf.append(wire.request(i, op, fields))
+        if self._flush_handle is None:
+            self._flush_handle = self._loop.call_soon(self._flush)
+        if timeout is not None:
+            deadline = self._loop.time() + timeout
+            self._deadlines[i] = (deadline, op, timeout)
+            if self._sweep is None or deadline < self._sweep_at:
+                self._schedule_sweep(deadline)
+        return fut
+
+    async def request(self, op: str, fields: dict[str, Any] | None = None, timeout: float | None = None) -> dict[str, Any]:
+        """Send one request; return its reply fields or raise the rebuilt `TxmqError`."""
+        return await self.send_request(op, {} if fields is None else fields, timeout)
+
+    def _schedule_sweep(self, when: float) -> None:
+        if self._sweep is not None:
+            self._sweep.cancel()
+        self._sweep_at = when
+        self._sweep = self._loop.call_at(when + 0.005, self._expire)
+
+    def _expire(self) -> None:
+        self._sweep = None
+        now = self._loop.time()
+        pending = self._pending
+        expired = [i for i, (deadline, _, _) in self._deadlines.items() if deadline <= now]
+        for i in expired:
+            _, op, timeout = self._deadlines.pop(i)
+            fut = pending.pop(i, None)
+            if fut is not None and not fut.done():
+                fut.set_exception(TimeoutError(f"{op} got no reply within {timeout:g} s"))
+        if self._deadlines:
+            self._schedule_sweep(min(d for d, _, _ in self._deadlines.values()))
+
+    def _flush(self) -> None:
+        self._flush_handle = None
+        buf = self._wbuf
+        if not buf or self._transport is None or self._closed:
+            return
+        self._wbuf = []
+        self._transport.write(buf[0] if len(buf) == 1 else b"".join(buf))
+
+    def pause_writing(self) -> None:
+        self._paused = True
+
+    def resume_writing(self) -> None:
+        self._paused = False
+        if self._resumed is not None and not self._resumed.done():
+            self._resumed.set_result(None)
+        self._resumed = None
+
+    async def drain(self) -> None:
+        """Wait while the transport's write buffer is over its high-water mark."""
+        if self._paused and not self._closed:
+            if self._resumed is None:
+                self._resumed = self._loop.create_future()
+            await asyncio.wait([self._resumed, self.lost], return_when=asyncio.FIRST_COMPLETED)
+
+    @property
+    def writing_paused(self) -> bool:
+        return self._paused
+
+    # ---- incoming -----------------------------------------------------
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            payloads = self._decoder.feed(data)
+        except TxmqError as exc:
+            self._abort(exc)
+            return
+        pending = self._pending
+        deadlines = self._deadlines
+        for payload in payloads:
+            try:
+                frame = wire.parse_payload(payload)
+            except TxmqError as exc:
+                self._abort(exc)
+                return
+            if frame.kind == wire.REPLY:
+                fut = pending.pop(frame.id, None)
+                if deadlines:
+                    deadlines.pop(frame.id, None)
+                if fut is None:
+                    if frame.id == 0 and frame.op:  # connection-level error; the broker will close
+                        self._close_reason = TxmqError.from_reply(frame.op, frame.fields)  # type: ignore[arg-type]
+                    continue
+                if fut.done():
+                    continue
+                if frame.op == 0:
+                    fut.set_result(frame.fields)
+                else:
+                    fut.set_exception(TxmqError.from_reply(frame.op, frame.fields))  # type: ignore[arg-type]
+            elif frame.kind == wire.PUSH:
+                if self._push_handler is None:
+                    log.warning("push %r from %s ignored: no handler", frame.op, self.peer)
+                    continue
+                try:
+                    self._push_handler(frame.op, frame.fields)  # type: ignore[arg-type]
+                except Exception:
+                    log.exception("push handler failed for %r", frame.op)
+            # a request from the broker is not part of the protocol: ignored
+
+    def _abort(self, exc: TxmqError) -> None:
+        log.error("bad data from %s: %s; closing", self.peer, exc)
+        self._close_reason = exc
+        if self._transport is not None:
+            self._transport.abort()
+
+    def eof_received(self) -> bool:
+        return False  # close our side too
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._closed = True
+        self._transport = None
+        self._wbuf.clear()
+        if self._flush_handle is not None:
+            self._flush_handle.cancel()
+            self._flush_handle = None
+        if self._sweep is not None:
+            self._sweep.cancel()
+            self._sweep = None
+        self._deadlines.clear()
+        err = self._lost_error(exc)
+        pending, self._pending = self._pending, {}
+        for fut in pending.values():
+            if not fut.done():
+                fut.set_exception(err)
+        if not self.lost.done():
+            self.lost.set_result(None)
+        self.resume_writing()
+        if self._on_lost is not None:
+            self._on_lost(self, exc)
+
+    def _lost_error(self, exc: BaseException | None = None) -> ConnectionLost:
+        reason = self._close_reason or exc
+        detail = f": {reason}" if reason else ""
+        return ConnectionLost(f"connection to {self.peer} lost{detail}")
+
+    def close(self) -> None:
+        """Flush what is queued and close; requests in flight fail with `ConnectionLost`."""
+        if self._transport is not None and not self._closed:
+            self._flush()
+            self._transport.close()
+
+    async def wait_closed(self) -> None:
+        await asyncio.shield(self.lost)
+
+
+connect = Connection.connect
+
+
+class Client:
+    """A reconnecting session with one broker: what producers and consumers build on."""
+
+    def __init__(
+        self,
+        address: str = DEFAULT_ADDRESS,
+        *,
+        token: str | None = None,
+        client_id: str | None = None,
+        producer_groups: Iterable[str] = (),
+        consumer_groups: Iterable[str] = (),
+        push_handler: PushHandler | None = None,
+        request_timeout: float | None = 30.0,
+        connect_timeout: float = 10.0,
+        reconnect: bool = True,
+        reconnect_wait: float = 30.0,
+        max_retries: int = 5,
+        backoff_initial: float = 0.05,
+        backoff_max: float = 2.0,
+    ) -> None:
+        self.address = address
+        self.token = token
+        self.client_id = client_id or default_client_id()
+        self.producer_groups = tuple(producer_groups)
+        self.consumer_groups = tuple(consumer_groups)
+        self.push_handler = push_handler
+        self.request_timeout = request_timeout
+        self.connect_timeout = connect_timeout
+        self.reconnect = reconnect
+        self.reconnect_wait = reconnect_wait  # how long a request waits for the broker to come back
+        self.max_retries = max_retries
+        self.backoff_initial = backoff_initial
+        self.backoff_max = backoff_max
+        self.reconnects = 0
+        self._conn: Connection | None = None
+        self._ready: asyncio.Event | None = None
+        self._reconnect_task: asyncio.Task[None] | None = None
+        self._fatal: TxmqError | None = None
+        self._closed = False
+        self._started = False
+
+    @property
+    def host(self) -> str:
+        return parse_address(self.address)[0]
+
+    @property
+    def port(self) -> int:
+        return parse_address(self.address)[1]
+
+    @property
+    def connected(self) -> bool:
+        return self._conn is not None and not self._conn.closed
+
+    @property
+    def connection(self) -> Connection | None:
+        return self._conn
+
+    @property
+    def hello(self) -> dict[str, Any]:
+        """The last `hello` reply (version, broker_id, flush, ...)."""
+        return self._conn.hello if self._conn is not None else {}
+
+    async def start(self) -> "Client":
+        """Connect once; raises `ConnectionLost` if the broker cannot be reached."""
+        if self._closed:
+            raise ClientClosed("client is closed")
+        if self._started:
+            return self
+        self._ready = asyncio.Event()
+        self._set_conn(await self._open())
+        self._started = True
+        return self
+
+    async def __aenter__(self) -> "Client":
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._reconnect_task is not None:
+            self._reconnect_task.cancel()
+            try:
+                await self._reconnect_task
+            except asyncio.CancelledError:
+                pass
+            self._reconnect_task = None
+        conn, self._conn = self._conn, None
+        if self._ready is not None:
+            self._ready.set()  # wake waiters so they see the client is closed
+        if conn is not None:
+            conn.close()
+            await conn.wait_closed()
+
+    # ---- requests -----------------------------------------------------
+
+    async def request(
+        self,
+        op: str,
+        fields: dict[str, Any] | None = None,
+        timeout: float | None = None,
+        *,
+        retry: bool | None = None,
+    ) -> dict[str, Any]:
+        """Send `op` and return the reply fields.
+
+        ``timeout`` bounds the whole call, waiting for a reconnect and retries
+        included; None means `request_timeout`. ``retry`` overrides whether
+        the request is repeated (up to `max_retries` times) after a
+        connection drop or a retriable refusal such as BUSY; the default is
+        ``op in SAFE_TO_RETRY``.
+        """
+        if fields is None:
+            fields = {}
+        if timeout is None:
+            timeout = self.request_timeout
+        conn = self._conn
+        if conn is not None and not conn.closed:
+            # The fast path: one await, no task, no waiting for a connection.
+            started = time.monotonic()
+            try:
+                return await conn.send_request(op, fields, timeout)
+            except TxmqError as exc:
+                if not self._may_retry(op, retry, exc):
+                    raise
+                deadline = None if timeout is None else started + timeout
+                return await self._request_slow(op, fields, deadline, retry, exc)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        return await self._request_slow(op, fields, deadline, retry, None)
+
+    def _may_retry(self, op: str, retry: bool | None, exc: TxmqError) -> bool:
+        if not (op in SAFE_TO_RETRY if retry is None else retry):
+            return False
+        if isinstance(exc, ConnectionLost):
+            return self.reconnect and not isinstance(exc, ClientClosed)
+        return exc.retriable  # BUSY and friends: the broker said no before doing anything
+
+    async def _request_slow(
+        self, op: str, fields: dict[str, Any], deadline: float | None, retry: bool | None, last: TxmqError | None
+    ) -> dict[str, Any]:
+        delay = self.backoff_initial
+        attempts = 0 if last is None else 1
+        while True:
+            if last is not None:
+                if attempts > self.max_retries:
+                    raise last
+                if not isinstance(last, ConnectionLost):
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, self.backoff_max)
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise last if last is not None else TimeoutError(f"{op} timed out")
+            conn = await self.wait_connected(remaining)
+            remaining = None if deadline is None else max(0.001, deadline - time.monotonic())
+            attempts += 1
+            try:
+                return await conn.send_request(op, fields, remaining)
+            except TxmqError as exc:
+                if not self._may_retry(op, retry, exc):
+                    raise
+                last = exc
+
+    def send_request(self, op: str, fields: dict[str, Any], timeout: float | None = None) -> asyncio.Future[dict[str, Any]]:
+        """The future of one request on the current connection; raises `ConnectionLost` if there is none."""
+        conn = self._conn
+        if conn is None or conn.closed:
+            raise self._unavailable()
+        return conn.send_request(op, fields, self.request_timeout if timeout is None else timeout)
+
+    async def wait_connected(self, timeout: float | None = None) -> Connection:
+        """Return the live connection, waiting up to `timeout` (default `reconnect_wait`) for a reconnect."""
+        conn = self._conn
+        if conn is not None and not conn.closed:
+            return conn
+        if self._closed or self._fatal is not None or not self._started or not self.reconnect:
+            raise self._unavailable()
+        wait = self.reconnect_wait if timeout is None else min(timeout, self.reconnect_wait)
+        assert self._ready is not None
+        try:
+            async with asyncio.timeout(wait):
+                while True:
+                    await self._ready.wait()
+                    conn = self._conn
+                    if conn is not None and not conn.closed:
+                        return conn
+                    if self._closed or self._fatal is not None:
+                        raise self._unavailable()
+                    self._ready.clear()
+        except TimeoutError:
+            raise ConnectionLost(f"broker {self.address} unreachable for {wait:g} s") from None
+
+    async def drain(self) -> None:
+        conn = self._conn
+        if conn is not None:
+            await conn.drain()
+
+    def _unavailable(self) -> TxmqError:
+        if self._closed:
+            return ClientClosed("client is closed")
+        if self._fatal is not None:
+            return self._fatal
+        if not self._started:
+            return ClientClosed("client not started: call start() or use 'async with'")
+        return ConnectionLost(f"not connected to {self.address}")
+
+    # ---- (re)connecting -----------------------------------------------
+
+    async def _open(self) -> Connection:
+        host, port = parse_address(self.address)
+        return await Connection.connect(
+            host,
+            port,
+            token=self.token,
+            client_id=self.client_id,
+            producer_groups=self.producer_groups,
+            consumer_groups=self.consumer_groups,
+            push_handler=self._on_push,
+            on_lost=self._on_lost,
+            timeout=self.connect_timeout,
+        )
+
+    def _set_conn(self, conn: Connection) -> None:
+        self._conn = conn
+        assert self._ready is not None
+        self._ready.set()
+
+    def _on_push(self, op: str, fields: dict[str, Any]) -> None:
+        if self.push_handler is not None:
+            self.push_handler(op, fields)
+
+    def _on_lost(self, conn: Connection, exc: BaseException | None) -> None:
+        if conn is not self._conn:
+            return
+        self._conn = None
+        if self._ready is not None:
+            self._ready.clear()
+        if self._closed or not self.reconnect:
+            return
+        log.warning("connection to %s lost (%s); reconnecting", self.address, exc or "closed by broker")
+        if self._reconnect_task is None or self._reconnect_task.done():
+            self._reconnect_task = asyncio.get_running_loop().create_task(self._reconnect_loop(), name="txmq-reconnect")
+
+    async def _reconnect_loop(self) -> None:
+        delay = self.backoff_initial
+        attempt = 0
+        while not self._closed:
+            attempt += 1
+            try:
+                conn = await self._open()
+            except TxmqError as exc:
+                if not exc.retriable:  # AUTH_FAILED and the like: retrying cannot help
+                    log.error("reconnect to %s refused: %s", self.address, exc)
+                    self._fatal = exc
+                    assert self._ready is not None
+                    self._ready.set()
+                    return
+                log.debug("reconnect attempt %d to %s failed: %s", attempt, self.address, exc)
+            except TimeoutError as exc:
+                log.debug("reconnect attempt %d to %s timed out: %s", attempt, self.address, exc)
+            else:
+                if self._closed:
+                    conn.close()
+                    return
+                self.reconnects += 1
+                log.info("reconnected to %s after %d attempt(s)", self.address, attempt)
+                self._set_conn(conn)
+                return
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, self.backoff_max)
+
+    def set_groups(self, producer_groups: Iterable[str] | None = None, consumer_groups: Iterable[str] | None = None) -> None:
+        """Change the groups sent in the next `hello` (takes effect on reconnect)."""
+        if producer_groups is not None:
+            self.producer_groups = tuple(producer_groups)
+        if consumer_groups is not None:
+            self.consumer_groups = tuple(consumer_groups)

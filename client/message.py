@@ -1,0 +1,196 @@
+"""Message types shared by producers and consumers.
+
+`Message` is what a producer sends. `ReceivedMessage` is built from the
+broker's message map (docs/protocol.md, "Messages"): what a consumer yields
+and what a transaction listener is handed (`MessageView` is the same type).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from txmq.constants import (
+    HALF_TOPIC,
+    PROP_CHECK_TIMES,
+    PROP_KEYS,
+    PROP_PREPARED_QUEUE_OFFSET,
+    PROP_REAL_QID,
+    PROP_REAL_TOPIC,
+    PROP_TAGS,
+    PROP_UNIQ_KEY,
+)
+
+KEY_SEPARATOR = " "  # RocketMQ joins several keys with a space
+
+TX_NORMAL, TX_HALF, TX_COMMIT, TX_ROLLBACK = 0, 1, 2, 3
+
+Body = bytes | bytearray | memoryview | str
+Keys = str | Iterable[str]
+
+
+def to_bytes(body: Body) -> bytes:
+    if type(body) is bytes:
+        return body
+    if isinstance(body, str):
+        return body.encode()
+    if isinstance(body, (bytearray, memoryview)):
+        return bytes(body)
+    raise TypeError(f"message body must be bytes or str, not {type(body).__name__}")
+
+
+def build_properties(
+    tags: str | None = None,
+    keys: Keys | None = None,
+    properties: Mapping[str, str] | None = None,
+    base: Mapping[str, str] | None = None,
+) -> dict[str, str] | None:
+    """The wire `properties` map: user properties, then TAGS/KEYS, then `base` (None when empty)."""
+    if tags is None and keys is None and not properties and not base:
+        return None
+    props: dict[str, str] = dict(properties) if properties else {}
+    if tags is not None:
+        props[PROP_TAGS] = tags
+    if keys is not None:
+        props[PROP_KEYS] = keys if isinstance(keys, str) else KEY_SEPARATOR.join(keys)
+    if base:
+        props.update(base)
+    return props
+
+
+def now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """A message to send. ``keys`` may be one string or several (joined with a space)."""
+
+    topic: str
+    body: Body
+    tags: str | None = None
+    keys: Keys | None = None
+    properties: Mapping[str, str] | None = None
+
+    def wire_properties(self, base: Mapping[str, str] | None = None) -> dict[str, str] | None:
+        return build_properties(self.tags, self.keys, self.properties, base)
+
+    def send_fields(self, base: Mapping[str, str] | None = None) -> dict[str, Any]:
+        """Fields of a `send` request for this message (without queue_id)."""
+        fields: dict[str, Any] = {"topic": self.topic, "body": to_bytes(self.body), "born_ts": now_ms()}
+        props = build_properties(self.tags, self.keys, self.properties, base)
+        if props is not None:
+            fields["properties"] = props
+        return fields
+
+
+@dataclass(frozen=True, slots=True)
+class SendResult:
+    msg_id: str
+    topic: str
+    queue_id: int
+    queue_offset: int
+    commit_log_offset: int
+
+    @classmethod
+    def from_reply(cls, r: Mapping[str, Any]) -> "SendResult":
+        return cls(r["msg_id"], r["topic"], r["queue_id"], r["queue_offset"], r["commit_log_offset"])
+
+
+@dataclass(frozen=True, slots=True)
+class ReceivedMessage:
+    """A stored message as the broker reports it.
+
+    For a half record (``tx_type == 1``, e.g. in a check-back) ``topic`` and
+    ``queue_id`` are the real ones from `REAL_TOPIC`/`REAL_QID`;
+    ``stored_topic`` and ``queue_offset`` are where the record itself sits
+    (the half topic and its half-queue offset). ``tx_id`` is the `UNIQ_KEY`
+    of transactional messages and None for plain ones.
+    """
+
+    topic: str
+    queue_id: int
+    queue_offset: int
+    commit_log_offset: int
+    msg_id: str
+    body: bytes
+    properties: dict[str, str] = field(default_factory=dict)
+    tx_id: str | None = None
+    born_ts: int = 0
+    store_ts: int = 0
+    tx_type: int = TX_NORMAL
+    prepared_offset: int = -1
+    size: int = 0
+    stored_topic: str = ""
+
+    @property
+    def tags(self) -> str | None:
+        return self.properties.get(PROP_TAGS)
+
+    @property
+    def keys(self) -> str | None:
+        return self.properties.get(PROP_KEYS)
+
+    @property
+    def key_list(self) -> list[str]:
+        keys = self.properties.get(PROP_KEYS)
+        return keys.split(KEY_SEPARATOR) if keys else []
+
+    @property
+    def check_times(self) -> int:
+        """How many check-backs this transaction has had (`TRANSACTION_CHECK_TIMES`)."""
+        try:
+            return int(self.properties.get(PROP_CHECK_TIMES, 0))
+        except ValueError:
+            return 0
+
+    @property
+    def half_offset(self) -> int | None:
+        """For a half record, its half-queue offset."""
+        return self.queue_offset if self.tx_type == TX_HALF else None
+
+    @property
+    def text(self) -> str:
+        return self.body.decode()
+
+    @classmethod
+    def from_map(cls, m: Mapping[str, Any]) -> "ReceivedMessage":
+        props: dict[str, str] = m.get("properties") or {}
+        stored_topic = m["topic"]
+        topic = stored_topic
+        queue_id = m["queue_id"]
+        tx_type = m.get("tx_type", TX_NORMAL)
+        prepared = m.get("prepared_offset", -1)
+        if prepared is None:
+            prepared = -1
+        real_topic = props.get(PROP_REAL_TOPIC)
+        if real_topic is not None and (tx_type == TX_HALF or stored_topic == HALF_TOPIC):
+            topic = real_topic
+            try:
+                queue_id = int(props.get(PROP_REAL_QID, queue_id))
+            except ValueError:
+                pass
+        tx_id = None
+        if tx_type in (TX_HALF, TX_COMMIT, TX_ROLLBACK) or prepared >= 0 or PROP_PREPARED_QUEUE_OFFSET in props:
+            tx_id = props.get(PROP_UNIQ_KEY) or m.get("msg_id")
+        return cls(
+            topic=topic,
+            queue_id=queue_id,
+            queue_offset=m["queue_offset"],
+            commit_log_offset=m["commit_log_offset"],
+            msg_id=m.get("msg_id") or props.get(PROP_UNIQ_KEY, ""),
+            body=m.get("body") or b"",
+            properties=props,
+            tx_id=tx_id,
+            born_ts=m.get("born_ts", 0),
+            store_ts=m.get("store_ts", 0),
+            tx_type=tx_type,
+            prepared_offset=prepared,
+            size=m.get("size", 0),
+            stored_topic=stored_topic,
+        )
+
+
+MessageView = ReceivedMessage

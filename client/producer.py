@@ -1,0 +1,136 @@
+"""The plain producer.
+
+Sends are never retried by the client (a repeat could store the message
+twice); a send issued while the client is reconnecting waits for the
+connection and then goes out once. Many sends may be in flight on the one
+connection: ``await asyncio.gather(*(p.send(...) ...))`` or, without a task
+per message, `send_many`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from txmq.wire import TxmqError
+
+from .connection import DEFAULT_ADDRESS, Client
+from .message import Body, Keys, Message, SendResult, build_properties, now_ms, to_bytes
+
+
+class Producer:
+    """``async with Producer("127.0.0.1:10911") as p: await p.send("orders", b"...")``."""
+
+    def __init__(self, address: str = DEFAULT_ADDRESS, token: str | None = None, **client_options: Any) -> None:
+        self._client = Client(address, token=token, **client_options)
+
+    @property
+    def client(self) -> Client:
+        return self._client
+
+    async def start(self) -> "Producer":
+        await self._client.start()
+        return self
+
+    async def close(self) -> None:
+        await self._client.close()
+
+    async def __aenter__(self) -> "Producer":
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def send(
+        self,
+        topic: str,
+        body: Body,
+        *,
+        tags: str | None = None,
+        keys: Keys | None = None,
+        properties: Mapping[str, str] | None = None,
+        queue_id: int | None = None,
+        timeout: float | None = None,
+    ) -> SendResult:
+        fields: dict[str, Any] = {"topic": topic, "body": to_bytes(body), "born_ts": now_ms()}
+        props = build_properties(tags, keys, properties)
+        if props is not None:
+            fields["properties"] = props
+        if queue_id is not None:
+            fields["queue_id"] = queue_id
+        return SendResult.from_reply(await self._client.request("send", fields, timeout))
+
+    async def send_message(self, message: Message, *, queue_id: int | None = None, timeout: float | None = None) -> SendResult:
+        fields = message.send_fields()
+        if queue_id is not None:
+            fields["queue_id"] = queue_id
+        return SendResult.from_reply(await self._client.request("send", fields, timeout))
+
+    async def send_batch(
+        self, topic: str, messages: Iterable[Message | Body], queue_id: int | None = None, *, timeout: float | None = None
+    ) -> list[SendResult]:
+        """Send several messages to one queue in one request (one write, one fsync on the broker)."""
+        items: list[dict[str, Any]] = []
+        born = now_ms()
+        for m in messages:
+            if isinstance(m, Message):
+                if m.topic != topic:
+                    raise ValueError(f"batch for topic {topic!r} holds a message for {m.topic!r}")
+                item: dict[str, Any] = {"body": to_bytes(m.body), "born_ts": born}
+                props = m.wire_properties()
+                if props is not None:
+                    item["properties"] = props
+            else:
+                item = {"body": to_bytes(m), "born_ts": born}
+            items.append(item)
+        if not items:
+            return []
+        fields: dict[str, Any] = {"topic": topic, "messages": items}
+        if queue_id is not None:
+            fields["queue_id"] = queue_id
+        reply = await self._client.request("send_batch", fields, timeout)
+        return [SendResult.from_reply(r) for r in reply["results"]]
+
+    async def send_many(
+        self,
+        messages: Iterable[Message],
+        *,
+        queue_id: int | None = None,
+        return_exceptions: bool = False,
+        window: int = 4096,
+    ) -> list[Any]:
+        """Send each message with its own request, up to `window` in flight, without a task per message.
+
+        Results come back in order. With ``return_exceptions`` a failed send
+        yields its exception in place of a `SendResult`; otherwise the first
+        failure is raised once every request has been answered (the others
+        may have been stored).
+        """
+        client = self._client
+        out: list[Any] = []
+        in_flight: deque[asyncio.Future[dict[str, Any]]] = deque()
+
+        async def settle_one() -> None:
+            try:
+                out.append(SendResult.from_reply(await in_flight.popleft()))
+            except (TxmqError, TimeoutError) as exc:
+                out.append(exc)
+
+        for m in messages:
+            fields = m.send_fields()
+            if queue_id is not None:
+                fields["queue_id"] = queue_id
+            if len(in_flight) >= window:
+                await settle_one()
+            await client.drain()
+            await client.wait_connected()
+            in_flight.append(client.send_request("send", fields))
+        while in_flight:
+            await settle_one()
+        if not return_exceptions:
+            for r in out:
+                if isinstance(r, BaseException):
+                    raise r
+        return out

@@ -1,0 +1,330 @@
+"""The transactional producer: half message, local transaction, end transaction, check-backs.
+
+Shape of RocketMQ's ``TransactionMQProducer``::
+
+    class Orders(TransactionListener):
+        async def execute_local_transaction(self, message, arg):
+            await db.insert_order(arg, tx_id=message.tx_id)
+            return LocalTransactionState.COMMIT_MESSAGE
+
+        def check_local_transaction(self, message):   # sync works too
+            return LocalTransactionState.COMMIT_MESSAGE if db.has(message.tx_id) else LocalTransactionState.ROLLBACK_MESSAGE
+
+    async with TransactionProducer("order-group", Orders()) as p:
+        result = await p.send_in_transaction(Message("orders", b"..."), arg=order)
+
+Listener methods may be plain or ``async``. A plain `execute_local_transaction`
+runs inline on the event loop (as RocketMQ runs it on the sending thread)
+unless ``execute_in_executor=True``; a plain `check_local_transaction` always
+runs in the executor, so a slow check never blocks the loop. A listener that
+raises or returns None answers `UNKNOW`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import enum
+import inspect
+import logging
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+from txmq.constants import PROP_PGROUP, PROP_TRAN_MSG, PROP_UNIQ_KEY
+from txmq.wire import ErrorCode, TxmqError
+
+from .connection import DEFAULT_ADDRESS, Client
+from .message import TX_HALF, Message, ReceivedMessage
+
+log = logging.getLogger("txmq.client")
+
+
+class LocalTransactionState(enum.Enum):
+    """The outcome of a local transaction; the value is the wire `state`."""
+
+    COMMIT_MESSAGE = "commit"
+    ROLLBACK_MESSAGE = "rollback"
+    UNKNOW = "unknown"  # RocketMQ's spelling
+
+    UNKNOWN = "unknown"  # alias of UNKNOW
+
+    @classmethod
+    def coerce(cls, value: object) -> "LocalTransactionState":
+        """Map a listener's answer to a state; anything unrecognised is `UNKNOW`."""
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            v = value.strip()
+            try:
+                return cls(v.lower())
+            except ValueError:
+                pass
+            member = cls.__members__.get(v.upper())
+            if member is not None:
+                return member
+            short = {"COMMIT": cls.COMMIT_MESSAGE, "ROLLBACK": cls.ROLLBACK_MESSAGE}.get(v.upper())
+            if short is not None:
+                return short
+        if value is not None:
+            log.warning("transaction listener returned %r; treated as UNKNOW", value)
+        return cls.UNKNOW
+
+
+class SendStatus(enum.Enum):
+    SEND_OK = "SEND_OK"
+    FLUSH_DISK_TIMEOUT = "FLUSH_DISK_TIMEOUT"  # the broker answered STORE_ERROR: the half is not durable
+
+
+class TransactionListener(ABC):
+    """Implement both methods, plain or ``async``; duck-typed objects work too."""
+
+    @abstractmethod
+    def execute_local_transaction(self, message: ReceivedMessage, arg: Any) -> Any:
+        """Run the local transaction for a stored half message; return a `LocalTransactionState`."""
+
+    @abstractmethod
+    def check_local_transaction(self, message: ReceivedMessage) -> Any:
+        """Tell the broker how a pending transaction ended; return a `LocalTransactionState`."""
+
+
+@dataclass(frozen=True, slots=True)
+class TransactionSendResult:
+    send_status: SendStatus
+    tx_id: str | None
+    msg_id: str | None
+    commit_log_offset: int  # of the half record; -1 when it was not stored
+    half_offset: int
+    local_state: LocalTransactionState
+    topic: str
+    queue_id: int
+    outcome: str | None = None  # the broker's answer to end_transaction: committed | rolled_back | pending
+
+
+@dataclass(frozen=True, slots=True)
+class HalfResult:
+    """What the broker said about a stored half message (step 1)."""
+
+    tx_id: str
+    msg_id: str
+    topic: str
+    queue_id: int
+    half_offset: int
+    commit_log_offset: int
+
+
+class TransactionProducer:
+    def __init__(
+        self,
+        group: str,
+        listener: Any,
+        address: str = DEFAULT_ADDRESS,
+        token: str | None = None,
+        check_concurrency: int = 16,
+        executor: concurrent.futures.Executor | None = None,
+        *,
+        execute_in_executor: bool = False,
+        **client_options: Any,
+    ) -> None:
+        if not group:
+            raise ValueError("a transactional producer needs a group")
+        self.group = group
+        self.listener = listener
+        self.executor = executor
+        self.execute_in_executor = execute_in_executor
+        self.check_concurrency = check_concurrency
+        self._tx_props = {PROP_TRAN_MSG: "true", PROP_PGROUP: group}
+        self._client = Client(address, token=token, producer_groups=(group,), push_handler=self._on_push, **client_options)
+        self._check_sem: asyncio.Semaphore | None = None
+        self._check_tasks: set[asyncio.Task[None]] = set()
+        self.checks_answered = 0
+
+    @property
+    def client(self) -> Client:
+        return self._client
+
+    async def start(self) -> "TransactionProducer":
+        self._check_sem = asyncio.Semaphore(self.check_concurrency)
+        await self._client.start()
+        return self
+
+    async def close(self) -> None:
+        for task in list(self._check_tasks):
+            task.cancel()
+        if self._check_tasks:
+            await asyncio.gather(*self._check_tasks, return_exceptions=True)
+        await self._client.close()
+
+    async def __aenter__(self) -> "TransactionProducer":
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # ---- sending ------------------------------------------------------
+
+    async def send_in_transaction(self, message: Message, arg: Any = None, *, timeout: float | None = None) -> TransactionSendResult:
+        """Send a half message, run the local transaction if it was stored, then end the transaction.
+
+        Raises the send's `TxmqError` when the half was refused; a
+        `STORE_ERROR` (not durable) instead returns a result with
+        `FLUSH_DISK_TIMEOUT` and `ROLLBACK_MESSAGE`, without calling the listener.
+        """
+        fields = message.send_fields(self._tx_props)
+        try:
+            half = await self._send_half(fields, timeout)
+        except TxmqError as exc:
+            return await self._not_durable(message, exc)
+        state = await self._run_execute(self._view(fields, half), arg)
+        return await self._finish(half, state, timeout)
+
+    async def send_half(self, message: Message, *, timeout: float | None = None) -> HalfResult:
+        """Step 1 alone: store the half message (properties TRAN_MSG, PGROUP; the broker adds UNIQ_KEY)."""
+        return await self._send_half(message.send_fields(self._tx_props), timeout)
+
+    async def _send_half(self, fields: dict[str, Any], timeout: float | None) -> HalfResult:
+        r = await self._client.request("send", fields, timeout)
+        return HalfResult(r["tx_id"], r.get("msg_id", r["tx_id"]), r["topic"], r["queue_id"], r["half_offset"], r["commit_log_offset"])
+
+    async def end_transaction(
+        self, half: HalfResult, state: LocalTransactionState, *, from_check: bool = False, timeout: float | None = None
+    ) -> str | None:
+        """Step 3 alone. Returns the broker's outcome, or None if it could not be told (the check-back will ask)."""
+        try:
+            r = await self._client.request(
+                "end_transaction",
+                {
+                    "group": self.group,
+                    "tx_id": half.tx_id,
+                    "commit_log_offset": half.commit_log_offset,
+                    "half_offset": half.half_offset,
+                    "state": state.value,
+                    "from_check": from_check,
+                },
+                timeout,
+            )
+        except (TxmqError, TimeoutError) as exc:
+            if isinstance(exc, TxmqError) and not exc.retriable:
+                raise
+            log.warning("end_transaction(%s, %s) not delivered (%s); the broker will check back", half.tx_id, state.value, exc)
+            return None
+        return r.get("outcome")
+
+    def half_view(self, message: Message, half: HalfResult) -> ReceivedMessage:
+        """The message as the listener sees it: the sent message plus its transaction id and offsets."""
+        return self._view(message.send_fields(self._tx_props), half)
+
+    @staticmethod
+    def _view(fields: dict[str, Any], half: HalfResult) -> ReceivedMessage:
+        # The request is already encoded, so its properties map can be reused.
+        props = fields["properties"]
+        props[PROP_UNIQ_KEY] = half.tx_id
+        return ReceivedMessage(
+            topic=half.topic,
+            queue_id=half.queue_id,
+            queue_offset=half.half_offset,
+            commit_log_offset=half.commit_log_offset,
+            msg_id=half.msg_id,
+            body=fields["body"],
+            properties=props,
+            tx_id=half.tx_id,
+            tx_type=TX_HALF,
+        )
+
+    async def _run_execute(self, view: ReceivedMessage, arg: Any) -> LocalTransactionState:
+        fn = self.listener.execute_local_transaction
+        try:
+            if self.execute_in_executor and not inspect.iscoroutinefunction(fn):
+                result = await asyncio.get_running_loop().run_in_executor(self.executor, fn, view, arg)
+            else:
+                result = fn(view, arg)
+            if inspect.isawaitable(result):
+                result = await result
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("execute_local_transaction failed for %s; state UNKNOW", view.tx_id)
+            return LocalTransactionState.UNKNOW
+        return LocalTransactionState.coerce(result)
+
+    async def _finish(self, half: HalfResult, state: LocalTransactionState, timeout: float | None) -> TransactionSendResult:
+        outcome = await self.end_transaction(half, state, timeout=timeout)
+        return TransactionSendResult(
+            SendStatus.SEND_OK, half.tx_id, half.msg_id, half.commit_log_offset, half.half_offset,
+            state, half.topic, half.queue_id, outcome,
+        )
+
+    async def _not_durable(self, message: Message, exc: TxmqError) -> TransactionSendResult:
+        """A refused half: re-raise, except STORE_ERROR, which is a rollback without the local transaction."""
+        if exc.code != ErrorCode.STORE_ERROR:
+            raise exc
+        f = exc.fields
+        if all(k in f for k in ("tx_id", "commit_log_offset", "half_offset")):
+            # The broker told us where the record went: make sure it is never committed by a check.
+            half = HalfResult(f["tx_id"], f.get("msg_id", f["tx_id"]), message.topic, -1, f["half_offset"], f["commit_log_offset"])
+            try:
+                await self.end_transaction(half, LocalTransactionState.ROLLBACK_MESSAGE)
+            except TxmqError as end_exc:
+                log.warning("rollback of undurable half %s failed: %s", half.tx_id, end_exc)
+        return TransactionSendResult(
+            SendStatus.FLUSH_DISK_TIMEOUT, f.get("tx_id"), f.get("msg_id"), f.get("commit_log_offset", -1),
+            f.get("half_offset", -1), LocalTransactionState.ROLLBACK_MESSAGE, message.topic, f.get("queue_id", -1),
+        )
+
+    # ---- check-backs ----------------------------------------------------
+
+    def _on_push(self, op: str, fields: dict[str, Any]) -> None:
+        if op != "check_transaction":
+            log.debug("push %r ignored", op)
+            return
+        task = asyncio.get_running_loop().create_task(self._answer_check(fields))
+        self._check_tasks.add(task)
+        task.add_done_callback(self._check_tasks.discard)
+
+    async def _answer_check(self, fields: dict[str, Any]) -> None:
+        assert self._check_sem is not None
+        try:
+            view = ReceivedMessage.from_map(fields["message"])
+            half = HalfResult(
+                fields["tx_id"], view.msg_id, view.topic, view.queue_id, fields["half_offset"], fields["commit_log_offset"]
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            log.error("malformed check_transaction push (%r): %s", exc, fields)
+            return
+        group = fields.get("group", self.group)
+        if group != self.group:
+            log.warning("check_transaction for group %r reached producer of %r; answering anyway", group, self.group)
+        async with self._check_sem:
+            state = await self._run_check(view)
+            try:
+                await self.end_transaction(half, state, from_check=True)
+            except TxmqError as exc:
+                log.warning("answer to check of %s refused: %s", half.tx_id, exc)
+                return
+            self.checks_answered += 1
+
+    async def _run_check(self, view: ReceivedMessage) -> LocalTransactionState:
+        fn = self.listener.check_local_transaction
+        try:
+            if inspect.iscoroutinefunction(fn):
+                result = await fn(view)
+            else:
+                result = await asyncio.get_running_loop().run_in_executor(self.executor, fn, view)
+                if inspect.isawaitable(result):
+                    result = await result
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("check_local_transaction failed for %s; state UNKNOW", view.tx_id)
+            return LocalTransactionState.UNKNOW
+        return LocalTransactionState.coerce(result)
+
+
+__all__ = [
+    "HalfResult",
+    "LocalTransactionState",
+    "SendStatus",
+    "TransactionListener",
+    "TransactionProducer",
+    "TransactionSendResult",
+]

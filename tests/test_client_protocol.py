@@ -1,0 +1,320 @@
+"""Client protocol tests on a fake transport: framing, pipelining, pushes, loss, timeouts.
+
+No sockets: a `Connection` is wired to a transport that records writes, and
+broker frames are fed to `data_received` by hand.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from txmq import wire
+from txmq.client import (
+    ConnectionLost,
+    LocalTransactionState,
+    Message,
+    ReceivedMessage,
+    parse_address,
+)
+from txmq.client.connection import Connection
+from txmq.client.message import build_properties
+from txmq.constants import HALF_TOPIC
+from txmq.wire import ErrorCode, TxmqError
+
+
+class FakeTransport(asyncio.Transport):
+    def __init__(self, conn: Connection) -> None:
+        super().__init__()
+        self.conn = conn
+        self.writes: list[bytes] = []
+        self.closed = False
+
+    def write(self, data: bytes) -> None:  # type: ignore[override]
+        self.writes.append(bytes(data))
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            asyncio.get_running_loop().call_soon(self.conn.connection_lost, None)
+
+    def abort(self) -> None:
+        self.close()
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return ("10.0.0.1", 10911) if name == "peername" else default
+
+    def sent_frames(self) -> list[wire.Frame]:
+        dec = wire.FrameDecoder()
+        return [wire.parse_payload(p) for chunk in self.writes for p in dec.feed(chunk)]
+
+
+def make_conn(pushes: list | None = None) -> tuple[Connection, FakeTransport]:
+    conn = Connection(push_handler=(lambda op, f: pushes.append((op, f))) if pushes is not None else None)
+    t = FakeTransport(conn)
+    conn.connection_made(t)
+    return conn, t
+
+
+async def next_iteration() -> None:
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 10))
+
+
+# ---- addresses -----------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("127.0.0.1:10911", ("127.0.0.1", 10911)),
+        ("broker.example:9000", ("broker.example", 9000)),
+        ("localhost", ("localhost", 10911)),
+        (":1234", ("127.0.0.1", 1234)),
+        ("[::1]:10912", ("::1", 10912)),
+        ("[::1]", ("::1", 10911)),
+        ("::1", ("::1", 10911)),
+        ("", ("127.0.0.1", 10911)),
+    ],
+)
+def test_parse_address_accepts_host_port_forms(text, expected):
+    assert parse_address(text) == expected
+
+
+@pytest.mark.parametrize("text", ["host:port", "host:0", "host:70000", "[::1", "[::1]x"])
+def test_parse_address_rejects_bad_ports(text):
+    with pytest.raises(ValueError):
+        parse_address(text)
+
+
+# ---- framing and pipelining ----------------------------------------------------
+
+def test_requests_in_one_iteration_leave_in_one_write():
+    async def main():
+        conn, t = make_conn()
+        futs = [conn.send_request("send", {"topic": "t", "body": b"x%d" % i}) for i in range(100)]
+        assert t.writes == []  # nothing until the loop turns
+        await next_iteration()
+        assert len(t.writes) == 1
+        frames = t.sent_frames()
+        assert [f.kind for f in frames] == [wire.REQUEST] * 100
+        assert len({f.id for f in frames}) == 100
+        assert frames[7].fields["body"] == b"x7"
+        for f in frames:
+            conn.data_received(wire.reply(f.id, {"n": f.fields["body"]}))
+        assert [fut.result()["n"] for fut in futs] == [b"x%d" % i for i in range(100)]
+
+    run(main())
+
+
+def test_replies_out_of_order_and_split_anywhere_reach_their_requests():
+    async def main():
+        conn, t = make_conn()
+        futs = [conn.send_request("pull", {"i": i}) for i in range(20)]
+        await next_iteration()
+        frames = t.sent_frames()
+        stream = b"".join(wire.reply(f.id, {"i": f.fields["i"]}) for f in reversed(frames))
+        for i in range(0, len(stream), 7):  # arbitrary TCP segmentation
+            conn.data_received(stream[i : i + 7])
+        assert [f.result()["i"] for f in futs] == list(range(20))
+
+    run(main())
+
+
+def test_error_reply_is_rebuilt_as_txmq_error():
+    async def main():
+        conn, t = make_conn()
+        fut = conn.send_request("end_transaction", {})
+        await next_iteration()
+        (f,) = t.sent_frames()
+        err = TxmqError("already rolled back", ErrorCode.TX_CONFLICT, outcome="rolled_back")
+        conn.data_received(wire.reply(f.id, err.to_fields(), int(err.code)))
+        with pytest.raises(TxmqError) as info:
+            await fut
+        assert info.value.code is ErrorCode.TX_CONFLICT
+        assert not info.value.retriable
+        assert info.value.fields == {"outcome": "rolled_back"}
+
+    run(main())
+
+
+def test_push_goes_to_handler_and_does_not_disturb_requests():
+    async def main():
+        pushes: list = []
+        conn, t = make_conn(pushes)
+        fut = conn.send_request("heartbeat", {})
+        await next_iteration()
+        (f,) = t.sent_frames()
+        conn.data_received(wire.push("check_transaction", {"tx_id": "abc"}) + wire.reply(f.id, {"time_ms": 1}))
+        assert pushes == [("check_transaction", {"tx_id": "abc"})]
+        assert (await fut) == {"time_ms": 1}
+
+    run(main())
+
+
+def test_failing_push_handler_is_contained():
+    async def main():
+        def boom(op, fields):
+            raise RuntimeError("bad handler")
+
+        conn = Connection(push_handler=boom)
+        t = FakeTransport(conn)
+        conn.connection_made(t)
+        fut = conn.send_request("heartbeat", {})
+        await next_iteration()
+        (f,) = t.sent_frames()
+        conn.data_received(wire.push("check_transaction", {}) + wire.reply(f.id, {"ok": True}))
+        assert (await fut) == {"ok": True}
+        assert not conn.closed
+
+    run(main())
+
+
+def test_connection_loss_fails_every_request_in_flight_with_retriable_error():
+    async def main():
+        conn, t = make_conn()
+        futs = [conn.send_request("send", {"i": i}) for i in range(5)]
+        await next_iteration()
+        conn.connection_lost(ConnectionResetError("reset by peer"))
+        for fut in futs:
+            with pytest.raises(ConnectionLost) as info:
+                await fut
+            assert info.value.retriable
+            assert info.value.code is ErrorCode.SHUTTING_DOWN
+            assert "reset by peer" in str(info.value)
+        with pytest.raises(ConnectionLost):
+            conn.send_request("send", {})
+        assert conn.lost.done()
+
+    run(main())
+
+
+def test_timeout_fails_the_request_and_a_late_reply_is_ignored():
+    async def main():
+        conn, t = make_conn()
+        fut = conn.send_request("pull", {}, timeout=0.01)
+        other = conn.send_request("pull", {})
+        await next_iteration()
+        f1, f2 = t.sent_frames()
+        with pytest.raises(TimeoutError):
+            await fut
+        conn.data_received(wire.reply(f1.id, {"late": True}) + wire.reply(f2.id, {"ok": True}))
+        assert (await other) == {"ok": True}
+        assert conn.in_flight == 0
+
+    run(main())
+
+
+def test_ids_wrap_and_skip_ids_still_in_flight():
+    async def main():
+        conn, t = make_conn()
+        conn._next_id = 0xFFFFFFFE
+        a = conn.send_request("x", {})  # 0xFFFFFFFF
+        b = conn.send_request("x", {})  # wraps to 1
+        conn._next_id = 0  # 1 is taken: next must be 2
+        c = conn.send_request("x", {})
+        await next_iteration()
+        assert [f.id for f in t.sent_frames()] == [0xFFFFFFFF, 1, 2]
+        for fut in (a, b, c):
+            fut.cancel()
+
+    run(main())
+
+
+def test_garbage_from_the_broker_closes_the_connection():
+    async def main():
+        conn, t = make_conn()
+        fut = conn.send_request("x", {})
+        await next_iteration()
+        conn.data_received(wire.HEADER.pack(3) + b"\xc1\xc1\xc1")
+        with pytest.raises(ConnectionLost) as info:
+            await fut
+        assert "MALFORMED_FRAME" in str(info.value)
+        assert t.closed
+
+    run(main())
+
+
+def test_connection_level_error_reply_is_reported_on_close():
+    async def main():
+        conn, t = make_conn()
+        fut = conn.send_request("x", {})
+        await next_iteration()
+        err = TxmqError("not a frame", ErrorCode.MALFORMED_FRAME)
+        conn.data_received(wire.reply(0, err.to_fields(), int(err.code)))
+        t.close()
+        with pytest.raises(ConnectionLost, match="MALFORMED_FRAME"):
+            await fut
+
+    run(main())
+
+
+# ---- message mapping -------------------------------------------------------------
+
+def _map(**over: Any) -> dict[str, Any]:
+    m = {
+        "topic": "orders", "queue_id": 2, "queue_offset": 5, "commit_log_offset": 900, "size": 120,
+        "msg_id": "ID1", "born_ts": 1, "store_ts": 2, "tx_type": 0, "prepared_offset": -1,
+        "properties": {"TAGS": "tagA", "KEYS": "k1 k2", "UNIQ_KEY": "ID1"}, "body": b"hi",
+    }
+    m.update(over)
+    return m
+
+
+def test_plain_message_map_has_no_tx_id():
+    r = ReceivedMessage.from_map(_map())
+    assert (r.topic, r.queue_id, r.queue_offset, r.commit_log_offset) == ("orders", 2, 5, 900)
+    assert r.tags == "tagA" and r.keys == "k1 k2" and r.key_list == ["k1", "k2"]
+    assert r.tx_id is None and r.msg_id == "ID1" and r.text == "hi"
+
+
+def test_committed_message_map_carries_tx_id():
+    r = ReceivedMessage.from_map(_map(tx_type=2, prepared_offset=100))
+    assert r.tx_id == "ID1"
+    props = {"UNIQ_KEY": "T9", "TRAN_PREPARED_QUEUE_OFFSET": "3"}
+    assert ReceivedMessage.from_map(_map(properties=props)).tx_id == "T9"
+
+
+def test_half_record_is_shown_under_its_real_topic():
+    props = {"REAL_TOPIC": "orders", "REAL_QID": "3", "UNIQ_KEY": "T1", "TRAN_MSG": "true",
+             "PGROUP": "g", "TRANSACTION_CHECK_TIMES": "4"}
+    r = ReceivedMessage.from_map(_map(topic=HALF_TOPIC, queue_id=0, queue_offset=17, tx_type=1, properties=props))
+    assert (r.topic, r.queue_id, r.stored_topic) == ("orders", 3, HALF_TOPIC)
+    assert r.tx_id == "T1" and r.check_times == 4 and r.half_offset == 17
+
+
+def test_message_fields_merge_tags_keys_and_properties():
+    m = Message("t", "héllo", tags="a", keys=["k1", "k2"], properties={"x": "1"})
+    f = m.send_fields({"TRAN_MSG": "true"})
+    assert f["body"] == "héllo".encode()
+    assert f["properties"] == {"x": "1", "TAGS": "a", "KEYS": "k1 k2", "TRAN_MSG": "true"}
+    assert "properties" not in Message("t", b"x").send_fields()
+    assert build_properties() is None
+
+
+@pytest.mark.parametrize(
+    "value,state",
+    [
+        (LocalTransactionState.COMMIT_MESSAGE, LocalTransactionState.COMMIT_MESSAGE),
+        ("commit", LocalTransactionState.COMMIT_MESSAGE),
+        ("ROLLBACK_MESSAGE", LocalTransactionState.ROLLBACK_MESSAGE),
+        ("rollback", LocalTransactionState.ROLLBACK_MESSAGE),
+        ("UNKNOW", LocalTransactionState.UNKNOW),
+        (None, LocalTransactionState.UNKNOW),
+        (42, LocalTransactionState.UNKNOW),
+    ],
+)
+def test_listener_answers_are_coerced_to_states(value, state):
+    assert LocalTransactionState.coerce(value) is state
+
+
+def test_state_values_are_the_wire_states():
+    assert [s.value for s in LocalTransactionState] == ["commit", "rollback", "unknown"]
