@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import itertools
+from functools import partial
 import logging
 from typing import Any
 
@@ -126,13 +127,18 @@ class BrokerConnection(asyncio.Protocol):
         self.inflight += 1
         if self.inflight >= self.core.config.max_inflight_per_conn:
             self._pause_reading()
-        fut = asyncio.ensure_future(result)
+        fut = result if isinstance(result, asyncio.Future) else asyncio.ensure_future(result)
         self.state.inflight.add(fut)
-        fut.add_done_callback(lambda f, id_=id_: self._done(id_, f))
+        fut.add_done_callback(partial(self._done, id_))
 
     def _done(self, id_: int, fut: asyncio.Future) -> None:
         self.state.inflight.discard(fut)
         self.inflight -= 1
+        if not fut.cancelled() and fut.exception() is None:
+            self._send(reply(id_, fut.result()))
+            if self._read_paused:
+                self._maybe_resume_reading()
+            return
         if fut.cancelled():
             self._reply_error(id_, TxmqError("broker is shutting down", ErrorCode.SHUTTING_DOWN))
         else:

@@ -85,9 +85,10 @@ class Appender:
         self._batch: list[Message] = []
         self._subs: list[tuple[asyncio.Future, int, int, Callable[[list[AppendResult]], Any] | None, bool]] = []
         self._scheduled = False
+        self._loop = asyncio.get_running_loop()
 
     def submit(self, msgs: Sequence[Message], shape: Callable[[list[AppendResult]], Any] | None = None, durable: bool = True) -> asyncio.Future:
-        loop = asyncio.get_running_loop()
+        loop = self._loop
         fut = loop.create_future()
         if self.core.shutting_down:
             fut.set_exception(TxmqError("broker is shutting down", ErrorCode.SHUTTING_DOWN))

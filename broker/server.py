@@ -66,6 +66,9 @@ class Broker:
         core.check = CheckService(core, core.tx, progress, core.data_dir / "config.json", settings)
         core.store.config = replace(core.store.config, retention_s=settings.retention_s)
         await core.start()
+        report = core.recovery
+        if report is not None and report.scanned_from < core.store.max_offset:
+            await core.tx.repair_commits(core.store.scan(report.scanned_from))
         core.check.start()
         self._janitor = asyncio.get_running_loop().create_task(self._janitor_loop(), name="txmq-janitor")
         log.info("event=broker_ready pending=%d decided=%d took_s=%.3f", len(index.pending), len(index.decided), time.perf_counter() - t0)

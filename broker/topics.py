@@ -9,9 +9,17 @@ from txmq.store import atomic_write_json, read_json
 from txmq.wire import ErrorCode, TxmqError
 
 
+_valid: dict[str, str] = {}  # names already checked -> canonical name (bounded below)
+
+
 def check_topic_name(topic: object) -> str:
+    name = _valid.get(topic) if isinstance(topic, str) else None
+    if name is not None:
+        return name
     if not isinstance(topic, str) or not TOPIC_RE.match(topic):
         raise TxmqError(f"invalid topic name {topic!r}: must match ^[%|a-zA-Z0-9_-]{{1,127}}$", ErrorCode.INVALID_TOPIC)
+    if len(_valid) < 65536:
+        _valid[topic] = canonical_topic(topic)
     return canonical_topic(topic)
 
 

@@ -230,6 +230,32 @@ class TransactionService:
         await asyncio.shield(inflight)
         return await self.decide(rec, commit, source, allow_discarded)
 
+    async def repair_commits(self, records) -> int:
+        """Re-append the op record of commits whose op was lost.
+
+        Commit appends the rebuilt message and then its op record in one
+        write; a torn tail (power loss in async mode) can keep the first and
+        lose the second. Consumers may already have seen the message, so the
+        transaction is committed: record that, rather than let a check-back
+        commit it a second time. Called at start on the tail recovery scanned.
+        """
+        repaired = 0
+        for rec in records:
+            if rec.tx_type != TxType.COMMIT or rec.topic == OP_TOPIC or rec.prepared_offset < 0:
+                continue
+            tx_id = rec.properties.get(PROP_UNIQ_KEY)
+            if not tx_id or tx_id not in self.index.pending:
+                continue
+            try:
+                half = self.read_half(rec.prepared_offset)
+            except TxmqError:
+                continue
+            op = self._op(half, True, "recovery")
+            await self.core.append([op], lambda results, op=op: self.index.apply_op(as_record(op, results[0])))
+            log.warning("event=commit_repaired tx_id=%s commit_offset=%d", tx_id, rec.commit_log_offset)
+            repaired += 1
+        return repaired
+
     def _already(self, d: Decided) -> dict[str, Any]:
         return {"status": "already", "outcome": d.outcome.label, "decided_by": d.decided_by}
 

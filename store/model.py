@@ -54,4 +54,5 @@ class RecoveryReport:
     cq_entries_dropped: int  # consume-queue entries removed (past the end, mismatched, partial)
     segments: int  # commit-log segment files after recovery
     max_offset: int  # end of the log after recovery
+    scanned_from: int  # recovery validated every record from here to max_offset (the unverified tail)
     duration_s: float

@@ -32,6 +32,7 @@ class Recovered:
     truncated_at: int | None = None
     redispatched: int = 0
     cq_entries_dropped: int = 0
+    scanned_from: int = 0
 
 
 def load_queues(root: str) -> tuple[dict[tuple[str, int], ConsumeQueue], int]:
@@ -75,9 +76,11 @@ def recover(
         start = ckpt.cq_offset
     else:  # the log was cut from outside: re-read at least its last segment
         start = segs[-1].start
+    out.scanned_from = start
     try:
         end, reason = _dispatch(log, queues, start, root, per_file, out, full=start == log_min)
     except _NeedFullScan:
+        out.scanned_from = log_min
         end, reason = _dispatch(log, queues, log_min, root, per_file, out, full=True)
     if end < files_end:
         out.dropped_bytes += log.truncate(end)

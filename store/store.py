@@ -94,6 +94,7 @@ class Store:
             cq_entries_dropped=rec.cq_entries_dropped + dropped,
             segments=len(log.segments),
             max_offset=log.end,
+            scanned_from=min(rec.scanned_from, log.end),
             duration_s=time.perf_counter() - t0,
         )
 

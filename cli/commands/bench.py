@@ -1,0 +1,123 @@
+"""txmq bench tx|send|consume: throughput and latency against a broker."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+from .. import exitcodes
+from ..common import BrokerOpt, CliError, OutputOpt, TokenOpt, parse_duration, run
+from ..console import Output, default_output, emit_json, err, out
+
+EPILOG = (
+    "Examples:\n\n"
+    "  txmq bench tx --embedded --flush sync --connections 32 --messages 50000\n\n"
+    "  txmq bench send --batch 64 --duration 10s -o json\n\n"
+    "  txmq bench tx --mix commit=8,rollback=1,unknown=1 --rate 5000\n\n"
+    "  txmq bench consume --messages 200000"
+)
+
+
+def _mix(text: str) -> dict[str, float]:
+    mix: dict[str, float] = {}
+    for part in text.split(","):
+        k, _, v = part.partition("=")
+        k = k.strip()
+        if k not in ("commit", "rollback", "unknown"):
+            raise CliError(f"--mix: unknown state {k!r} (commit, rollback, unknown)", exitcodes.USAGE)
+        try:
+            mix[k] = float(v or 1)
+        except ValueError:
+            raise CliError(f"--mix: bad weight {v!r}", exitcodes.USAGE) from None
+    if not mix or sum(mix.values()) <= 0:
+        raise CliError("--mix needs at least one positive weight", exitcodes.USAGE)
+    return mix
+
+
+def bench(
+    mode: Annotated[str, typer.Argument(help="tx (half + end transaction), send (plain sends), or consume (pulls).")],
+    broker: BrokerOpt = "127.0.0.1:10911",
+    token: TokenOpt = None,
+    embedded: Annotated[bool, typer.Option(help="Start a broker in a subprocess on a temporary data directory.")] = False,
+    flush: Annotated[str, typer.Option(help="Flush mode of the --embedded broker: sync or async.")] = "async",
+    connections: Annotated[int, typer.Option("--connections", "-c", min=1, max=4096, help="Connections.")] = 4,
+    inflight: Annotated[int, typer.Option("--inflight", "-n", min=1, max=100_000, help="Requests in flight per connection.")] = 64,
+    messages: Annotated[Optional[int], typer.Option("--messages", "-m", min=1, help="Transactions or messages to complete [default: 100000 unless --duration].", show_default=False)] = None,
+    duration: Annotated[Optional[str], typer.Option("--duration", "-d", help="Run for this long instead (e.g. 10s).", show_default=False)] = None,
+    size: Annotated[int, typer.Option(min=0, max=4 << 20, help="Body size in bytes.")] = 256,
+    batch: Annotated[int, typer.Option(min=1, max=10_000, help="send: messages per send_batch; consume: messages per pull.")] = 1,
+    mix: Annotated[str, typer.Option(help="tx: weights of the end states, e.g. commit=8,rollback=1,unknown=1 (a checker answers unknowns).")] = "commit=1",
+    rate: Annotated[Optional[float], typer.Option(min=1, help="Limit to this many units per second (open loop), to measure latency below saturation.", show_default=False)] = None,
+    topic: Annotated[str, typer.Option(help="Topic to use.")] = "bench",
+    output: OutputOpt = None,
+) -> None:
+    """Measure throughput and latency percentiles (p50, p90, p99, p99.9, max) per operation."""
+    from ..bench import Bench, BenchConfig, EmbeddedBroker
+
+    if mode not in ("tx", "send", "consume"):
+        raise CliError(f"mode must be tx, send or consume, not {mode!r}", exitcodes.USAGE)
+    if flush not in ("sync", "async"):
+        raise CliError("--flush must be sync or async", exitcodes.USAGE)
+    dur = parse_duration(duration) if duration else None
+    if messages is None and dur is None:
+        messages = 100_000
+    output = output or default_output()
+    cfg = BenchConfig(mode=mode, address=broker, token=token, connections=connections, inflight=inflight, messages=messages,
+                      duration=dur, size=size, batch=batch, topic=topic, mix=_mix(mix), rate=rate)
+
+    def go(progress) -> dict:
+        async def main() -> dict:
+            return await Bench(cfg, progress).run()
+
+        if embedded:
+            with EmbeddedBroker(flush) as eb:
+                cfg.address = eb.address
+                c0 = eb.cpu_seconds()
+                res = run(main())
+                res["broker_cpu_s"] = round(eb.cpu_seconds() - c0, 3)
+                res["broker_rss_mb"] = round(eb.rss_mb(), 1)
+                res["flush"] = flush
+                return res
+        from ..client_ops import call
+
+        res = run(main())
+        res["flush"] = call(broker, token, "broker_info", {}).get("flush")
+        return res
+
+    try:
+        if output is Output.table and err.is_terminal:
+            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+            with Progress(TextColumn(f"bench {mode}"), BarColumn(), TextColumn("{task.completed:,.0f}"), TimeElapsedColumn(), console=err, transient=True) as p:
+                task = p.add_task("run", total=messages or None)
+                res = go(lambda done, total: p.update(task, completed=done))
+        else:
+            res = go(None)
+    except (ConnectionError, OSError) as e:
+        raise CliError(f"broker unreachable at {cfg.address}: {e}", exitcodes.UNREACHABLE) from None
+    if output is not Output.table:
+        emit_json(res)
+    else:
+        _table(res)
+    if res["errors"]:
+        raise typer.Exit(exitcodes.PARTIAL)
+
+
+def _table(res: dict) -> None:
+    from rich.table import Table
+
+    out.print(f"[bold]{res['mode']}[/bold] flush={res.get('flush')} connections={res['connections']} inflight={res['inflight']} "
+              f"size={res['size']} batch={res['batch']}: [ok]{res['throughput']:,.0f} {res['unit']}[/ok] "
+              f"({res['completed']:,} in {res['elapsed_s']}s)")
+    t = Table("operation", "count", "p50 ms", "p90 ms", "p99 ms", "p99.9 ms", "max ms")
+    for op, p in res["latency_ms"].items():
+        if p.get("count"):
+            t.add_row(op, f"{p['count']:,}", *(str(p[k]) for k in ("p50", "p90", "p99", "p999", "max")))
+    out.print(t)
+    if res["errors"]:
+        err.print(f"[err]errors:[/err] {res['errors']}")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("bench", epilog=EPILOG)(bench)
