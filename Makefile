@@ -41,7 +41,7 @@ binary: $(VENV)/.installed-test
 	@echo "built dist/txmq.pyz"
 
 completions: $(VENV)/.installed
-	$(PY) -m txmq.cli.completions_gen
+	PYTHON=$(PY) sh scripts/gen-completions.sh
 
 clean:
 	rm -rf build dist *.egg-info .pytest_cache

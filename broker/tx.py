@@ -400,7 +400,7 @@ class TransactionService:
                         msg = half_copy(rec, **{PROP_CHECK_TIMES: "0", PROP_REPLAYED: "1"})
                         await self.core.append([msg], lambda results: self._replayed(msg, results[0]))
                     else:
-                        await self.decide(rec, True, "operator", allow_discarded=True)
+                        await self.decide(self._half_of_discard(rec), True, "operator", allow_discarded=True)
                     self.core.metrics.inc("replayed")
                     log.info("event=discard_replay tx_id=%s to=%s", tx_id, to)
                     row.update(status="ok", message=f"replayed to {to}")
@@ -408,6 +408,18 @@ class TransactionService:
                 row.update(status={ErrorCode.TX_CONFLICT: "conflict", ErrorCode.TX_NOT_FOUND: "not_found"}.get(e.code, "error"), message=e.message)
             out.append(row)
         return out
+
+    def _half_of_discard(self, rec: Record) -> Record:
+        """The half record a discard record was copied from (so the op names a half offset)."""
+        origin = rec.properties.get(PROP_ORIGIN_CL_OFFSET)
+        if origin is not None:
+            try:
+                half = self.read_half(int(origin))
+                if half.properties.get(PROP_UNIQ_KEY) == rec.properties.get(PROP_UNIQ_KEY):
+                    return half
+            except (TxmqError, ValueError):
+                pass  # deleted by retention: commit from the discard copy itself
+        return rec
 
     def _replayed(self, msg: Message, res: AppendResult) -> None:
         rec = as_record(msg, res)

@@ -37,9 +37,13 @@ def exit_code_of(exc: BaseException) -> int:
     return exitcodes.ERROR
 
 
-def cli_error(exc: BaseException, address: str) -> CliError:
+def cli_error(exc: BaseException, address: str, token_given: bool | None = None) -> CliError:
     from txmq.client.connection import ConnectionLost
 
+    if isinstance(exc, TxmqError) and exc.code in (ErrorCode.AUTH_REQUIRED, ErrorCode.AUTH_FAILED) and token_given is not None:
+        if token_given:
+            return CliError(f"broker at {address} refused the auth token ({exc.message}): check --token or TXMQ_AUTH_TOKEN", exitcodes.REFUSED)
+        return CliError(f"broker at {address} requires an auth token ({exc.message}): set --token or TXMQ_AUTH_TOKEN", exitcodes.REFUSED)
     if isinstance(exc, ConnectionLost):
         return CliError(f"broker unreachable at {address}: {exc.message}", exitcodes.UNREACHABLE)
     if isinstance(exc, TimeoutError):
@@ -66,11 +70,11 @@ async def connect(address: str, token: str | None, producer_groups: tuple[str, .
     try:
         await client.start()
     except (TxmqError, TimeoutError) as e:
-        raise cli_error(e, address) from None
+        raise cli_error(e, address, bool(token)) from None
     try:
         yield client
     except (TxmqError, TimeoutError) as e:
-        raise cli_error(e, address) from None
+        raise cli_error(e, address, bool(token)) from None
     finally:
         await client.close()
 

@@ -62,7 +62,8 @@ def duration_option(value: str | None) -> float | None:
 
 
 def parse_address(addr: str) -> str:
-    if not re.match(r"^[\w.\-\[\]:]+:\d{1,5}$", addr or ""):
+    m = re.match(r"^[\w.\-\[\]:]+:(\d{1,5})$", addr or "")
+    if not m or not 0 < int(m.group(1)) < 65536:
         raise CliError(f"bad broker address {addr!r}: expected HOST:PORT", exitcodes.USAGE)
     return addr
 

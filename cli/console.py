@@ -111,7 +111,9 @@ def fmt_duration(seconds: float | None) -> str:
     s = int(seconds)
     parts = []
     for unit, n in (("d", 86400), ("h", 3600), ("m", 60)):
-        if s >= n and (s % n == 0 or unit != "d"):
+        if unit == "d" and not (s >= 7 * 86400 and s % 86400 == 0):
+            continue  # 72h reads better than 3d
+        if s >= n:
             parts.append(f"{s // n}{unit}")
             s %= n
     if s or not parts:

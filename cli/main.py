@@ -49,9 +49,6 @@ _state: dict[str, bool] = {"debug": False}
 
 
 def _register() -> None:
-    from .commands import broker
-
-    app.add_typer(broker.app, name="broker")
     from .commands import register_all
 
     register_all(app)
@@ -79,6 +76,12 @@ def main() -> None:
         if _state["debug"]:
             raise
         _fail(e.message, e.code)
+    except SystemExit as e:
+        if e.code == 1 and type(sys.stdout).__name__ == "PacifyFlushWrapper":
+            # click's answer to EPIPE (stdout closed under us, e.g. `| head`): not an error here
+            _quiet_stdout()
+            sys.exit(exitcodes.OK)
+        raise
     except KeyboardInterrupt:
         sys.exit(exitcodes.INTERRUPTED)
     except BrokenPipeError:

@@ -260,6 +260,9 @@ def test_discard_replay_to_commit(tmp_path):
             assert res[0]["status"] == "ok" and res[0]["tx_id"] == h["tx_id"]
             assert len(await pull_all(p)) == 1
             assert (await p.ok("discard_list"))["discarded"] == []
+            ops = (await p.ok("pull", {"topic": "RMQ_SYS_TRANS_OP_HALF_TOPIC", "queue_id": 0, "offset": 0}))["messages"]
+            assert ops[-1]["body"] == str(h["half_offset"]).encode()  # names a half offset, not the discard offset
+            assert ops[-1]["properties"]["TXMQ_DECIDED_BY"] == "operator"
             await p.close()
 
     arun(go())

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import logging
-import signal
 import time
 from pathlib import Path
 from typing import Annotated, Optional
@@ -41,6 +38,10 @@ def start(
     max_body: Annotated[int, typer.Option(help="Largest message body accepted, bytes.")] = 4 << 20,
 ) -> None:
     """Run a broker in the foreground until SIGINT/SIGTERM (logs on stderr)."""
+    import asyncio
+    import logging
+    import signal
+
     from txmq.broker.config import BrokerConfig, CheckSettings, default_data_dir
     from txmq.broker.server import Broker, bind, install_uvloop
     from txmq.store import StoreLockedError

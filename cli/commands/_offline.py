@@ -1,0 +1,84 @@
+"""Reading a data directory directly (`--data-dir`), read-only, so inspect works while the broker is down.
+
+The transaction index is rebuilt the way the broker rebuilds it at start
+(txmq.broker.txindex.rebuild) from the check progress in txcheck.json.
+What only a running broker knows (when the last check was sent and what it
+got back, when the next pass runs) is null here.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from .. import exitcodes
+from ..common import CliError
+
+
+class DataDir:
+    def __init__(self, path: Path) -> None:
+        if not (path / "commitlog").is_dir():
+            raise CliError(f"{path} is not a txmq data directory (no commitlog/ in it)", exitcodes.NOT_FOUND)
+        from txmq.broker.check import CheckProgress
+        from txmq.store import StoreReader
+
+        self.path = path
+        try:
+            self.reader = StoreReader(path)
+        except OSError as e:
+            raise CliError(f"cannot read {path}: {e.strerror or e}", exitcodes.ERROR) from None
+        self.progress = CheckProgress(path / "txcheck.json")
+        self._index: Any = None
+
+    def __enter__(self) -> "DataDir":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        close = getattr(self.reader, "close", None)
+        if close is not None:
+            close()
+
+    @property
+    def index(self) -> Any:
+        if self._index is None:
+            from txmq.broker.txindex import rebuild
+
+            self._index = rebuild(self.reader, self.progress.half, self.progress.op)
+        return self._index
+
+    def pending(self, group: str | None, topic: str | None, min_age_ms: int, limit: int) -> tuple[list[dict[str, Any]], int]:
+        now_ms = int(time.time() * 1000)
+        rows = [p for p in self.index.pending.values()
+                if (not group or p.group == group) and (not topic or p.topic == topic) and now_ms - p.born_ts >= min_age_ms]
+        rows.sort(key=lambda p: p.half_offset)
+        return [p.as_dict(now_ms, None) for p in rows[:limit]], len(rows)
+
+    def offsets(self) -> dict[str, Any]:
+        from txmq.constants import HALF_TOPIC, OP_TOPIC
+
+        idx = self.index
+        return {
+            "half": {"progress": self.progress.half, "max": self.reader.queue_max_offset(HALF_TOPIC, 0)},
+            "op": {"progress": self.progress.op, "max": self.reader.queue_max_offset(OP_TOPIC, 0)},
+            "pending": len(idx.pending),
+            "discarded": sum(1 for d in idx.decided.values() if d.outcome.name == "DISCARDED"),
+        }
+
+    def queue_bounds(self, topic: str, queue_id: int) -> tuple[int, int]:
+        return self.reader.queue_min_offset(topic, queue_id), self.reader.queue_max_offset(topic, queue_id)
+
+    def read(self, topic: str, queue_id: int, offset: int, count: int) -> tuple[list[dict[str, Any]], int]:
+        """Up to `count` records from `offset`, as wire message maps, and the next offset."""
+        res = self.reader.get_messages(topic, queue_id, offset, count, 16 << 20)
+        return [record_map(r) for r in res.records], res.next_offset
+
+
+def record_map(rec: Any) -> dict[str, Any]:
+    return {
+        "topic": rec.topic, "queue_id": rec.queue_id, "queue_offset": rec.queue_offset,
+        "commit_log_offset": rec.commit_log_offset, "size": rec.size,
+        "msg_id": rec.properties.get("UNIQ_KEY") or f"{rec.commit_log_offset:016X}",
+        "born_ts": rec.born_ts, "store_ts": rec.store_ts, "tx_type": int(rec.tx_type),
+        "prepared_offset": rec.prepared_offset, "properties": dict(rec.properties), "body": rec.body,
+    }

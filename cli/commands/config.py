@@ -1,0 +1,127 @@
+"""txmq config get|set: the check settings, changed while the broker runs (persisted in config.json)."""
+
+from typing import Annotated, Any, Optional
+
+import typer
+
+from .. import exitcodes
+from ..common import DEFAULT_BROKER, BrokerOpt, CliError, OutputOpt, TokenOpt, parse_duration
+from ..console import Output, emit_json, emit_line, fmt_duration, new_table, out, print_table, resolve_output
+
+app = typer.Typer(help="Read and change the check settings of a running broker.", no_args_is_help=True)
+
+# CLI name -> wire key; durations are seconds on the wire.
+KEYS: dict[str, str] = {
+    "check-interval": "check_interval_s",
+    "transaction-timeout": "transaction_timeout_s",
+    "timeout": "transaction_timeout_s",
+    "max-checks": "max_checks",
+    "retention": "retention_s",
+}
+WIRE_ORDER = ("check_interval_s", "transaction_timeout_s", "max_checks", "retention_s")
+CLI_NAME = {"check_interval_s": "check-interval", "transaction_timeout_s": "transaction-timeout",
+            "max_checks": "max-checks", "retention_s": "retention"}
+
+
+def wire_key(name: str) -> str:
+    k = name.strip().lower().replace("_", "-")
+    if k in KEYS:
+        return KEYS[k]
+    if name in WIRE_ORDER:
+        return name
+    raise CliError(f"unknown setting {name!r}: one of check-interval, transaction-timeout (timeout), max-checks, retention",
+                   exitcodes.USAGE)
+
+
+def human(key: str, value: Any) -> str:
+    if value is None:
+        return "-"
+    return str(value) if key == "max_checks" else fmt_duration(float(value))
+
+
+def _complete_key(incomplete: str) -> list[str]:
+    return [k for k in ("check-interval", "transaction-timeout", "max-checks", "retention") if k.startswith(incomplete)]
+
+
+@app.command(epilog="""Examples:
+
+  txmq config get
+
+  txmq config get check-interval
+
+  txmq config get -o json | jq .max_checks
+
+Keys: check_interval_s, transaction_timeout_s, max_checks, retention_s.""")
+def get(
+    key: Annotated[Optional[str], typer.Argument(metavar="KEY", help="One setting (check-interval, transaction-timeout, max-checks, retention).",
+                                                 show_default=False, autocompletion=_complete_key)] = None,
+    broker: BrokerOpt = DEFAULT_BROKER,
+    token: TokenOpt = None,
+    output: OutputOpt = None,
+) -> None:
+    """Show the check settings."""
+    from ..client_ops import call
+
+    wk = wire_key(key) if key is not None else None
+    doc = call(broker, token, "config_get", {})
+    doc = {k: doc.get(k) for k in WIRE_ORDER if wk is None or k == wk}
+    out_fmt = resolve_output(output)
+    if out_fmt is Output.json:
+        emit_json(doc)
+    elif out_fmt is Output.jsonl:
+        emit_line(doc)
+    elif wk is not None:
+        out.print(human(wk, doc[wk]))
+    else:
+        t = new_table()
+        t.add_column("SETTING", style="key")
+        t.add_column("VALUE")
+        t.add_column("KEY", style="dim")
+        for k, v in doc.items():
+            t.add_row(CLI_NAME[k], human(k, v), k)
+        print_table(t)
+
+
+@app.command("set", epilog="""Examples:
+
+  txmq config set check-interval 30s
+
+  txmq config set timeout 10s
+
+  txmq config set max-checks 5
+
+  txmq config set retention 72h
+
+Durations: 500ms, 30s, 10m, 72h, 2d, or a bare number of seconds. Prints the old and new values
+(keys: key, old, new; durations in seconds).""")
+def set_(
+    key: Annotated[str, typer.Argument(metavar="KEY", help="check-interval, transaction-timeout (alias timeout), max-checks or retention.",
+                                       show_default=False, autocompletion=_complete_key)],
+    value: Annotated[str, typer.Argument(metavar="VALUE", help="The new value: a duration, or a count for max-checks.", show_default=False)],
+    broker: BrokerOpt = DEFAULT_BROKER,
+    token: TokenOpt = None,
+    output: OutputOpt = None,
+) -> None:
+    """Change one check setting; effective at once and persisted."""
+    from ..client_ops import call
+
+    wk = wire_key(key)
+    number: float | int
+    if wk == "max_checks":
+        try:
+            number = int(value)
+        except ValueError:
+            raise CliError(f"max-checks must be a whole number, not {value!r}", exitcodes.USAGE) from None
+        if not -(1 << 63) <= number < 1 << 63:  # the broker range-checks the rest; this one cannot even be sent
+            raise CliError(f"max-checks {value} is out of range (1 to 1000000)", exitcodes.USAGE)
+    else:
+        number = parse_duration(value)
+    r = call(broker, token, "config_set", {"key": wk, "value": number})
+    doc = {"key": r.get("key", wk), "old": r.get("old"), "new": r.get("new")}
+    out_fmt = resolve_output(output)
+    if out_fmt is Output.json:
+        emit_json(doc)
+    elif out_fmt is Output.jsonl:
+        emit_line(doc)
+    else:
+        out.print(f"{CLI_NAME.get(wk, wk)}: {human(wk, doc['old'])} -> [ok]{human(wk, doc['new'])}[/ok]")

@@ -1,0 +1,98 @@
+"""txmq discard list|replay: transactions moved to TRANS_CHECK_MAX_TIME_TOPIC, and putting them back."""
+
+import time
+from enum import Enum
+from typing import Annotated, Any, Optional
+
+import typer
+
+from .. import exitcodes
+from ..common import DEFAULT_BROKER, BrokerOpt, CliError, OutputOpt, TokenOpt
+from ..console import emit_json, fmt_when, note, render, resolve_output
+from . import _bulk
+
+app = typer.Typer(help="List and replay discarded transactions (checked too often, or past retention).", no_args_is_help=True)
+
+DISCARD_KEYS = ("tx_id", "topic", "group", "checks", "discarded_at", "discard_offset", "reason", "commit_log_offset")
+
+
+class ReplayTo(str, Enum):
+    half = "half"
+    commit = "commit"
+
+
+@app.command("list", epilog="""Examples:
+
+  txmq discard list
+
+  txmq discard list -o jsonl | jq -r 'select(.group == "shop") | .tx_id'
+
+Keys: tx_id, topic, group, checks, discarded_at, discard_offset, reason (max-checks | retention),
+commit_log_offset (of the discard record).""")
+def list_(
+    limit: Annotated[int, typer.Option("--limit", "-l", help="At most this many rows.", min=1)] = 1000,
+    broker: BrokerOpt = DEFAULT_BROKER,
+    token: TokenOpt = None,
+    output: OutputOpt = None,
+) -> None:
+    """Discarded transactions, in discard-topic order."""
+    from ..client_ops import call
+
+    rows = [{k: r.get(k) for k in DISCARD_KEYS} for r in call(broker, token, "discard_list", {"limit": limit})["discarded"]]
+    now_ms = int(time.time() * 1000)
+    render(
+        rows, resolve_output(output),
+        columns=[("discard_offset", "OFFSET"), ("tx_id", "TX ID"), ("topic", "TOPIC"), ("group", "GROUP"), ("checks", "CHECKS"),
+                 ("reason", "REASON"), ("discarded_at", "DISCARDED")],
+        formatters={"discarded_at": lambda v: fmt_when(v, now_ms)},
+        empty="no discarded transactions",
+    )
+
+
+@app.command(epilog="""Examples:
+
+  txmq discard replay 3                       # discard offset 3, back to the half queue (checks reset)
+
+  txmq discard replay 7F3A...E1 --to commit   # commit it straight to its topic
+
+  txmq discard replay --all --dry-run
+
+  txmq discard list -o jsonl | txmq discard replay - --to half --yes
+
+Per REF: ref, tx_id, status (ok | already | conflict | not_found), message. Exit codes as for resolve.""")
+def replay(
+    refs: Annotated[Optional[list[str]], typer.Argument(metavar="REF", help="Discard offsets, transaction ids, or '-' for stdin.", show_default=False)] = None,
+    all_: Annotated[bool, typer.Option("--all", help="Every discarded transaction.")] = False,
+    to: Annotated[ReplayTo, typer.Option("--to", help="half: back to the half queue for new check-backs (check count reset); commit: commit it now.")] = ReplayTo.half,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", "-n", help="Show what would happen; change nothing.")] = False,
+    broker: BrokerOpt = DEFAULT_BROKER,
+    token: TokenOpt = None,
+    output: OutputOpt = None,
+) -> None:
+    """Replay discarded transactions to the half queue or straight to commit."""
+    if bool(refs) == all_:
+        raise CliError("give REFs or --all (not both)", exitcodes.USAGE)
+    out_fmt = resolve_output(output)
+    verb = "replay" if to is ReplayTo.half else "replay and commit"
+    if all_:
+        from ..client_ops import call
+
+        listed = call(broker, token, "discard_list", {"limit": 10_000_000})["discarded"]
+        texts = [r["tx_id"] for r in listed]
+    else:
+        texts = _bulk.collect_refs(refs or [])
+    if not texts:
+        note("nothing to replay")
+        if out_fmt.value == "json":
+            emit_json([])
+        return
+    items = [{"discard_offset": int(t)} if _bulk.is_int(t) else {"tx_id": t} for t in texts]
+    _bulk.confirm(len(items), verb, yes, dry_run, always=all_)
+
+    def build(part: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"to": to.value, "refs": part, "dry_run": dry_run}
+
+    rows = _bulk.run_bulk(broker, token, "discard_replay", build, items, texts, out_fmt,
+                          f"replaying to {to.value}" + (" (dry run)" if dry_run else ""))
+    _bulk.finish(rows, out_fmt, ("would be " if dry_run else "") + f"replayed to {to.value}")

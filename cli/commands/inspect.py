@@ -1,0 +1,226 @@
+"""txmq inspect half|op|offsets: the transaction state, from a broker or (--data-dir) from disk."""
+
+import time
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+
+from txmq.constants import OP_TOPIC
+
+from ..common import DEFAULT_BROKER, BrokerOpt, OutputOpt, TokenOpt, parse_duration, run
+from ..console import Output, emit_json, emit_line, fmt_age, fmt_ts, fmt_when, new_table, note, out, print_table, render, resolve_output
+
+app = typer.Typer(help="Look at pending transactions, op records and the check offsets.", no_args_is_help=True)
+
+DataDirOpt = Annotated[
+    Optional[Path],
+    typer.Option("--data-dir", "-d", help="Read this data directory directly (read-only; works while the broker is down).",
+                 show_default=False, file_okay=False, rich_help_panel="Connection"),
+]
+
+HALF_KEYS = ("tx_id", "half_offset", "commit_log_offset", "topic", "queue_id", "group", "born_at", "age_s", "checks",
+             "last_check_at", "last_check_result", "next_check_at")
+
+
+@app.command(epilog="""Examples:
+
+  txmq inspect half
+
+  txmq inspect half --group shop --older-than 10m
+
+  txmq inspect half --older-than 10m -o jsonl | txmq resolve --rollback - --yes
+
+  txmq inspect half --data-dir /var/lib/txmq      # broker down: read the files
+
+Keys: tx_id, half_offset, commit_log_offset, topic, queue_id, group, born_at, age_s, checks,
+last_check_at, last_check_result, next_check_at (*_at: ms since the epoch or null).""")
+def half(
+    group: Annotated[Optional[str], typer.Option("--group", "-g", help="Only this producer group.", show_default=False)] = None,
+    topic: Annotated[Optional[str], typer.Option("--topic", "-t", help="Only this (real) topic.", show_default=False)] = None,
+    older_than: Annotated[Optional[str], typer.Option("--older-than", help="Only transactions older than this (30s, 10m, 72h).", show_default=False)] = None,
+    limit: Annotated[int, typer.Option("--limit", "-l", help="At most this many rows.", min=1)] = 1000,
+    data_dir: DataDirOpt = None,
+    broker: BrokerOpt = DEFAULT_BROKER,
+    token: TokenOpt = None,
+    output: OutputOpt = None,
+) -> None:
+    """Pending transactions (half messages with no outcome yet), oldest first."""
+    min_age_ms = int(parse_duration(older_than) * 1000) if older_than is not None else 0
+    if data_dir is not None:
+        from ._offline import DataDir
+
+        with DataDir(data_dir) as d:
+            rows, total = d.pending(group, topic, min_age_ms, limit)
+    else:
+        from ..client_ops import call
+
+        fields: dict[str, Any] = {"min_age_ms": min_age_ms, "limit": limit}
+        if group:
+            fields["group"] = group
+        if topic:
+            fields["topic"] = topic
+        reply = call(broker, token, "tx_pending", fields)
+        rows, total = reply["transactions"], reply.get("total", len(reply["transactions"]))
+    rows = [{k: r.get(k) for k in HALF_KEYS} for r in rows]
+    out_fmt = resolve_output(output)
+    now_ms = int(time.time() * 1000)
+    shown = rows
+    if out_fmt is Output.table:  # "sent 3s ago" in one column
+        shown = [{**r, "last_check_result": None if r["last_check_result"] is None
+                  else f"{r['last_check_result']} {fmt_when(r['last_check_at'], now_ms)}".strip()} for r in rows]
+    render(
+        shown, out_fmt,
+        columns=[("tx_id", "TX ID"), ("half_offset", "HALF OFFSET"), ("topic", "TOPIC"), ("queue_id", "Q"), ("group", "GROUP"),
+                 ("age_s", "AGE"), ("checks", "CHECKS"), ("last_check_result", "LAST CHECK"), ("next_check_at", "NEXT CHECK")],
+        formatters={"age_s": fmt_age, "next_check_at": lambda v: fmt_when(v, now_ms),
+                    "last_check_result": lambda v: "-" if v is None else str(v)},
+        empty="no pending transactions" + (" matching" if group or topic or older_than else ""),
+    )
+    if out_fmt is Output.table and total > len(rows):
+        note(f"showing {len(rows)} of {total} pending transactions (--limit)")
+
+
+@app.command(epilog="""Examples:
+
+  txmq inspect op                       # the newest 50 op records
+
+  txmq inspect op --from 0 --limit 1000 -o jsonl
+
+  txmq inspect op --data-dir /var/lib/txmq
+
+Keys: op_offset, half_offset, tx_id, action (commit | rollback), decided_by (producer | check | operator),
+decided_at, group, topic, checks, commit_log_offset (of the op record), half_commit_log_offset, processed
+(whether the check service's op progress has passed it).""")
+def op(
+    from_: Annotated[Optional[int], typer.Option("--from", help="First op-queue offset [default: the newest --limit records].", show_default=False, min=0)] = None,
+    limit: Annotated[int, typer.Option("--limit", "-l", help="At most this many records.", min=1)] = 50,
+    data_dir: DataDirOpt = None,
+    broker: BrokerOpt = DEFAULT_BROKER,
+    token: TokenOpt = None,
+    output: OutputOpt = None,
+) -> None:
+    """Op records: the decisions (commit or rollback) written to RMQ_SYS_TRANS_OP_HALF_TOPIC."""
+    if data_dir is not None:
+        from ._offline import DataDir
+
+        with DataDir(data_dir) as d:
+            lo, hi = d.queue_bounds(OP_TOPIC, 0)
+            progress = d.progress.op
+            start = _op_start(from_, limit, lo, hi)
+            msgs: list[dict[str, Any]] = []
+            off = start
+            while len(msgs) < limit and off < hi:
+                batch, nxt = d.read(OP_TOPIC, 0, off, min(1024, limit - len(msgs)))
+                if not batch and nxt <= off:
+                    break
+                msgs.extend(batch)
+                off = nxt
+    else:
+        msgs, progress = run(_pull_ops(broker, token, from_, limit))
+    rows = [_op_row(m, progress) for m in msgs[:limit]]
+    render(
+        rows, resolve_output(output),
+        columns=[("op_offset", "OP OFFSET"), ("half_offset", "HALF OFFSET"), ("tx_id", "TX ID"), ("action", "ACTION"),
+                 ("decided_by", "BY"), ("decided_at", "AT"), ("group", "GROUP"), ("topic", "TOPIC"), ("processed", "PROCESSED")],
+        formatters={"decided_at": fmt_ts, "action": lambda a: f"[{'ok' if a == 'commit' else 'warn'}]{a}[/]"},
+        empty="no op records",
+    )
+
+
+def _op_start(from_: int | None, limit: int, lo: int, hi: int) -> int:
+    if from_ is not None:
+        return max(from_, lo)
+    return max(lo, hi - limit)
+
+
+async def _pull_ops(broker: str, token: str | None, from_: int | None, limit: int) -> tuple[list[dict[str, Any]], int]:
+    from ..client_ops import connect
+
+    async with connect(broker, token) as c:
+        progress = (await c.request("tx_offsets", {}))["op"]["progress"]
+        head = await c.request("pull", {"topic": OP_TOPIC, "queue_id": 0, "offset": 0, "max_count": 1})
+        lo, hi = head.get("min_offset", 0), head.get("max_offset", 0)
+        off = _op_start(from_, limit, lo, hi)
+        msgs: list[dict[str, Any]] = []
+        while len(msgs) < limit and off < hi:
+            r = await c.request("pull", {"topic": OP_TOPIC, "queue_id": 0, "offset": off, "max_count": min(1024, limit - len(msgs))})
+            status = r.get("status")
+            if status == "found":
+                msgs.extend(m for m in r["messages"] if m["queue_offset"] >= off)
+                off = r["next_offset"]
+            elif status == "offset_too_small":
+                off = r["min_offset"]
+            else:
+                break
+        return msgs, progress
+
+
+def _op_row(m: dict[str, Any], op_progress: int) -> dict[str, Any]:
+    p = m.get("properties") or {}
+    body = m.get("body") or b""
+    try:
+        half_offset: int | None = int(bytes(body).decode("ascii"))
+    except (ValueError, UnicodeDecodeError):
+        half_offset = None
+    half_cl = p.get("TXMQ_HALF_CL_OFFSET")
+    return {
+        "op_offset": m["queue_offset"],
+        "half_offset": half_offset,
+        "tx_id": p.get("UNIQ_KEY"),
+        "action": {2: "commit", 3: "rollback"}.get(m.get("tx_type", 0), "unknown"),
+        "decided_by": p.get("TXMQ_DECIDED_BY"),
+        "decided_at": m.get("store_ts"),
+        "group": p.get("PGROUP"),
+        "topic": p.get("REAL_TOPIC"),
+        "checks": int(p.get("TRANSACTION_CHECK_TIMES") or 0),
+        "commit_log_offset": m["commit_log_offset"],
+        "half_commit_log_offset": int(half_cl) if half_cl and half_cl.isdigit() else m.get("prepared_offset"),
+        "processed": m["queue_offset"] < op_progress,
+    }
+
+
+@app.command(epilog="""Examples:
+
+  txmq inspect offsets
+
+  txmq inspect offsets -o json | jq .half
+
+  txmq inspect offsets --data-dir /var/lib/txmq
+
+Keys: {"half": {"progress", "max"}, "op": {"progress", "max"}, "pending", "discarded"}.""")
+def offsets(
+    data_dir: DataDirOpt = None,
+    broker: BrokerOpt = DEFAULT_BROKER,
+    token: TokenOpt = None,
+    output: OutputOpt = None,
+) -> None:
+    """The check service's half and op progress offsets against the queues' max offsets."""
+    if data_dir is not None:
+        from ._offline import DataDir
+
+        with DataDir(data_dir) as d:
+            doc = d.offsets()
+    else:
+        from ..client_ops import call
+
+        doc = call(broker, token, "tx_offsets", {})
+    doc = {"half": {"progress": doc["half"]["progress"], "max": doc["half"]["max"]},
+           "op": {"progress": doc["op"]["progress"], "max": doc["op"]["max"]},
+           "pending": doc["pending"], "discarded": doc.get("discarded", 0)}
+    out_fmt = resolve_output(output)
+    if out_fmt is Output.json:
+        emit_json(doc)
+        return
+    if out_fmt is Output.jsonl:
+        emit_line(doc)
+        return
+    t = new_table()
+    for label in ("QUEUE", "PROGRESS", "MAX", "BEHIND"):
+        t.add_column(label, justify="left" if label == "QUEUE" else "right")
+    for name, topic in (("half", "RMQ_SYS_TRANS_HALF_TOPIC"), ("op", "RMQ_SYS_TRANS_OP_HALF_TOPIC")):
+        q = doc[name]
+        t.add_row(f"{name} ({topic})", str(q["progress"]), str(q["max"]), str(max(0, q["max"] - q["progress"])))
+    print_table(t)
+    out.print(f"pending: {doc['pending']}   discarded: {doc['discarded']}")
+

@@ -1,0 +1,293 @@
+"""txmq spark-export: the commit log as `messages` and `transactions` tables, through Spark.
+
+pyspark is imported only inside the command, so `txmq --help` stays fast and
+the rest of the CLI works without the `spark` extra.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import datetime, timezone
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+
+from .. import exitcodes
+from ..common import CliError, OutputOpt, parse_duration
+from ..console import Output, default_output, emit_json, emit_line, err, out
+
+
+class Format(str, Enum):
+    parquet = "parquet"
+    json = "json"
+    csv = "csv"
+
+
+class Table(str, Enum):
+    messages = "messages"
+    transactions = "transactions"
+    all = "all"
+
+
+class Mode(str, Enum):
+    error = "error"
+    overwrite = "overwrite"
+    append = "append"
+
+
+EPILOG = (
+    "Examples:\n\n"
+    "  txmq spark-export --data-dir /var/lib/txmq --out /tmp/txmq-tables\n\n"
+    "  txmq spark-export --out out/ --table transactions --since 24h --format csv --mode overwrite\n\n"
+    "  txmq spark-export --out out/ --topic orders --partition-by date -o json | jq .tables\n\n"
+    "  txmq spark-export --data-dir /mnt/shared/txmq --out hdfs:///txmq --master yarn --conf spark.executor.instances=8\n\n"
+    "Needs pyspark (pip install 'txmq\\[spark]') and Java 17+. See docs/spark.md for the table schemas."
+)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("spark-export", epilog=EPILOG)(spark_export)
+
+
+def parse_when(text: str, now: float | None = None) -> int:
+    """ms since the epoch from an ISO date/time (naive = local time) or a duration meaning "that long ago"."""
+    s = text.strip()
+    iso = s[:-1] + "+00:00" if s.endswith(("Z", "z")) else s
+    try:
+        dt = datetime.fromisoformat(iso)
+    except ValueError:
+        pass
+    else:
+        if dt.tzinfo is None:
+            dt = dt.astimezone()  # a naive time is local time
+        return int(dt.timestamp() * 1000)
+    ago = s[: -len("ago")].strip() if s.endswith("ago") else s
+    try:
+        seconds = parse_duration(ago)
+    except CliError:
+        raise CliError(
+            f"bad time {text!r}: use an ISO date or time (2024-05-01, 2024-05-01T12:00:00Z) or a duration ago (30m, 2h, 7d)",
+            exitcodes.USAGE,
+        ) from None
+    return int(((time.time() if now is None else now) - seconds) * 1000)
+
+
+def parse_conf(items: list[str]) -> dict[str, str]:
+    conf = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise CliError(f"bad --conf {item!r}: expected KEY=VALUE, e.g. spark.executor.memory=4g", exitcodes.USAGE)
+        conf[key.strip()] = value
+    return conf
+
+
+def _split(items: list[str] | None) -> tuple[str, ...]:
+    return tuple(x.strip() for item in items or [] for x in item.split(",") if x.strip())
+
+
+def spark_export(
+    out_path: Annotated[str, typer.Option("--out", help="Output folder (or URI, e.g. hdfs:///txmq): one folder per table under it.", show_default=False)],
+    data_dir: Annotated[Optional[Path], typer.Option("--data-dir", "-d", envvar="TXMQ_DATA_DIR", help="Data directory to read (default ~/.local/share/txmq). On a cluster it must be mounted at this path on every executor.", show_default=False)] = None,
+    fmt: Annotated[Format, typer.Option("--format", help="parquet, json or csv (csv: properties as a JSON string, body as base64).")] = Format.parquet,
+    table: Annotated[Table, typer.Option("--table", help="messages, transactions or all.")] = Table.all,
+    master: Annotated[str, typer.Option("--master", help="Spark master: local[*] (embedded), local[N], spark://HOST:7077, yarn, k8s://...")] = "local[*]",
+    since: Annotated[Optional[str], typer.Option("--since", help="Records stored at or after: ISO date/time (local time unless it has an offset) or a duration ago (1h, 7d).", show_default=False)] = None,
+    until: Annotated[Optional[str], typer.Option("--until", help="Records stored before: same forms as --since.", show_default=False)] = None,
+    topic: Annotated[Optional[list[str]], typer.Option("--topic", "-t", help="Only this topic (repeatable): its records and the transaction records whose real topic it is.", show_default=False)] = None,
+    partition_by: Annotated[Optional[list[str]], typer.Option("--partition-by", help="Partition the output by these columns (repeatable or comma-separated): date, topic, or any column.", show_default=False)] = None,
+    mode: Annotated[Mode, typer.Option("--mode", help="If a table folder exists: error, overwrite or append.")] = Mode.error,
+    conf: Annotated[Optional[list[str]], typer.Option("--conf", "-c", help="Spark setting KEY=VALUE for the session (repeatable), e.g. spark.executor.memory=4g.", show_default=False)] = None,
+    partition_bytes: Annotated[str, typer.Option("--partition-bytes", help="Commit-log bytes per read partition.")] = "64MiB",
+    output: OutputOpt = None,
+) -> None:
+    """Export the commit log as [key]messages[/key] and [key]transactions[/key] tables with PySpark."""
+    from txmq.spark import session as sess
+
+    problem = sess.missing_dependency()
+    if problem is None:
+        problem = sess.missing_java()
+    if problem is not None:
+        raise CliError(problem, exitcodes.MISSING_DEPENDENCY)
+
+    from txmq.broker.config import default_data_dir
+    from txmq.spark.export import ExportOptions, check_options, export
+    from txmq.spark.source import parse_size
+
+    output = output or default_output()
+    try:
+        pbytes = parse_size(partition_bytes)
+    except ValueError as e:
+        raise CliError(str(e), exitcodes.USAGE) from None
+    opts = ExportOptions(
+        data_dir=str((data_dir or default_data_dir()).expanduser().absolute()),
+        out=out_path if "://" in out_path else str(Path(out_path).expanduser().absolute()),
+        fmt=fmt.value,
+        tables=("messages", "transactions") if table is Table.all else (table.value,),
+        since_ms=parse_when(since) if since else None,
+        until_ms=parse_when(until) if until else None,
+        topics=_split(topic),
+        partition_by=_split(partition_by),
+        mode=mode.value,
+        partition_bytes=max(pbytes, 4096),
+    )
+    try:
+        check_options(opts)
+    except FileNotFoundError as e:
+        raise CliError(str(e), exitcodes.NOT_FOUND) from None
+    except (ValueError, FileExistsError) as e:
+        raise CliError(str(e), exitcodes.USAGE) from None
+
+    spark_conf = parse_conf(conf or [])
+    t0 = time.perf_counter()
+    progress = _Progress(enabled=err.is_terminal)
+    progress.begin("starting Spark")
+    try:
+        try:
+            session = sess.start(master, spark_conf)
+        except sess.SparkStartError as e:
+            lines = [ln for ln in e.log.splitlines() if ln.strip() and not ln.strip().startswith("at ")]
+            log = "".join(f"\n  {ln.strip()}" for ln in lines[-8:])
+            raise CliError(f"could not start Spark (master {master}): {e.message}{log}") from None
+        except Exception as e:
+            raise CliError(f"could not start Spark (master {master}): {_first_line(e)}") from None
+        progress.watch(session.spark)
+        keep_log = True
+        try:
+            result = export(session.spark, opts, on_table=progress.table)
+            keep_log = False
+        except (FileExistsError, ValueError) as e:
+            raise CliError(str(e), exitcodes.USAGE) from None
+        except Exception as e:
+            hint = f" (Spark's log: {session.log_path})" if session.log_path else ""
+            raise CliError(f"spark-export failed: {_first_line(e)}{hint}") from None
+        finally:
+            progress.stop()
+            session.stop()
+            if not keep_log:
+                sess.cleanup(session)
+    finally:
+        progress.stop()
+    total = time.perf_counter() - t0
+    _report(_summary(opts, master, result, session.startup_s, total), output)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip() or type(e).__name__
+    for line in text.splitlines():
+        if line.strip():
+            return line.strip()[:500]
+    return text[:500]
+
+
+def _summary(opts, master: str, result, startup_s: float, total_s: float) -> dict[str, Any]:
+    return {
+        "data_dir": opts.data_dir,
+        "out": opts.out,
+        "format": opts.fmt,
+        "master": master,
+        "tables": {t.name: {"rows": t.rows, "path": t.path, "seconds": round(t.seconds, 3)} for t in result.tables},
+        "bytes_read": result.bytes_read,
+        "log_bytes": result.log_bytes,
+        "end_offset": result.end_offset,
+        "segments": result.segments,
+        "partitions": result.partitions,
+        "spark_startup_s": round(startup_s, 3),
+        "export_s": round(result.seconds, 3),
+        "total_s": round(total_s, 3),
+    }
+
+
+def _report(s: dict[str, Any], output: Output) -> None:
+    if output is Output.json:
+        emit_json(s)
+        return
+    if output is Output.jsonl:
+        emit_line(s)
+        return
+    from rich.table import Table as RichTable
+
+    t = RichTable(box=None, header_style="bold", show_edge=False, title=f"exported {s['data_dir']} -> {s['out']} ({s['format']})")
+    for name in ("table", "rows", "seconds", "path"):
+        t.add_column(name, justify="right" if name in ("rows", "seconds") else "left")
+    for name, info in s["tables"].items():
+        t.add_row(name, f"{info['rows']:,}", f"{info['seconds']:.1f}", info["path"])
+    out.print(t)
+    out.print(
+        f"read [key]{_mib(s['bytes_read'])}[/key] ({s['segments']} segments, {s['partitions']} partitions per pass) "
+        f"in [key]{s['total_s']:.1f}s[/key]: Spark start-up {s['spark_startup_s']:.1f}s, export {s['export_s']:.1f}s"
+    )
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB" if n >= 1 << 20 else f"{n:,} bytes"
+
+
+class _Progress:
+    """A rich progress display on stderr (terminals only), fed by Spark's status tracker."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self._progress = None
+        self._label = ""
+        self._tasks: dict[int, Any] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._phase = None
+
+    def begin(self, text: str) -> None:
+        if not self.enabled:
+            return
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+        self._progress = Progress(
+            SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+            console=err, transient=True,
+        )  # fmt: skip
+        self._progress.start()
+        self._phase = self._progress.add_task(text, total=None)
+
+    def table(self, name: str) -> None:
+        self._label = name
+        if self._progress is not None and self._phase is not None:
+            self._progress.update(self._phase, description=f"{name}: planning")
+
+    def watch(self, spark) -> None:
+        if self._progress is None:
+            return
+        if self._phase is not None:
+            self._progress.update(self._phase, description="Spark started")
+        tracker = spark.sparkContext.statusTracker()
+        self._thread = threading.Thread(target=self._poll, args=(tracker,), name="txmq-spark-progress", daemon=True)
+        self._thread.start()
+
+    def _poll(self, tracker) -> None:
+        p = self._progress
+        while not self._stop.wait(0.25):
+            try:
+                active = set(tracker.getActiveStageIds())
+                for sid, task in self._tasks.items():
+                    if sid not in active:
+                        p.update(task, completed=p.tasks[task].total or 0)
+                for sid in active:
+                    info = tracker.getStageInfo(sid)
+                    if info is None:
+                        continue
+                    task = self._tasks.get(sid)
+                    if task is None:
+                        task = self._tasks[sid] = p.add_task(f"{self._label}: stage {sid}", total=info.numTasks)
+                    p.update(task, total=info.numTasks, completed=info.numCompletedTasks)
+            except Exception:  # the JVM is going away: stop quietly
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2)
+            self._thread = None
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None

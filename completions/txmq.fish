@@ -1,0 +1,25 @@
+# txmq completion for fish: generated from the app by `txmq completion fish`; do not edit.
+# Install: txmq completion fish > ~/.config/fish/completions/txmq.fish
+# On each Tab the shell asks `txmq` itself (with _TXMQ_COMPLETE set). Commands when generated:
+#   txmq bench
+#   txmq broker start
+#   txmq broker status
+#   txmq checker
+#   txmq completion
+#   txmq config get
+#   txmq config set
+#   txmq consume
+#   txmq discard list
+#   txmq discard replay
+#   txmq inspect half
+#   txmq inspect offsets
+#   txmq inspect op
+#   txmq resolve
+#   txmq send
+#   txmq spark-export
+#   txmq stats
+#   txmq topics
+
+complete --command txmq --no-files \
+  --arguments "(env _TXMQ_COMPLETE=complete_fish _TYPER_COMPLETE_FISH_ACTION=get-args _TYPER_COMPLETE_ARGS=(commandline -cp) txmq)" \
+  --condition "env _TXMQ_COMPLETE=complete_fish _TYPER_COMPLETE_FISH_ACTION=is-args _TYPER_COMPLETE_ARGS=(commandline -cp) txmq"

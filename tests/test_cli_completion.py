@@ -1,0 +1,139 @@
+"""Completions, help and start-up: no broker needed."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from typer.main import get_command
+from typer.testing import CliRunner
+
+from test_cli_support import cli_argv, cli_env, out, txmq
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_completion_files_are_up_to_date(tmp_path):
+    """completions/ must match what the app generates: run scripts/gen-completions.sh after changing commands."""
+    from txmq.cli.commands.completion import FILES, write_all
+
+    write_all(tmp_path)
+    stale = [name for name in FILES.values()
+             if not (REPO / "completions" / name).exists()
+             or (REPO / "completions" / name).read_text() != (tmp_path / name).read_text()]
+    assert not stale, f"completions/{', completions/'.join(stale)} out of date: run scripts/gen-completions.sh"
+
+
+def test_completion_command_prints_the_shipped_script():
+    r = txmq("completion", "bash")
+    assert r.returncode == 0
+    assert out(r) == (REPO / "completions" / "txmq.bash").read_text()
+    assert "complete -o default -F _txmq_completion txmq" in out(r)
+
+
+def test_zsh_and_fish_scripts_name_the_program():
+    from txmq.cli.commands.completion import script
+
+    assert script("zsh").startswith("#compdef txmq\n")
+    assert "complete --command txmq" in script("fish")
+    assert "#   txmq inspect half" in script("bash")
+
+
+def _complete_bash(words: str) -> list[str]:
+    parts = words.split(" ")
+    env = cli_env(_TXMQ_COMPLETE="complete_bash", COMP_WORDS=words, COMP_CWORD=str(len(parts) - 1))
+    r = subprocess.run(cli_argv(), env=env, capture_output=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+    return r.stdout.decode().split()
+
+
+def test_tab_completion_is_answered_by_the_program():
+    assert _complete_bash("txmq insp") == ["inspect"]
+    assert set(_complete_bash("txmq inspect ")) >= {"half", "op", "offsets"}
+    assert _complete_bash("txmq send orders --state ") == ["commit", "rollback", "unknown"]
+    assert "check-interval" in _complete_bash("txmq config set ")
+
+
+def test_startup_imports_nothing_heavy():
+    """The completions run the program on every Tab: building the whole app must not load the broker,
+    the store, the client, the event loop or pyspark."""
+    code = (
+        "import sys, txmq.cli.main as m\n"
+        "from typer.main import get_command\n"
+        "get_command(m.app)\n"
+        "heavy = ('pyspark', 'pyarrow', 'pandas', 'txmq.broker', 'txmq.store', 'txmq.client', 'uvloop', 'msgpack')\n"
+        "print(' '.join(sorted(n for n in sys.modules if n.split('.')[0] in heavy or n.startswith(heavy))))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "", f"imported at start-up: {r.stdout}"
+
+
+def test_help_is_quick():
+    best = min(_timed(["--help"]) for _ in range(3))
+    assert best < 1.5, f"`txmq --help` took {best:.2f}s"
+
+
+def _timed(args: list[str]) -> float:
+    t0 = time.perf_counter()
+    subprocess.run(cli_argv(*args), capture_output=True, timeout=60, env=cli_env())
+    return time.perf_counter() - t0
+
+
+def _leaf_commands():
+    from txmq.cli.main import app
+
+    def walk(cmd, path):
+        subs = getattr(cmd, "commands", None)
+        if not subs:
+            yield path
+            return
+        for name, sub in subs.items():
+            yield from walk(sub, [*path, name])
+
+    return list(walk(get_command(app), []))
+
+
+@pytest.mark.parametrize("path", _leaf_commands(), ids=" ".join)
+def test_every_command_help_shows_examples(path):
+    from txmq.cli.main import app
+
+    r = CliRunner().invoke(app, [*path, "--help"], prog_name="txmq", env={"COLUMNS": "200"})
+    assert r.exit_code == 0, r.output
+    assert "Examples:" in r.output and "txmq " + " ".join(path) in r.output
+
+
+def test_root_help_and_version():
+    r = txmq("--help")
+    assert r.returncode == 0 and "Examples:" in out(r)
+    for name in ("send", "inspect", "resolve", "discard", "config", "checker", "consume", "topics", "stats", "completion"):
+        assert name in out(r)
+    r = txmq("--version")
+    assert r.returncode == 0 and out(r).startswith("txmq ")
+
+
+def test_unknown_command_is_a_usage_error():
+    r = txmq("frobnicate")
+    assert r.returncode == 2
+
+
+def test_shipped_bash_script_completes_in_bash():
+    """Source completions/txmq.bash in a real bash and press Tab (call the completion function)."""
+    import os
+    import shutil
+
+    from test_cli_support import TXMQ
+
+    bash = shutil.which("bash")
+    if bash is None:
+        pytest.skip("bash is not installed")
+    path = os.path.dirname(TXMQ) if TXMQ else os.path.dirname(sys.executable)
+    script = REPO / "completions" / "txmq.bash"
+    cmd = f'source "{script}"; COMP_WORDS=(txmq config set m); COMP_CWORD=3; _txmq_completion txmq; printf "%s\\n" "${{COMPREPLY[@]}}"'
+    r = subprocess.run([bash, "--norc", "-c", cmd], capture_output=True, text=True, timeout=30,
+                       env=cli_env(PATH=f"{path}{os.pathsep}{os.environ.get('PATH', '')}"))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["max-checks"]
