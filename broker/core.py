@@ -188,6 +188,7 @@ class BrokerCore:
         self._rr = itertools.count()
         self._pollers: dict[tuple[str, int], list[asyncio.Future]] = defaultdict(list)
         self.connections = 0
+        self.tx_ready = asyncio.Event()  # set once the transaction index is rebuilt
         self.draining = False  # refuse new requests; in-flight ones finish
         self.shutting_down = False  # refuse appends
 

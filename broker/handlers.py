@@ -135,6 +135,8 @@ def send(core, conn, f: dict) -> Reply:
     qid = opt_int(f, "queue_id", None, -1, 1023)
     born = opt_int(f, "born_ts", None) or int(time.time() * 1000)
     if props.get(PROP_TRAN_MSG) == "true":
+        if not core.tx_ready.is_set():
+            return _when_ready(core, lambda: core.tx.send_half(topic, qid, body, props, born))
         return core.tx.send_half(topic, qid, body, props, born)
     qid = core.pick_queue(topic, qid)
     return _send_plain(core, [Message(topic, qid, TxType.NORMAL, born, props, body)], single=True)
@@ -288,6 +290,27 @@ def config_set(core, conn, f: dict) -> Reply:
 def stats(core, conn, f: dict) -> Reply:
     return core.stats()
 
+
+async def _when_ready(core, call: Callable[[], Reply]) -> dict[str, Any]:
+    """Run a transactional operation once the index is rebuilt (only right after a start)."""
+    await core.tx_ready.wait()
+    result = call()
+    return result if isinstance(result, dict) else await result
+
+
+def _needs_index(handler: Handler) -> Handler:
+    def gated(core, conn, f: dict) -> Reply:
+        if core.tx_ready.is_set():
+            return handler(core, conn, f)
+        return _when_ready(core, lambda: handler(core, conn, f))
+
+    gated.__name__ = handler.__name__
+    return gated
+
+
+for _fn in (end_transaction, tx_pending, tx_offsets, tx_resolve, tx_check_now, discard_list, discard_replay, stats):
+    globals()[_fn.__name__] = _needs_index(_fn)
+del _fn
 
 HANDLERS: dict[str, Handler] = {
     "hello": hello,

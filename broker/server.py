@@ -24,7 +24,7 @@ from .config import BrokerConfig, CheckSettings
 from .connection import BrokerConnection
 from .core import BrokerCore
 from .tx import TransactionService
-from .txindex import rebuild
+from .txindex import TxIndex, rebuild_steps
 
 log = logging.getLogger("txmq.broker")
 
@@ -45,6 +45,7 @@ class Broker:
         self.server: asyncio.AbstractServer | None = None
         self.ready = asyncio.Event()
         self._janitor: asyncio.Task | None = None
+        self._indexer: asyncio.Task | None = None
 
     def _settings(self) -> CheckSettings:
         """Defaults < config.json (set live) < explicit start options."""
@@ -61,16 +62,38 @@ class Broker:
         core.open()
         settings = self._settings()
         progress = CheckProgress(core.data_dir / "txcheck.json")
-        index = rebuild(core.store, progress.half, progress.op)
+        index = TxIndex()
         core.tx = TransactionService(core, index)
         core.check = CheckService(core, core.tx, progress, core.data_dir / "config.json", settings)
         core.store.config = replace(core.store.config, retention_s=settings.retention_s)
         await core.start()
-        report = core.recovery
-        if report is not None and report.scanned_from < core.store.max_offset:
-            await core.tx.repair_commits(core.store.scan(report.scanned_from))
+        loop = asyncio.get_running_loop()
+        self._indexer = loop.create_task(self._build_index(progress, t0), name="txmq-txindex")
+        self._janitor = loop.create_task(self._janitor_loop(), name="txmq-janitor")
+        log.info("event=store_ready took_s=%.3f", time.perf_counter() - t0)
+
+    async def _build_index(self, progress: CheckProgress, t0: float) -> None:
+        """Rebuild the transaction index from the log while plain traffic is served.
+
+        Transactional operations wait for it (core.tx_ready); the check
+        service starts after it. Batches alternate with other work, so sends
+        and pulls are answered from the first moment.
+        """
+        core = self.core
+        index = core.tx.index
+        try:
+            for _ in rebuild_steps(core.store, progress.half, progress.op, index):
+                await asyncio.sleep(0)
+            report = core.recovery
+            if report is not None and report.scanned_from < core.store.max_offset:
+                await core.tx.repair_commits(core.store.scan(report.scanned_from))
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("event=txindex_rebuild_failed")
+            raise
+        core.tx_ready.set()
         core.check.start()
-        self._janitor = asyncio.get_running_loop().create_task(self._janitor_loop(), name="txmq-janitor")
         log.info("event=broker_ready pending=%d decided=%d took_s=%.3f", len(index.pending), len(index.decided), time.perf_counter() - t0)
 
     async def serve(self, sock: socket.socket, shutdown: asyncio.Event | None = None) -> None:
@@ -95,8 +118,13 @@ class Broker:
             self.server.close()
         if self.state.inflight:
             await asyncio.wait(list(self.state.inflight), timeout=self.config.shutdown_timeout_s)
-        if self._janitor is not None:
-            self._janitor.cancel()
+        for task in (self._janitor, self._indexer):
+            if task is not None and not task.done():
+                task.cancel()
+                try:
+                    await task
+                except (asyncio.CancelledError, Exception):
+                    pass
         await self.core.check.stop()
         await self.core.stop()  # refuses new work, flushes, closes the store
         for conn in list(self.state.connections):
@@ -160,5 +188,15 @@ def stats_of(core) -> dict[str, Any]:
             "durable_offset": core.store.durable_offset,
             "check_passes": core.check.passes,
             "last_check_pass": core.check.last_pass,
+            "recovery": recovery_of(core),
         },
     }
+
+
+def recovery_of(core) -> dict[str, Any]:
+    """What the store's recovery did at this start (a torn tail cut, entries re-dispatched)."""
+    r = core.recovery
+    if r is None:
+        return {}
+    return {"dropped_bytes": r.dropped_bytes, "reason": r.reason, "truncated_at": r.truncated_at,
+            "redispatched": r.redispatched, "cq_entries_dropped": r.cq_entries_dropped}

@@ -46,6 +46,7 @@ async def running_broker(data_dir: str | Path, clock: Clock | None = None, **ove
     if task in done:
         ready.cancel()
         task.result()  # raises the start-up error
+    await broker.core.tx_ready.wait()  # tests start from a fully ready broker
     try:
         yield RunningBroker(broker, "127.0.0.1", port)
     finally:

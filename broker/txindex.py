@@ -22,7 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Iterable
+import heapq
+from typing import Iterable, Iterator
 
 from txmq.constants import (
     DISCARD_TOPIC,
@@ -206,23 +207,38 @@ class TxIndex:
 
 
 def rebuild(reader, half_progress: int, op_progress: int, batch: int = 2048) -> TxIndex:
-    """Rebuild the index from a store (or StoreReader).
+    """Rebuild the index from a store (or StoreReader) in one go."""
+    idx = TxIndex()
+    for _ in rebuild_steps(reader, half_progress, op_progress, idx, batch):
+        pass
+    return idx
+
+
+def rebuild_steps(reader, half_progress: int, op_progress: int, idx: TxIndex, batch: int = 2048) -> Iterator[int]:
+    """Fill idx from the log, yielding the records applied so far every `batch` records.
 
     Reads the whole op and discard queues and the half queue from the check
     progress on (everything before it is decided or superseded by a later
-    copy), merged in commit-log order.
+    copy), merged in commit-log order. The broker drives this between other
+    work, so it serves plain traffic while the index is being rebuilt.
     """
-    idx = TxIndex()
     streams = [
         _queue_records(reader, OP_TOPIC, 0, reader.queue_min_offset(OP_TOPIC, 0), batch),
         _queue_records(reader, DISCARD_TOPIC, 0, reader.queue_min_offset(DISCARD_TOPIC, 0), batch),
         _queue_records(reader, HALF_TOPIC, 0, max(half_progress, reader.queue_min_offset(HALF_TOPIC, 0)), batch),
     ]
-    import heapq
+    n = 0
+    apply = idx.apply
+    for rec in heapq.merge(*streams, key=_cl_offset):
+        apply(rec, op_progress)
+        n += 1
+        if n % batch == 0:
+            yield n
+    yield n
 
-    for rec in heapq.merge(*streams, key=lambda r: r.commit_log_offset):
-        idx.apply(rec, op_progress)
-    return idx
+
+def _cl_offset(rec: Record) -> int:
+    return rec.commit_log_offset
 
 
 def _queue_records(reader, topic: str, queue_id: int, start: int, batch: int) -> Iterable[Record]:

@@ -23,9 +23,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+import msgpack
+
 from txmq import wire
 
 HELLO_ID = 0xFFFFFFFF
+_packb = msgpack.Packer(use_bin_type=True).pack
+
+
+def _unpackb(payload: bytes) -> list:
+    return msgpack.unpackb(payload, raw=False)
 
 
 @dataclass
@@ -107,6 +114,13 @@ class _Gen(asyncio.Protocol):
         self.ctx[self.next_id] = ctx
         self.out.append(wire.request(self.next_id, op, fields))
 
+    def request_template(self, tail: bytes, ctx: tuple) -> None:
+        """A request whose op and fields never change: only the id is encoded (see Bench.template)."""
+        self.next_id = i = (self.next_id + 1) & 0x7FFFFFFF
+        self.ctx[i] = ctx
+        head = b"\x94\x00" + _packb(i)
+        self.out.append(wire.HEADER.pack(len(head) + len(tail)) + head + tail)
+
     def flush(self) -> None:
         if self.out and self.transport is not None and not self.transport.is_closing():
             self.transport.write(b"".join(self.out))
@@ -115,17 +129,17 @@ class _Gen(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         b = self.b
         for payload in self.dec.feed(data):
-            f = wire.parse_payload(payload)
-            if f.id == HELLO_ID:
-                if f.op != 0:
-                    self.ready.set_exception(wire.TxmqError.from_reply(int(f.op), f.fields))
+            _kind, id_, code, fields = _unpackb(payload)  # the broker is trusted here: no per-frame validation
+            if id_ == HELLO_ID:
+                if code != 0:
+                    self.ready.set_exception(wire.TxmqError.from_reply(int(code), fields))
                 else:
                     self.ready.set_result(None)
                 continue
-            ctx = self.ctx.pop(f.id, None)
+            ctx = self.ctx.pop(id_, None)
             if ctx is None:
                 continue
-            b.on_reply(self, ctx, int(f.op), f.fields)
+            b.on_reply(self, ctx, code, fields)
         self.fill()
 
 
@@ -163,16 +177,22 @@ class Bench:
         self.stats.issued += 1
         return True
 
+    def _templates(self) -> None:
+        cfg = self.cfg
+        if cfg.mode == "send" and cfg.batch > 1:
+            self._tail = _packb("send_batch") + _packb({"topic": cfg.topic, "messages": [{"body": self.body}] * cfg.batch})
+        elif cfg.mode == "send":
+            self._tail = _packb("send") + _packb({"topic": cfg.topic, "body": self.body})
+        elif cfg.mode == "tx":
+            self._tail = _packb("send") + _packb({"topic": cfg.topic, "body": self.body, "properties": {"TRAN_MSG": "true", "PGROUP": cfg.group}})
+
     def start_unit(self, g: _Gen) -> None:
         cfg = self.cfg
         now = time.perf_counter()
         if cfg.mode == "send":
-            if cfg.batch > 1:
-                g.request("send_batch", {"topic": cfg.topic, "messages": [{"body": self.body}] * cfg.batch}, ("send", now, now))
-            else:
-                g.request("send", {"topic": cfg.topic, "body": self.body}, ("send", now, now))
+            g.request_template(self._tail, ("send", now, now))
         elif cfg.mode == "tx":
-            g.request("send", {"topic": cfg.topic, "body": self.body, "properties": {"TRAN_MSG": "true", "PGROUP": cfg.group}}, ("half", now, now))
+            g.request_template(self._tail, ("half", now, now))
         else:
             i = self._qi % len(self._queues)
             self._qi += 1
@@ -275,6 +295,7 @@ class Bench:
             await self._prepare_consume()
         if cfg.mode == "tx" and cfg.mix.get("unknown"):
             await self._start_checker()
+        self._templates()
         self.gens = [await self._connect() for _ in range(cfg.connections)]
         self._finished = loop.create_future()
         self._t0 = time.perf_counter()
