@@ -133,7 +133,7 @@ def send(core, conn, f: dict) -> Reply:
     body = body_of(f, core.config.max_body)
     props = props_of(f)
     qid = opt_int(f, "queue_id", None, -1, 1023)
-    born = opt_int(f, "born_ts", None) or int(time.time() * 1000)
+    born = opt_int(f, "born_ts", None) or int(core.clock() * 1000)
     if props.get(PROP_TRAN_MSG) == "true":
         if not core.tx_ready.is_set():
             return _when_ready(core, lambda: core.tx.send_half(topic, qid, body, props, born))
@@ -148,7 +148,7 @@ def send_batch(core, conn, f: dict) -> Reply:
     if not isinstance(items, list) or not items or len(items) > 10_000:
         raise _bad("field 'messages' must be a non-empty list of at most 10000 messages")
     qid = core.pick_queue(topic, opt_int(f, "queue_id", None, -1, 1023))
-    now = int(time.time() * 1000)
+    now = int(core.clock() * 1000)
     msgs = []
     for m in items:
         if not isinstance(m, dict):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
-from datetime import datetime, timezone
+from datetime import datetime
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any, Optional
@@ -155,19 +155,19 @@ def spark_export(
         except Exception as e:
             raise CliError(f"could not start Spark (master {master}): {_first_line(e)}") from None
         progress.watch(session.spark)
-        keep_log = True
+        ok = False
         try:
             result = export(session.spark, opts, on_table=progress.table)
-            keep_log = False
-        except (FileExistsError, ValueError) as e:
+            ok = True
+        except FileExistsError as e:  # created by someone else since the check
             raise CliError(str(e), exitcodes.USAGE) from None
         except Exception as e:
             hint = f" (Spark's log: {session.log_path})" if session.log_path else ""
-            raise CliError(f"spark-export failed: {_first_line(e)}{hint}") from None
+            raise CliError(f"spark-export failed: {spark_error(e)}{hint}") from None
         finally:
             progress.stop()
             session.stop()
-            if not keep_log:
+            if ok:
                 sess.cleanup(session)
     finally:
         progress.stop()
@@ -181,6 +181,19 @@ def _first_line(e: BaseException) -> str:
         if line.strip():
             return line.strip()[:500]
     return text[:500]
+
+
+def spark_error(e: BaseException) -> str:
+    """The informative line of a Spark failure: a Python worker's exception, or the JVM's message."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    if "Traceback (most recent call last):" in lines:  # raised in a Python worker: its last line
+        tb = lines[lines.index("Traceback (most recent call last):") + 1 :]
+        tb = [ln for ln in tb if not ln.startswith(("at ", "File ", "^", "~"))]
+        for ln in reversed(tb):
+            if ":" in ln and not ln.startswith(("org.apache", "java.", "scala.", "py4j")):
+                return ln[:500]
+    useful = [ln.lstrip(": ") for ln in lines if not ln.startswith(("at ", "An error occurred while calling"))]
+    return (useful[0] if useful else type(e).__name__)[:500]
 
 
 def _summary(opts, master: str, result, startup_s: float, total_s: float) -> dict[str, Any]:

@@ -1,0 +1,142 @@
+"""Measure spark-export on a synthetic log: ``python -m txmq.spark.bench [--records N] [--dir D]``.
+
+Writes N records with txmq.store.Store (256-byte bodies; 1% of them in
+committed transactions: half, commit and op records), then reports:
+
+- the pure-Python scan (StoreReader.scan_range) and the source's reader
+  (decode + Arrow batches) in this one process, in rows/s;
+- Spark start-up, and ``spark.read.format("txmq").load(D).count()`` rows/s;
+- ``txmq spark-export`` end to end (a subprocess, as a user runs it).
+
+Prints one JSON document. Numbers depend on the machine's cores and load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+
+def write_log(data_dir: str, records: int, body_size: int = 256) -> float:
+    from txmq.constants import HALF_TOPIC, OP_TOPIC
+    from txmq.store import Message, Store, TxType
+
+    body = os.urandom(body_size)
+    t0 = time.perf_counter()
+    with Store(data_dir) as store:
+        batch: list[Message] = []
+        n = i = 0
+        while n < records:
+            now = int(time.time() * 1000)
+            if i % 100 == 99 and records - n >= 3:  # a committed transaction: half, commit, op
+                tx = f"TX{i:012d}"
+                props = {"TRAN_MSG": "true", "PGROUP": "bench", "UNIQ_KEY": tx, "REAL_TOPIC": "orders", "REAL_QID": "0"}
+                (h,) = store.append([Message(HALF_TOPIC, 0, TxType.PREPARED, now, props, body)])
+                cprops = {k: v for k, v in props.items() if k != "TRAN_MSG"}
+                store.append([
+                    Message("orders", 0, TxType.COMMIT, now, cprops, body, prepared_offset=h.commit_log_offset),
+                    Message(OP_TOPIC, 0, TxType.COMMIT, now, {"TAGS": "d", "UNIQ_KEY": tx, "PGROUP": "bench",
+                            "TXMQ_DECIDED_BY": "producer"}, str(h.queue_offset).encode(), prepared_offset=h.commit_log_offset),
+                ])  # fmt: skip
+                n += 3
+            else:
+                batch.append(Message(f"topic{i % 8}", i % 4, TxType.NORMAL, now, {"TAGS": f"t{i % 10}", "KEYS": f"k{i}"}, body))
+                n += 1
+                if len(batch) >= 1000:
+                    store.append(batch)
+                    batch = []
+            i += 1
+        if batch:
+            store.append(batch)
+    return time.perf_counter() - t0
+
+
+def python_scan(data_dir: str) -> dict:
+    from txmq.spark.schema import messages_schema
+    from txmq.spark.source import ReadOptions, TxmqReader
+    from txmq.store import StoreReader
+
+    t0 = time.perf_counter()
+    with StoreReader(data_dir) as r:
+        n = sum(1 for _ in r.scan_range(0, r.max_offset))
+    scan_s = time.perf_counter() - t0
+    reader = TxmqReader(ReadOptions(data_dir), messages_schema())
+    t0 = time.perf_counter()
+    m = sum(b.num_rows for p in reader.partitions() for b in reader.read(p))
+    read_s = time.perf_counter() - t0
+    return {
+        "scan_range_rows": n, "scan_range_s": round(scan_s, 2), "scan_range_rows_per_s": round(n / scan_s),
+        "reader_batches_rows": m, "reader_batches_s": round(read_s, 2), "reader_batches_rows_per_s": round(m / read_s),
+    }  # fmt: skip
+
+
+def spark_count(data_dir: str, master: str, repeat: int) -> dict:
+    from txmq.spark import session as sess
+    from txmq.spark.source import TxmqDataSource
+
+    s = sess.start(master)
+    try:
+        spark = s.spark
+        spark.dataSource.register(TxmqDataSource)
+        runs = []
+        n = 0
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            n = spark.read.format("txmq").load(data_dir).count()
+            runs.append(time.perf_counter() - t0)
+        best = min(runs)
+        return {"spark_startup_s": round(s.startup_s, 2), "count": n, "count_s": [round(x, 2) for x in runs],
+                "count_rows_per_s_best": round(n / best)}
+    finally:
+        s.stop()
+        sess.cleanup(s)
+
+
+def cli_export(data_dir: str, out: str, master: str, extra: list[str]) -> dict:
+    shutil.rmtree(out, ignore_errors=True)
+    cmd = [sys.executable, "-m", "txmq", "spark-export", "--data-dir", data_dir, "--out", out, "--master", master, "-o", "json", *extra]
+    t0 = time.perf_counter()
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if r.returncode != 0:
+        raise SystemExit(f"spark-export failed ({r.returncode}): {r.stderr}")
+    summary = json.loads(r.stdout)
+    return {"command": " ".join(cmd[2:]), "wall_s": round(wall, 2), "summary": summary}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--records", type=int, default=1_000_000)
+    ap.add_argument("--dir", help="work directory (kept; the log is reused when present)")
+    ap.add_argument("--master", default="local[*]")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--skip", default="", help="comma-separated: python,count,cli")
+    args = ap.parse_args(argv)
+    work = args.dir or tempfile.mkdtemp(prefix="txmq-bench-")
+    data_dir = os.path.join(work, "data")
+    skip = set(filter(None, args.skip.split(",")))
+    result: dict = {"records": args.records, "cpus": os.cpu_count(), "data_dir": data_dir, "master": args.master}
+    if not os.path.isdir(os.path.join(data_dir, "commitlog")):
+        result["write_s"] = round(write_log(data_dir, args.records), 2)
+    result["log_bytes"] = sum(e.stat().st_size for e in os.scandir(os.path.join(data_dir, "commitlog")))
+    if "python" not in skip:
+        result["python"] = python_scan(data_dir)
+    if "count" not in skip:
+        result["spark_count"] = spark_count(data_dir, args.master, args.repeat)
+    if "cli" not in skip:
+        out = os.path.join(work, "out")
+        result["export_all_parquet"] = cli_export(data_dir, out, args.master, [])
+        result["export_messages_parquet"] = cli_export(data_dir, out, args.master, ["--table", "messages"])
+    print(json.dumps(result, indent=2))
+    if not args.dir:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

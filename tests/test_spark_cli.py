@@ -1,0 +1,95 @@
+"""spark-export without its dependencies: a clear message and exit code 9, through the real entry point.
+
+These run the CLI in a subprocess with pyspark hidden (``sys.modules['pyspark']
+= None``) or with no Java reachable (PATH without java, JAVA_HOME unset).
+They start no Spark, so they run even where pyspark or Java is missing.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.spark
+
+MISSING_DEPENDENCY = 9
+
+
+def run_cli(args: list[str], prelude: str = "", env: dict | None = None) -> subprocess.CompletedProcess:
+    code = (
+        "import sys\n"
+        f"{prelude}\n"
+        f"sys.argv = ['txmq', *{args!r}]\n"
+        "from txmq.cli.main import main\n"
+        "main()\n"
+    )
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+
+
+def data_dir(tmp_path):
+    (tmp_path / "data" / "commitlog").mkdir(parents=True)
+    return str(tmp_path / "data")
+
+
+def test_without_pyspark_it_says_what_to_install(tmp_path):
+    r = run_cli(["spark-export", "--data-dir", data_dir(tmp_path), "--out", str(tmp_path / "out")],
+                prelude="sys.modules['pyspark'] = None")
+    assert r.returncode == MISSING_DEPENDENCY, r.stderr
+    assert "pyspark" in r.stderr and "pip install 'txmq[spark]'" in r.stderr
+    assert "Traceback" not in r.stderr and not (tmp_path / "out").exists()
+
+
+def test_without_pyarrow_it_says_what_to_install(tmp_path):
+    r = run_cli(["spark-export", "--data-dir", data_dir(tmp_path), "--out", str(tmp_path / "out")],
+                prelude="sys.modules['pyarrow'] = None")
+    assert r.returncode == MISSING_DEPENDENCY, r.stderr
+    assert "pyarrow" in r.stderr and "pip install 'txmq[spark]'" in r.stderr
+
+
+def test_without_java_it_says_so(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "JAVA_HOME"}
+    env["PATH"] = os.path.dirname(sys.executable)  # the venv's bin: python, no java
+    r = run_cli(["spark-export", "--data-dir", data_dir(tmp_path), "--out", str(tmp_path / "out")], env=env)
+    assert r.returncode == MISSING_DEPENDENCY, r.stderr
+    if "pyspark" in r.stderr and "not installed" in r.stderr:
+        pytest.skip("pyspark is missing here, so that is reported first")
+    assert "Java" in r.stderr and "JAVA_HOME" in r.stderr and "PATH" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_a_java_home_without_java_is_named(tmp_path):
+    env = {**os.environ, "JAVA_HOME": str(tmp_path / "nojava")}
+    r = run_cli(["spark-export", "--data-dir", data_dir(tmp_path), "--out", str(tmp_path / "out")], env=env)
+    assert r.returncode == MISSING_DEPENDENCY, r.stderr
+    if "not installed" not in r.stderr:
+        assert str(tmp_path / "nojava") in r.stderr
+
+
+def test_help_does_not_import_pyspark():
+    code = (
+        "import sys\n"
+        "sys.argv = ['txmq', 'spark-export', '--help']\n"
+        "from txmq.cli.main import main\n"
+        "try:\n    main()\nexcept SystemExit:\n    pass\n"
+        "print('PYSPARK_LOADED' if 'pyspark' in sys.modules else 'PYSPARK_NOT_LOADED')\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "COLUMNS": "200"})
+    assert r.returncode == 0, r.stderr
+    for opt in ("--data-dir", "--out", "--format", "--table", "--master", "--since", "--until", "--topic",
+                "--partition-by", "--mode", "--conf", "--output"):
+        assert opt in r.stdout
+    assert r.stdout.rstrip().endswith("PYSPARK_NOT_LOADED")
+
+
+def test_a_directory_without_a_commit_log_is_not_found(tmp_path):
+    pytest.importorskip("pyspark")
+    from txmq.spark.session import missing_java
+
+    if missing_java():
+        pytest.skip("no Java")
+    r = run_cli(["spark-export", "--data-dir", str(tmp_path), "--out", str(tmp_path / "out")])
+    assert r.returncode == 5 and "not a txmq data directory" in r.stderr, r.stderr
