@@ -32,7 +32,7 @@ test-fast: $(VENV)/.installed-test
 
 ## fault-long: the long fault-injection run (many kill/restart cycles)
 fault-long: $(VENV)/.installed-test
-	TXMQ_FAULT_LONG=1 $(PY) -m pytest -q -m fault $(ARGS)
+	TXMQ_FAULT_LONG=1 TXMQ_FAULT_REPORT=$(or $(TXMQ_FAULT_REPORT),fault-report.jsonl) $(PY) -m pytest -q -s -m fault $(ARGS)
 
 ## binary: a single-file zipapp, dist/txmq.pyz (`python3 dist/txmq.pyz broker start`)
 binary: $(VENV)/.installed-test

@@ -70,8 +70,8 @@ class CheckService:
     def set(self, key: str, value: Any) -> tuple[Any, Any]:
         new_settings = self.settings.with_value(key, value)  # KeyError / ValueError first
         old = getattr(self.settings, key)
+        atomic_write_json(self.settings_path, new_settings.to_dict())  # persisted first: a refused change changes nothing
         self.settings = new_settings
-        atomic_write_json(self.settings_path, self.settings.to_dict())
         log.info("event=config_set key=%s old=%s new=%s", key, old, getattr(self.settings, key))
         self._wake.set()  # a shorter interval takes effect now
         return old, getattr(self.settings, key)
@@ -270,5 +270,6 @@ class CheckService:
             p.last_check_result = "no producer online"
             raise TxmqError(f"no producer of group {p.group!r} is online", ErrorCode.NO_PRODUCER)
         await self._check([(p, conn)], int(self.core.clock() * 1000))
+        log.info("event=operator_check_now tx_id=%s group=%s checks=%d", tx_id, p.group, p.checks)
         return {"sent": True, "message": f"check-back sent to a producer of {p.group}"}
 

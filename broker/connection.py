@@ -6,13 +6,17 @@
   replies produced in one loop iteration leave in one write.
 - Backpressure: when the transport's write buffer passes its high-water
   mark (a client that stops reading), or too many requests are in flight,
-  the connection stops reading until it drains. Memory per connection is
-  bounded by max_frame + the write buffer limit + in-flight requests.
+  or the pulls in flight may return more than PULL_BUDGET bytes, the
+  connection stops reading until it drains; requests already read in the
+  same burst wait in a backlog instead of being dispatched. Memory per
+  connection is bounded by max_frame + the write buffer limit + the pull
+  budget + in-flight requests.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import hmac
 import itertools
 from functools import partial
@@ -28,6 +32,7 @@ log = logging.getLogger("txmq.conn")
 _ids = itertools.count(1)
 
 WRITE_HIGH = 4 << 20
+PULL_BUDGET = 64 << 20  # reply bytes the pulls in flight on one connection may ask for
 
 
 class BrokerConnection(asyncio.Protocol):
@@ -46,6 +51,9 @@ class BrokerConnection(asyncio.Protocol):
         self._read_paused = False
         self._closing = False
         self._tasks: set[asyncio.Task] = set()
+        self._backlog: collections.deque[bytes] = collections.deque()  # read but not dispatched (paused)
+        self._out_bytes = 0
+        self._pull_bytes = 0
         self.peer = ""
 
     # ---- asyncio.Protocol ---------------------------------------------------
@@ -80,7 +88,16 @@ class BrokerConnection(asyncio.Protocol):
         except TxmqError as err:
             self._fatal(0, err)
             return
-        for payload in payloads:
+        if self._backlog:
+            self._backlog.extend(payloads)
+            return
+        self._run(payloads)
+
+    def _run(self, payloads: list[bytes]) -> None:
+        for i, payload in enumerate(payloads):
+            if self._read_paused:  # a limit was hit: the rest waits until the connection drains
+                self._backlog.extend(payloads[i:])
+                return
             try:
                 frame = parse_payload(payload)
             except FrameError as err:
@@ -129,11 +146,20 @@ class BrokerConnection(asyncio.Protocol):
             self._pause_reading()
         fut = result if isinstance(result, asyncio.Future) else asyncio.ensure_future(result)
         self.state.inflight.add(fut)
+        if op == "pull":  # the one reply whose size the client picks
+            mb = fields.get("max_bytes")
+            cost = min(mb, 64 << 20) if type(mb) is int and mb > 0 else 1 << 20
+            self._pull_bytes += cost
+            if self._pull_bytes > PULL_BUDGET:
+                self._pause_reading()
+            fut.add_done_callback(partial(self._done, id_, cost=cost))
+            return
         fut.add_done_callback(partial(self._done, id_))
 
-    def _done(self, id_: int, fut: asyncio.Future) -> None:
+    def _done(self, id_: int, fut: asyncio.Future, cost: int = 0) -> None:
         self.state.inflight.discard(fut)
         self.inflight -= 1
+        self._pull_bytes -= cost
         if not fut.cancelled() and fut.exception() is None:
             self._send(reply(id_, fut.result()))
             if self._read_paused:
@@ -170,12 +196,16 @@ class BrokerConnection(asyncio.Protocol):
         if self.transport is None or self.transport.is_closing():
             return
         self._out.append(data)
-        if not self._flush_scheduled:
+        self._out_bytes += len(data)
+        if self._out_bytes > WRITE_HIGH:
+            self._flush()  # hand it to the transport now: it pauses us if the peer is not reading
+        elif not self._flush_scheduled:
             self._flush_scheduled = True
             asyncio.get_running_loop().call_soon(self._flush)
 
     def _flush(self) -> None:
         self._flush_scheduled = False
+        self._out_bytes = 0
         if self._out and self.transport is not None and not self.transport.is_closing():
             out, self._out = self._out, []
             self.transport.write(b"".join(out) if len(out) > 1 else out[0])
@@ -198,10 +228,16 @@ class BrokerConnection(asyncio.Protocol):
             self._read_paused
             and not self._write_paused
             and self.inflight < self.core.config.max_inflight_per_conn // 2
+            and self._pull_bytes <= PULL_BUDGET // 2
             and self.transport is not None
             and not self.transport.is_closing()
         ):
             self._read_paused = False
+            if self._backlog:
+                backlog, self._backlog = list(self._backlog), collections.deque()
+                self._run(backlog)
+                if self._read_paused or self._closing:
+                    return
             self.transport.resume_reading()
 
     def close(self) -> None:

@@ -12,6 +12,7 @@ durability according to the flush policy.
 from __future__ import annotations
 
 import asyncio
+import errno
 import itertools
 import logging
 import os
@@ -223,14 +224,17 @@ class BrokerCore:
                     fut.set_result(None)
         self._pollers.clear()
         await self.flusher.stop()
-        self.offsets.persist()
+        try:
+            self.offsets.persist()
+        except OSError as exc:  # e.g. the disk is still full: offsets since the last persist are lost, nothing else
+            log.error("event=offsets_persist_failed error=%r", exc)
         self.store.close()
 
     # ---- errors ----------------------------------------------------------
     def store_error(self, exc: BaseException) -> TxmqError:
         if isinstance(exc, TxmqError):
             return exc
-        if isinstance(exc, StoreFullError):
+        if isinstance(exc, StoreFullError) or (isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)):
             self.metrics.inc("store_full_errors")
             return TxmqError("store full: the data directory's disk has no space left; nothing was written", ErrorCode.STORE_FULL)
         if isinstance(exc, RecordTooLargeError):

@@ -95,6 +95,8 @@ class Flusher:
                 log.error("event=flush_failed error=%r", exc)
                 err = TxmqError(f"flush failed: {exc}", ErrorCode.STORE_ERROR)
                 self._fail_all(err, persist_waiters)
+                # retry the checkpoint at its own pace: sends keep being fsynced meanwhile
+                next_checkpoint = loop.time() + self.interval_s
                 await asyncio.sleep(0.05)
                 if self._stopping:
                     return

@@ -16,6 +16,44 @@ from prometheus_client.core import CollectorRegistry, CounterMetricFamily, Gauge
 SOURCES = ("producer", "check", "operator")
 
 
+COUNTERS = (
+    ("half_stored", "Half messages stored"),
+    ("checks_sent", "Check-back requests sent to producers"),
+    ("checks_answered", "Check-back answers received"),
+    ("unknown_answers", "UNKNOW answers to end transaction (from producers and check-backs)"),
+    ("discarded", "Transactions moved to the discard topic"),
+    ("replayed", "Discarded transactions replayed"),
+    ("messages_sent", "Plain messages stored"),
+    ("messages_pulled", "Messages returned to consumers"),
+    ("bytes_appended", "Bytes appended to the commit log"),
+    ("records_appended", "Records appended to the commit log"),
+    ("store_full_errors", "Appends refused because the disk was full"),
+    ("connections_accepted", "Client connections accepted"),
+    ("auth_failures", "Connections refused for a wrong token"),
+    ("check_passes", "Check-service passes over the half queue"),
+)
+
+
+def _retry(fn, default):
+    """Call fn, which iterates a dict the event loop may change meanwhile; a few tries, then default."""
+    for _ in range(3):
+        try:
+            return fn()
+        except RuntimeError:  # dictionary changed size during iteration
+            continue
+    return default
+
+
+def _histogram(name: str, help_: str, bounds, counts, total: float) -> HistogramMetricFamily:
+    fam = HistogramMetricFamily(name, help_)
+    buckets, acc = [], 0
+    for b, n in zip(bounds, list(counts)):
+        acc += n
+        buckets.append(("+Inf" if b == float("inf") else str(b), acc))
+    fam.add_metric([], buckets, total)
+    return fam
+
+
 class BrokerCollector:
     def __init__(self, core: Any) -> None:
         self.core = core
@@ -23,45 +61,41 @@ class BrokerCollector:
     def collect(self) -> Iterator[Any]:
         core = self.core
         c = dict(core.metrics.counters)
-        pending = GaugeMetricFamily("txmq_pending_half_messages", "Pending (undecided) transactions", labels=["topic"])
+        pending = GaugeMetricFamily("txmq_pending_half_messages", "Pending (undecided) transactions, by real topic", labels=["topic"])
         by_topic: dict[str, int] = {}
         for p in list(core.tx.index.pending.values()):
             by_topic[p.topic] = by_topic.get(p.topic, 0) + 1
-        for topic, n in by_topic.items():
+        for topic, n in sorted(by_topic.items()):
             pending.add_metric([topic], n)
         yield pending
-        for name, help_ in (("committed", "Transactions committed"), ("rolled_back", "Transactions rolled back")):
+        yield GaugeMetricFamily("txmq_pending_transactions", "Pending (undecided) transactions, all topics", value=sum(by_topic.values()))
+        for name, help_ in (("committed", "Transactions committed, by who decided"), ("rolled_back", "Transactions rolled back, by who decided")):
             fam = CounterMetricFamily(f"txmq_{name}", help_, labels=["source"])
             for s in SOURCES:
                 fam.add_metric([s], c.get(f"{name}_{s}", 0))
             yield fam
-        for key, help_ in (
-            ("half_stored", "Half messages stored"),
-            ("checks_sent", "Check-back requests sent"),
-            ("checks_answered", "Check-back answers received"),
-            ("unknown_answers", "UNKNOW answers to end transaction"),
-            ("discarded", "Transactions moved to the discard topic"),
-            ("replayed", "Discarded transactions replayed"),
-            ("messages_sent", "Plain messages stored"),
-            ("messages_pulled", "Messages returned to consumers"),
-            ("bytes_appended", "Bytes appended to the commit log"),
-            ("records_appended", "Records appended to the commit log"),
-            ("store_full_errors", "Sends refused because the disk was full"),
-        ):
+        for key, help_ in COUNTERS:
             yield CounterMetricFamily(f"txmq_{key}", help_, value=c.get(key, 0))
+        errors = CounterMetricFamily("txmq_errors", "Error replies sent, by error name", labels=["code"])
+        for key in sorted(k for k in c if k.startswith("errors_")):
+            errors.add_metric([key[len("errors_"):].upper()], c[key])
+        yield errors
         m = core.metrics
-        hist = HistogramMetricFamily("txmq_decision_seconds", "Time from half message to decision")
-        buckets, acc = [], 0
-        for b, n in zip(m.decision_buckets, list(m.decision_hist)):
-            acc += n
-            buckets.append(("+Inf" if b == float("inf") else str(b), acc))
-        hist.add_metric([], buckets, m.decision_sum)
-        yield hist
-        yield CounterMetricFamily("txmq_flushes", "fsync cycles", value=m.flush_count)
-        yield CounterMetricFamily("txmq_flush_seconds", "Total time spent in fsync cycles", value=m.flush_seconds_total)
+        yield _histogram("txmq_decision_seconds", "Time from a half message's birth to its commit or rollback",
+                         m.decision_buckets, m.decision_hist, m.decision_sum)
+        yield _histogram("txmq_flush_latency_seconds", "Duration of each fsync cycle (group commit, checkpoint)",
+                         m.flush_buckets, m.flush_hist, m.flush_seconds_total)
         yield GaugeMetricFamily("txmq_flush_seconds_max", "Longest fsync cycle", value=m.flush_seconds_max)
         yield GaugeMetricFamily("txmq_connections", "Open client connections", value=core.connections)
+        online = GaugeMetricFamily("txmq_producer_connections", "Live connections registered for check-backs, by producer group", labels=["group"])
+        for g, n in sorted(_retry(core.registry.groups, {}).items()):
+            online.add_metric([g], n)
+        yield online
         yield GaugeMetricFamily("txmq_commit_log_max_offset", "Written end of the commit log", value=core.store.max_offset)
+        yield GaugeMetricFamily("txmq_commit_log_durable_offset", "fsynced end of the commit log", value=core.store.durable_offset)
+        r = core.recovery
+        yield GaugeMetricFamily("txmq_recovery_dropped_bytes", "Bytes of torn tail cut by recovery at this start",
+                                value=r.dropped_bytes if r is not None else 0)
 
 
 def serve_metrics(core: Any, host: str, port: int):

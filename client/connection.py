@@ -218,9 +218,10 @@ class Connection(asyncio.Protocol):
             if i not in pending:
                 break
         self._next_id = i
+        data = wire.request(i, op, fields)  # raises on a field msgpack cannot encode: then nothing is queued
         fut = self._loop.create_future()
         pending[i] = fut
-        self._wbuf.append(wire.request(i, op, fields))
+        self._wbuf.append(data)
         if self._flush_handle is None:
             self._flush_handle = self._loop.call_soon(self._flush)
         if timeout is not None:

@@ -18,11 +18,12 @@ def free_port() -> int:
 
 
 class BrokerProcess:
-    def __init__(self, data_dir: Path, *args: str, port: int | None = None, env: dict | None = None) -> None:
+    def __init__(self, data_dir: Path, *args: str, port: int | None = None, env: dict | None = None, preexec=None) -> None:
         self.data_dir = Path(data_dir)
         self.args = list(args)
         self.port = port or free_port()
         self.env = env
+        self.preexec = preexec  # e.g. set a resource limit in the child
         self.proc: subprocess.Popen | None = None
         self.log = self.data_dir.parent / f"broker-{self.port}.log"
 
@@ -33,7 +34,8 @@ class BrokerProcess:
     def start(self, timeout: float = 20.0) -> "BrokerProcess":
         cmd = [sys.executable, "-m", "txmq", "broker", "start", "--data-dir", str(self.data_dir), "--port", str(self.port), *self.args]
         env = {**os.environ, **(self.env or {})}
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(self.log, "ab"), env=env)
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(self.log, "ab"), env=env,
+                                     preexec_fn=self.preexec)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -44,6 +46,11 @@ class BrokerProcess:
             except OSError:
                 time.sleep(0.05)
         raise TimeoutError(f"broker did not start: {self.log.read_text()[-2000:]}")
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
 
     def kill(self) -> None:
         if self.proc and self.proc.poll() is None:

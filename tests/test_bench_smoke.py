@@ -1,0 +1,61 @@
+"""The benchmark tools still work: tiny runs, checked for shape only.
+
+These assert no throughput or latency figure (the numbers belong in
+docs/benchmarks.md, measured on a quiet machine); only that the JSON
+parses, every unit asked for completed, and nothing failed.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO
+
+TXMQ = [sys.executable, "-m", "txmq"]
+
+
+def _json(cmd: list[str], timeout: float = 120) -> dict:
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    assert p.returncode == 0, p.stderr[-2000:]
+    return json.loads(p.stdout)
+
+
+def test_bench_tx_embedded_completes_every_transaction():
+    res = _json([*TXMQ, "bench", "tx", "--embedded", "-m", "500", "-o", "json"])
+    assert res["mode"] == "tx" and res["completed"] == 500
+    assert res["errors"] == {}
+    assert res["outcomes"] == {"commit": 500}
+    assert res["latency_ms"]["tx"]["count"] == 500
+    assert res["flush"] == "async" and "broker_cpu_s" in res
+
+
+def test_bench_send_batched_counts_messages_not_requests():
+    res = _json([*TXMQ, "bench", "send", "--embedded", "-m", "500", "--batch", "10", "-o", "json"])
+    assert res["completed"] == 500 and res["batch"] == 10
+    assert res["errors"] == {}
+    assert res["latency_ms"]["send"]["count"] == 50
+
+
+@pytest.mark.slow  # ~15 s: ten embedded brokers
+def test_compare_script_txmq_part_runs():
+    res = _json([sys.executable, str(REPO / "benchmarks" / "compare.py"), "--smoke", "--no-peer", "-o", "json"], timeout=240)
+    assert res["kind"] == "compare" and res["peer"] == {"skipped": "--no-peer given"}
+    disk = res["limits"]["disk"]
+    assert {"fsync_appends_per_s", "fdatasync_appends_per_s", "buffered_appends_per_s"} <= disk.keys()
+    assert all(e["completed"] > 0 for e in res["limits"]["echo"])
+    for name, run in res["txmq"].items():
+        assert run["completed"] == 320, name
+        assert run["errors"] == {}, name
+    assert {"tx_sync_1x1", "tx_async_32x1", "send_batch64_4x16", "tx_sync_half_rate"} <= res["txmq"].keys()
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import report
+
+        text = report.comparison_md(res) + report.targets_md(res, None, None)
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    assert "transactions/s, sync flush, 1 client back to back" in text and "peer skipped" in text
