@@ -10,6 +10,7 @@ close connections, flush and close the store.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import socket
 import time
@@ -92,6 +93,9 @@ class Broker:
         except Exception:
             log.exception("event=txindex_rebuild_failed")
             raise
+        # The index can hold millions of long-lived objects: take them out of
+        # the cyclic GC's reach so full collections don't stall the loop.
+        gc.freeze()
         core.tx_ready.set()
         core.check.start()
         log.info("event=broker_ready pending=%d decided=%d took_s=%.3f", len(index.pending), len(index.decided), time.perf_counter() - t0)

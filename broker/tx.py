@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from collections import OrderedDict
 from typing import Any
 
 from txmq.constants import (
@@ -85,13 +86,15 @@ class TransactionService:
         self._deciding: dict[str, asyncio.Future] = {}
         # Recently stored half records by commit-log offset, so the common
         # end_transaction needs no read; bounded (oldest evicted first).
-        self._half_cache: dict[int, Record] = {}
+        # (An OrderedDict: popping the oldest of a plain dict that had many
+        # deletions scans the dead slots at its front, O(n) per call.)
+        self._half_cache: OrderedDict[int, Record] = OrderedDict()
 
     def remember(self, rec: Record) -> None:
         cache = self._half_cache
         cache[rec.commit_log_offset] = rec
         if len(cache) > HALF_CACHE_ENTRIES:
-            del cache[next(iter(cache))]
+            cache.popitem(last=False)
 
     # ---- step 1: half messages --------------------------------------------
     def send_half(self, topic: str, queue_id: int | None, body: bytes, props: dict[str, str], born_ts: int) -> asyncio.Future:
