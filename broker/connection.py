@@ -59,6 +59,7 @@ class BrokerConnection(asyncio.Protocol):
     # ---- asyncio.Protocol ---------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        self._loop = asyncio.get_running_loop()  # cached for the per-reply call_soon
         self.transport.set_write_buffer_limits(high=WRITE_HIGH)
         peer = transport.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
@@ -201,7 +202,7 @@ class BrokerConnection(asyncio.Protocol):
             self._flush()  # hand it to the transport now: it pauses us if the peer is not reading
         elif not self._flush_scheduled:
             self._flush_scheduled = True
-            asyncio.get_running_loop().call_soon(self._flush)
+            self._loop.call_soon(self._flush)
 
     def _flush(self) -> None:
         self._flush_scheduled = False

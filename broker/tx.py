@@ -184,7 +184,7 @@ class TransactionService:
         inflight = self._deciding.get(tx_id)
         if inflight is not None:
             return asyncio.ensure_future(self._decide_after(inflight, rec, commit, source, allow_discarded))
-        loop = asyncio.get_running_loop()
+        loop = self.core.appender._loop
         want = Outcome.COMMITTED if commit else Outcome.ROLLED_BACK
         d = self.index.decided.get(tx_id)
         if d is not None and not (allow_discarded and d.outcome is Outcome.DISCARDED):
