@@ -40,6 +40,10 @@ binary: $(VENV)/.installed-test
 	$(VENV)/bin/shiv --compressed -c txmq -o dist/txmq.pyz --reproducible . -q
 	@echo "built dist/txmq.pyz"
 
+## bench: the side-by-side comparison (machine limits, txmq, RabbitMQ if installed) into docs/benchmarks.md
+bench: $(VENV)/.installed-test
+	$(PY) benchmarks/compare.py --write docs/benchmarks.md
+
 completions: $(VENV)/.installed
 	PYTHON=$(PY) sh scripts/gen-completions.sh
 

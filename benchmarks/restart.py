@@ -1,0 +1,245 @@
+"""Restart time of a broker over a large commit log (default 5 GB).
+
+1. Builds a data directory with txmq.store.Store directly, fast: plain
+   messages with large bodies (``--plain-body``, 64 KiB) in large batches,
+   interleaved with transactions (``--transactions``, default 1,000,000)
+   written as the broker writes them (broker/tx.py): a half message in the
+   half topic, then the committed message in its real topic and the op
+   record in the op topic; ``--pending`` of them (1%) are left without an
+   end, so the broker's transaction index rebuild reads every half and op
+   record and keeps some pending. The store is closed cleanly (checkpoint
+   written), as after a clean shutdown; there is no txcheck.json, so the
+   index rebuild starts from the first half message (the worst case).
+2. Times ``txmq broker start`` from spawn until the port accepts, until a
+   ``broker_info`` request is answered (plain traffic is served: the broker
+   binds its port before it opens the store, so only a reply says it
+   serves) and until a ``tx_offsets`` request is answered (transactional
+   operations wait for the transaction index, rebuilt from the log after
+   the store opens): once with the page cache warm from the build, then
+   again after the data directory's pages were dropped (posix_fadvise
+   DONTNEED on every file; needs no privilege), a cold start as after a
+   reboot.
+
+    .venv/bin/python benchmarks/restart.py [--gigabytes 5] [--transactions 1000000] [-o json] [--write docs/benchmarks.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import re
+import shutil
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import report  # noqa: E402
+from benchlib import BrokerProc, command_line, data_disk_dir, machine_info, proc_status, save_result  # noqa: E402
+
+from txmq import wire  # noqa: E402
+from txmq.constants import (  # noqa: E402
+    HALF_TOPIC, OP_TAG, OP_TOPIC, PROP_CHECK_TIMES, PROP_DECIDED_BY, PROP_HALF_CL_OFFSET, PROP_PGROUP, PROP_PREPARED_QUEUE_OFFSET,
+    PROP_REAL_QID, PROP_REAL_TOPIC, PROP_TAGS, PROP_TRAN_MSG, PROP_UNIQ_KEY,
+)
+from txmq.store import Message, Store, TxType  # noqa: E402
+
+GROUP, TOPIC, QUEUES, TX_BODY = "bench", "bench", 4, 256
+PLAIN_BATCH_BYTES = 16 << 20
+
+
+# ---- building the log ----------------------------------------------------------------------
+def _transactions(store: Store, first: int, count: int, pending_every: int, body: bytes) -> int:
+    """Append `count` transactions; every pending_every-th one is left pending. Returns how many were left."""
+    now = int(time.time() * 1000)
+    halves = []
+    for i in range(first, first + count):
+        q = i % QUEUES
+        halves.append(Message(HALF_TOPIC, 0, TxType.PREPARED, now, {
+            PROP_UNIQ_KEY: f"{i:032X}", PROP_TRAN_MSG: "true", PROP_PGROUP: GROUP, PROP_REAL_TOPIC: TOPIC, PROP_REAL_QID: str(q)}, body))
+    results = store.append(halves)
+    ends, left = [], 0
+    for i, h, r in zip(range(first, first + count), halves, results):
+        if pending_every and i % pending_every == 0:
+            left += 1
+            continue
+        props = {k: v for k, v in h.properties.items() if k != PROP_TRAN_MSG}
+        props[PROP_PREPARED_QUEUE_OFFSET] = str(r.queue_offset)
+        ends.append(Message(TOPIC, i % QUEUES, TxType.COMMIT, now, props, body, prepared_offset=r.commit_log_offset))
+        ends.append(Message(OP_TOPIC, 0, TxType.COMMIT, now, {
+            PROP_TAGS: OP_TAG, PROP_UNIQ_KEY: h.properties[PROP_UNIQ_KEY], PROP_PGROUP: GROUP, PROP_REAL_TOPIC: TOPIC,
+            PROP_HALF_CL_OFFSET: str(r.commit_log_offset), PROP_DECIDED_BY: "producer", PROP_CHECK_TIMES: "0"},
+            str(r.queue_offset).encode(), prepared_offset=r.commit_log_offset))
+    if ends:
+        store.append(ends)
+    return left
+
+
+def build(data_dir: Path, gigabytes: float, transactions: int, pending: int, plain_body: int) -> dict[str, Any]:
+    target = int(gigabytes * 1e9)
+    t0 = time.perf_counter()
+    body = os.urandom(plain_body)
+    tx_body = b"t" * TX_BODY
+    per_batch = max(1, PLAIN_BATCH_BYTES // plain_body)
+    # Spread the transactions evenly: one chunk after each plain batch.
+    est_tx_bytes = transactions * 3 * 420
+    chunks = max(1, int((target - est_tx_bytes) / (per_batch * plain_body)))
+    chunk = max(1, -(-transactions // chunks))
+    pending_every = transactions // pending if pending else 0
+    plain = tx_done = left = 0
+    last_report = t0
+    with Store(data_dir) as store:
+        now = int(time.time() * 1000)
+        while store.max_offset < target or tx_done < transactions:
+            if store.max_offset < target:
+                store.append([Message(TOPIC, plain % QUEUES, TxType.NORMAL, now, {}, body) for _ in range(per_batch)])
+                plain += per_batch
+            if tx_done < transactions:
+                k = min(chunk, transactions - tx_done)
+                left += _transactions(store, tx_done, k, pending_every, tx_body)
+                tx_done += k
+            if time.perf_counter() - last_report > 5:
+                last_report = time.perf_counter()
+                print(f"  {store.max_offset / 1e9:.2f} GB, {tx_done:,} transactions", file=sys.stderr, flush=True)
+            if store.max_offset > 4 * target + (1 << 30):
+                break  # the transactions alone would overshoot absurdly: a tiny --gigabytes
+        store.sync()
+        size = store.max_offset
+    segments = len(list((data_dir / "commitlog").iterdir()))
+    return {"log_bytes": size, "log_gib": round(size / 2**30, 3), "segments": segments, "transactions": tx_done, "pending": left,
+            "plain": plain, "plain_body": plain_body, "records": plain + tx_done * 3 - left * 2, "build_s": round(time.perf_counter() - t0, 1)}
+
+
+# ---- restarting --------------------------------------------------------------------------------------
+def drop_cache(root: Path) -> None:
+    """Evict the data directory's pages from the page cache (clean pages only, hence the sync first)."""
+    os.sync()
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            try:
+                fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def _probe(port: int, deadline: float) -> tuple[float, float, float]:
+    """Connect (retrying until accepted), ask broker_info and tx_offsets at once, wait for both replies.
+
+    Returns when the port accepted, when broker_info was answered (plain
+    traffic is served) and when tx_offsets was answered (the transaction
+    index is rebuilt: transactional operations wait for it).
+    """
+    while True:
+        try:
+            s = socket.create_connection(("127.0.0.1", port), timeout=1)
+            break
+        except OSError:
+            if time.perf_counter() > deadline:
+                raise TimeoutError("the broker's port never accepted")
+            time.sleep(0.005)
+    accepted = time.perf_counter()
+    answered: dict[int, float] = {}
+    with s:
+        s.settimeout(max(1.0, deadline - time.perf_counter()))
+        s.sendall(wire.request(1, "hello", {"client_id": "restart-bench"}) + wire.request(2, "broker_info", {})
+                  + wire.request(3, "tx_offsets", {}))
+        dec = wire.FrameDecoder(64 << 20)
+        while len(answered) < 2:
+            data = s.recv(1 << 16)
+            if not data:
+                raise ConnectionError("the broker closed the connection before answering")
+            for payload in dec.feed(data):
+                f = wire.parse_payload(payload)
+                if f.id in (2, 3):
+                    if f.op != 0:
+                        raise RuntimeError(f"request {f.id} failed: {f.fields}")
+                    answered[f.id] = time.perf_counter()
+    return accepted, answered[2], answered[3]
+
+
+def restart(data_dir: Path, log_path: Path, cache: str, timeout: float) -> dict[str, Any]:
+    if cache == "cold":
+        drop_cache(data_dir)
+    log_path.write_text("")
+    b = BrokerProc(data_dir, "--flush", "async", "--log-level", "info", log_path=log_path)
+    b.spawn()
+    try:
+        accepted, info, tx = _probe(b.port, b.started_at + timeout)
+        res = {"cache": cache, "port_s": round(accepted - b.started_at, 3), "ready_s": round(info - b.started_at, 3),
+               "tx_ready_s": round(tx - b.started_at, 3), "rss_mb": round(proc_status(b.pid, "VmRSS"), 1)}
+    finally:
+        b.stop()
+    text = log_path.read_text()
+    m = re.search(r"event=store_opened .*?took_s=([\d.]+)", text)
+    if m:
+        res["store_open_s"] = float(m.group(1))
+    m = re.search(r"event=broker_ready pending=(\d+) decided=(\d+) took_s=([\d.]+)", text)
+    if m:
+        res.update(pending=int(m.group(1)), decided=int(m.group(2)), broker_ready_s=float(m.group(3)))
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gigabytes", type=float, default=5.0, help="commit-log size to build, in GB (default 5)")
+    ap.add_argument("--transactions", type=int, default=1_000_000, help="transactions in the log (default 1,000,000)")
+    ap.add_argument("--pending", type=int, default=None, help="of which left pending (default 1%%)")
+    ap.add_argument("--plain-body", type=int, default=64 << 10, help="body size of the plain messages that fill the rest")
+    ap.add_argument("--dir", type=Path, default=None,
+                    help="build here and keep it (a later run with the same --dir measures again without rebuilding) "
+                         "instead of in a temporary directory that is removed")
+    ap.add_argument("--timeout", type=float, default=300)
+    ap.add_argument("--write", type=Path, metavar="DOC", help="save the result and write it into this Markdown file")
+    ap.add_argument("-o", "--output", choices=["text", "json"], default="text")
+    a = ap.parse_args()
+    pending = a.transactions // 100 if a.pending is None else a.pending
+    need = a.gigabytes * 1e9 * 1.1 + a.transactions * 1500
+    base = a.dir or data_disk_dir()
+    base.mkdir(parents=True, exist_ok=True)
+    if not (a.dir and (a.dir / "build.json").exists()) and shutil.disk_usage(base).free < need:
+        sys.exit(f"not enough free disk under {base}: need about {need / 1e9:.1f} GB")
+    tmp = a.dir or Path(tempfile.mkdtemp(prefix="txmq-restart-", dir=base))
+    try:
+        built = tmp / "build.json"
+        if a.dir is not None and built.exists():  # built by an earlier run with the same --dir: measure again
+            res: dict[str, Any] = json.loads(built.read_text())
+            print(f"reusing the {res['log_gib']} GiB commit log in {tmp}", file=sys.stderr, flush=True)
+        else:
+            print(f"building a {a.gigabytes} GB commit log with {a.transactions:,} transactions in {tmp} ...", file=sys.stderr, flush=True)
+            res = build(tmp / "data", a.gigabytes, a.transactions, pending, a.plain_body)
+            built.write_text(json.dumps(res))
+            print(f"  {res['log_gib']} GiB in {res['build_s']} s", file=sys.stderr, flush=True)
+        res["restarts"] = [restart(tmp / "data", tmp / f"broker-{c}.log", c, a.timeout) for c in ("warm", "cold")]
+    finally:
+        if a.dir is None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    res = {"kind": "restart", "date": dt.datetime.now().astimezone().isoformat(timespec="seconds"), "command": command_line(),
+           "machine": machine_info(data_disk_dir()), **res,
+           "notes": ("Serving means the first `broker_info` request was answered (the port accepts connections earlier: the broker "
+                     "binds it before it opens the store); transactions ready means a `tx_offsets` request, which like every "
+                     "transactional operation waits for the transaction index, was answered. The store was closed cleanly (a "
+                     "checkpoint), so recovery trusts the log up to it; with no txcheck.json the index rebuild reads every half and "
+                     "op record. A cold start had the data directory's pages dropped from the page cache first.")}
+    if a.write:
+        save_result("restart", res)
+        report.write_doc(a.write)
+    line = "; ".join(f"{r['cache']} cache: serving in {r['ready_s']} s, transactions in {r['tx_ready_s']} s (port after {r['port_s']} s, "
+                     f"RSS {r['rss_mb']:.0f} MiB)" for r in res["restarts"])
+    print(f"restart over a {res['log_gib']} GiB commit log with {res['transactions']:,} transactions ({res['pending']:,} pending): {line}",
+          file=sys.stderr if a.output == "json" else sys.stdout)
+    if a.output == "json":
+        print(json.dumps(res, indent=2))
+
+
+if __name__ == "__main__":
+    main()
