@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import IntEnum
 import heapq
+from sys import intern
 from typing import Iterable, Iterator
 
 from txmq.constants import (
@@ -66,8 +67,9 @@ class PendingTx:
     def __init__(self, rec: Record) -> None:
         p = rec.properties
         self.tx_id: str = p.get(PROP_UNIQ_KEY, "")
-        self.group: str = p.get(PROP_PGROUP, "")
-        self.topic: str = p.get(PROP_REAL_TOPIC, "")
+        # Interned: millions of entries share a handful of group and topic names.
+        self.group: str = intern(p.get(PROP_PGROUP, ""))
+        self.topic: str = intern(p.get(PROP_REAL_TOPIC, ""))
         self.queue_id: int = _int(p.get(PROP_REAL_QID), 0)
         self.born_ts: int = rec.born_ts
         self.first_stored_ts: int = rec.store_ts
@@ -181,9 +183,9 @@ class TxIndex:
             self.by_half.pop(p.half_offset, None)
             checks = p.checks
         self.decided[tx_id] = Decided(
-            outcome, rec.store_ts, by, half_offset, rec.commit_log_offset,
-            rec.properties.get(PROP_PGROUP, p.group if p else ""),
-            rec.properties.get(PROP_REAL_TOPIC, p.topic if p else ""),
+            outcome, rec.store_ts, intern(by), half_offset, rec.commit_log_offset,
+            intern(rec.properties.get(PROP_PGROUP, p.group if p else "")),
+            intern(rec.properties.get(PROP_REAL_TOPIC, p.topic if p else "")),
             checks,
         )
 

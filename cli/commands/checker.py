@@ -178,16 +178,35 @@ class _Checker:
         except OSError as e:
             warn(f"--exec could not start ({e}); answering unknown for {tx}")
             return "unknown"
+        data = json.dumps(to_jsonable(doc), separators=(",", ":"), ensure_ascii=False).encode() + b"\n"
+
+        async def feed() -> None:
+            # A command may exit without reading stdin: then the write fails
+            # (BrokenPipeError, or RuntimeError from uvloop's closed pipe); that is fine.
+            assert proc.stdin is not None
+            try:
+                proc.stdin.write(data)
+                await proc.stdin.drain()
+            except (BrokenPipeError, ConnectionResetError, RuntimeError):
+                pass
+            finally:
+                try:
+                    proc.stdin.close()
+                except (BrokenPipeError, ConnectionResetError, RuntimeError):
+                    pass
+
+        async def talk() -> bytes:
+            assert proc.stdout is not None
+            _, out, _ = await asyncio.gather(feed(), proc.stdout.read(), proc.wait())
+            return out
+
         try:
-            stdout, _ = await asyncio.wait_for(proc.communicate(json.dumps(to_jsonable(doc), separators=(",", ":"), ensure_ascii=False).encode() + b"\n"), self.exec_timeout_s)
+            stdout = await asyncio.wait_for(talk(), self.exec_timeout_s)
         except asyncio.TimeoutError:
             proc.kill()
             await proc.wait()
             warn(f"--exec took longer than {self.exec_timeout_s:g}s; answering unknown for {tx}")
             return "unknown"
-        except (BrokenPipeError, ConnectionResetError):  # it exited without reading stdin: fine
-            stdout = await proc.stdout.read() if proc.stdout else b""
-            await proc.wait()
         text = stdout.decode("utf-8", "replace").strip()
         word = text.split()[0].lower() if text else ""
         if proc.returncode != 0:
