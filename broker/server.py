@@ -25,7 +25,7 @@ from .config import BrokerConfig, CheckSettings
 from .connection import BrokerConnection
 from .core import BrokerCore
 from .tx import TransactionService
-from .txindex import TxIndex, rebuild_steps
+from .txindex import SNAPSHOT_FILE, TxIndex, load_snapshot, rebuild_steps, save_snapshot
 
 log = logging.getLogger("txmq.broker")
 
@@ -64,6 +64,7 @@ class Broker:
         settings = self._settings()
         progress = CheckProgress(core.data_dir / "txcheck.json")
         index = TxIndex()
+        self._log_end_at_open = core.store.max_offset
         core.tx = TransactionService(core, index)
         core.check = CheckService(core, core.tx, progress, core.data_dir / "config.json", settings)
         core.store.config = replace(core.store.config, retention_s=settings.retention_s)
@@ -81,10 +82,16 @@ class Broker:
         and pulls are answered from the first moment.
         """
         core = self.core
-        index = core.tx.index
         try:
-            for _ in rebuild_steps(core.store, progress.half, progress.op, index):
-                await asyncio.sleep(0)
+            loop = asyncio.get_running_loop()
+            snap = await loop.run_in_executor(None, load_snapshot, core.data_dir / SNAPSHOT_FILE, self._log_end_at_open, progress.half, progress.op)
+            if snap is not None:
+                core.tx.index = snap
+                log.info("event=txindex_loaded source=snapshot")
+            else:
+                for _ in rebuild_steps(core.store, progress.half, progress.op, core.tx.index):
+                    await asyncio.sleep(0)
+            index = core.tx.index
             report = core.recovery
             if report is not None and report.scanned_from < core.store.max_offset:
                 await core.tx.repair_commits(core.store.scan(report.scanned_from))
@@ -130,6 +137,7 @@ class Broker:
                 except (asyncio.CancelledError, Exception):
                     pass
         await self.core.check.stop()
+        self._save_snapshot()
         await self.core.stop()  # refuses new work, flushes, closes the store
         for conn in list(self.state.connections):
             conn.close()
@@ -139,6 +147,20 @@ class Broker:
             except (asyncio.TimeoutError, Exception):
                 pass
         log.info("event=shutdown_done")
+
+    def _save_snapshot(self) -> None:
+        """Leave the index for a fast next start (see txindex.save_snapshot)."""
+        core = self.core
+        if not core.tx_ready.is_set() or self.state.inflight:
+            return
+        t0 = time.perf_counter()
+        try:
+            p = core.check.progress
+            save_snapshot(core.data_dir / SNAPSHOT_FILE, core.tx.index, core.store.max_offset, p.half, p.op)
+        except Exception:  # only a slower next start
+            log.exception("event=txindex_snapshot_failed")
+            return
+        log.info("event=txindex_snapshot entries=%d took_s=%.3f", len(core.tx.index.pending) + len(core.tx.index.decided), time.perf_counter() - t0)
 
     async def _janitor_loop(self) -> None:
         """Retention: delete expired segments, never one holding an undecided half message."""

@@ -23,7 +23,7 @@ from .errors import (
     StoreFullError,
     StoreLockedError,
 )
-from .files import atomic_write_json, read_json
+from .files import atomic_write_bytes, atomic_write_json, read_json
 from .model import AppendResult, GetResult, GetStatus, RecoveryReport, StoreConfig
 from .offsets import ConsumerOffsets
 from .reader import StoreReader
@@ -48,6 +48,7 @@ __all__ = [
     "StoreLockedError",
     "StoreReader",
     "TxType",
+    "atomic_write_bytes",
     "atomic_write_json",
     "check_record",
     "decode_record",
