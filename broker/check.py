@@ -132,11 +132,16 @@ class CheckService:
             end = min(half_max, qo + batch)
             to_check: list[tuple[PendingTx, Any]] = []
             to_discard: list[tuple[PendingTx, str]] = []
+            deciding = self.tx._deciding
             for off in range(qo, end):
                 tx_id = idx.by_half.get(off)
                 if tx_id is None:
                     continue
                 p = idx.pending[tx_id]
+                if tx_id in deciding:  # its outcome is being written right now: leave it to that
+                    if blocked is None:
+                        blocked = off
+                    continue
                 if p.checks >= s.max_checks:
                     to_discard.append((p, "max-checks"))
                     continue
@@ -176,6 +181,12 @@ class CheckService:
             qo = end
             await asyncio.sleep(0)  # let sends through between batches
         new_half = blocked if blocked is not None else qo
+        # The progress is persisted only once everything it skips past (the
+        # decisions, check copies and discards behind it) is on disk: a
+        # rebuild after a power cut reads the half queue from it.
+        waiter = core.flusher.wait_synced(store.max_offset)
+        if waiter is not None:
+            await waiter
         if new_half > self.progress.half:
             self.progress.half = new_half
         self._advance_op()
@@ -198,19 +209,34 @@ class CheckService:
             self.progress.op = ops[i - 1][0] + 1
             del ops[:i]
 
+    def _read(self, items: list) -> list:
+        """The half records of items, skipping any that can no longer be read (logged)."""
+        store = self.core.store
+        try:
+            return list(zip(items, store.read_many([it[0].cl_offset for it in items])))
+        except Exception:
+            out = []
+            for it in items:
+                try:
+                    out.append((it, store.read(it[0].cl_offset)))
+                except Exception as exc:
+                    log.error("event=check_read_failed tx_id=%s cl_offset=%d error=%r", it[0].tx_id, it[0].cl_offset, exc)
+            return out
+
     async def _check(self, items: list[tuple[PendingTx, Any]], now_ms: int) -> None:
         """Re-append each half with its check count + 1, then push a check-back for the copy."""
         core, idx = self.core, self.tx.index
-        recs = core.store.read_many([p.cl_offset for p, _ in items])
-        msgs = [half_copy(r, **{PROP_CHECK_TIMES: str(p.checks + 1)}) for (p, _), r in zip(items, recs)]
+        pairs = self._read(items)
+        msgs = [half_copy(r, **{PROP_CHECK_TIMES: str(p.checks + 1)}) for (p, _), r in pairs]
 
         def shape(results) -> None:
             sent = 0
-            for (p, conn), msg, res in zip(items, msgs, results):
-                if idx.pending.get(p.tx_id) is not p:
-                    continue  # decided meanwhile; the copy is stale and later passes skip it
+            for ((p, conn), _), msg, res in zip(pairs, msgs, results):
                 rec = as_record(msg, res)
-                idx.apply_half(rec)
+                # The index decides what a copy means (a copy of a transaction
+                # decided meanwhile is stale and changes nothing).
+                if idx.apply_half(rec) is not p:
+                    continue
                 self.tx.remember(rec)
                 p.last_check_at = now_ms
                 p.last_check_result = "sent"
@@ -221,24 +247,26 @@ class CheckService:
                 sent += 1
             core.metrics.counters["checks_sent"] += sent
 
-        await core.append_written(msgs, shape)
+        if msgs:
+            await core.append_written(msgs, shape)
 
     async def _discard(self, items: list[tuple[PendingTx, str]]) -> None:
         core, idx = self.core, self.tx.index
-        recs = core.store.read_many([p.cl_offset for p, _ in items])
-        msgs = [self.tx.discard_message(r, reason) for (_, reason), r in zip(items, recs)]
+        pairs = self._read(items)
+        msgs = [self.tx.discard_message(r, reason) for (_, reason), r in pairs]
 
         def shape(results) -> None:
             n = 0
-            for (p, reason), msg, res in zip(items, msgs, results):
-                if idx.pending.get(p.tx_id) is not p:
-                    continue
-                idx.apply_discard(as_record(msg, res))
-                n += 1
-                log.warning("event=discard tx_id=%s group=%s topic=%s checks=%d reason=%s", p.tx_id, p.group, p.topic, p.checks, reason)
+            for ((p, reason), _), msg, res in zip(pairs, msgs, results):
+                was_pending = idx.pending.get(p.tx_id) is p
+                idx.apply_discard(as_record(msg, res))  # a no-op if it was decided meanwhile
+                if was_pending:
+                    n += 1
+                    log.warning("event=discard tx_id=%s group=%s topic=%s checks=%d reason=%s", p.tx_id, p.group, p.topic, p.checks, reason)
             core.metrics.counters["discarded"] += n
 
-        await core.append(msgs, shape)
+        if msgs:
+            await core.append(msgs, shape)
 
     # ---- for listings ------------------------------------------------------
     def next_check_at(self, p: PendingTx) -> int | None:

@@ -122,6 +122,7 @@ class Appender:
                         fut.set_exception(self.core.store_error(exc2))
                     else:
                         self._settle_written(sub, res)
+                        self.core.notify_appended(res)
                 return
             err = self.core.store_error(exc)
             for sub in subs:
@@ -137,12 +138,15 @@ class Appender:
 
     def _settle_written(self, sub, results: list[AppendResult]) -> None:
         fut, _, _, shape, durable = sub
-        if fut.done():
-            return
+        # shape runs even if the caller gave up (cancelled): the records are
+        # in the log, so the index must learn of them.
         try:
             value = shape(results) if shape is not None else results
         except Exception as exc:
-            fut.set_exception(self.core.store_error(exc))
+            if not fut.done():
+                fut.set_exception(self.core.store_error(exc))
+            return
+        if fut.done():
             return
         if durable:
             waiter = self.core.flusher.wait_durable(results[-1].end_offset)
@@ -189,7 +193,8 @@ class BrokerCore:
         self._rr = itertools.count()
         self._pollers: dict[tuple[str, int], list[asyncio.Future]] = defaultdict(list)
         self.connections = 0
-        self.tx_ready = asyncio.Event()  # set once the transaction index is rebuilt
+        self.tx_ready = asyncio.Event()  # set once the transaction index is rebuilt (or failed to be)
+        self.tx_error: TxmqError | None = None  # why it failed
         self.draining = False  # refuse new requests; in-flight ones finish
         self.shutting_down = False  # refuse appends
 

@@ -59,6 +59,15 @@ class Flusher:
         self._loop = asyncio.get_running_loop()
         self._task = self._loop.create_task(self._run(), name="txmq-flusher")
 
+    def wait_synced(self, end_offset: int) -> asyncio.Future | None:
+        """Like wait_durable, in either flush mode: for state that must never get ahead of the log."""
+        if end_offset <= self.durable:
+            return None
+        fut = self._loop.create_future()
+        self._waiters.append((end_offset, fut))
+        self._wake.set()
+        return fut
+
     def wait_durable(self, end_offset: int) -> asyncio.Future | None:
         """A future resolved once the log is fsynced past end_offset; None if nothing to wait for."""
         if not self.sync_mode or end_offset <= self.durable:

@@ -135,6 +135,8 @@ def send(core, conn, f: dict) -> Reply:
     qid = opt_int(f, "queue_id", None, -1, 1023)
     born = opt_int(f, "born_ts", None) or int(core.clock() * 1000)
     if props.get(PROP_TRAN_MSG) == "true":
+        if core.tx_error is not None:
+            raise core.tx_error
         if not core.tx_ready.is_set():
             return _when_ready(core, lambda: core.tx.send_half(topic, qid, body, props, born))
         return core.tx.send_half(topic, qid, body, props, born)
@@ -294,12 +296,16 @@ def stats(core, conn, f: dict) -> Reply:
 async def _when_ready(core, call: Callable[[], Reply]) -> dict[str, Any]:
     """Run a transactional operation once the index is rebuilt (only right after a start)."""
     await core.tx_ready.wait()
+    if core.tx_error is not None:
+        raise core.tx_error
     result = call()
     return result if isinstance(result, dict) else await result
 
 
 def _needs_index(handler: Handler) -> Handler:
     def gated(core, conn, f: dict) -> Reply:
+        if core.tx_error is not None:
+            raise core.tx_error
         if core.tx_ready.is_set():
             return handler(core, conn, f)
         return _when_ready(core, lambda: handler(core, conn, f))

@@ -18,6 +18,7 @@ from dataclasses import replace
 from typing import Any
 
 from txmq.store import atomic_write_json, read_json
+from txmq.wire import ErrorCode, TxmqError
 
 from .check import CheckProgress, CheckService
 from .clock import Clock
@@ -97,9 +98,13 @@ class Broker:
                 await core.tx.repair_commits(core.store.scan(report.scanned_from))
         except asyncio.CancelledError:
             raise
-        except Exception:
+        except Exception as exc:
+            # Transactional requests get this error instead of waiting forever;
+            # plain traffic goes on. The log is not touched: fix the cause, restart.
             log.exception("event=txindex_rebuild_failed")
-            raise
+            core.tx_error = TxmqError(f"the transaction index could not be rebuilt ({exc!r}); transactional operations are unavailable until a restart", ErrorCode.STORE_ERROR)
+            core.tx_ready.set()
+            return
         # The index can hold millions of long-lived objects: take them out of
         # the cyclic GC's reach so full collections don't stall the loop.
         gc.freeze()
@@ -151,7 +156,7 @@ class Broker:
     def _save_snapshot(self) -> None:
         """Leave the index for a fast next start (see txindex.save_snapshot)."""
         core = self.core
-        if not core.tx_ready.is_set() or self.state.inflight:
+        if not core.tx_ready.is_set() or core.tx_error is not None or self.state.inflight or core.appender._batch:
             return
         t0 = time.perf_counter()
         try:
@@ -164,6 +169,9 @@ class Broker:
 
     async def _janitor_loop(self) -> None:
         """Retention: delete expired segments, never one holding an undecided half message."""
+        await self.core.tx_ready.wait()  # the protected offset comes from the index
+        if self.core.tx_error is not None:
+            return
         while True:
             await asyncio.sleep(JANITOR_INTERVAL_S)
             core = self.core

@@ -11,6 +11,7 @@ import asyncio
 import logging
 import os
 from collections import OrderedDict
+from functools import partial
 from typing import Any
 
 from txmq.constants import (
@@ -74,6 +75,7 @@ def half_copy(rec: Record, **props: str) -> Message:
     p = dict(rec.properties)
     p.setdefault(PROP_ORIGIN_CL_OFFSET, str(rec.commit_log_offset))
     p.pop(PROP_DISCARD_REASON, None)
+    p.pop(PROP_REPLAYED, None)  # only a replay's own copy re-opens a discarded transaction
     p.update(props)
     return Message(HALF_TOPIC, 0, TxType.PREPARED, rec.born_ts, p, rec.body)
 
@@ -84,6 +86,7 @@ class TransactionService:
         self.index = index
         self.new_tx_id = TxIds()
         self._deciding: dict[str, asyncio.Future] = {}
+        self._sending: set[str] = set()  # tx ids of half messages submitted but not yet written
         # Recently stored half records by commit-log offset, so the common
         # end_transaction needs no read; bounded (oldest evicted first).
         # (An OrderedDict: popping the oldest of a plain dict that had many
@@ -106,8 +109,9 @@ class TransactionService:
         props = dict(props)
         props.pop(PROP_DELAY, None)  # delay levels do not apply to transactional messages
         tx_id = props.get(PROP_UNIQ_KEY) or self.new_tx_id()
-        if self.index.outcome(tx_id) is not None or tx_id in self._deciding:
+        if self.index.outcome(tx_id) is not None or tx_id in self._deciding or tx_id in self._sending:
             raise TxmqError(f"transaction id {tx_id} is already in use", ErrorCode.INVALID_FIELD)
+        self._sending.add(tx_id)
         props[PROP_UNIQ_KEY] = tx_id
         props[PROP_TRAN_MSG] = "true"
         props[PROP_REAL_TOPIC] = topic
@@ -118,6 +122,7 @@ class TransactionService:
             res = results[0]
             rec = as_record(msg, res)
             self.index.apply_half(rec)
+            self._sending.discard(tx_id)
             self.remember(rec)
             core.metrics.counters["half_stored"] += 1
             return {
@@ -125,7 +130,9 @@ class TransactionService:
                 "half_offset": res.queue_offset, "commit_log_offset": res.commit_log_offset,
             }
 
-        return core.append([msg], shape)
+        fut = core.append([msg], shape)
+        fut.add_done_callback(lambda _f: self._sending.discard(tx_id))  # also when the write failed
+        return fut
 
     # ---- step 3: end transaction ------------------------------------------
     def read_half(self, cl_offset: int) -> Record:
@@ -190,7 +197,13 @@ class TransactionService:
         if d is not None and not (allow_discarded and d.outcome is Outcome.DISCARDED):
             fut = loop.create_future()
             if d.outcome is want:
-                fut.set_result(self._already(d))
+                # The first outcome may still be on its way to the disk (sync
+                # flush): "already" is only as true as that record is durable.
+                waiter = self.core.flusher.wait_durable(d.cl_offset + 1)
+                if waiter is None:
+                    fut.set_result(self._already(d))
+                else:
+                    waiter.add_done_callback(partial(self._already_durable, fut, d))
             else:
                 verb = "commit" if commit else "roll back"
                 fut.set_exception(TxmqError(f"cannot {verb} transaction {tx_id}: it was already {d.outcome.label.replace('_', ' ')}",
@@ -208,8 +221,8 @@ class TransactionService:
         self._deciding[tx_id] = gate
 
         def shape(results: list[AppendResult]) -> dict[str, Any]:
-            self._release(tx_id, gate)
             self.index.apply_op(as_record(msgs[-1], results[-1]))
+            self._release(tx_id, gate)
             self._half_cache.pop(rec.commit_log_offset, None)
             self._count_decision(rec, commit, source)
             reply: dict[str, Any] = {"status": "ok", "outcome": want.label}
@@ -222,6 +235,15 @@ class TransactionService:
         fut = self.core.append(msgs, shape)
         fut.add_done_callback(lambda _f: self._release(tx_id, gate))  # the write failed: let waiters retry
         return fut
+
+    def _already_durable(self, fut: asyncio.Future, d: Decided, waiter: asyncio.Future) -> None:
+        if fut.done():
+            return
+        exc = waiter.exception()
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(self._already(d))
 
     def _release(self, tx_id: str, gate: asyncio.Future) -> None:
         if self._deciding.get(tx_id) is gate:
@@ -398,7 +420,10 @@ class TransactionService:
                 elif dry_run:
                     row.update(status="ok", message=f"would replay to {to} (dry run)")
                 else:
-                    rec = self.core.store.read(d.cl_offset)
+                    try:
+                        rec = self.core.store.read(d.cl_offset)
+                    except (CorruptRecordError, StoreError, ValueError):
+                        raise TxmqError(f"the discard record of {tx_id} at {d.cl_offset} is gone (retention)", ErrorCode.TX_NOT_FOUND) from None
                     if to == "half":
                         msg = half_copy(rec, **{PROP_CHECK_TIMES: "0", PROP_REPLAYED: "1"})
                         await self.core.append([msg], lambda results: self._replayed(msg, results[0]))

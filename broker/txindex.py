@@ -186,6 +186,9 @@ class TxIndex:
 
     def apply_discard(self, rec: Record) -> None:
         tx_id = rec.properties.get(PROP_UNIQ_KEY)
+        d = self.decided.get(tx_id) if tx_id else None
+        if d is not None and d.outcome in (Outcome.COMMITTED, Outcome.ROLLED_BACK):
+            return  # first outcome wins: a discard written after the decision (same batch) changes nothing
         if tx_id:
             self._decide(tx_id, Outcome.DISCARDED, rec, rec.properties.get(PROP_DISCARD_REASON, "max-checks"), rec.queue_offset)
 

@@ -1,0 +1,42 @@
+"""Regression (review, now fixed): in sync mode a duplicate end_transaction is answered "already committed"
+before (and even though) the first outcome's records were never made durable.
+
+decide() enters the outcome in the index and releases the _deciding gate in
+`shape`, i.e. after the write but before the fsync; the duplicate waiting on
+the gate (or arriving later) gets `_already(d)` with no durability wait.
+"""
+import asyncio
+import errno
+
+from txhelpers import G, arun, end, half_fields
+from txmq.broker.testing import running_broker
+from txmq.wire import TxmqError
+from wireclient import RawClient
+
+
+def test_duplicate_commit_acknowledged_while_the_first_one_failed_to_fsync(tmp_path):
+    data = tmp_path / "data"
+
+    async def go():
+        async with running_broker(data, check_interval_s=3600, flush="sync", flush_interval_s=3600) as b:
+            core = b.core
+            c = await RawClient.open(b.address)
+            h = await c.ok("send", half_fields())
+
+            def broken_sync():
+                raise OSError(errno.EIO, "fsync failed")
+            real = core.store.sync
+            core.store.sync = broken_sync
+            try:
+                f1 = core.tx.end_transaction(G, h["tx_id"], h["commit_log_offset"], h["half_offset"], "commit", "producer")
+                f2 = core.tx.end_transaction(G, h["tx_id"], h["commit_log_offset"], h["half_offset"], "commit", "check")
+                r = await asyncio.gather(f1, f2, return_exceptions=True)
+            finally:
+                core.store.sync = real
+            await c.close()
+            return r
+
+    first, second = arun(go())
+    assert isinstance(first, TxmqError), first  # the producer is told the commit failed to flush...
+    # ...while the duplicate is told it is committed, though nothing was fsynced:
+    assert isinstance(second, TxmqError), f"duplicate answered {second} although the outcome is not durable"

@@ -1,0 +1,41 @@
+"""Regression (review, now fixed): Appender._settle_written skips `shape` when the caller's future is already done
+(cancelled), but the batch is written anyway. CheckService.stop() cancels a pass that is
+awaiting its discard/check-copy append, so the record lands in the log and the index never
+hears of it - and the clean-shutdown snapshot then persists that index as matching the log."""
+import asyncio
+
+from txhelpers import G, T, arun, half_fields
+from txmq.broker.clock import ManualClock
+from txmq.broker.testing import running_broker
+from txmq.broker.txindex import Outcome, rebuild
+from wireclient import RawClient
+
+
+def test_cancelled_pass_writes_a_discard_the_index_never_applies(tmp_path):
+    clock = ManualClock()
+    data = tmp_path / "data"
+
+    async def go():
+        async with running_broker(data, clock=clock, check_interval_s=3600, max_checks=1) as b:
+            core = b.core
+            c = await RawClient.open(b.address)
+            await c.ok("hello", {"producer_groups": [G]})
+            h = await c.ok("send", half_fields())
+            clock.advance(10)
+            await core.check.run_pass()
+            clock.advance(10)
+            t = asyncio.ensure_future(core.check.run_pass())  # will discard (checks == max_checks)
+            await asyncio.sleep(0)   # the pass submits its discard append...
+            t.cancel()               # ...and is cancelled (as CheckService.stop() does at shutdown)
+            try:
+                await t
+            except asyncio.CancelledError:
+                pass
+            await asyncio.sleep(0.05)
+            live = core.tx.index.outcome(h["tx_id"])
+            rebuilt = rebuild(core.store, core.check.progress.half, core.check.progress.op).outcome(h["tx_id"])
+            await c.close()
+            return live, rebuilt
+
+    live, rebuilt = arun(go())
+    assert rebuilt is live, f"runtime {live.name}, rebuild {rebuilt.name}"

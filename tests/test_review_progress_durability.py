@@ -1,0 +1,85 @@
+"""Regression (review): the check progress must not be saved before the records it moves past are durable.
+
+Sync flush mode. The pass appends the check copy with append_written (no fsync
+wait), advances half_progress past the old copy and atomic_write_json's it.
+A power cut before the next fsync loses the copy but keeps the progress: the
+restart's rebuild reads the half queue from the progress, so the transaction
+is neither pending nor decided - never checked again, and the producer's own
+end_transaction is refused with TX_NOT_FOUND.
+"""
+import asyncio
+
+from txhelpers import G, T, arun, end, half_fields, power_cut, pull_all
+from txmq.broker.clock import ManualClock
+from txmq.broker.testing import running_broker
+from wireclient import RawClient
+
+
+def test_power_cut_after_a_check_pass_loses_the_pending_transaction(tmp_path):
+    data = tmp_path / "data"
+    clock = ManualClock()
+    kw = dict(clock=clock, check_interval_s=3600, flush="sync", flush_interval_s=3600)
+
+    async def first():
+        async with running_broker(data, **kw) as b:
+            core = b.core
+            c = await RawClient.open(b.address)
+            await c.ok("hello", {"producer_groups": [G]})
+            h = await c.ok("send", half_fields())  # acknowledged: durable
+            clock.advance(10)
+            r = await core.check.run_pass()
+            assert r["checked"] == 1 and r["half_progress"] == 1
+            durable, end_ = core.store.durable_offset, core.store.max_offset
+            await c.close()
+            return h, durable, end_
+
+    h, durable, end_ = arun(first())
+    assert durable == end_, "the progress was saved before what it skips past was fsynced"
+    assert durable > h["commit_log_offset"]  # the acknowledged half message survives the cut
+    power_cut(data, durable)
+
+    async def second():
+        async with running_broker(data, **kw) as b:
+            c = await RawClient.open(b.address)
+            offs = await c.ok("tx_offsets")
+            code, f = await c.req("end_transaction", end(h, "commit"))
+            await c.close()
+            return offs, code, f
+
+    offs, code, f = arun(second())
+    assert offs["pending"] == 1, f"the undecided transaction vanished: {offs}; producer's commit got {f}"
+
+
+def test_async_power_cut_after_a_pass_loses_a_torn_decision_instead_of_reopening_it(tmp_path):
+    """The repo's own contract (test_fault_torn: a torn op leaves the tx pending) breaks once a pass ran."""
+    data = tmp_path / "data"
+    clock = ManualClock()
+    kw = dict(clock=clock, check_interval_s=3600, flush="async", flush_interval_s=3600)
+
+    async def first():
+        async with running_broker(data, **kw) as b:
+            core = b.core
+            c = await RawClient.open(b.address)
+            h = await c.ok("send", half_fields())
+            await asyncio.get_running_loop().run_in_executor(None, core.store.sync)  # a flush cycle
+            await c.ok("end_transaction", end(h, "rollback"))  # written, not yet fsynced (async mode)
+            r = await core.check.run_pass()  # progress moves past the (decided) half; txcheck.json fsynced
+            assert r["half_progress"] == 1
+            durable = core.store.durable_offset
+            await c.close()
+            return h, durable
+
+    h, durable = arun(first())
+    power_cut(data, durable)
+
+    async def second():
+        async with running_broker(data, **kw) as b:
+            c = await RawClient.open(b.address)
+            offs = await c.ok("tx_offsets")
+            code, f = await c.req("end_transaction", end(h, "rollback"))
+            await c.close()
+            return offs, code, f
+
+    offs, code, f = arun(second())
+    # the pass fsynced the rollback before saving its progress: the outcome survives the cut
+    assert offs["pending"] == 0 and code == 0 and f["status"] == "already" and f["outcome"] == "rolled_back", (offs, f)
