@@ -143,6 +143,8 @@ class BrokerConnection(asyncio.Protocol):
             self._send(reply(id_, result))
             return
         self.inflight += 1
+        if self.inflight == 1:
+            self.core.busy_connections += 1
         if self.inflight >= self.core.config.max_inflight_per_conn:
             self._pause_reading()
         fut = result if isinstance(result, asyncio.Future) else asyncio.ensure_future(result)
@@ -160,6 +162,8 @@ class BrokerConnection(asyncio.Protocol):
     def _done(self, id_: int, fut: asyncio.Future, cost: int = 0) -> None:
         self.state.inflight.discard(fut)
         self.inflight -= 1
+        if self.inflight == 0:
+            self.core.busy_connections -= 1
         self._pull_bytes -= cost
         if not fut.cancelled() and fut.exception() is None:
             self._send(reply(id_, fut.result()))

@@ -193,6 +193,7 @@ class BrokerCore:
         self._rr = itertools.count()
         self._pollers: dict[tuple[str, int], list[asyncio.Future]] = defaultdict(list)
         self.connections = 0
+        self.busy_connections = 0  # connections with requests in flight
         self.tx_ready = asyncio.Event()  # set once the transaction index is rebuilt (or failed to be)
         self.tx_error: TxmqError | None = None  # why it failed
         self.draining = False  # refuse new requests; in-flight ones finish
@@ -219,6 +220,7 @@ class BrokerCore:
             on_persist=self.offsets.persist,
             observe=self.metrics.flush_latency,
         )
+        self.flusher.lone_client = lambda: self.busy_connections <= 1
         self.flusher.start()
 
     async def stop(self) -> None:
