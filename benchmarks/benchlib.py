@@ -153,18 +153,11 @@ def machine_line(m: dict[str, Any]) -> str:
             f"uvloop {m['uvloop']}, msgpack {m['msgpack']}; load average at start {m['load_avg_at_start']}")
 
 
-def percentiles_ms(values: list[float]) -> dict[str, float | int]:
-    """Percentiles of latencies given in seconds, in milliseconds (same keys as `txmq bench`)."""
-    if not values:
-        return {"count": 0}
-    s = sorted(values)
-    n = len(s)
+def percentiles_ms(values) -> dict[str, float | int]:
+    """Percentiles of latencies given in seconds, in milliseconds (the same summary as `txmq bench`)."""
+    from txmq.cli.bench import percentiles
 
-    def q(p: float) -> float:
-        return round(s[min(n - 1, int(p * n))] * 1000, 3)
-
-    return {"count": n, "p50": q(0.5), "p90": q(0.9), "p99": q(0.99), "p999": q(0.999), "max": round(s[-1] * 1000, 3),
-            "mean": round(sum(s) / n * 1000, 3)}
+    return percentiles(values)
 
 
 def install_uvloop() -> None:

@@ -171,11 +171,12 @@ def restart(data_dir: Path, log_path: Path, cache: str, timeout: float) -> dict[
     if cache == "cold":
         drop_cache(data_dir)
     log_path.write_text("")
+    snapshot = (data_dir / "txindex.snap").exists()  # left by a clean shutdown (the previous restart's)
     b = BrokerProc(data_dir, "--flush", "async", "--log-level", "info", log_path=log_path)
     b.spawn()
     try:
         accepted, info, tx = _probe(b.port, b.started_at + timeout)
-        res = {"cache": cache, "port_s": round(accepted - b.started_at, 3), "ready_s": round(info - b.started_at, 3),
+        res = {"cache": cache, "snapshot": snapshot, "port_s": round(accepted - b.started_at, 3), "ready_s": round(info - b.started_at, 3),
                "tx_ready_s": round(tx - b.started_at, 3), "rss_mb": round(proc_status(b.pid, "VmRSS"), 1)}
     finally:
         b.stop()
@@ -183,6 +184,7 @@ def restart(data_dir: Path, log_path: Path, cache: str, timeout: float) -> dict[
     m = re.search(r"event=store_opened .*?took_s=([\d.]+)", text)
     if m:
         res["store_open_s"] = float(m.group(1))
+    res["index_source"] = "snapshot" if "source=snapshot" in text else "rebuilt from the log"
     m = re.search(r"event=broker_ready pending=(\d+) decided=(\d+) took_s=([\d.]+)", text)
     if m:
         res.update(pending=int(m.group(1)), decided=int(m.group(2)), broker_ready_s=float(m.group(3)))

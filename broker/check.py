@@ -153,7 +153,9 @@ class CheckService:
                     end = off
                     break
                 immunity = p.immunity_s if p.immunity_s is not None else s.transaction_timeout_s
-                if now_ms - p.born_ts < immunity * 1000:
+                # born_ts is the producer's clock: never later than the store's, so a
+                # producer whose clock runs ahead cannot hold every pass at its message.
+                if now_ms - min(p.born_ts, p.first_stored_ts) < immunity * 1000:
                     stats["immune"] += 1
                     if blocked is None:
                         blocked = off
@@ -272,7 +274,7 @@ class CheckService:
     def next_check_at(self, p: PendingTx) -> int | None:
         s = self.settings
         immunity = p.immunity_s if p.immunity_s is not None else s.transaction_timeout_s
-        eligible = p.born_ts / 1000.0 + immunity
+        eligible = min(p.born_ts, p.first_stored_ts) / 1000.0 + immunity
         at = max(eligible, self.next_pass_at or self.core.clock())
         return int(at * 1000)
 

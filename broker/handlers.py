@@ -314,29 +314,25 @@ def _needs_index(handler: Handler) -> Handler:
     return gated
 
 
-for _fn in (end_transaction, tx_pending, tx_offsets, tx_resolve, tx_check_now, discard_list, discard_replay, stats):
-    globals()[_fn.__name__] = _needs_index(_fn)
-del _fn
-
 HANDLERS: dict[str, Handler] = {
     "hello": hello,
     "heartbeat": heartbeat,
     "broker_info": broker_info,
     "send": send,
     "send_batch": send_batch,
-    "end_transaction": end_transaction,
+    "end_transaction": _needs_index(end_transaction),
     "pull": pull,
     "commit_offset": commit_offset,
     "fetch_offsets": fetch_offsets,
     "create_topic": create_topic,
     "list_topics": list_topics,
-    "tx_pending": tx_pending,
-    "tx_offsets": tx_offsets,
-    "tx_resolve": tx_resolve,
-    "tx_check_now": tx_check_now,
-    "discard_list": discard_list,
-    "discard_replay": discard_replay,
+    "tx_pending": _needs_index(tx_pending),
+    "tx_offsets": _needs_index(tx_offsets),
+    "tx_resolve": _needs_index(tx_resolve),
+    "tx_check_now": _needs_index(tx_check_now),
+    "discard_list": _needs_index(discard_list),
+    "discard_replay": _needs_index(discard_replay),
     "config_get": config_get,
     "config_set": config_set,
-    "stats": stats,
+    "stats": _needs_index(stats),
 }

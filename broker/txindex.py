@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import IntEnum
 import heapq
+import os
 from sys import intern
 from typing import Iterable, Iterator
 
@@ -43,7 +44,7 @@ from txmq.constants import (
 )
 import msgpack
 
-from txmq.store import Record, TxType, atomic_write_bytes
+from txmq.store import Record, TxType
 
 
 class Outcome(IntEnum):
@@ -213,28 +214,6 @@ class TxIndex:
         elif rec.topic == DISCARD_TOPIC:
             self.apply_discard(rec)
 
-    # ---- snapshot (written at a clean shutdown, see save_snapshot) ----------
-    def to_snapshot(self) -> dict:
-        return {
-            "pending": [p.to_row() for p in self.pending.values()],
-            "decided": [[tx_id, int(d.outcome), d.decided_at, d.decided_by, d.half_offset, d.cl_offset, d.group, d.topic, d.checks]
-                        for tx_id, d in self.decided.items()],
-            "ops_since_progress": self.ops_since_progress,
-        }
-
-    @classmethod
-    def from_snapshot(cls, snap: dict) -> "TxIndex":
-        idx = cls()
-        for row in snap["pending"]:
-            p = PendingTx.from_row(row)
-            idx.pending[p.tx_id] = p
-            idx.by_half[p.half_offset] = p.tx_id
-        outcomes = list(Outcome)
-        for tx_id, o, at, by, ho, cl, g, t, checks in snap["decided"]:
-            idx.decided[tx_id] = Decided(outcomes[o], at, intern(by), ho, cl, intern(g), intern(t), checks)
-        idx.ops_since_progress = [tuple(x) for x in snap["ops_since_progress"]]
-        return idx
-
     def outcome(self, tx_id: str) -> Outcome | None:
         if tx_id in self.pending:
             return Outcome.PENDING
@@ -247,7 +226,7 @@ class TxIndex:
 
 
 SNAPSHOT_FILE = "txindex.snap"
-SNAPSHOT_VERSION = 1
+SNAPSHOT_VERSION = 2
 
 
 def save_snapshot(path, idx: TxIndex, log_end: int, half_progress: int, op_progress: int) -> None:
@@ -256,21 +235,47 @@ def save_snapshot(path, idx: TxIndex, log_end: int, half_progress: int, op_progr
     Written at a clean shutdown, after the last append. A start that finds
     the log ending exactly there (and the same check progress) loads it
     instead of reading every op and half record; any other start rebuilds.
+    The file is a stream of msgpack objects (a header, then one row per
+    entry) so that loading it never holds more than one row besides the index.
     """
-    doc = {"version": SNAPSHOT_VERSION, "log_end": log_end, "half_progress": half_progress, "op_progress": op_progress, **idx.to_snapshot()}
-    atomic_write_bytes(path, msgpack.packb(doc, use_bin_type=True))
+    path = os.fspath(path)
+    tmp = path + ".tmp"
+    pack = msgpack.Packer(use_bin_type=True).pack
+    with open(tmp, "wb", buffering=1 << 20) as f:
+        f.write(pack({"version": SNAPSHOT_VERSION, "log_end": log_end, "half_progress": half_progress, "op_progress": op_progress,
+                      "pending": len(idx.pending), "decided": len(idx.decided)}))
+        for p in idx.pending.values():
+            f.write(pack(p.to_row()))
+        for tx_id, d in idx.decided.items():
+            f.write(pack([tx_id, int(d.outcome), d.decided_at, d.decided_by, d.half_offset, d.cl_offset, d.group, d.topic, d.checks]))
+        f.write(pack(idx.ops_since_progress))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def load_snapshot(path, log_end: int, half_progress: int, op_progress: int) -> TxIndex | None:
     """The snapshotted index if it matches this log and progress exactly, else None."""
     try:
         with open(path, "rb") as f:
-            doc = msgpack.unpackb(f.read(), raw=False, strict_map_key=False)
-        if (doc.get("version"), doc.get("log_end"), doc.get("half_progress"), doc.get("op_progress")) != (
-            SNAPSHOT_VERSION, log_end, half_progress, op_progress):
-            return None
-        return TxIndex.from_snapshot(doc)
-    except (OSError, ValueError, KeyError, TypeError, msgpack.UnpackException):
+            unpacker = msgpack.Unpacker(f, raw=False, strict_map_key=False, max_buffer_size=64 << 20)
+            head = unpacker.unpack()
+            if (head.get("version"), head.get("log_end"), head.get("half_progress"), head.get("op_progress")) != (
+                    SNAPSHOT_VERSION, log_end, half_progress, op_progress):
+                return None
+            idx = TxIndex()
+            for _ in range(head["pending"]):
+                p = PendingTx.from_row(unpacker.unpack())
+                idx.pending[p.tx_id] = p
+                idx.by_half[p.half_offset] = p.tx_id
+            outcomes = list(Outcome)
+            decided = idx.decided
+            for _ in range(head["decided"]):
+                tx_id, o, at, by, ho, cl, g, t, checks = unpacker.unpack()
+                decided[tx_id] = Decided(outcomes[o], at, intern(by), ho, cl, intern(g), intern(t), checks)
+            idx.ops_since_progress = [tuple(x) for x in unpacker.unpack()]
+            return idx
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, msgpack.UnpackException, msgpack.OutOfData):
         return None
 
 
