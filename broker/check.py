@@ -91,20 +91,28 @@ class CheckService:
                 pass
 
     async def _run(self) -> None:
+        """A pass every check interval, timed from the start of the previous one.
+
+        A settings change wakes the loop, which recomputes the deadline: a
+        shorter interval that is already overdue runs a pass at once, and a
+        change of another setting does not postpone the next pass.
+        """
+        loop = asyncio.get_running_loop()
+        started = loop.time()
         while not self._stopping:
-            interval = self.settings.check_interval_s
-            self.next_pass_at = self.core.clock() + interval
-            try:
-                await asyncio.wait_for(self._wake.wait(), interval)
-            except asyncio.TimeoutError:
-                pass
-            if self._stopping:
-                return
-            if self._wake.is_set():
-                # woken by a settings change: restart the wait with the new interval
+            remaining = started + self.settings.check_interval_s - loop.time()
+            self.next_pass_at = self.core.clock() + max(0.0, remaining)
+            if remaining > 0:
                 self._wake.clear()
-                if self.core.clock() < self.next_pass_at and self.settings.check_interval_s >= interval:
-                    continue
+                try:
+                    await asyncio.wait_for(self._wake.wait(), remaining)
+                except asyncio.TimeoutError:
+                    pass
+                if self._stopping:
+                    return
+                if loop.time() < started + self.settings.check_interval_s:
+                    continue  # woken by a settings change before the deadline
+            started = loop.time()
             try:
                 await self.run_pass()
             except Exception:
