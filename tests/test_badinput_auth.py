@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import pytest
 
 from conftest import arun
 from txmq import wire

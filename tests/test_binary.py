@@ -1,7 +1,6 @@
 """`make binary` builds dist/txmq.pyz, which starts a broker with nothing else on the path."""
 
 import os
-import shutil
 import subprocess
 import sys
 import time

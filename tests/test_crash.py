@@ -11,7 +11,6 @@ from brokerproc import BrokerProcess
 from conftest import arun
 from txmq.broker.txindex import Outcome, rebuild
 from txmq.store import StoreReader
-from txmq.wire import TxmqError
 from wireclient import RawClient
 
 pytestmark = pytest.mark.fault

@@ -14,12 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import os
 import resource
 import signal
 import subprocess
 import time
-from pathlib import Path
 from typing import Callable
 
 import pytest

@@ -8,7 +8,7 @@ the gate (or arriving later) gets `_already(d)` with no durability wait.
 import asyncio
 import errno
 
-from txhelpers import G, arun, end, half_fields
+from txhelpers import G, arun, half_fields
 from txmq.broker.testing import running_broker
 from txmq.wire import TxmqError
 from wireclient import RawClient

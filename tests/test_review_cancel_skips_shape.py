@@ -4,10 +4,10 @@ awaiting its discard/check-copy append, so the record lands in the log and the i
 hears of it - and the clean-shutdown snapshot then persists that index as matching the log."""
 import asyncio
 
-from txhelpers import G, T, arun, half_fields
+from txhelpers import G, arun, half_fields
 from txmq.broker.clock import ManualClock
 from txmq.broker.testing import running_broker
-from txmq.broker.txindex import Outcome, rebuild
+from txmq.broker.txindex import rebuild
 from wireclient import RawClient
 
 

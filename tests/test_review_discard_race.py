@@ -6,7 +6,7 @@ log order and ends at DISCARDED; a replay then commits the transaction again.
 """
 import asyncio
 
-from txhelpers import G, T, arun, half_fields, pull_all
+from txhelpers import G, arun, half_fields, pull_all
 from txmq.broker.clock import ManualClock
 from txmq.broker.testing import running_broker
 from txmq.broker.txindex import Outcome, rebuild

@@ -5,7 +5,7 @@ delete a segment holding an undecided half message before the rebuild reaches it
 import asyncio
 
 import txmq.broker.server as server
-from txhelpers import G, T, arun, half_fields
+from txhelpers import T, arun, half_fields
 from txmq.broker.clock import ManualClock
 from txmq.broker.testing import running_broker
 from wireclient import RawClient

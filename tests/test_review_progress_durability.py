@@ -9,7 +9,7 @@ end_transaction is refused with TX_NOT_FOUND.
 """
 import asyncio
 
-from txhelpers import G, T, arun, end, half_fields, power_cut, pull_all
+from txhelpers import G, arun, end, half_fields, power_cut
 from txmq.broker.clock import ManualClock
 from txmq.broker.testing import running_broker
 from wireclient import RawClient

@@ -2,9 +2,8 @@
 waits forever in _when_ready (no error, no timeout) and the check service never starts,
 while the broker keeps serving plain traffic and looks healthy."""
 import asyncio
-import os
 
-from txhelpers import G, T, arun, end, half_fields
+from txhelpers import T, arun, end, half_fields
 from txmq.broker.config import BrokerConfig, CheckSettings
 from txmq.broker.server import Broker, bind
 from txmq.broker.testing import running_broker

@@ -3,7 +3,7 @@ A stale check copy written after a discard (check_now racing a pass) then re-ope
 discarded transaction on rebuild, while the running broker has it discarded."""
 import asyncio
 
-from txhelpers import G, T, arun, half_fields
+from txhelpers import G, arun, half_fields
 from txmq.broker.clock import ManualClock
 from txmq.broker.testing import running_broker
 from txmq.broker.txindex import Outcome, rebuild

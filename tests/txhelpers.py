@@ -1,4 +1,3 @@
-import asyncio
 from pathlib import Path
 
 from txmq.store import StoreReader

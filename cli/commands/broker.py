@@ -9,8 +9,8 @@ from typing import Annotated, Optional
 import typer
 
 from .. import exitcodes
-from ..common import BrokerOpt, CliError, OutputOpt, TokenOpt, parse_duration, run
-from ..console import Output, default_output, err, kv_table
+from ..common import BrokerOpt, CliError, OutputOpt, TokenOpt, parse_duration
+from ..console import default_output, kv_table
 
 app = typer.Typer(help="Run a broker or ask one how it is.", no_args_is_help=True)
 
