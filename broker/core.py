@@ -50,8 +50,13 @@ log = logging.getLogger("txmq.broker")
 MAX_WAIT_MS = 30_000
 
 
+def msg_id(properties: dict[str, str], commit_log_offset: int) -> str:
+    """The UNIQ_KEY property, or the commit-log offset in 16 hex digits (docs/protocol.md)."""
+    return properties.get(PROP_UNIQ_KEY) or f"{commit_log_offset:016X}"
+
+
 def msg_id_of(rec: Record) -> str:
-    return rec.properties.get(PROP_UNIQ_KEY) or f"{rec.commit_log_offset:016X}"
+    return msg_id(rec.properties, rec.commit_log_offset)
 
 
 def record_to_map(rec: Record) -> dict[str, Any]:
@@ -122,7 +127,7 @@ class Appender:
                         fut.set_exception(self.core.store_error(exc2))
                     else:
                         self._settle_written(sub, res)
-                        self.core.notify_appended(res)
+                        self.core.notify_appended(batch[start : start + count])
                 return
             err = self.core.store_error(exc)
             for sub in subs:
@@ -134,7 +139,7 @@ class Appender:
         m["bytes_appended"] += store.max_offset - before
         for sub in subs:
             self._settle_written(sub, results[sub[1] : sub[1] + sub[2]])
-        self.core.notify_appended(results)
+        self.core.notify_appended(batch)
 
     def _settle_written(self, sub, results: list[AppendResult]) -> None:
         fut, _, _, shape, durable = sub
@@ -225,11 +230,7 @@ class BrokerCore:
 
     async def stop(self) -> None:
         self.shutting_down = True
-        for waiters in self._pollers.values():
-            for fut in waiters:
-                if not fut.done():
-                    fut.set_result(None)
-        self._pollers.clear()
+        self.wake_all_pollers()
         await self.flusher.stop()
         try:
             self.offsets.persist()
@@ -269,11 +270,18 @@ class BrokerCore:
             raise TxmqError(f"queue {queue_id} does not exist: topic {topic} has {n} queues", ErrorCode.NO_SUCH_QUEUE)
         return queue_id
 
-    def notify_appended(self, results: Sequence[AppendResult]) -> None:
-        if not self._pollers:
+    def notify_appended(self, msgs: Sequence[Message]) -> None:
+        """Wake the long polls waiting on the queues these messages went to."""
+        pollers = self._pollers
+        if not pollers:
             return
-        # Wake every long-poll on a queue that got data. AppendResult carries no
-        # topic, so wake all pollers; they re-pull and go back to sleep if empty.
+        for key in {(m.topic, m.queue_id) for m in msgs}:
+            for fut in pollers.pop(key, ()):
+                if not fut.done():
+                    fut.set_result(None)
+
+    def wake_all_pollers(self) -> None:
+        """Answer every long poll now (shutdown)."""
         pollers, self._pollers = self._pollers, defaultdict(list)
         for waiters in pollers.values():
             for fut in waiters:
@@ -355,6 +363,22 @@ class BrokerCore:
         }
 
     def stats(self) -> dict[str, Any]:
-        from .server import stats_of
-
-        return stats_of(self)
+        r = self.recovery
+        recovery = {} if r is None else {
+            "dropped_bytes": r.dropped_bytes, "reason": r.reason, "truncated_at": r.truncated_at,
+            "redispatched": r.redispatched, "cq_entries_dropped": r.cq_entries_dropped,
+        }
+        by_topic = self.tx.index.pending_by_topic()
+        return {
+            "counters": self.metrics.snapshot(),
+            "gauges": {
+                "pending": sum(by_topic.values()),
+                "pending_by_topic": by_topic,
+                "connections": self.connections,
+                "max_offset": self.store.max_offset,
+                "durable_offset": self.store.durable_offset,
+                "check_passes": self.check.passes,
+                "last_check_pass": self.check.last_pass,
+                "recovery": recovery,
+            },
+        }

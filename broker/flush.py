@@ -49,9 +49,6 @@ class Flusher:
         self._stopping = False
         self._task: asyncio.Task | None = None
         self.durable = store.durable_offset
-        self.last_error: BaseException | None = None
-        self.fsyncs = 0
-        self.inline_fsyncs = 0
         self._busy = False  # a threaded fsync is running
         self.lone_client: Callable[[], bool] = lambda: True  # set by the core: at most one client waiting?
         self._inline_scheduled = False
@@ -101,7 +98,6 @@ class Flusher:
         except (StoreError, OSError):
             self._wake.set()  # let the flusher's loop report and fail the waiters
             return
-        self.inline_fsyncs += 1
         if self._observe:
             self._observe(time.perf_counter() - t0)
         self._resolve(durable, ())
@@ -135,7 +131,6 @@ class Flusher:
                     durable = await loop.run_in_executor(self._executor, self.store.sync)
             except (StoreError, OSError) as exc:
                 self._busy = False
-                self.last_error = exc
                 log.error("event=flush_failed error=%r", exc)
                 err = TxmqError(f"flush failed: {exc}", ErrorCode.STORE_ERROR)
                 self._fail_all(err, persist_waiters)
@@ -146,7 +141,6 @@ class Flusher:
                     return
                 continue
             self._busy = False
-            self.fsyncs += 1
             if self._observe:
                 self._observe(time.perf_counter() - t0)
             if checkpoint:

@@ -15,6 +15,7 @@ from txmq.constants import PROP_TRAN_MSG, canonical_topic, is_system_topic
 from txmq.store import Message, TxType
 from txmq.wire import PROTOCOL_VERSION, ErrorCode, TxmqError
 
+from .core import msg_id
 from .topics import check_topic_name
 
 Reply = dict[str, Any] | Awaitable[dict[str, Any]]
@@ -166,7 +167,7 @@ def _send_plain(core, msgs: list[Message], single: bool) -> Reply:
     def shape(results) -> dict[str, Any]:
         core.metrics.counters["messages_sent"] += len(results)
         rows = [
-            {"msg_id": m.properties.get("UNIQ_KEY") or f"{r.commit_log_offset:016X}", "topic": m.topic, "queue_id": m.queue_id,
+            {"msg_id": msg_id(m.properties, r.commit_log_offset), "topic": m.topic, "queue_id": m.queue_id,
              "queue_offset": r.queue_offset, "commit_log_offset": r.commit_log_offset}
             for m, r in zip(msgs, results)
         ]

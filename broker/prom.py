@@ -62,9 +62,7 @@ class BrokerCollector:
         core = self.core
         c = dict(core.metrics.counters)
         pending = GaugeMetricFamily("txmq_pending_half_messages", "Pending (undecided) transactions, by real topic", labels=["topic"])
-        by_topic: dict[str, int] = {}
-        for p in list(core.tx.index.pending.values()):
-            by_topic[p.topic] = by_topic.get(p.topic, 0) + 1
+        by_topic = core.tx.index.pending_by_topic()
         for topic, n in sorted(by_topic.items()):
             pending.add_metric([topic], n)
         yield pending

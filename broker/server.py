@@ -15,7 +15,6 @@ import logging
 import socket
 import time
 from dataclasses import replace
-from typing import Any
 
 from txmq.store import atomic_write_json, read_json
 from txmq.wire import ErrorCode, TxmqError
@@ -118,7 +117,6 @@ class Broker:
         loop = asyncio.get_running_loop()
         self.server = await loop.create_server(lambda: BrokerConnection(self.core, self.state), sock=sock, backlog=2048)
         host, port = sock.getsockname()[:2]
-        self.core.config_port = port
         log.info("event=listening host=%s port=%d flush=%s data_dir=%s", host, port, self.config.flush, self.core.data_dir)
         self.ready.set()
         try:
@@ -129,7 +127,7 @@ class Broker:
     async def stop(self) -> None:
         log.info("event=shutdown_begin connections=%d inflight=%d", len(self.state.connections), len(self.state.inflight))
         self.core.draining = True
-        self.core.notify_appended(())  # wake long polls so they answer now
+        self.core.wake_all_pollers()  # long polls answer now
         if self.server is not None:
             self.server.close()
         if self.state.inflight:
@@ -206,31 +204,3 @@ def install_uvloop() -> str:
         return "uvloop"
     except Exception:  # not installed or not supported on this platform
         return "asyncio"
-
-
-def stats_of(core) -> dict[str, Any]:
-    pending_by_topic: dict[str, int] = {}
-    for p in core.tx.index.pending.values():
-        pending_by_topic[p.topic] = pending_by_topic.get(p.topic, 0) + 1
-    return {
-        "counters": core.metrics.snapshot(),
-        "gauges": {
-            "pending": len(core.tx.index.pending),
-            "pending_by_topic": pending_by_topic,
-            "connections": core.connections,
-            "max_offset": core.store.max_offset,
-            "durable_offset": core.store.durable_offset,
-            "check_passes": core.check.passes,
-            "last_check_pass": core.check.last_pass,
-            "recovery": recovery_of(core),
-        },
-    }
-
-
-def recovery_of(core) -> dict[str, Any]:
-    """What the store's recovery did at this start (a torn tail cut, entries re-dispatched)."""
-    r = core.recovery
-    if r is None:
-        return {}
-    return {"dropped_bytes": r.dropped_bytes, "reason": r.reason, "truncated_at": r.truncated_at,
-            "redispatched": r.redispatched, "cq_entries_dropped": r.cq_entries_dropped}

@@ -426,7 +426,7 @@ class TransactionService:
                         raise TxmqError(f"the discard record of {tx_id} at {d.cl_offset} is gone (retention)", ErrorCode.TX_NOT_FOUND) from None
                     if to == "half":
                         msg = half_copy(rec, **{PROP_CHECK_TIMES: "0", PROP_REPLAYED: "1"})
-                        await self.core.append([msg], lambda results: self._replayed(msg, results[0]))
+                        await self.core.append([msg], partial(self._replayed, msg))
                     else:
                         await self.decide(self._half_of_discard(rec), True, "operator", allow_discarded=True)
                     self.core.metrics.inc("replayed")
@@ -449,8 +449,8 @@ class TransactionService:
                 pass  # deleted by retention: commit from the discard copy itself
         return rec
 
-    def _replayed(self, msg: Message, res: AppendResult) -> None:
-        rec = as_record(msg, res)
+    def _replayed(self, msg: Message, results: list[AppendResult]) -> None:
+        rec = as_record(msg, results[0])
         self.index.apply_half(rec)
         self.remember(rec)
 

@@ -214,6 +214,13 @@ class TxIndex:
         elif rec.topic == DISCARD_TOPIC:
             self.apply_discard(rec)
 
+    def pending_by_topic(self) -> dict[str, int]:
+        """Pending transactions per real topic (safe from another thread: it iterates a copy)."""
+        out: dict[str, int] = {}
+        for p in list(self.pending.values()):
+            out[p.topic] = out.get(p.topic, 0) + 1
+        return out
+
     def outcome(self, tx_id: str) -> Outcome | None:
         if tx_id in self.pending:
             return Outcome.PENDING

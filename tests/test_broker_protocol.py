@@ -159,3 +159,31 @@ def test_long_poll_wakes_on_new_message(tmp_path):
             await p.close()
 
     arun(go())
+
+
+def test_long_poll_is_not_woken_by_other_queues(tmp_path):
+    async def go():
+        async with running_broker(tmp_path / "d") as b:
+            c = await RawClient.open(b.address)
+            await c.ok("create_topic", {"topic": "lp", "queues": 1})
+            p = await RawClient.open(b.address)
+            woken = []
+            get = b.core.store.get_messages  # count the poll's store reads
+
+            def spy(topic, *a, **k):
+                if topic == "lp":
+                    woken.append(topic)
+                return get(topic, *a, **k)
+
+            b.core.store.get_messages = spy
+            poll = asyncio.create_task(p.req("pull", {"topic": "lp", "queue_id": 0, "offset": 0, "wait_ms": 400}))
+            await asyncio.sleep(0.05)
+            for i in range(20):
+                await c.ok("send", {"topic": "other", "body": b"x"})
+            code, r = await poll
+            assert code == 0 and r["status"] == "no_message"
+            assert len(woken) <= 2  # the first read and the one at the deadline: sends elsewhere wake nothing
+            await c.close()
+            await p.close()
+
+    arun(go())

@@ -70,15 +70,7 @@ class DataDir:
 
     def read(self, topic: str, queue_id: int, offset: int, count: int) -> tuple[list[dict[str, Any]], int]:
         """Up to `count` records from `offset`, as wire message maps, and the next offset."""
+        from txmq.broker.core import record_to_map
+
         res = self.reader.get_messages(topic, queue_id, offset, count, 16 << 20)
-        return [record_map(r) for r in res.records], res.next_offset
-
-
-def record_map(rec: Any) -> dict[str, Any]:
-    return {
-        "topic": rec.topic, "queue_id": rec.queue_id, "queue_offset": rec.queue_offset,
-        "commit_log_offset": rec.commit_log_offset, "size": rec.size,
-        "msg_id": rec.properties.get("UNIQ_KEY") or f"{rec.commit_log_offset:016X}",
-        "born_ts": rec.born_ts, "store_ts": rec.store_ts, "tx_type": int(rec.tx_type),
-        "prepared_offset": rec.prepared_offset, "properties": dict(rec.properties), "body": rec.body,
-    }
+        return [record_to_map(r) for r in res.records], res.next_offset
