@@ -41,9 +41,6 @@ from .txindex import Decided, Outcome, PendingTx, TxIndex
 
 log = logging.getLogger("txmq.tx")
 
-SOURCES = ("producer", "check", "operator")
-
-
 class TxIds:
     """Transaction ids: 16 random hex digits per broker run + a 16-digit counter.
 

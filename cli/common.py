@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import os
 import re
-from typing import Annotated, Any, Awaitable, Callable, TypeVar
+from typing import Annotated, Any, Awaitable, TypeVar
 
 import typer
 
@@ -57,10 +56,6 @@ def parse_duration(text: str) -> float:
     return total
 
 
-def duration_option(value: str | None) -> float | None:
-    return None if value is None else parse_duration(value)
-
-
 def parse_address(addr: str) -> str:
     m = re.match(r"^[\w.\-\[\]:]+:(\d{1,5})$", addr or "")
     if not m or not 0 < int(m.group(1)) < 65536:
@@ -92,22 +87,3 @@ def stop_event(signals: tuple[str, ...] = ("SIGINT", "SIGTERM")) -> Any:
         except (NotImplementedError, RuntimeError, ValueError):  # not the main thread, or no signals here
             pass
     return ev
-
-
-def parse_count(text: str | None, what: str) -> int | None:
-    if text is None:
-        return None
-    try:
-        n = int(text)
-    except ValueError:
-        raise CliError(f"{what} must be a whole number, not {text!r}", exitcodes.USAGE) from None
-    if n < 0:
-        raise CliError(f"{what} must not be negative", exitcodes.USAGE)
-    return n
-
-
-def env_flag(name: str) -> bool:
-    return os.environ.get(name, "").lower() in ("1", "true", "yes")
-
-
-AsyncFn = Callable[..., Awaitable[Any]]

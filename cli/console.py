@@ -11,7 +11,7 @@ import base64
 import json
 import sys
 from enum import Enum
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Sequence
 
 from rich.console import Console
 from rich.theme import Theme
@@ -219,10 +219,3 @@ def kv_table(d: dict[str, Any], output: Output, title: str | None = None,
     for k, v in d.items():
         t.add_row(k, _cell(v, formatters.get(k)))
     print_table(t)
-
-
-def iter_stdin_lines() -> Iterable[str]:
-    for line in sys.stdin:
-        line = line.rstrip("\r\n")
-        if line.strip():
-            yield line

@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from .. import exitcodes
-from ..common import BrokerOpt, CliError, OutputOpt, TokenOpt, parse_duration
+from ..common import BrokerOpt, CliError, OutputOpt, TokenOpt, parse_duration, stop_event
 from ..console import default_output, kv_table
 
 app = typer.Typer(help="Run a broker or ask one how it is.", no_args_is_help=True)
@@ -40,7 +40,6 @@ def start(
     """Run a broker in the foreground until SIGINT/SIGTERM (logs on stderr)."""
     import asyncio
     import logging
-    import signal
 
     from txmq.broker.config import BrokerConfig, CheckSettings, default_data_dir
     from txmq.broker.server import Broker, bind, install_uvloop
@@ -86,10 +85,7 @@ def start(
         raise CliError(f"cannot listen on {config.host}:{config.port}: {e.strerror or e}") from None
 
     async def main() -> None:
-        shutdown = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, shutdown.set)
+        shutdown = stop_event()
         broker = Broker(config)
         log.info("event=starting loop=%s data_dir=%s", loop_name, config.data_dir)
         metrics = None
