@@ -220,6 +220,10 @@ class BrokerConnection(asyncio.Protocol):
     def push(self, op: str, fields: dict[str, Any]) -> None:
         self._send(push(op, fields))
 
+    def send_frame(self, frame: bytes) -> None:
+        """Send an already encoded frame (length prefix included), e.g. a check-back push."""
+        self._send(frame)
+
     def writable(self) -> bool:
         return self.transport is not None and not self.transport.is_closing() and not self._write_paused
 

@@ -12,6 +12,8 @@ class PushTarget(Protocol):
 
     def push(self, op: str, fields: dict) -> None: ...
 
+    def send_frame(self, frame: bytes) -> None: ...
+
 
 class ProducerRegistry:
     def __init__(self) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections import OrderedDict
 from functools import partial
 from typing import Any
 
@@ -70,11 +69,24 @@ def as_record(msg: Message, res: AppendResult) -> Record:
 def half_copy(rec: Record, **props: str) -> Message:
     """A new copy of a half record for the half queue (check-back or replay)."""
     p = dict(rec.properties)
-    p.setdefault(PROP_ORIGIN_CL_OFFSET, str(rec.commit_log_offset))
-    p.pop(PROP_DISCARD_REASON, None)
-    p.pop(PROP_REPLAYED, None)  # only a replay's own copy re-opens a discarded transaction
+    copy_properties(p, rec.commit_log_offset)
     p.update(props)
     return Message(HALF_TOPIC, 0, TxType.PREPARED, rec.born_ts, p, rec.body)
+
+
+def copy_properties(props: dict[str, str], cl_offset: int) -> None:
+    """Turn the properties of the half record at cl_offset (in place) into a copy's.
+
+    A copy keeps its first copy's origin, and never inherits a discard
+    reason or the replay mark (only a replay's own copy re-opens a
+    discarded transaction).
+    """
+    if PROP_ORIGIN_CL_OFFSET not in props:
+        props[PROP_ORIGIN_CL_OFFSET] = str(cl_offset)
+    if PROP_DISCARD_REASON in props:
+        del props[PROP_DISCARD_REASON]
+    if PROP_REPLAYED in props:
+        del props[PROP_REPLAYED]
 
 
 class TransactionService:
@@ -85,16 +97,27 @@ class TransactionService:
         self._deciding: dict[str, asyncio.Future] = {}
         self._sending: set[str] = set()  # tx ids of half messages submitted but not yet written
         # Recently stored half records by commit-log offset, so the common
-        # end_transaction needs no read; bounded (oldest evicted first).
-        # (An OrderedDict: popping the oldest of a plain dict that had many
-        # deletions scans the dead slots at its front, O(n) per call.)
-        self._half_cache: OrderedDict[int, Record] = OrderedDict()
+        # end_transaction needs no read. Bounded by two generations of plain
+        # dicts: when the young one is full it becomes the old one and the
+        # previous old one is dropped whole. Every operation is O(1) with no
+        # per-insert eviction (an OrderedDict's cost more, and popping the
+        # oldest of a plain dict that had many deletions is O(n)).
+        self._half_young: dict[int, Record] = {}
+        self._half_old: dict[int, Record] = {}
 
     def remember(self, rec: Record) -> None:
-        cache = self._half_cache
-        cache[rec.commit_log_offset] = rec
-        if len(cache) > HALF_CACHE_ENTRIES:
-            cache.popitem(last=False)
+        young = self._half_young
+        young[rec.commit_log_offset] = rec
+        if len(young) >= HALF_CACHE_ENTRIES // 2:
+            self._half_old, self._half_young = young, {}
+
+    def _cached_half(self, cl_offset: int) -> Record | None:
+        rec = self._half_young.get(cl_offset)
+        return rec if rec is not None else self._half_old.get(cl_offset)
+
+    def _forget_half(self, cl_offset: int) -> None:
+        self._half_young.pop(cl_offset, None)
+        self._half_old.pop(cl_offset, None)
 
     # ---- step 1: half messages --------------------------------------------
     def send_half(self, topic: str, queue_id: int | None, body: bytes, props: dict[str, str], born_ts: int) -> asyncio.Future:
@@ -133,7 +156,7 @@ class TransactionService:
 
     # ---- step 3: end transaction ------------------------------------------
     def read_half(self, cl_offset: int) -> Record:
-        rec = self._half_cache.get(cl_offset)
+        rec = self._cached_half(cl_offset)
         if rec is not None:
             return rec
         store = self.core.store
@@ -220,7 +243,7 @@ class TransactionService:
         def shape(results: list[AppendResult]) -> dict[str, Any]:
             self.index.apply_op(as_record(msgs[-1], results[-1]))
             self._release(tx_id, gate)
-            self._half_cache.pop(rec.commit_log_offset, None)
+            self._forget_half(rec.commit_log_offset)
             self._count_decision(rec, commit, source)
             reply: dict[str, Any] = {"status": "ok", "outcome": want.label}
             if commit:

@@ -174,6 +174,21 @@ class TxIndex:
         self.by_half[p.half_offset] = tx_id
         return p
 
+    def move_to_copy(self, p: PendingTx, half_offset: int, cl_offset: int, stored_ts: int, checks: int) -> bool:
+        """A check copy of p was written: p's latest copy is now that one.
+
+        What ``apply_half`` does for a copy whose only new property is the
+        check count, without decoding its properties again. False (and no
+        change) when p is no longer pending: the copy is stale.
+        """
+        if self.pending.get(p.tx_id) is not p:
+            return False
+        by_half = self.by_half
+        by_half.pop(p.half_offset, None)
+        p.half_offset, p.cl_offset, p.stored_ts, p.checks = half_offset, cl_offset, stored_ts, checks
+        by_half[half_offset] = p.tx_id
+        return True
+
     def apply_op(self, rec: Record, op_progress: int = 0) -> None:
         props = rec.properties
         tx_id = props.get(PROP_UNIQ_KEY)

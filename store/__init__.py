@@ -8,12 +8,14 @@ from .codec import (
     HEADER_SIZE,
     MAGIC,
     Message,
+    RawCopy,
     Record,
     TxType,
     check_record,
     decode_record,
     encode_record,
     record_problem,
+    split_raw,
     tag_hash,
 )
 from .errors import (
@@ -38,6 +40,7 @@ __all__ = [
     "GetResult",
     "GetStatus",
     "Message",
+    "RawCopy",
     "Record",
     "RecordTooLargeError",
     "RecoveryReport",
@@ -55,5 +58,6 @@ __all__ = [
     "encode_record",
     "read_json",
     "record_problem",
+    "split_raw",
     "tag_hash",
 ]

@@ -156,23 +156,32 @@ class LogView:
             raise CorruptRecordError(f"no record at {offset}: outside the log")
         return self._read_one(seg, offset, None)
 
-    def _read_one(self, seg: Segment, offset: int, data: bytes | None) -> Record:
+    def _read_one(self, seg: Segment, offset: int, data: bytes | None, raw: bool = False) -> Record | memoryview:
         fpos = offset - seg.start
         if data is None:
             data = os.pread(seg.fd, min(GUESS, seg.length - fpos), fpos)
         total = check_header(data, 0, offset)
         if type(total) is int and total > len(data) and fpos + total <= seg.length:
             data += os.pread(seg.fd, total - len(data), fpos + len(data))
+        if raw:
+            size = check_record(data, 0, offset)
+            if type(size) is str:
+                raise CorruptRecordError(size)
+            return memoryview(data)[:size]
         rec = decode(data, 0, offset)
         if type(rec) is str:
             raise CorruptRecordError(rec)
         return rec
 
-    def read_many(self, offsets: Sequence[int]) -> list[Record]:
-        """The records at offsets (in that order), read with as few preads as possible."""
+    def read_many(self, offsets: Sequence[int], raw: bool = False) -> list[Record] | list[memoryview]:
+        """The records at offsets (in that order), read with as few preads as possible.
+
+        With raw, each is the record's bytes (CRC checked, not decoded), for
+        Store.append's RawCopy.
+        """
         end = self._readable_end()
         order = sorted(range(len(offsets)), key=offsets.__getitem__)
-        out: list[Record | None] = [None] * len(offsets)
+        out: list = [None] * len(offsets)
         i = 0
         while i < len(order):
             first = offsets[order[i]]
@@ -191,12 +200,17 @@ class LogView:
             mv = memoryview(chunk)
             for k in range(i, j):
                 o = offsets[order[k]]
-                rec = decode(chunk, o - first, o, mv)
-                if type(rec) is str:  # cut by the chunk (a big record) or really bad
-                    rec = self._read_one(seg, o, None)
+                pos = o - first
+                if raw:
+                    size = check_record(chunk, pos, o, mv)
+                    rec = mv[pos : pos + size] if type(size) is int else self._read_one(seg, o, None, True)
+                else:
+                    rec = decode(chunk, pos, o, mv)
+                    if type(rec) is str:  # cut by the chunk (a big record) or really bad
+                        rec = self._read_one(seg, o, None)
                 out[order[k]] = rec
             i = j
-        return out  # type: ignore[return-value]
+        return out
 
     def _read_sized(self, entries: Sequence[tuple[int, int]]) -> list[Record]:
         """Records at (offset, size) pairs sorted by offset, as consume queues give them."""

@@ -13,12 +13,14 @@ import fcntl
 import os
 import threading
 import time
+import zlib
 from collections.abc import Callable, Iterator, Sequence
 
 import msgpack
 
 from .checkpoint import Checkpoint, read_checkpoint, write_checkpoint
-from .codec import EMPTY_PROPS, HEADER_SIZE, TAGS_PROPERTY, Message, Record, encode_parts, tag_hash
+from .codec import EMPTY_PROPS, HEADER, HEADER_SIZE, MAGIC, TAGS_PROPERTY, Message, RawCopy, Record, tag_hash
+from .codec import _HEAD, _TAIL  # the header's two pieces, packed inline on the append path
 from .commitlog import CommitLog
 from .consumequeue import ENTRY, ENTRY_SIZE, ConsumeQueue, Entry
 from .errors import RecordTooLargeError, StoreError, StoreLockedError
@@ -26,8 +28,8 @@ from .files import fsync_dir
 from .model import AppendResult, GetResult, GetStatus, RecoveryReport, StoreConfig
 from .recovery import flush_all, load_queues, recover
 
-_packb = msgpack.packb
 _pack_entry = ENTRY.pack
+_HEADER_UNPACK = HEADER.unpack_from
 _MAX_QUEUE_ID = (1 << 31) - 1
 _MAX_TOPIC_BYTES = (1 << 16) - 1
 
@@ -46,6 +48,9 @@ class Store:
         self._queues: dict[tuple[str, int], ConsumeQueue] = {}
         self._dirty: set[ConsumeQueue] = set()  # queues with pending entries
         self._topic_bytes: dict[str, bytes] = {}
+        # One packer for the owner thread's appends: msgpack.packb builds a new
+        # Packer on every call, which costs more than packing a small map.
+        self._pack_props = msgpack.Packer(use_bin_type=True).pack
         self._lock = threading.Lock()  # state shared with the sync/checkpoint thread
         self._sync_lock = threading.Lock()  # one sync or checkpoint at a time
         self._lock_fd: int | None = None
@@ -144,7 +149,7 @@ class Store:
         return self._open_log().min_offset
 
     # ---- appending ---------------------------------------------------------
-    def append(self, msgs: Sequence[Message]) -> list[AppendResult]:
+    def append(self, msgs: Sequence[Message | RawCopy]) -> list[AppendResult]:
         """Append msgs as records: one pwrite per segment touched, page cache on return.
 
         Queue offsets and store_ts are assigned here; consume-queue entries
@@ -157,7 +162,8 @@ class Store:
             return []
         store_ts = int(self._clock() * 1000)
         seg_size, limit = self.config.segment_size, self._limit
-        queues, topics = self._queues, self._topic_bytes
+        queues, topics, pack = self._queues, self._topic_bytes, self._pack_props
+        pack_head, pack_tail, crc32 = _HEAD.pack, _TAIL.pack, zlib.crc32
         cur = log.segments[-1]
         pos, used = cur.end, cur.length
         group_start = pos
@@ -167,11 +173,20 @@ class Store:
         results: list[AppendResult] = []
         dispatch: list[tuple[tuple[str, int], int, int, int]] = []
         for m in msgs:
-            topic, qid, props, body = m.topic, m.queue_id, m.properties, m.body
-            tb = topics.get(topic)
-            if tb is None:
-                tb = self._topic(topic)
-            pb = _packb(props) if props else EMPTY_PROPS
+            if type(m) is RawCopy:
+                src = m.source
+                _, _, _, _, tx_type, _, tlen, qid, _, born, _, prep, plen, _ = _HEADER_UNPACK(src)
+                tb = bytes(src[HEADER_SIZE : HEADER_SIZE + tlen])
+                topic = str(tb, "utf-8")
+                pb, body, tags = m.props, src[HEADER_SIZE + tlen + plen :], m.tags
+            else:
+                topic, qid, props, body = m.topic, m.queue_id, m.properties, m.body
+                tx_type, born, prep = m.tx_type, m.born_ts, m.prepared_offset
+                tb = topics.get(topic)
+                if tb is None:
+                    tb = self._topic(topic)
+                pb = pack(props) if props else EMPTY_PROPS
+                tags = props.get(TAGS_PROPERTY) if props else None
             total = HEADER_SIZE + len(tb) + len(pb) + len(body)
             if total > limit:
                 raise RecordTooLargeError(f"record of {total} bytes exceeds the limit of {limit} bytes")
@@ -185,10 +200,10 @@ class Store:
                 cq = queues.get(key)
                 q = cq.next if cq is not None else _check_queue_id(qid)
             nexts[key] = q + 1
-            head, tail = encode_parts(pos, tb, qid, q, m.tx_type, m.born_ts, store_ts, m.prepared_offset, pb, body)
-            parts += (head, tail, tb, pb, body)
+            # encode_parts(), inlined: this loop runs once per record appended.
+            tail = pack_tail(pos, tx_type, 0, len(tb), qid, q, born, store_ts, prep, len(pb), len(body))
+            parts += (pack_head(total, MAGIC, crc32(body, crc32(pb, crc32(tb, crc32(tail))))), tail, tb, pb, body)
             results.append(AppendResult(pos, total, q, store_ts))
-            tags = props.get(TAGS_PROPERTY) if props else None
             dispatch.append((key, pos, total, tag_hash(tags) if tags else 0))
             pos += total
             used += total
@@ -281,8 +296,9 @@ class Store:
     def read(self, offset: int) -> Record:
         return self._open_log().read(offset)
 
-    def read_many(self, offsets: Sequence[int]) -> list[Record]:
-        return self._open_log().read_many(offsets)
+    def read_many(self, offsets: Sequence[int], raw: bool = False) -> list[Record] | list[memoryview]:
+        """The records at offsets; with raw, their validated bytes (for RawCopy)."""
+        return self._open_log().read_many(offsets, raw)
 
     def scan(self, start: int = 0, end: int | None = None) -> Iterator[Record]:
         """Records from start (a record boundary, or below the log's start) up to end, in order."""

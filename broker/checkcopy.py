@@ -1,0 +1,141 @@
+"""The check service's hot path at the byte level: check-copy properties and check-back pushes.
+
+One check pass re-appends every pending transaction's half message with its
+check count + 1 and pushes a ``check_transaction`` for the copy (SPEC step
+4); with a million pending transactions that is a million of each. Decoding
+the properties into a dict, editing it, packing it for the record and again
+for the push cost more than everything else a check does, so the common case
+works on the packed bytes instead:
+
+- ``patch_properties`` turns a half record's packed properties into its
+  check copy's (what ``tx.half_copy`` does to the dict) by editing the
+  msgpack map: on a first copy append the origin offset and the count; on a
+  check copy (which ends with exactly those two entries) replace the count,
+  the last entry. Anything else (a discard reason, a replay mark, TAGS, a
+  count or origin elsewhere) returns None and the caller takes the dict
+  path, so the result is always what the dict path gives.
+- ``check_push`` builds the push frame by concatenation, with the record's
+  packed properties spliced in as they are. The frame decodes to the same
+  fields as ``wire.push("check_transaction", ...)`` with ``record_to_map``.
+
+tests/test_checkcopy.py holds both to their dict-path equivalents.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import msgpack
+
+from txmq import wire
+from txmq.constants import (
+    HALF_TOPIC,
+    PROP_CHECK_TIMES,
+    PROP_DISCARD_REASON,
+    PROP_ORIGIN_CL_OFFSET,
+    PROP_REPLAYED,
+)
+from txmq.store.codec import TAGS_PROPERTY, TxType
+
+_pack = msgpack.Packer(use_bin_type=True).pack
+_pack_map_header = msgpack.Packer(use_bin_type=True).pack_map_header
+
+_K_CHECK = _pack(PROP_CHECK_TIMES)
+_K_ORIGIN = _pack(PROP_ORIGIN_CL_OFFSET)
+_K_TAGS = _pack(TAGS_PROPERTY)  # its value goes into the consume-queue entry: the dict path finds it
+# What a first copy must not find (a copy drops the first two and writes the others itself).
+_FIRST_COPY_SLOW = tuple(_pack(k) for k in (PROP_DISCARD_REASON, PROP_REPLAYED, PROP_CHECK_TIMES, PROP_ORIGIN_CL_OFFSET))
+_CHECK_ENTRIES = [_K_CHECK + _pack(str(i)) for i in range(64)]
+
+
+def _check_entry(n: int) -> bytes:
+    return _CHECK_ENTRIES[n] if 0 <= n < 64 else _K_CHECK + _pack(str(n))
+
+
+def _map_header(b: bytes) -> tuple[int, int] | None:
+    """(entries, header length) of the packed map b, or None if b is no map."""
+    lead = b[0] if b else -1
+    if 0x80 <= lead <= 0x8F:
+        return lead & 0x0F, 1
+    if lead == 0xDE and len(b) >= 3:
+        return int.from_bytes(b[1:3], "big"), 3
+    if lead == 0xDF and len(b) >= 5:
+        return int.from_bytes(b[1:5], "big"), 5
+    return None
+
+
+def patch_properties(raw, cl_offset: int, origin: int, checks_now: int, checks_new: int) -> bytes | None:
+    """The packed properties of the check copy of a half record, or None for the dict path.
+
+    raw: the record's packed properties; cl_offset: its commit-log offset;
+    origin: the transaction's first half record (PendingTx.origin_cl_offset);
+    checks_now: its TRANSACTION_CHECK_TIMES (0 when absent).
+    """
+    b = bytes(raw)
+    if _K_TAGS in b:
+        return None
+    head = _map_header(b)
+    if head is None:
+        return None
+    n, start = head
+    if checks_now > 0:
+        # A check copy ends with the origin and then the count (both paths put
+        # them there) and holds no discard reason or replay mark (both paths
+        # drop them). Property values are valid UTF-8: this suffix cannot be
+        # the end of a value.
+        now = _check_entry(checks_now)
+        if b.endswith(_K_ORIGIN + _pack(str(origin)) + now):
+            return _pack_map_header(n) + b[start : -len(now)] + _check_entry(checks_new)
+    for k in _FIRST_COPY_SLOW:
+        if k in b:
+            return None
+    return _pack_map_header(n + 2) + b[start:] + _K_ORIGIN + _pack(str(cl_offset)) + _check_entry(checks_new)
+
+
+# ---- the push frame ---------------------------------------------------------
+# [PUSH, 0, "check_transaction", {group, tx_id, commit_log_offset, half_offset,
+#  message: {queue_offset, commit_log_offset, size, born_ts, store_ts,
+#  prepared_offset, topic, queue_id, tx_type, msg_id, properties, body}}]
+# Integers are written as int64 (0xd3), which every msgpack decoder reads as
+# the same int as the shortest form; map order carries no meaning.
+_PREFIX = (
+    b"\x94" + _pack(wire.PUSH) + _pack(0) + _pack("check_transaction")  # fixarray of 4: kind, id, op, fields
+    + _pack_map_header(5) + _pack("group")
+)
+_K_TX_ID = _pack("tx_id")
+_INT_KEYS = ("commit_log_offset", "half_offset", "message", "queue_offset", "commit_log_offset", "size", "born_ts", "store_ts",
+             "prepared_offset")
+_INTS = struct.Struct(
+    ">" + "".join(f"{len(_pack(k))}sBq" if k != "message" else f"{len(_pack(k))}sB" for k in _INT_KEYS)
+)
+_KEY_BYTES = [_pack(k) for k in _INT_KEYS]
+_CONST_TAIL = (
+    _pack("topic") + _pack(HALF_TOPIC) + _pack("queue_id") + _pack(0) + _pack("tx_type") + _pack(int(TxType.PREPARED))
+    + _pack("msg_id")
+)
+_K_PROPS = _pack("properties")
+_K_BODY = _pack("body")
+_I64 = 0xD3
+_MSG_MAP12 = 0x8C
+
+
+def _bin_header(n: int) -> bytes:
+    if n < 0x100:
+        return b"\xc4" + n.to_bytes(1, "big")
+    if n < 0x10000:
+        return b"\xc5" + n.to_bytes(2, "big")
+    return b"\xc6" + n.to_bytes(4, "big")
+
+
+def check_push(group: str, tx_id: str, cl: int, qoff: int, size: int, born: int, store_ts: int, prep: int,
+               props_raw: bytes, body) -> bytes:
+    """The whole ``check_transaction`` push frame (length prefix included) for one check copy."""
+    k = _KEY_BYTES
+    tx = _pack(tx_id)
+    payload = b"".join((
+        _PREFIX, _pack(group), _K_TX_ID, tx,
+        _INTS.pack(k[0], _I64, cl, k[1], _I64, qoff, k[2], _MSG_MAP12, k[3], _I64, qoff, k[4], _I64, cl,
+                   k[5], _I64, size, k[6], _I64, born, k[7], _I64, store_ts, k[8], _I64, prep),
+        _CONST_TAIL, tx, _K_PROPS, props_raw, _K_BODY, _bin_header(len(body)), body,
+    ))
+    return wire.HEADER.pack(len(payload)) + payload
