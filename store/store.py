@@ -171,7 +171,8 @@ class Store:
         parts: list[bytes] = []
         nexts: dict[tuple[str, int], int] = {}
         results: list[AppendResult] = []
-        dispatch: list[tuple[tuple[str, int], int, int, int]] = []
+        # Consume-queue entries of the batch, packed per queue, with their count.
+        entries: dict[tuple[str, int], bytearray] = {}
         for m in msgs:
             if type(m) is RawCopy:
                 src = m.source
@@ -200,11 +201,14 @@ class Store:
                 cq = queues.get(key)
                 q = cq.next if cq is not None else _check_queue_id(qid)
             nexts[key] = q + 1
+            buf = entries.get(key)
+            if buf is None:
+                buf = entries[key] = bytearray()
+            buf += _pack_entry(pos, total, tag_hash(tags) if tags else 0)
             # encode_parts(), inlined: this loop runs once per record appended.
             tail = pack_tail(pos, tx_type, 0, len(tb), qid, q, born, store_ts, prep, len(pb), len(body))
             parts += (pack_head(total, MAGIC, crc32(body, crc32(pb, crc32(tb, crc32(tail))))), tail, tb, pb, body)
             results.append(AppendResult(pos, total, q, store_ts))
-            dispatch.append((key, pos, total, tag_hash(tags) if tags else 0))
             pos += total
             used += total
         groups.append((group_start, b"".join(parts)))
@@ -212,12 +216,12 @@ class Store:
         with self._lock:
             log.publish(written, store_ts)
             dirty = self._dirty
-            for key, off, size, tag in dispatch:
+            for key, buf in entries.items():
                 cq = queues.get(key)
                 if cq is None:
                     cq = queues[key] = ConsumeQueue(self._cq_root, key[0], key[1])
-                cq.pending += _pack_entry(off, size, tag)
-                cq.next += 1
+                cq.pending += buf
+                cq.next = nexts[key]
                 dirty.add(cq)
         return results
 
