@@ -59,3 +59,10 @@ def test_compare_script_txmq_part_runs():
     finally:
         sys.path.remove(str(REPO / "benchmarks"))
     assert "transactions/s, sync flush, 1 client back to back" in text and "peer skipped" in text
+
+
+def test_check_micro_runs_its_passes():
+    p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "check_micro.py"), "--pending", "300", "--passes", "2"],
+                       capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.startswith("check pass, 300 pending") and "min " in p.stdout
