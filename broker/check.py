@@ -256,7 +256,7 @@ class CheckService:
         cache: the answer to a check-back reads its copy back.
         """
         core, idx = self.core, self.tx.index
-        todo: list[tuple[PendingTx, Any, bytes, memoryview, int, int]] = []
+        todo: list[tuple[PendingTx, Any, int, bytes, memoryview, int, int]] = []
         copies: list[RawCopy] = []
         for (p, conn), raw in self._read(items, raw=True):
             props_raw, body, born, prep = split_raw(raw)
@@ -276,15 +276,16 @@ class CheckService:
                 pb = self._pack(props)
                 tags = props.get(TAGS_PROPERTY)
             copies.append(RawCopy(raw, pb, tags))
-            todo.append((p, conn, pb, body, born, prep))
+            todo.append((p, conn, checks, pb, body, born, prep))
 
         def shape(results) -> None:
             sent = 0
             move = idx.move_to_copy
-            for (p, conn, pb, body, born, prep), res in zip(todo, results):
+            for (p, conn, checks, pb, body, born, prep), res in zip(todo, results):
                 qoff, cl = res.queue_offset, res.commit_log_offset
                 # A copy of a transaction decided meanwhile is stale and changes nothing.
-                if not move(p, qoff, cl, res.store_ts, p.checks + 1):
+                # The count is the one written in the copy, whatever ran since.
+                if not move(p, qoff, cl, res.store_ts, checks):
                     continue
                 p.last_check_at = now_ms
                 p.last_check_result = "sent"

@@ -107,3 +107,40 @@ def encode_record_at(props: dict[str, str], body: bytes, cl: int, qoff: int, pre
     from txmq.store import Message
 
     return encode_record(Message(HALF_TOPIC, 0, TxType.PREPARED, 1700000000000, props, body, prep), cl, qoff, 1700000000123)
+
+
+def test_two_checks_of_one_transaction_in_flight_keep_the_index_equal_to_the_log(tmp_path):
+    """An operator's check_now and a pass batch both reading the same half: the
+    index's check count is always the one written in its latest copy."""
+    import asyncio
+
+    from conftest import arun
+
+    from txmq.broker.clock import ManualClock
+    from txmq.broker.testing import running_broker
+
+    class Dropping:
+        conn_id = -1
+
+        def writable(self) -> bool:
+            return True
+
+        def push(self, op, fields) -> None:
+            pass
+
+        def send_frame(self, frame) -> None:
+            pass
+
+    async def go():
+        clock = ManualClock()
+        async with running_broker(tmp_path / "data", clock=clock, check_interval_s=3600) as b:
+            core = b.core
+            await core.tx.send_half("t", None, b"x", {"PGROUP": "g"}, int(clock() * 1000))
+            (p,) = core.tx.index.pending.values()
+            conn = Dropping()
+            now = int(clock() * 1000)
+            await asyncio.gather(core.check._check([(p, conn)], now), core.check._check([(p, conn)], now))
+            rec = core.store.read(p.cl_offset)
+            assert p.checks == int(rec.properties[PROP_CHECK_TIMES]) == 1
+
+    arun(go())
