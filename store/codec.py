@@ -232,17 +232,27 @@ def check_record(buf, pos: int, expected_offset: int, mv: memoryview | None = No
     The CRC is checked before the header fields, so damage anywhere inside a
     complete record reads as "crc mismatch".
     """
-    try:  # the common case, a valid record, in one header unpack
-        total, magic, crc, off, tx, _, tlen, _, _, _, _, _, plen, blen = _HEADER_UNPACK(buf, pos)
+    h = _valid_header(buf, pos, expected_offset, mv)
+    return h[0] if h is not None else _check_record_slow(buf, pos, expected_offset, mv)
+
+
+def _valid_header(buf, pos: int, expected_offset: int, mv: memoryview | None) -> tuple | None:
+    """The unpacked header if buf[pos:] holds a valid record (CRC included), else None.
+
+    The common case in one header unpack; ``_check_record_slow`` names the
+    problem when there is one.
+    """
+    try:
+        h = _HEADER_UNPACK(buf, pos)
     except struct.error:
-        total = magic = -1
-    if (magic == MAGIC and off == expected_offset and tx < _N_TX and total == HEADER_SIZE + tlen + plen + blen
-            and len(buf) - pos >= total and pos >= 0):
-        if mv is None:
-            mv = memoryview(buf)
-        if _crc32(mv[pos + 12 : pos + total]) == crc:
-            return total
-    return _check_record_slow(buf, pos, expected_offset, mv)
+        return None
+    total, magic, crc, off, tx, _, tlen, _, _, _, _, _, plen, blen = h
+    if (magic != MAGIC or off != expected_offset or tx >= _N_TX or total != HEADER_SIZE + tlen + plen + blen
+            or len(buf) - pos < total or pos < 0):
+        return None
+    if mv is None:
+        mv = memoryview(buf)
+    return h if _crc32(mv[pos + 12 : pos + total]) == crc else None
 
 
 def _check_record_slow(buf, pos: int, expected_offset: int, mv: memoryview | None) -> int | str:
@@ -260,20 +270,15 @@ def decode(buf, pos: int, expected_offset: int, mv: memoryview | None = None) ->
     """The record at buf[pos:], or the reason it is invalid (a str).
 
     The common case (a valid record) unpacks the header once; anything that
-    looks wrong goes through ``check_record``, which names the problem.
+    looks wrong goes through ``_check_record_slow``, which names the problem.
     """
-    try:
-        total, magic, crc, off, tx, _, tlen, qid, qoff, born, store, prep, plen, blen = _HEADER_UNPACK(buf, pos)
-    except struct.error:
-        total = magic = -1
-    if (magic != MAGIC or off != expected_offset or tx >= _N_TX or total != HEADER_SIZE + tlen + plen + blen
-            or len(buf) - pos < total or pos < 0):
-        why = check_record(buf, pos, expected_offset, mv)
+    h = _valid_header(buf, pos, expected_offset, mv)
+    if h is None:
+        why = _check_record_slow(buf, pos, expected_offset, mv)
         return why if type(why) is str else f"invalid record at {expected_offset}"
+    total, _, _, off, tx, _, tlen, qid, qoff, born, store, prep, plen, blen = h
     if mv is None:
         mv = memoryview(buf)
-    if _crc32(mv[pos + 12 : pos + total]) != crc:
-        return f"crc mismatch at {expected_offset}"
     p = pos + HEADER_SIZE
     try:
         topic = str(buf[p : p + tlen], "utf-8")
