@@ -58,10 +58,11 @@ def proc_status(pid: int, key: str) -> float:
     return 0.0
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a process (and its reaped children: none here)."""
+def cpu_seconds(pid: int, tid: int | None = None) -> float:
+    """User + system CPU seconds of a process (and its reaped children: none here), or of its thread tid."""
     try:
-        parts = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        path = f"/proc/{pid}/task/{tid}/stat" if tid is not None else f"/proc/{pid}/stat"
+        parts = Path(path).read_text().rsplit(")", 1)[1].split()
     except OSError:
         return 0.0
     return (int(parts[11]) + int(parts[12])) / os.sysconf("SC_CLK_TCK")

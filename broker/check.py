@@ -32,10 +32,10 @@ from typing import Any
 import msgpack
 
 from txmq.constants import HALF_TOPIC, OP_TOPIC, PROP_CHECK_TIMES
-from txmq.store import RawCopy, atomic_write_json, read_json, split_raw
-from txmq.store.codec import TAGS_PROPERTY
+from txmq.store import RawCopy, atomic_write_json, read_json
+from txmq.store.codec import HEADER_SIZE, TAGS_PROPERTY
 
-from .checkcopy import check_push, patch_properties
+from .checkcopy import check_push, pack_group, patch_properties
 from .config import CheckSettings
 from .tx import TransactionService, as_record, copy_properties
 from .txindex import PendingTx
@@ -141,7 +141,8 @@ class CheckService:
         stop = False
         batch = max(1, core.config.check_batch)
         # Hoisted out of the walk, which visits every pending transaction.
-        by_half_get, pending, pick, deciding = idx.by_half.get, idx.pending, core.registry.pick, self.tx._deciding
+        by_half_get, pending, deciding = idx.by_half.get, idx.pending, self.tx._deciding
+        targets = core.registry.targets
         max_checks, retention_ms = s.max_checks, s.retention_s * 1000
         timeout_s = s.transaction_timeout_s
         timeout_ms = timeout_s * 1000
@@ -149,6 +150,9 @@ class CheckService:
             end = min(half_max, qo + batch)
             to_check: list[tuple[PendingTx, Any]] = []
             to_discard: list[tuple[PendingTx, str]] = []
+            # A group's writable connections, once per batch; the batch's
+            # check-backs go round-robin over them.
+            group_conns: dict[str, list] = {}
             for off in range(qo, end):
                 tx_id = by_half_get(off)
                 if tx_id is None:
@@ -183,15 +187,17 @@ class CheckService:
                         end = off
                         break
                     continue  # a longer per-message immunity: skip it, keep walking
-                conn = pick(p.group)
-                if conn is None:
+                conns = group_conns.get(p.group)
+                if conns is None:
+                    conns = group_conns[p.group] = targets(p.group)
+                if not conns:
                     p.last_check_result = "no producer online"
                     p.last_check_at = now_ms
                     stats["no_producer"] += 1
                     if blocked is None:
                         blocked = off
                     continue
-                to_check.append((p, conn))
+                to_check.append((p, conns[len(to_check) % len(conns)]))
             stats["walked"] += end - qo
             if to_discard:
                 await self._discard(to_discard)
@@ -250,22 +256,24 @@ class CheckService:
 
         This runs once per pending transaction per pass (a million of them
         in the benchmark), so it is written for speed: the copy is appended
-        from the half record's bytes (RawCopy: no decode and re-encode of
-        the message), the index entry is moved to it directly, and the push
-        is built without a Record. Check copies are not put in the half
-        cache: the answer to a check-back reads its copy back.
+        from the half record's bytes and header as read (RawCopy: no decode
+        and re-encode of the message, no second header unpack), the index
+        entry is moved to it directly, and the pushes are built without a
+        Record and handed to each connection as one write per batch. Check
+        copies are not put in the half cache: the answer to a check-back
+        reads its copy back.
         """
         core, idx = self.core, self.tx.index
-        todo: list[tuple[PendingTx, Any, int, bytes, memoryview, int, int]] = []
+        todo: list[tuple[PendingTx, Any, int, bytes, memoryview, tuple, int]] = []
         copies: list[RawCopy] = []
-        for (p, conn), raw in self._read(items, raw=True):
-            props_raw, body, born, prep = split_raw(raw)
+        for (p, conn), (raw, head) in self._read(items, raw=True):
+            ps = HEADER_SIZE + head[6]  # topic_len
+            pe = ps + head[12]  # props_len
             checks = p.checks + 1
-            tags = None
-            pb = patch_properties(props_raw, p.cl_offset, p.origin_cl_offset, p.checks, checks)
+            pb = patch_properties(raw[ps:pe], p.cl_offset, p.origin_cl_offset, p.checks, checks)
             if pb is None:  # the dict path: what patch_properties does not handle
                 try:
-                    props = msgpack.unpackb(props_raw, raw=False)
+                    props = msgpack.unpackb(raw[ps:pe], raw=False)
                     if type(props) is not dict:
                         raise ValueError("properties are not a map")
                 except Exception as exc:
@@ -274,14 +282,17 @@ class CheckService:
                 copy_properties(props, p.cl_offset)
                 props[PROP_CHECK_TIMES] = str(checks)
                 pb = self._pack(props)
-                tags = props.get(TAGS_PROPERTY)
-            copies.append(RawCopy(raw, pb, tags))
-            todo.append((p, conn, checks, pb, body, born, prep))
+                copies.append(RawCopy(raw, pb, props.get(TAGS_PROPERTY), head))
+            else:
+                copies.append(RawCopy(raw, pb, None, head))
+            todo.append((p, conn, checks, pb, raw, head, pe))
 
         def shape(results) -> None:
-            sent = 0
             move = idx.move_to_copy
-            for (p, conn, checks, pb, body, born, prep), res in zip(todo, results):
+            frames: dict[Any, list[bytes]] = {}
+            group_packed: dict[str, bytes] = {}
+            sent = 0
+            for (p, conn, checks, pb, raw, head, pe), res in zip(todo, results):
                 qoff, cl = res.queue_offset, res.commit_log_offset
                 # A copy of a transaction decided meanwhile is stale and changes nothing.
                 # The count is the one written in the copy, whatever ran since.
@@ -289,8 +300,16 @@ class CheckService:
                     continue
                 p.last_check_at = now_ms
                 p.last_check_result = "sent"
-                conn.send_frame(check_push(p.group, p.tx_id, cl, qoff, res.size, born, res.store_ts, prep, pb, body))
+                out = frames.get(conn)
+                if out is None:
+                    out = frames[conn] = []
+                gp = group_packed.get(p.group)
+                if gp is None:
+                    gp = group_packed[p.group] = pack_group(p.group)
+                out.append(check_push(gp, p.tx_id, cl, qoff, res.size, head[9], res.store_ts, head[11], pb, raw[pe:]))
                 sent += 1
+            for conn, out in frames.items():
+                conn.send_frame(b"".join(out))
             core.metrics.counters["checks_sent"] += sent
 
         if copies:

@@ -72,7 +72,7 @@ def patch_properties(raw, cl_offset: int, origin: int, checks_now: int, checks_n
     checks_now: its TRANSACTION_CHECK_TIMES (0 when absent).
     """
     b = bytes(raw)
-    if _K_TAGS in b:
+    if b.find(_K_TAGS) >= 0:  # not `in`: bytes.__contains__ tries the key as an int first and pays for a TypeError
         return None
     head = _map_header(b)
     if head is None:
@@ -82,12 +82,16 @@ def patch_properties(raw, cl_offset: int, origin: int, checks_now: int, checks_n
         # A check copy ends with the origin and then the count (both paths put
         # them there) and holds no discard reason or replay mark (both paths
         # drop them). Property values are valid UTF-8: this suffix cannot be
-        # the end of a value.
+        # the end of a value. The map keeps its size, so a canonical header
+        # (what both paths write) stays as it is.
         now = _check_entry(checks_now)
-        if b.endswith(_K_ORIGIN + _pack(str(origin)) + now):
-            return _pack_map_header(n) + b[start : -len(now)] + _check_entry(checks_new)
+        cut = len(b) - len(now)
+        if b.endswith(now) and b.endswith(_K_ORIGIN + _pack(str(origin)), 0, cut):
+            if start == 1:
+                return b[:cut] + _check_entry(checks_new)
+            return _pack_map_header(n) + b[start:cut] + _check_entry(checks_new)
     for k in _FIRST_COPY_SLOW:
-        if k in b:
+        if b.find(k) >= 0:
             return None
     return _pack_map_header(n + 2) + b[start:] + _K_ORIGIN + _pack(str(cl_offset)) + _check_entry(checks_new)
 
@@ -127,15 +131,26 @@ def _bin_header(n: int) -> bytes:
     return b"\xc6" + n.to_bytes(4, "big")
 
 
-def check_push(group: str, tx_id: str, cl: int, qoff: int, size: int, born: int, store_ts: int, prep: int,
+def check_push(group_packed: bytes, tx_id: str, cl: int, qoff: int, size: int, born: int, store_ts: int, prep: int,
                props_raw: bytes, body) -> bytes:
-    """The whole ``check_transaction`` push frame (length prefix included) for one check copy."""
+    """The whole ``check_transaction`` push frame (length prefix included) for one check copy.
+
+    group_packed is the group name as msgpack (``pack_group``): the check
+    service packs it once per batch.
+    """
     k = _KEY_BYTES
     tx = _pack(tx_id)
-    payload = b"".join((
-        _PREFIX, _pack(group), _K_TX_ID, tx,
+    blen = len(body)
+    bh = _bin_header(blen)
+    n = _FIXED + len(group_packed) + 2 * len(tx) + len(props_raw) + len(bh) + blen
+    return b"".join((
+        wire.HEADER.pack(n), _PREFIX, group_packed, _K_TX_ID, tx,
         _INTS.pack(k[0], _I64, cl, k[1], _I64, qoff, k[2], _MSG_MAP12, k[3], _I64, qoff, k[4], _I64, cl,
                    k[5], _I64, size, k[6], _I64, born, k[7], _I64, store_ts, k[8], _I64, prep),
-        _CONST_TAIL, tx, _K_PROPS, props_raw, _K_BODY, _bin_header(len(body)), body,
+        _CONST_TAIL, tx, _K_PROPS, props_raw, _K_BODY, bh, body,
     ))
-    return wire.HEADER.pack(len(payload)) + payload
+
+
+pack_group = _pack
+# Bytes of every frame whatever its fields: prefix, keys, the packed integers.
+_FIXED = len(_PREFIX) + len(_K_TX_ID) + _INTS.size + len(_CONST_TAIL) + len(_K_PROPS) + len(_K_BODY)

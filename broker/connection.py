@@ -221,7 +221,7 @@ class BrokerConnection(asyncio.Protocol):
         self._send(push(op, fields))
 
     def send_frame(self, frame: bytes) -> None:
-        """Send an already encoded frame (length prefix included), e.g. a check-back push."""
+        """Send one or more already encoded frames (length prefixes included), e.g. a batch of check-back pushes."""
         self._send(frame)
 
     def writable(self) -> bool:

@@ -45,6 +45,19 @@ class ProducerRegistry:
                 return conn
         return None
 
+    def targets(self, group: str) -> list[PushTarget]:
+        """The group's writable connections, starting one further each call (round-robin).
+
+        The check service takes them once per batch of check-backs and
+        spreads the batch over them, instead of a ``pick`` per check-back.
+        """
+        conns = [c for c in self._groups.get(group, ()) if c.writable()]
+        if len(conns) > 1:
+            start = self._rr.get(group, 0) % len(conns)
+            self._rr[group] = start + 1
+            conns = conns[start:] + conns[:start]
+        return conns
+
     def online(self, group: str) -> int:
         return len(self._groups.get(group, ()))
 

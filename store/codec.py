@@ -131,13 +131,16 @@ class RawCopy:
     tx type, born_ts, prepared_offset and body, takes ``props`` (packed
     msgpack) as its properties, and gets its own offsets and store time.
     ``tags`` is the TAGS property of ``props``, for the consume-queue entry.
-    It spares a copy the decode and re-encode of a Message (the check
-    service appends one per pending transaction per pass).
+    ``header`` is the source's unpacked header (``HEADER`` fields) when the
+    caller has it, as ``read_many(..., raw=True)`` gives it: the append then
+    does not unpack it again. It spares a copy the decode and re-encode of a
+    Message (the check service appends one per pending transaction per pass).
     """
 
     source: memoryview
     props: bytes
     tags: str | None = None
+    header: tuple | None = None
 
 
 def split_raw(raw) -> tuple[memoryview, memoryview, int, int]:
@@ -232,15 +235,16 @@ def check_record(buf, pos: int, expected_offset: int, mv: memoryview | None = No
     The CRC is checked before the header fields, so damage anywhere inside a
     complete record reads as "crc mismatch".
     """
-    h = _valid_header(buf, pos, expected_offset, mv)
+    h = valid_header(buf, pos, expected_offset, mv)
     return h[0] if h is not None else _check_record_slow(buf, pos, expected_offset, mv)
 
 
-def _valid_header(buf, pos: int, expected_offset: int, mv: memoryview | None) -> tuple | None:
+def valid_header(buf, pos: int, expected_offset: int, mv: memoryview | None) -> tuple | None:
     """The unpacked header if buf[pos:] holds a valid record (CRC included), else None.
 
-    The common case in one header unpack; ``_check_record_slow`` names the
-    problem when there is one.
+    The common case in one header unpack; ``check_record`` names the
+    problem when there is one. Readers that go on to use the header's fields
+    (``read_many(..., raw=True)`` for RawCopy) keep the tuple.
     """
     try:
         h = _HEADER_UNPACK(buf, pos)
@@ -272,7 +276,7 @@ def decode(buf, pos: int, expected_offset: int, mv: memoryview | None = None) ->
     The common case (a valid record) unpacks the header once; anything that
     looks wrong goes through ``_check_record_slow``, which names the problem.
     """
-    h = _valid_header(buf, pos, expected_offset, mv)
+    h = valid_header(buf, pos, expected_offset, mv)
     if h is None:
         why = _check_record_slow(buf, pos, expected_offset, mv)
         return why if type(why) is str else f"invalid record at {expected_offset}"

@@ -13,7 +13,7 @@ import struct
 from bisect import bisect_right
 from collections.abc import Iterator, Sequence
 
-from .codec import HEADER_SIZE, MAGIC, Record, check_header, check_record, decode
+from .codec import HEADER_SIZE, MAGIC, Record, check_header, check_record, decode, valid_header
 from .errors import CorruptRecordError
 
 CHUNK = 1 << 20  # bytes per sequential read
@@ -164,10 +164,11 @@ class LogView:
         if type(total) is int and total > len(data) and fpos + total <= seg.length:
             data += os.pread(seg.fd, total - len(data), fpos + len(data))
         if raw:
-            size = check_record(data, 0, offset)
-            if type(size) is str:
-                raise CorruptRecordError(size)
-            return memoryview(data)[:size]
+            h = valid_header(data, 0, offset, None)
+            if h is None:
+                problem = check_record(data, 0, offset)
+                raise CorruptRecordError(problem if type(problem) is str else f"bad record at {offset}")
+            return memoryview(data)[: h[0]], h
         rec = decode(data, 0, offset)
         if type(rec) is str:
             raise CorruptRecordError(rec)
@@ -176,8 +177,9 @@ class LogView:
     def read_many(self, offsets: Sequence[int], raw: bool = False) -> list[Record] | list[memoryview]:
         """The records at offsets (in that order), read with as few preads as possible.
 
-        With raw, each is the record's bytes (CRC checked, not decoded), for
-        Store.append's RawCopy.
+        With raw, each is a pair: the record's bytes (CRC checked, not
+        decoded) and its unpacked header (``codec.HEADER`` fields), for
+        Store.append's RawCopy, which then needs no second unpack.
         """
         end = self._readable_end()
         order = sorted(range(len(offsets)), key=offsets.__getitem__)
@@ -202,8 +204,8 @@ class LogView:
                 o = offsets[order[k]]
                 pos = o - first
                 if raw:
-                    size = check_record(chunk, pos, o, mv)
-                    rec = mv[pos : pos + size] if type(size) is int else self._read_one(seg, o, None, True)
+                    h = valid_header(chunk, pos, o, mv)
+                    rec = (mv[pos : pos + h[0]], h) if h is not None else self._read_one(seg, o, None, True)
                 else:
                     rec = decode(chunk, pos, o, mv)
                     if type(rec) is str:  # cut by the chunk (a big record) or really bad

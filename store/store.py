@@ -48,6 +48,9 @@ class Store:
         self._queues: dict[tuple[str, int], ConsumeQueue] = {}
         self._dirty: set[ConsumeQueue] = set()  # queues with pending entries
         self._topic_bytes: dict[str, bytes] = {}
+        # A RawCopy's topic, keyed by its UTF-8 bytes (a memoryview of the
+        # source hashes and compares as those bytes): no decode per copy.
+        self._topic_names: dict[bytes, str] = {}
         # One packer for the owner thread's appends: msgpack.packb builds a new
         # Packer on every call, which costs more than packing a small map.
         self._pack_props = msgpack.Packer(use_bin_type=True).pack
@@ -176,9 +179,11 @@ class Store:
         for m in msgs:
             if type(m) is RawCopy:
                 src = m.source
-                _, _, _, _, tx_type, _, tlen, qid, _, born, _, prep, plen, _ = _HEADER_UNPACK(src)
-                tb = bytes(src[HEADER_SIZE : HEADER_SIZE + tlen])
-                topic = str(tb, "utf-8")
+                _, _, _, _, tx_type, _, tlen, qid, _, born, _, prep, plen, _ = m.header or _HEADER_UNPACK(src)
+                tb = src[HEADER_SIZE : HEADER_SIZE + tlen]
+                topic = self._topic_names.get(tb)
+                if topic is None:
+                    topic = self._raw_topic(tb)
                 pb, body, tags = m.props, src[HEADER_SIZE + tlen + plen :], m.tags
             else:
                 topic, qid, props, body = m.topic, m.queue_id, m.properties, m.body
@@ -224,6 +229,13 @@ class Store:
                 cq.next = nexts[key]
                 dirty.add(cq)
         return results
+
+    def _raw_topic(self, tb: memoryview) -> str:
+        topic = str(tb, "utf-8")
+        if len(self._topic_names) > 100_000:
+            self._topic_names.clear()
+        self._topic_names[bytes(tb)] = topic
+        return topic
 
     def _topic(self, topic: str) -> bytes:
         if not topic or "/" in topic or "\0" in topic or topic in (".", ".."):
@@ -301,7 +313,7 @@ class Store:
         return self._open_log().read(offset)
 
     def read_many(self, offsets: Sequence[int], raw: bool = False) -> list[Record] | list[memoryview]:
-        """The records at offsets; with raw, their validated bytes (for RawCopy)."""
+        """The records at offsets; with raw, (validated bytes, unpacked header) pairs for RawCopy."""
         return self._open_log().read_many(offsets, raw)
 
     def scan(self, start: int = 0, end: int | None = None) -> Iterator[Record]:

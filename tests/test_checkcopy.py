@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from txmq import wire
-from txmq.broker.checkcopy import check_push, patch_properties
+from txmq.broker.checkcopy import check_push, pack_group, patch_properties
 from txmq.broker.core import record_to_map
 from txmq.broker.tx import half_copy
 from txmq.broker.txindex import _int
@@ -91,7 +91,7 @@ def test_check_push_decodes_like_the_dict_push(props, body, cl, qoff, prep):
     rec = decode(raw, 0, cl)
     assert not isinstance(rec, str)
     props_raw, body_mv, born, prep2 = split_raw(memoryview(raw))
-    frame = check_push("grp", rec.properties[PROP_UNIQ_KEY], cl, qoff, rec.size, born, rec.store_ts, prep2, bytes(props_raw), body_mv)
+    frame = check_push(pack_group("grp"), rec.properties[PROP_UNIQ_KEY], cl, qoff, rec.size, born, rec.store_ts, prep2, bytes(props_raw), body_mv)
     want = wire.push("check_transaction", {
         "group": "grp", "tx_id": rec.properties[PROP_UNIQ_KEY], "commit_log_offset": cl, "half_offset": qoff,
         "message": record_to_map(rec),
