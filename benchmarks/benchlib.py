@@ -60,12 +60,18 @@ def proc_status(pid: int, key: str) -> float:
 
 def cpu_seconds(pid: int, tid: int | None = None) -> float:
     """User + system CPU seconds of a process (and its reaped children: none here), or of its thread tid."""
+    return sum(cpu_times(pid, tid))
+
+
+def cpu_times(pid: int, tid: int | None = None) -> tuple[float, float]:
+    """(user, system) CPU seconds of a process, or of its thread tid; zeros once it is gone."""
     try:
         path = f"/proc/{pid}/task/{tid}/stat" if tid is not None else f"/proc/{pid}/stat"
         parts = Path(path).read_text().rsplit(")", 1)[1].split()
     except OSError:
-        return 0.0
-    return (int(parts[11]) + int(parts[12])) / os.sysconf("SC_CLK_TCK")
+        return 0.0, 0.0
+    tck = os.sysconf("SC_CLK_TCK")
+    return int(parts[11]) / tck, int(parts[12]) / tck
 
 
 def tree_cpu_seconds(root: int) -> float:

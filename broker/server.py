@@ -82,6 +82,12 @@ class Broker:
         and pulls are answered from the first moment.
         """
         core = self.core
+        # The index is millions of long-lived objects made in one go, with no
+        # cycles among them: the cyclic GC would traverse them again and again
+        # as they pile up (full collections are triggered by growth), for
+        # nothing. It is off while they are made, and they are frozen after.
+        gc_was_enabled = gc.isenabled()
+        gc.disable()
         try:
             loop = asyncio.get_running_loop()
             snap = await loop.run_in_executor(None, load_snapshot, core.data_dir / SNAPSHOT_FILE, self._log_end_at_open, progress.half, progress.op)
@@ -95,9 +101,11 @@ class Broker:
             report = core.recovery
             if report is not None and report.scanned_from < core.store.max_offset:
                 await core.tx.repair_commits(core.store.scan(report.scanned_from))
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
+        except BaseException as exc:
+            if gc_was_enabled:
+                gc.enable()
+            if not isinstance(exc, Exception):  # cancelled (a shutdown while rebuilding)
+                raise
             # Transactional requests get this error instead of waiting forever;
             # plain traffic goes on. The log is not touched: fix the cause, restart.
             log.exception("event=txindex_rebuild_failed")
@@ -107,6 +115,8 @@ class Broker:
         # The index can hold millions of long-lived objects: take them out of
         # the cyclic GC's reach so full collections don't stall the loop.
         gc.freeze()
+        if gc_was_enabled:
+            gc.enable()
         core.tx_ready.set()
         core.check.start()
         log.info("event=broker_ready pending=%d decided=%d took_s=%.3f", len(index.pending), len(index.decided), time.perf_counter() - t0)

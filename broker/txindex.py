@@ -22,10 +22,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import IntEnum
-import heapq
 import os
+from itertools import islice
 from sys import intern
-from typing import Iterable, Iterator
+from typing import Iterator
 
 from txmq.constants import (
     DISCARD_TOPIC,
@@ -44,7 +44,8 @@ from txmq.constants import (
 )
 import msgpack
 
-from txmq.store import Record, TxType
+from txmq.store import HEADER_SIZE, CorruptRecordError, Record, TxType, decode_record, record_problem
+from txmq.store.bulk import raw_queue_runs
 
 
 class Outcome(IntEnum):
@@ -209,15 +210,20 @@ class TxIndex:
             self._decide(tx_id, Outcome.DISCARDED, rec, rec.properties.get(PROP_DISCARD_REASON, "max-checks"), rec.queue_offset)
 
     def _decide(self, tx_id: str, outcome: Outcome, rec: Record, by: str, half_offset: int) -> None:
+        self._decide_fields(tx_id, outcome, rec.properties, rec.store_ts, rec.commit_log_offset, by, half_offset)
+
+    def _decide_fields(self, tx_id: str, outcome: Outcome, props: dict, store_ts: int, cl_offset: int, by: str,
+                       half_offset: int) -> None:
+        """_decide from the deciding record's fields (the rebuild has no Record)."""
         p = self.pending.pop(tx_id, None)
-        checks = _int(rec.properties.get(PROP_CHECK_TIMES), 0)
+        checks = _int(props.get(PROP_CHECK_TIMES), 0)
         if p is not None:
             self.by_half.pop(p.half_offset, None)
             checks = p.checks
         self.decided[tx_id] = Decided(
-            outcome, rec.store_ts, intern(by), half_offset, rec.commit_log_offset,
-            intern(rec.properties.get(PROP_PGROUP, p.group if p else "")),
-            intern(rec.properties.get(PROP_REAL_TOPIC, p.topic if p else "")),
+            outcome, store_ts, intern(by), half_offset, cl_offset,
+            intern(props.get(PROP_PGROUP, p.group if p else "")),
+            intern(props.get(PROP_REAL_TOPIC, p.topic if p else "")),
             checks,
         )
 
@@ -316,34 +322,187 @@ def rebuild_steps(reader, half_progress: int, op_progress: int, idx: TxIndex, ba
     progress on (everything before it is decided or superseded by a later
     copy), merged in commit-log order. The broker drives this between other
     work, so it serves plain traffic while the index is being rebuilt.
+
+    The result is what ``idx.apply`` of each record in that order gives
+    (tests/test_txindex_rebuild_fast.py holds the two equal, against the
+    old record-by-record code), but nothing is decoded into a ``Record``:
+    ``raw_queue_runs`` hands over validated headers, and only the
+    properties (one msgpack unpack) and an op record's body are read from
+    the bytes. A transaction found pending gets its PendingTx only if it is
+    still pending at the end (most are decided a few records later; see
+    ``stash``); such transactions reach ``idx.pending`` in batches (at the
+    end, or when the stash is full), not one by one. A record that does not
+    decode raises CorruptRecordError as before. After a crash this reads two
+    records per transaction ever written (docs/benchmarks.md, restart); per
+    record it costs about three quarters of the CPU the Record path did
+    (benchmarks/rebuild_micro.py), most of the rest being the msgpack unpack
+    and the CRC check.
     """
-    streams = [
-        _queue_records(reader, OP_TOPIC, 0, reader.queue_min_offset(OP_TOPIC, 0), batch),
-        _queue_records(reader, DISCARD_TOPIC, 0, reader.queue_min_offset(DISCARD_TOPIC, 0), batch),
-        _queue_records(reader, HALF_TOPIC, 0, max(half_progress, reader.queue_min_offset(HALF_TOPIC, 0)), batch),
+    queues = [
+        (OP_TOPIC, 0, reader.queue_min_offset(OP_TOPIC, 0)),
+        (DISCARD_TOPIC, 0, reader.queue_min_offset(DISCARD_TOPIC, 0)),
+        (HALF_TOPIC, 0, max(half_progress, reader.queue_min_offset(HALF_TOPIC, 0))),
     ]
+    pending, by_half, decided, ops = idx.pending, idx.by_half, idx.decided, idx.ops_since_progress
+    # Transactions this rebuild found pending whose PendingTx is not built yet:
+    # tx id -> (first copy's properties, its header[, latest copy's properties,
+    # its header]). Most are decided a few records later, and building a
+    # PendingTx only to drop it cost as much as the rest of the half's work.
+    # Every entry of `pending` is older than every entry here (both are in
+    # creation order), so moving the oldest over (_materialize) keeps
+    # pending's order. Properties are strings (the broker takes no others),
+    # so deferring the int/float/intern of a copy's fields changes nothing.
+    stash: dict[str, tuple] = {}
+    unpackb = msgpack.unpackb
+    committed, rolled_back, discarded, first_outcomes = Outcome.COMMITTED, Outcome.ROLLED_BACK, Outcome.DISCARDED, _FIRST_OUTCOMES
+    half_b, op_b, discard_b = _HALF_B, _OP_B, _DISCARD_B
+    commit_type = int(TxType.COMMIT)  # a plain int: an enum member lookup per record costs
     n = 0
-    apply = idx.apply
-    for rec in heapq.merge(*streams, key=_cl_offset):
-        apply(rec, op_progress)
-        n += 1
-        if n % batch == 0:
+    next_yield = batch
+    for buf, mv, first, headers in raw_queue_runs(reader, queues):
+        for h in headers:
+            # h: total, magic, crc, cl offset, tx_type, flags, topic_len, queue id, queue offset,
+            #    born_ts, store_ts, prepared_offset, props_len, body_len (codec.HEADER)
+            p = h[3] - first + HEADER_SIZE  # the topic
+            tlen = h[6]
+            q = p + tlen  # the properties
+            try:
+                props = unpackb(mv[q : q + h[12]], raw=False)
+            except Exception:  # msgpack raises several unrelated types on bad input
+                props = None
+            if type(props) is not dict:
+                _apply_decoded(idx, buf, h, first, op_progress)  # raises, as decoding the record would
+            elif tlen == _HALF_LEN and buf.startswith(half_b, p):  # TxIndex.apply_half
+                tx_id = props.get(PROP_UNIQ_KEY)
+                if tx_id:
+                    d = decided.get(tx_id)
+                    if d is not None:
+                        if d.outcome is discarded and props.get(PROP_REPLAYED):
+                            del decided[tx_id]
+                        else:
+                            continue  # a stale copy
+                    st = stash.get(tx_id)
+                    if st is not None:
+                        stash[tx_id] = (st[0], st[1], props, h)  # keeps its place (creation order)
+                    else:
+                        pt = pending.get(tx_id)
+                        if pt is None:
+                            stash[tx_id] = (props, h)
+                            if len(stash) > _STASH_MAX:
+                                _materialize(stash, pending, by_half, len(stash) // 2)
+                        else:
+                            by_half.pop(pt.half_offset, None)
+                            _update_pending(pt, props, h)
+                            by_half[pt.half_offset] = tx_id
+            elif tlen == _OP_LEN and buf.startswith(op_b, p):  # TxIndex.apply_op
+                q += h[12]
+                body = buf[q : q + h[13]]
+                if body.isdigit():  # ASCII digits: int() of the bytes is int() of their text
+                    half_offset = int(body)
+                else:
+                    half_offset = _int(body.decode("ascii", "replace") if body else None, -1)
+                if h[8] >= op_progress:
+                    ops.append((h[8], half_offset))
+                tx_id = props.get(PROP_UNIQ_KEY)
+                if tx_id:
+                    outcome = committed if h[4] == commit_type else rolled_back
+                    by = props.get(PROP_DECIDED_BY, "producer")
+                    st = stash.pop(tx_id, None)
+                    if st is None:
+                        idx._decide_fields(tx_id, outcome, props, h[10], h[3], by, half_offset)
+                    else:
+                        decided[tx_id] = _decided_stashed(st, outcome, props, h, by, half_offset)
+            elif tlen == _DISCARD_LEN and buf.startswith(discard_b, p):  # TxIndex.apply_discard
+                tx_id = props.get(PROP_UNIQ_KEY)
+                d = decided.get(tx_id) if tx_id else None
+                if (d is None or d.outcome not in first_outcomes) and tx_id:
+                    by = props.get(PROP_DISCARD_REASON, "max-checks")
+                    st = stash.pop(tx_id, None)
+                    if st is None:
+                        idx._decide_fields(tx_id, discarded, props, h[10], h[3], by, h[8])
+                    else:
+                        decided[tx_id] = _decided_stashed(st, discarded, props, h, by, h[8])
+            else:  # another topic: apply ignores it, once decoded (which may fail)
+                _apply_decoded(idx, buf, h, first, op_progress)
+        n += len(headers)
+        if n >= next_yield:
             yield n
+            next_yield = n + batch
+    while stash:
+        _materialize(stash, pending, by_half, batch)
+        yield n
     yield n
 
 
-def _cl_offset(rec: Record) -> int:
-    return rec.commit_log_offset
+def _apply_decoded(idx: TxIndex, buf: bytes, h: tuple, first: int, op_progress: int) -> None:
+    """The record decoded and applied as get_messages and apply would: CorruptRecordError if it does not decode."""
+    rec = decode_record(buf, h[3] - first, h[3])
+    if rec is None:
+        raise CorruptRecordError(record_problem(buf, h[3] - first, h[3]) or f"invalid record at {h[3]}")
+    idx.apply(rec, op_progress)
 
 
-def _queue_records(reader, topic: str, queue_id: int, start: int, batch: int) -> Iterable[Record]:
-    off = start
-    while True:
-        res = reader.get_messages(topic, queue_id, off, batch, 64 << 20)
-        if not res.records:
-            if res.status.name == "OFFSET_TOO_SMALL" and res.next_offset > off:
-                off = res.next_offset
-                continue
-            return
-        yield from res.records
-        off = res.next_offset
+_HALF_B, _OP_B, _DISCARD_B = HALF_TOPIC.encode(), OP_TOPIC.encode(), DISCARD_TOPIC.encode()
+_HALF_LEN, _OP_LEN, _DISCARD_LEN = len(_HALF_B), len(_OP_B), len(_DISCARD_B)
+assert len({_HALF_LEN, _OP_LEN, _DISCARD_LEN}) == 3  # told apart by length first
+_FIRST_OUTCOMES = (Outcome.COMMITTED, Outcome.ROLLED_BACK)
+# Pending transactions a rebuild keeps unbuilt at most (then builds the older
+# half): bounds the properties dicts it holds when most of the log is pending.
+_STASH_MAX = 1 << 16
+
+
+def _materialize(stash: dict, pending: dict, by_half: dict, count: int) -> None:
+    """Build the PendingTx of the `count` oldest stashed transactions and move them to the index."""
+    for tx_id in list(islice(stash, count)):
+        st = stash.pop(tx_id)
+        p = pending[tx_id] = _new_pending(st[0], st[1])
+        if len(st) == 4:
+            _update_pending(p, st[2], st[3])
+        by_half[p.half_offset] = tx_id
+
+
+def _decided_stashed(st: tuple, outcome: Outcome, props: dict, h: tuple, by: str, half_offset: int) -> Decided:
+    """``TxIndex._decide`` for a stashed transaction: what it gives with the PendingTx the stash stands for.
+
+    The deciding record is ``props``/``h``; ``st`` holds the first and latest
+    copies (the PendingTx's group and topic come from the first, its check
+    count from the latest).
+    """
+    group = props.get(PROP_PGROUP)
+    if group is None and PROP_PGROUP not in props:
+        group = st[0].get(PROP_PGROUP, "")
+    topic = props.get(PROP_REAL_TOPIC)
+    if topic is None and PROP_REAL_TOPIC not in props:
+        topic = st[0].get(PROP_REAL_TOPIC, "")
+    return Decided(outcome, h[10], intern(by), half_offset, h[3], intern(group), intern(topic),
+                   _int(st[-2].get(PROP_CHECK_TIMES), 0))
+
+
+def _new_pending(props: dict, h: tuple) -> PendingTx:
+    """``PendingTx(rec)`` from the record's properties and header fields (the rebuild has no Record).
+
+    Same assignments in the same order as ``PendingTx.__init__`` and
+    ``update``; tests/test_txindex_rebuild_fast.py holds the two equal.
+    """
+    p = PendingTx.__new__(PendingTx)
+    p.tx_id = props.get(PROP_UNIQ_KEY, "")
+    p.group = intern(props.get(PROP_PGROUP, ""))
+    p.topic = intern(props.get(PROP_REAL_TOPIC, ""))
+    p.queue_id = _int(props.get(PROP_REAL_QID), 0)
+    p.born_ts = h[9]
+    p.first_stored_ts = h[10]
+    p.origin_cl_offset = _int(props.get(PROP_ORIGIN_CL_OFFSET), h[3])
+    p.last_check_at = None
+    p.last_check_result = None
+    _update_pending(p, props, h)
+    return p
+
+
+def _update_pending(p: PendingTx, props: dict, h: tuple) -> None:
+    """``p.update(rec)`` from the record's properties and header fields."""
+    p.half_offset = h[8]
+    p.cl_offset = h[3]
+    p.stored_ts = h[10]
+    p.checks = _int(props.get(PROP_CHECK_TIMES), 0)
+    imm = props.get(PROP_CHECK_IMMUNITY)
+    p.immunity_s = _float(imm) if imm else None

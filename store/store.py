@@ -48,8 +48,7 @@ class Store:
         self._queues: dict[tuple[str, int], ConsumeQueue] = {}
         self._dirty: set[ConsumeQueue] = set()  # queues with pending entries
         self._topic_bytes: dict[str, bytes] = {}
-        # A RawCopy's topic, keyed by its UTF-8 bytes (a memoryview of the
-        # source hashes and compares as those bytes): no decode per copy.
+        # A RawCopy's topic, keyed by its UTF-8 bytes: no decode per copy.
         self._topic_names: dict[bytes, str] = {}
         # One packer for the owner thread's appends: msgpack.packb builds a new
         # Packer on every call, which costs more than packing a small map.
@@ -180,7 +179,7 @@ class Store:
             if type(m) is RawCopy:
                 src = m.source
                 _, _, _, _, tx_type, _, tlen, qid, _, born, _, prep, plen, _ = m.header or _HEADER_UNPACK(src)
-                tb = src[HEADER_SIZE : HEADER_SIZE + tlen]
+                tb = bytes(src[HEADER_SIZE : HEADER_SIZE + tlen])
                 topic = self._topic_names.get(tb)
                 if topic is None:
                     topic = self._raw_topic(tb)
@@ -230,11 +229,11 @@ class Store:
                 dirty.add(cq)
         return results
 
-    def _raw_topic(self, tb: memoryview) -> str:
+    def _raw_topic(self, tb: bytes) -> str:
         topic = str(tb, "utf-8")
         if len(self._topic_names) > 100_000:
             self._topic_names.clear()
-        self._topic_names[bytes(tb)] = topic
+        self._topic_names[tb] = topic
         return topic
 
     def _topic(self, topic: str) -> bytes:
