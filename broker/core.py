@@ -137,11 +137,23 @@ class Appender:
         m = self.core.metrics.counters
         m["records_appended"] += len(results)
         m["bytes_appended"] += store.max_offset - before
+        # Durable submissions of the batch wait for one fsync past its end
+        # together: one waiter per batch, not one per request.
+        wait: list[tuple[asyncio.Future, Any]] = []
         for sub in subs:
-            self._settle_written(sub, results[sub[1] : sub[1] + sub[2]])
+            self._settle_written(sub, results[sub[1] : sub[1] + sub[2]], wait)
         self.core.notify_appended(batch)
+        if wait:
+            waiter = self.core.flusher.wait_durable(results[-1].end_offset)
+            if waiter is None:
+                for fut, value in wait:
+                    if not fut.done():
+                        fut.set_result(value)
+            else:
+                waiter.add_done_callback(lambda w: _settle_durable(wait, w))
 
-    def _settle_written(self, sub, results: list[AppendResult]) -> None:
+    def _settle_written(self, sub, results: list[AppendResult], wait: list | None = None) -> None:
+        """Shape the results; resolve the future now, or put it in wait (durable, sync flush)."""
         fut, _, _, shape, durable = sub
         # shape runs even if the caller gave up (cancelled): the records are
         # in the log, so the index must learn of them.
@@ -153,26 +165,30 @@ class Appender:
             return
         if fut.done():
             return
-        if durable:
+        if durable and self.core.flusher.sync_mode:
+            if wait is not None:
+                wait.append((fut, value))
+                return
             waiter = self.core.flusher.wait_durable(results[-1].end_offset)
             if waiter is not None:
-                waiter.add_done_callback(lambda w: _settle_durable(fut, w, value))
+                waiter.add_done_callback(lambda w: _settle_durable([(fut, value)], w))
                 return
         fut.set_result(value)
 
 
-def _settle_durable(fut: asyncio.Future, waiter: asyncio.Future, value: Any) -> None:
-    if fut.done():
-        return
+def _settle_durable(wait: list[tuple[asyncio.Future, Any]], waiter: asyncio.Future) -> None:
     exc = waiter.exception()
-    if exc is None:
-        fut.set_result(value)
-        return
-    if isinstance(exc, TxmqError) and isinstance(value, dict):
-        # Written but not known durable: say which record, so a producer can end it.
-        extra = {k: value[k] for k in ("tx_id", "commit_log_offset", "half_offset") if k in value}
-        exc = TxmqError(exc.message, exc.code, **extra)
-    fut.set_exception(exc)
+    for fut, value in wait:
+        if fut.done():
+            continue
+        if exc is None:
+            fut.set_result(value)
+        elif isinstance(exc, TxmqError) and isinstance(value, dict):
+            # Written but not known durable: say which record, so a producer can end it.
+            extra = {k: value[k] for k in ("tx_id", "commit_log_offset", "half_offset") if k in value}
+            fut.set_exception(TxmqError(exc.message, exc.code, **extra))
+        else:
+            fut.set_exception(exc)
 
 
 class BrokerCore:
