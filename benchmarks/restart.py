@@ -167,7 +167,15 @@ def _probe(port: int, deadline: float) -> tuple[float, float, float]:
     return accepted, answered[2], answered[3]
 
 
-def restart(data_dir: Path, log_path: Path, cache: str, timeout: float) -> dict[str, Any]:
+def append_after_snapshot(data_dir: Path, first: int, count: int) -> int:
+    """count more transactions (2 op + half records each) after the snapshot a clean shutdown left; returns the records."""
+    with Store(data_dir) as store:
+        _transactions(store, first, count, 0, b"t" * TX_BODY)
+        store.sync()
+    return 2 * count
+
+
+def restart(data_dir: Path, log_path: Path, cache: str, timeout: float, case: str = "") -> dict[str, Any]:
     if cache == "cold":
         drop_cache(data_dir)
     log_path.write_text("")
@@ -176,7 +184,7 @@ def restart(data_dir: Path, log_path: Path, cache: str, timeout: float) -> dict[
     b.spawn()
     try:
         accepted, info, tx = _probe(b.port, b.started_at + timeout)
-        res = {"cache": cache, "snapshot": snapshot, "port_s": round(accepted - b.started_at, 3), "ready_s": round(info - b.started_at, 3),
+        res = {"cache": cache, "case": case, "snapshot": snapshot, "port_s": round(accepted - b.started_at, 3), "ready_s": round(info - b.started_at, 3),
                "tx_ready_s": round(tx - b.started_at, 3), "rss_mb": round(proc_status(b.pid, "VmRSS"), 1)}
     finally:
         b.stop()
@@ -184,7 +192,9 @@ def restart(data_dir: Path, log_path: Path, cache: str, timeout: float) -> dict[
     m = re.search(r"event=store_opened .*?took_s=([\d.]+)", text)
     if m:
         res["store_open_s"] = float(m.group(1))
-    res["index_source"] = "snapshot" if "source=snapshot" in text else "rebuilt from the log"
+    m = re.search(r"source=snapshot log_end=\d+ records_after=(\d+)", text)
+    res["index_source"] = (f"loaded from the snapshot, then {int(m.group(1)):,} records read after it" if m
+                           else "snapshot" if "source=snapshot" in text else "rebuilt from the log")
     m = re.search(r"event=broker_ready pending=(\d+) decided=(\d+) took_s=([\d.]+)", text)
     if m:
         res.update(pending=int(m.group(1)), decided=int(m.group(2)), broker_ready_s=float(m.group(3)))
@@ -200,6 +210,9 @@ def main() -> None:
     ap.add_argument("--dir", type=Path, default=None,
                     help="build here and keep it (a later run with the same --dir measures again without rebuilding) "
                          "instead of in a temporary directory that is removed")
+    ap.add_argument("--after-snapshot", type=int, default=250_000,
+                    help="transactions appended after the clean shutdown's snapshot for the crash case (default 250,000, i.e. "
+                         "500,000 op and half records: the broker's default --index-snapshot-records); 0 skips that case")
     ap.add_argument("--timeout", type=float, default=300)
     ap.add_argument("--write", type=Path, metavar="DOC", help="save the result and write it into this Markdown file")
     ap.add_argument("-o", "--output", choices=["text", "json"], default="text")
@@ -221,7 +234,22 @@ def main() -> None:
             res = build(tmp / "data", a.gigabytes, a.transactions, pending, a.plain_body)
             built.write_text(json.dumps(res))
             print(f"  {res['log_gib']} GiB in {res['build_s']} s", file=sys.stderr, flush=True)
-        res["restarts"] = [restart(tmp / "data", tmp / f"broker-{c}.log", c, a.timeout) for c in ("warm", "cold")]
+        data = tmp / "data"
+        (data / "txindex.snap").unlink(missing_ok=True)  # a kept --dir: start from no snapshot again
+        res["restarts"] = [
+            restart(data, tmp / "broker-warm.log", "warm", a.timeout, "no snapshot: every op and half record read"),
+            restart(data, tmp / "broker-cold.log", "cold", a.timeout, "after a clean shutdown (its snapshot)"),
+        ]
+        if a.after_snapshot:
+            # As after a crash just before the next background snapshot was due:
+            # the last snapshot (the clean shutdown's) is that many records old.
+            print(f"appending {a.after_snapshot:,} transactions after the snapshot ...", file=sys.stderr, flush=True)
+            n = append_after_snapshot(data, res["transactions"], a.after_snapshot)
+            res["restarts"].append(restart(data, tmp / "broker-crash.log", "warm", a.timeout,
+                                           f"after a crash, the last snapshot {n:,} records old"))
+            (data / "txindex.snap").unlink(missing_ok=True)
+            if a.dir is not None:  # the next run with this --dir must find the log it built
+                print("note: the kept --dir now holds the appended transactions too", file=sys.stderr)
     finally:
         if a.dir is None:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -235,7 +263,7 @@ def main() -> None:
     if a.write:
         save_result("restart", res)
         report.write_doc(a.write)
-    line = "; ".join(f"{r['cache']} cache: serving in {r['ready_s']} s, transactions in {r['tx_ready_s']} s (port after {r['port_s']} s, "
+    line = "; ".join(f"{r['case']} ({r['cache']} cache): serving in {r['ready_s']} s, transactions in {r['tx_ready_s']} s (port after {r['port_s']} s, "
                      f"RSS {r['rss_mb']:.0f} MiB)" for r in res["restarts"])
     print(f"restart over a {res['log_gib']} GiB commit log with {res['transactions']:,} transactions ({res['pending']:,} pending): {line}",
           file=sys.stderr if a.output == "json" else sys.stdout)

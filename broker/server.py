@@ -12,11 +12,15 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import os
+import signal
 import socket
 import time
 from dataclasses import replace
 
+from txmq.constants import DISCARD_TOPIC, HALF_TOPIC, OP_TOPIC
 from txmq.store import atomic_write_json, read_json
+from txmq.store.files import fsync_dir
 from txmq.wire import ErrorCode, TxmqError
 
 from .check import CheckProgress, CheckService
@@ -25,11 +29,14 @@ from .config import BrokerConfig, CheckSettings
 from .connection import BrokerConnection
 from .core import BrokerCore
 from .tx import TransactionService
-from .txindex import SNAPSHOT_FILE, TxIndex, load_snapshot, rebuild_steps, save_snapshot
+from .txindex import (
+    SNAPSHOT_FILE, TxIndex, boundary_ok, fork_snapshot, load_snapshot, rebuild_steps, save_snapshot, snapshot_header,
+)
 
 log = logging.getLogger("txmq.broker")
 
 JANITOR_INTERVAL_S = 60.0
+SNAPSHOT_POLL_S = 5.0  # how often the background snapshot looks at how much was written
 
 
 class ServerState:
@@ -47,6 +54,7 @@ class Broker:
         self.ready = asyncio.Event()
         self._janitor: asyncio.Task | None = None
         self._indexer: asyncio.Task | None = None
+        self._snapshotter: asyncio.Task | None = None
 
     def _settings(self) -> CheckSettings:
         """Defaults < config.json (set live) < explicit start options."""
@@ -72,6 +80,8 @@ class Broker:
         loop = asyncio.get_running_loop()
         self._indexer = loop.create_task(self._build_index(progress, t0), name="txmq-txindex")
         self._janitor = loop.create_task(self._janitor_loop(), name="txmq-janitor")
+        if self.config.index_snapshot_records > 0:
+            self._snapshotter = loop.create_task(self._snapshot_loop(), name="txmq-txindex-snapshot")
         log.info("event=store_ready took_s=%.3f", time.perf_counter() - t0)
 
     async def _build_index(self, progress: CheckProgress, t0: float) -> None:
@@ -90,13 +100,22 @@ class Broker:
         gc.disable()
         try:
             loop = asyncio.get_running_loop()
-            snap = await loop.run_in_executor(None, load_snapshot, core.data_dir / SNAPSHOT_FILE, self._log_end_at_open, progress.half, progress.op)
-            if snap is not None:
-                core.tx.index = snap
-                log.info("event=txindex_loaded source=snapshot")
-            else:
-                for _ in rebuild_steps(core.store, progress.half, progress.op, core.tx.index):
-                    await asyncio.sleep(0)
+            path = core.data_dir / SNAPSHOT_FILE
+            snap = await loop.run_in_executor(None, load_snapshot, path, self._log_end_at_open, progress.op)
+            starts = None
+            if snap is not None and boundary_ok(core.store, snap[1]):
+                core.tx.index, header = snap
+                starts = header["queues"]
+                log.info("event=txindex_loaded source=snapshot log_end=%d records_after=%d", header["log_end"],
+                         sum(core.store.queue_max_offset(t, 0) for t in (HALF_TOPIC, OP_TOPIC, DISCARD_TOPIC)) - sum(starts.values()))
+            elif path.exists():
+                # Not for this log (cut below it after a crash, or another
+                # version): never to be trusted later either.
+                log.warning("event=txindex_snapshot_ignored path=%s", path)
+                path.unlink(missing_ok=True)
+            # Everything after the snapshot (with none: every op and half record).
+            for _ in rebuild_steps(core.store, progress.half, progress.op, core.tx.index, starts=starts):
+                await asyncio.sleep(0)
             index = core.tx.index
             report = core.recovery
             if report is not None and report.scanned_from < core.store.max_offset:
@@ -142,7 +161,7 @@ class Broker:
             self.server.close()
         if self.state.inflight:
             await asyncio.wait(list(self.state.inflight), timeout=self.config.shutdown_timeout_s)
-        for task in (self._janitor, self._indexer):
+        for task in (self._janitor, self._indexer, self._snapshotter):
             if task is not None and not task.done():
                 task.cancel()
                 try:
@@ -169,11 +188,72 @@ class Broker:
         t0 = time.perf_counter()
         try:
             p = core.check.progress
-            save_snapshot(core.data_dir / SNAPSHOT_FILE, core.tx.index, core.store.max_offset, p.half, p.op)
+            save_snapshot(core.data_dir / SNAPSHOT_FILE, core.tx.index, snapshot_header(core.store, core.tx.index, p.half, p.op))
         except Exception:  # only a slower next start
             log.exception("event=txindex_snapshot_failed")
             return
         log.info("event=txindex_snapshot entries=%d took_s=%.3f", len(core.tx.index.pending) + len(core.tx.index.decided), time.perf_counter() - t0)
+
+    async def _snapshot_loop(self) -> None:
+        """Snapshot the index in the background once enough transactional records were written.
+
+        Bounds what a start after a crash reads beyond the snapshot (see
+        ``BrokerConfig.index_snapshot_records``). The snapshot is written by
+        a forked child (``fork_snapshot``) and put in place only once the log
+        is fsynced past it, so a crash can never leave a snapshot ahead of
+        the log it describes.
+        """
+        core = self.core
+        await core.tx_ready.wait()
+        if core.tx_error is not None:
+            return
+        def written() -> int:
+            return sum(core.store.queue_max_offset(t, 0) for t in (HALF_TOPIC, OP_TOPIC, DISCARD_TOPIC))
+        last = written()
+        while True:
+            await asyncio.sleep(SNAPSHOT_POLL_S)
+            if written() - last < self.config.index_snapshot_records:
+                continue
+            last = written()
+            t0 = time.perf_counter()
+            try:
+                await self._background_snapshot()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # only a slower start after a crash
+                log.exception("event=txindex_snapshot_failed")
+            # The child's work grows with the index (every decided transaction
+            # is in it): rest as long as it took, so that snapshots never take
+            # more than half of a core however fast records arrive.
+            await asyncio.sleep(time.perf_counter() - t0)
+
+    async def _background_snapshot(self) -> None:
+        core = self.core
+        loop = asyncio.get_running_loop()
+        path = core.data_dir / SNAPSHOT_FILE
+        tmp = core.data_dir / (SNAPSHOT_FILE + ".bg")
+        p = core.check.progress
+        t0 = time.perf_counter()
+        header = snapshot_header(core.store, core.tx.index, p.half, p.op)  # taken with the fork: no await between
+        pid = fork_snapshot(tmp, core.tx.index, header)
+        forked = time.perf_counter() - t0
+        try:
+            _, status = await loop.run_in_executor(None, os.waitpid, pid, 0)
+        except asyncio.CancelledError:
+            os.kill(pid, signal.SIGKILL)
+            await loop.run_in_executor(None, os.waitpid, pid, 0)
+            tmp.unlink(missing_ok=True)
+            raise
+        if status != 0:
+            tmp.unlink(missing_ok=True)
+            raise RuntimeError(f"snapshot child exited with status {status}")
+        waiter = core.flusher.wait_synced(header["log_end"])
+        if waiter is not None:
+            await waiter
+        os.replace(tmp, path)
+        fsync_dir(core.data_dir)
+        log.info("event=txindex_snapshot background=1 entries=%d log_end=%d fork_s=%.3f took_s=%.3f",
+                 header["pending"] + header["decided"], header["log_end"], forked, time.perf_counter() - t0)
 
     async def _janitor_loop(self) -> None:
         """Retention: delete expired segments, never one holding an undecided half message."""

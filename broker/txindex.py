@@ -254,24 +254,51 @@ class TxIndex:
 
 
 SNAPSHOT_FILE = "txindex.snap"
-SNAPSHOT_VERSION = 2
+SNAPSHOT_VERSION = 3
+_TX_QUEUES = (("op", OP_TOPIC), ("discard", DISCARD_TOPIC), ("half", HALF_TOPIC))
 
 
-def save_snapshot(path, idx: TxIndex, log_end: int, half_progress: int, op_progress: int) -> None:
-    """Write the index for the next start; valid only while the log still ends at log_end.
+def snapshot_header(store, idx: TxIndex, half_progress: int, op_progress: int) -> dict:
+    """What a snapshot of idx taken now must say about the log it reflects.
 
-    Written at a clean shutdown, after the last append. A start that finds
-    the log ending exactly there (and the same check progress) loads it
-    instead of reading every op and half record; any other start rebuilds.
-    The file is a stream of msgpack objects (a header, then one row per
-    entry) so that loading it never holds more than one row besides the index.
+    ``log_end``: every record before it is in idx, none after it.
+    ``queues``: the op, discard and half queues' ends, where a start that
+    loads the snapshot resumes reading (``rebuild_steps(starts=...)``).
+    ``boundary``: (commit-log offset, CRC) of the last transactional record
+    before log_end, which the loader reads back: a log that was cut below
+    log_end and written again does not end in that record.
+    Call it on the loop thread, between appends (the index matches the log).
+    """
+    queues = {name: store.queue_max_offset(topic, 0) for name, topic in _TX_QUEUES}
+    boundary = None
+    for name, topic in _TX_QUEUES:
+        n = queues[name]
+        for cl, _size, _tag in store.cq_entries(topic, 0, n - 1, 1) if n > 0 else ():
+            if boundary is None or cl > boundary[0]:
+                boundary = [cl, 0]
+    if boundary is not None:
+        _raw, head = store.read_many([boundary[0]], raw=True)[0]
+        boundary[1] = head[2]  # its CRC
+    return {"version": SNAPSHOT_VERSION, "log_end": store.max_offset, "half_progress": half_progress,
+            "op_progress": op_progress, "queues": queues, "boundary": boundary,
+            "pending": len(idx.pending), "decided": len(idx.decided)}
+
+
+def save_snapshot(path, idx: TxIndex, header: dict, tmp: str | None = None) -> None:
+    """Write the index with its header (``snapshot_header``) to path, atomically.
+
+    Written at a clean shutdown after the last append, and in the
+    background while the broker runs (``fork_snapshot``). A start loads it
+    and reads only the transactional records written after it
+    (``load_snapshot``), instead of every op and half record. The file is a
+    stream of msgpack objects (the header, then one row per entry) so that
+    loading it never holds more than one row besides the index.
     """
     path = os.fspath(path)
-    tmp = path + ".tmp"
+    tmp = tmp or path + ".tmp"
     pack = msgpack.Packer(use_bin_type=True).pack
     with open(tmp, "wb", buffering=1 << 20) as f:
-        f.write(pack({"version": SNAPSHOT_VERSION, "log_end": log_end, "half_progress": half_progress, "op_progress": op_progress,
-                      "pending": len(idx.pending), "decided": len(idx.decided)}))
+        f.write(pack(header))
         for p in idx.pending.values():
             f.write(pack(p.to_row()))
         for tx_id, d in idx.decided.items():
@@ -279,17 +306,52 @@ def save_snapshot(path, idx: TxIndex, log_end: int, half_progress: int, op_progr
         f.write(pack(idx.ops_since_progress))
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, path)
+    if tmp != path:
+        os.replace(tmp, path)
 
 
-def load_snapshot(path, log_end: int, half_progress: int, op_progress: int) -> TxIndex | None:
-    """The snapshotted index if it matches this log and progress exactly, else None."""
+def fork_snapshot(tmp, idx: TxIndex, header: dict) -> int:
+    """Write the index to tmp from a forked child: the caller goes on at once.
+
+    The child sees the index as it is at the fork (copy-on-write: no copy,
+    no pause beyond the fork itself, ~10 ms for a 350 MB process) and
+    writes it while the broker keeps changing its own. It touches nothing
+    but the index and the file (no logging: another thread may hold a lock
+    the child would inherit taken) and leaves with os._exit: 0 when written.
+    Returns the child's pid; wait for it with os.waitpid.
+    """
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 1
+    try:
+        import signal
+
+        signal.set_wakeup_fd(-1)  # the parent's loop wakes on that fd: not for the child's signals
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_DFL)
+        save_snapshot(tmp, idx, header, tmp=os.fspath(tmp))
+        code = 0
+    except BaseException:
+        pass
+    finally:
+        os._exit(code)
+
+
+def load_snapshot(path, log_end: int, op_progress: int) -> tuple[TxIndex, dict] | None:
+    """(index, header) from a snapshot of a log that now ends at log_end or later, else None.
+
+    The caller still checks the header's boundary record against the log
+    (``boundary_ok``) and then reads what was written after the snapshot
+    (``rebuild_steps(..., starts=header["queues"])``). Op records below the
+    current op progress are dropped from the index's list, as a rebuild
+    that starts at that progress would not have them.
+    """
     try:
         with open(path, "rb") as f:
             unpacker = msgpack.Unpacker(f, raw=False, strict_map_key=False, max_buffer_size=64 << 20)
             head = unpacker.unpack()
-            if (head.get("version"), head.get("log_end"), head.get("half_progress"), head.get("op_progress")) != (
-                    SNAPSHOT_VERSION, log_end, half_progress, op_progress):
+            if head.get("version") != SNAPSHOT_VERSION or not 0 <= head["log_end"] <= log_end:
                 return None
             idx = TxIndex()
             for _ in range(head["pending"]):
@@ -301,10 +363,24 @@ def load_snapshot(path, log_end: int, half_progress: int, op_progress: int) -> T
             for _ in range(head["decided"]):
                 tx_id, o, at, by, ho, cl, g, t, checks = unpacker.unpack()
                 decided[tx_id] = Decided(outcomes[o], at, intern(by), ho, cl, intern(g), intern(t), checks)
-            idx.ops_since_progress = [tuple(x) for x in unpacker.unpack()]
-            return idx
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, msgpack.UnpackException, msgpack.OutOfData):
+            idx.ops_since_progress = [tuple(x) for x in unpacker.unpack() if x[0] >= op_progress]
+            if set(head["queues"]) != {name for name, _ in _TX_QUEUES}:
+                return None
+            return idx, head
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError, msgpack.UnpackException, msgpack.OutOfData):
         return None
+
+
+def boundary_ok(store, header: dict) -> bool:
+    """Does the log still hold the snapshot's last transactional record (``snapshot_header``)?"""
+    boundary = header.get("boundary")
+    if boundary is None:
+        return all(store.queue_max_offset(topic, 0) >= header["queues"][name] == 0 for name, topic in _TX_QUEUES)
+    try:
+        _raw, head = store.read_many([boundary[0]], raw=True)[0]
+    except Exception:  # cut away, or no record starts there any more
+        return False
+    return head[2] == boundary[1] and head[3] + head[0] <= header["log_end"]
 
 
 def rebuild(reader, half_progress: int, op_progress: int, batch: int = 2048) -> TxIndex:
@@ -315,8 +391,12 @@ def rebuild(reader, half_progress: int, op_progress: int, batch: int = 2048) -> 
     return idx
 
 
-def rebuild_steps(reader, half_progress: int, op_progress: int, idx: TxIndex, batch: int = 2048) -> Iterator[int]:
+def rebuild_steps(reader, half_progress: int, op_progress: int, idx: TxIndex, batch: int = 2048,
+                  starts: dict[str, int] | None = None) -> Iterator[int]:
     """Fill idx from the log, yielding the records applied so far every `batch` records.
+
+    With starts (a loaded snapshot's ``queues``), idx holds the snapshot and
+    only the op, discard and half records from those queue offsets on are read.
 
     Reads the whole op and discard queues and the half queue from the check
     progress on (everything before it is decided or superseded by a later
@@ -338,10 +418,11 @@ def rebuild_steps(reader, half_progress: int, op_progress: int, idx: TxIndex, ba
     (benchmarks/rebuild_micro.py), most of the rest being the msgpack unpack
     and the CRC check.
     """
+    st = starts or {}
     queues = [
-        (OP_TOPIC, 0, reader.queue_min_offset(OP_TOPIC, 0)),
-        (DISCARD_TOPIC, 0, reader.queue_min_offset(DISCARD_TOPIC, 0)),
-        (HALF_TOPIC, 0, max(half_progress, reader.queue_min_offset(HALF_TOPIC, 0))),
+        (OP_TOPIC, 0, max(st.get("op", 0), reader.queue_min_offset(OP_TOPIC, 0))),
+        (DISCARD_TOPIC, 0, max(st.get("discard", 0), reader.queue_min_offset(DISCARD_TOPIC, 0))),
+        (HALF_TOPIC, 0, max(st.get("half", 0), half_progress, reader.queue_min_offset(HALF_TOPIC, 0))),
     ]
     pending, by_half, decided, ops = idx.pending, idx.by_half, idx.decided, idx.ops_since_progress
     # Transactions this rebuild found pending whose PendingTx is not built yet:

@@ -93,15 +93,100 @@ def test_clean_shutdown_snapshot_loads_the_same_index_and_a_stale_one_is_ignored
     with caplog.at_level(logging.INFO, logger="txmq.broker"):
         assert arun(restart()) == live
     assert "source=snapshot" in caplog.text
-    # the log moves on without a clean shutdown: the snapshot no longer matches and is not used
+    # The log moves on (a transaction decided, another left pending) and the
+    # broker dies without a new snapshot: the next start loads the old one and
+    # reads only what was written after it, and gets what a full rebuild gets.
     async def append_and_crash():
         async with running_broker(data, clock=clock, check_interval_s=3600) as b:
             c = await RawClient.open(b.address)
+            await c.ok("hello", {"producer_groups": ["g"]})
             await c.ok("send", {"topic": "t", "body": b"later"})
+            for state in ("commit", "unknown"):
+                h = await c.ok("send", {"topic": "t", "body": b"after", "properties": {"TRAN_MSG": "true", "PGROUP": "g"}})
+                await c.ok("end_transaction", {"group": "g", "tx_id": h["tx_id"], "commit_log_offset": h["commit_log_offset"],
+                                               "half_offset": h["half_offset"], "state": state})
             await c.close()
             b.broker._save_snapshot = lambda: None  # as if killed: no new snapshot
     arun(append_and_crash())
+    prog = CheckProgress(data / "txcheck.json")
+    full = _index_view(rebuild(StoreReader(data), prog.half, prog.op))
+    assert full != live
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="txmq.broker"):
-        assert arun(restart()) == live
-    assert "source=snapshot" not in caplog.text
+        assert arun(restart()) == full
+    assert "source=snapshot" in caplog.text and "records_after=0" not in caplog.text
+    # A snapshot ahead of the log (as after a crash that cut the log's tail)
+    # is not used, and is removed so that no later start trusts it either.
+    from txmq.broker.txindex import load_snapshot, save_snapshot
+
+    idx, header = load_snapshot(data / SNAPSHOT_FILE, 1 << 60, 0)
+    save_snapshot(data / SNAPSHOT_FILE, idx, {**header, "log_end": 1 << 50})
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="txmq.broker"):
+        async def restart_crashed():
+            async with running_broker(data, clock=clock, check_interval_s=3600) as b:
+                b.broker._save_snapshot = lambda: None
+                return _index_view(b.core.tx.index), (data / SNAPSHOT_FILE).exists()
+        view, snap_left = arun(restart_crashed())
+    assert view == full and not snap_left
+    assert "event=txindex_snapshot_ignored" in caplog.text and "source=snapshot" not in caplog.text
+    # ... and a snapshot whose boundary record is not the log's is not used either.
+    arun(restart())  # a clean shutdown leaves a good snapshot
+    idx, header = load_snapshot(data / SNAPSHOT_FILE, 1 << 60, 0)
+    save_snapshot(data / SNAPSHOT_FILE, idx, {**header, "boundary": [header["boundary"][0], header["boundary"][1] ^ 1]})
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="txmq.broker"):
+        assert arun(restart()) == full
+    assert "event=txindex_snapshot_ignored" in caplog.text
+
+
+def test_background_snapshot_bounds_what_a_start_after_a_crash_reads(tmp_path, caplog, monkeypatch):
+    """Once enough transactional records were written, a forked child snapshots the index;
+    a start after a crash loads it and reads only what came after, and gets a full rebuild's index."""
+    import asyncio
+    import logging
+
+    from txmq.broker import server
+    from txmq.broker.check import CheckProgress
+    from txmq.broker.txindex import SNAPSHOT_FILE, rebuild
+
+    monkeypatch.setattr(server, "SNAPSHOT_POLL_S", 0.02)
+    data = tmp_path / "data"
+
+    async def tx(c, state: str) -> None:
+        h = await c.ok("send", {"topic": "t", "body": b"x", "properties": {"TRAN_MSG": "true", "PGROUP": "g"}})
+        await c.ok("end_transaction", {"group": "g", "tx_id": h["tx_id"], "commit_log_offset": h["commit_log_offset"],
+                                       "half_offset": h["half_offset"], "state": state})
+
+    async def run_and_crash():
+        async with running_broker(data, check_interval_s=3600, index_snapshot_records=8) as b:
+            c = await RawClient.open(b.address)
+            await c.ok("hello", {"producer_groups": ["g"]})
+            for state in ("commit", "rollback", "commit", "unknown", "commit"):
+                await tx(c, state)  # 9 records: 5 halves, 4 ops
+            for _ in range(250):
+                if (data / SNAPSHOT_FILE).exists():
+                    break
+                await asyncio.sleep(0.02)
+            assert (data / SNAPSHOT_FILE).exists(), "no background snapshot"
+            assert not (data / (SNAPSHOT_FILE + ".bg")).exists()
+            for state in ("commit", "unknown"):  # after the snapshot: 3 records, below the threshold
+                await tx(c, state)
+            await c.close()
+            b.broker._save_snapshot = lambda: None  # as if killed: no snapshot at shutdown
+
+    with caplog.at_level(logging.INFO, logger="txmq.broker"):
+        arun(run_and_crash())
+    assert "background=1" in caplog.text
+    prog = CheckProgress(data / "txcheck.json")
+    full = _index_view(rebuild(StoreReader(data), prog.half, prog.op))
+
+    async def restart():
+        async with running_broker(data, check_interval_s=3600) as b:
+            return _index_view(b.core.tx.index), len(b.core.tx.index.pending)
+
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="txmq.broker"):
+        view, pending = arun(restart())
+    assert view == full and pending == 2
+    assert "source=snapshot" in caplog.text and "records_after=3" in caplog.text
