@@ -80,6 +80,11 @@ class CheckService:
         self._wake.set()  # a shorter interval takes effect now
         return old, getattr(self.settings, key)
 
+    @property
+    def passing(self) -> bool:
+        """A pass is running now."""
+        return self._pass_lock.locked()
+
     # ---- background loop --------------------------------------------------
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="txmq-check")

@@ -74,6 +74,14 @@ def patch_properties(raw, cl_offset: int, origin: int, checks_now: int, checks_n
     b = bytes(raw)
     if b.find(_K_TAGS) >= 0:  # not `in`: bytes.__contains__ tries the key as an int first and pays for a TypeError
         return None
+    if checks_now > 0 and 0 < checks_now < 63 and b and 0x80 <= b[0] <= 0x8F:
+        # The common case, a later copy whose map has a one-byte header,
+        # without the function calls of the general path below (this runs
+        # once per check-back).
+        now = _CHECK_ENTRIES[checks_now]
+        cut = len(b) - len(now)
+        if b.endswith(now) and b.endswith(_K_ORIGIN + _pack(str(origin)), 0, cut):
+            return b[:cut] + _CHECK_ENTRIES[checks_new] if checks_new < 64 else b[:cut] + _check_entry(checks_new)
     head = _map_header(b)
     if head is None:
         return None
@@ -141,7 +149,7 @@ def check_push(group_packed: bytes, tx_id: str, cl: int, qoff: int, size: int, b
     k = _KEY_BYTES
     tx = _pack(tx_id)
     blen = len(body)
-    bh = _bin_header(blen)
+    bh = b"\xc5" + blen.to_bytes(2, "big") if 0x100 <= blen < 0x10000 else _bin_header(blen)
     n = _FIXED + len(group_packed) + 2 * len(tx) + len(props_raw) + len(bh) + blen
     return b"".join((
         wire.HEADER.pack(n), _PREFIX, group_packed, _K_TX_ID, tx,

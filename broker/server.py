@@ -55,6 +55,7 @@ class Broker:
         self._janitor: asyncio.Task | None = None
         self._indexer: asyncio.Task | None = None
         self._snapshotter: asyncio.Task | None = None
+        self._snapshot_base = 0  # op + discard + half records the loaded snapshot covers
 
     def _settings(self) -> CheckSettings:
         """Defaults < config.json (set live) < explicit start options."""
@@ -101,11 +102,14 @@ class Broker:
         try:
             loop = asyncio.get_running_loop()
             path = core.data_dir / SNAPSHOT_FILE
+            for stale in core.data_dir.glob(SNAPSHOT_FILE + ".bg.*"):  # a background snapshot cut short
+                stale.unlink(missing_ok=True)
             snap = await loop.run_in_executor(None, load_snapshot, path, self._log_end_at_open, progress.op)
             starts = None
             if snap is not None and boundary_ok(core.store, snap[1]):
                 core.tx.index, header = snap
                 starts = header["queues"]
+                self._snapshot_base = sum(starts.values())
                 log.info("event=txindex_loaded source=snapshot log_end=%d records_after=%d", header["log_end"],
                          sum(core.store.queue_max_offset(t, 0) for t in (HALF_TOPIC, OP_TOPIC, DISCARD_TOPIC)) - sum(starts.values()))
             elif path.exists():
@@ -113,6 +117,7 @@ class Broker:
                 # version): never to be trusted later either.
                 log.warning("event=txindex_snapshot_ignored path=%s", path)
                 path.unlink(missing_ok=True)
+                fsync_dir(core.data_dir)
             # Everything after the snapshot (with none: every op and half record).
             for _ in rebuild_steps(core.store, progress.half, progress.op, core.tx.index, starts=starts):
                 await asyncio.sleep(0)
@@ -209,17 +214,24 @@ class Broker:
             return
         def written() -> int:
             return sum(core.store.queue_max_offset(t, 0) for t in (HALF_TOPIC, OP_TOPIC, DISCARD_TOPIC))
-        last = written()
+        # Counted from the snapshot this start loaded (from nothing without
+        # one): a start that had to read many records snapshots soon, so a
+        # crash loop does not make every start read more than the last.
+        last = self._snapshot_base
         while True:
             await asyncio.sleep(SNAPSHOT_POLL_S)
             if written() - last < self.config.index_snapshot_records:
+                continue
+            if core.check.passing:
+                # A pass re-appends every due half message (a million records
+                # for a million pending): snapshotting meanwhile would copy
+                # the pages the pass is rewriting and take the other core
+                # from it. The next poll after the pass takes the snapshot.
                 continue
             last = written()
             t0 = time.perf_counter()
             try:
                 await self._background_snapshot()
-            except asyncio.CancelledError:
-                raise
             except Exception:  # only a slower start after a crash
                 log.exception("event=txindex_snapshot_failed")
             # The child's work grows with the index (every decided transaction
@@ -231,26 +243,35 @@ class Broker:
         core = self.core
         loop = asyncio.get_running_loop()
         path = core.data_dir / SNAPSHOT_FILE
-        tmp = core.data_dir / (SNAPSHOT_FILE + ".bg")
+        # Named after this broker: a child left running by a killed broker
+        # must not write into the next broker's file.
+        tmp = core.data_dir / f"{SNAPSHOT_FILE}.bg.{os.getpid()}"
         p = core.check.progress
         t0 = time.perf_counter()
         header = snapshot_header(core.store, core.tx.index, p.half, p.op)  # taken with the fork: no await between
         pid = fork_snapshot(tmp, core.tx.index, header)
         forked = time.perf_counter() - t0
+        reaped = loop.run_in_executor(None, os.waitpid, pid, 0)  # the one wait for this child
         try:
-            _, status = await loop.run_in_executor(None, os.waitpid, pid, 0)
-        except asyncio.CancelledError:
+            _, status = await asyncio.shield(reaped)
+        except asyncio.CancelledError:  # shutting down: the clean shutdown writes its own snapshot
             os.kill(pid, signal.SIGKILL)
-            await loop.run_in_executor(None, os.waitpid, pid, 0)
-            tmp.unlink(missing_ok=True)
+            try:
+                await reaped
+            finally:
+                tmp.unlink(missing_ok=True)
             raise
         if status != 0:
             tmp.unlink(missing_ok=True)
             raise RuntimeError(f"snapshot child exited with status {status}")
-        waiter = core.flusher.wait_synced(header["log_end"])
-        if waiter is not None:
-            await waiter
-        os.replace(tmp, path)
+        try:
+            waiter = core.flusher.wait_synced(header["log_end"])
+            if waiter is not None:
+                await waiter
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
         fsync_dir(core.data_dir)
         log.info("event=txindex_snapshot background=1 entries=%d log_end=%d fork_s=%.3f took_s=%.3f",
                  header["pending"] + header["decided"], header["log_end"], forked, time.perf_counter() - t0)

@@ -320,20 +320,37 @@ def fork_snapshot(tmp, idx: TxIndex, header: dict) -> int:
     the child would inherit taken) and leaves with os._exit: 0 when written.
     Returns the child's pid; wait for it with os.waitpid.
     """
-    pid = os.fork()
+    import signal
+
+    # Signals wait until the child has dropped the parent's handlers: one
+    # delivered in between would wake the parent's loop through the wakeup fd.
+    stop = {signal.SIGINT, signal.SIGTERM}
+    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, stop)
+    try:
+        pid = os.fork()
+    except BaseException:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+        raise
     if pid:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
         return pid
     code = 1
     try:
-        import signal
-
-        signal.set_wakeup_fd(-1)  # the parent's loop wakes on that fd: not for the child's signals
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        # The child must not hold what the broker holds: the listening socket,
+        # client connections, the data directory's LOCK (a restart after the
+        # broker dies must not wait for this child), segment files.
+        os.closerange(3, os.sysconf("SC_OPEN_MAX"))
+        signal.set_wakeup_fd(-1)
+        for sig in stop:
             signal.signal(sig, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
         save_snapshot(tmp, idx, header, tmp=os.fspath(tmp))
         code = 0
-    except BaseException:
-        pass
+    except BaseException as exc:
+        try:
+            os.write(2, f"txmq: index snapshot child failed: {exc!r}\n".encode())
+        except OSError:
+            pass
     finally:
         os._exit(code)
 
