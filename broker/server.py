@@ -111,7 +111,7 @@ class Broker:
                 starts = header["queues"]
                 self._snapshot_base = sum(starts.values())
                 log.info("event=txindex_loaded source=snapshot log_end=%d records_after=%d", header["log_end"],
-                         sum(core.store.queue_max_offset(t, 0) for t in (HALF_TOPIC, OP_TOPIC, DISCARD_TOPIC)) - sum(starts.values()))
+                         self._tx_records() - self._snapshot_base)
             elif path.exists():
                 # Not for this log (cut below it after a crash, or another
                 # version): never to be trusted later either.
@@ -199,6 +199,10 @@ class Broker:
             return
         log.info("event=txindex_snapshot entries=%d took_s=%.3f", len(core.tx.index.pending) + len(core.tx.index.decided), time.perf_counter() - t0)
 
+    def _tx_records(self) -> int:
+        """Op, discard and half records written so far (their queues' ends)."""
+        return sum(self.core.store.queue_max_offset(t, 0) for t in (HALF_TOPIC, OP_TOPIC, DISCARD_TOPIC))
+
     async def _snapshot_loop(self) -> None:
         """Snapshot the index in the background once enough transactional records were written.
 
@@ -212,15 +216,13 @@ class Broker:
         await core.tx_ready.wait()
         if core.tx_error is not None:
             return
-        def written() -> int:
-            return sum(core.store.queue_max_offset(t, 0) for t in (HALF_TOPIC, OP_TOPIC, DISCARD_TOPIC))
         # Counted from the snapshot this start loaded (from nothing without
         # one): a start that had to read many records snapshots soon, so a
         # crash loop does not make every start read more than the last.
         last = self._snapshot_base
         while True:
             await asyncio.sleep(SNAPSHOT_POLL_S)
-            if written() - last < self.config.index_snapshot_records:
+            if self._tx_records() - last < self.config.index_snapshot_records:
                 continue
             if core.check.passing:
                 # A pass re-appends every due half message (a million records
@@ -228,7 +230,7 @@ class Broker:
                 # the pages the pass is rewriting and take the other core
                 # from it. The next poll after the pass takes the snapshot.
                 continue
-            last = written()
+            last = self._tx_records()
             t0 = time.perf_counter()
             try:
                 await self._background_snapshot()
