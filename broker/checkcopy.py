@@ -88,8 +88,9 @@ def patch_properties(raw, cl_offset: int, origin: int, checks_now: int, checks_n
     n, start = head
     if checks_now > 0:
         # A check copy ends with the origin and then the count (both paths put
-        # them there) and holds no discard reason or replay mark (both paths
-        # drop them). Property values are valid UTF-8: this suffix cannot be
+        # them there) and holds no discard reason (both paths drop it). A
+        # replay mark, which copies keep, stays where it is on both paths
+        # (usually last, which sends the copy to the dict path). Property values are valid UTF-8: this suffix cannot be
         # the end of a value. The map keeps its size, so a canonical header
         # (what both paths write) stays as it is.
         now = _check_entry(checks_now)

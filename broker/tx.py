@@ -77,16 +77,16 @@ def half_copy(rec: Record, **props: str) -> Message:
 def copy_properties(props: dict[str, str], cl_offset: int) -> None:
     """Turn the properties of the half record at cl_offset (in place) into a copy's.
 
-    A copy keeps its first copy's origin, and never inherits a discard
-    reason or the replay mark (only a replay's own copy re-opens a
-    discarded transaction).
+    A copy keeps its first copy's origin and never inherits a discard
+    reason. It keeps the replay mark (``TXMQ_REPLAYED``: the offset of the
+    discard record a replay re-opened): a rebuild that starts past the
+    replay's own copy must still see that the discard was undone, and the
+    offset makes sure a mark re-opens that discard only, not a later one.
     """
     if PROP_ORIGIN_CL_OFFSET not in props:
         props[PROP_ORIGIN_CL_OFFSET] = str(cl_offset)
     if PROP_DISCARD_REASON in props:
         del props[PROP_DISCARD_REASON]
-    if PROP_REPLAYED in props:
-        del props[PROP_REPLAYED]
 
 
 class TransactionService:
@@ -445,7 +445,7 @@ class TransactionService:
                     except (CorruptRecordError, StoreError, ValueError):
                         raise TxmqError(f"the discard record of {tx_id} at {d.cl_offset} is gone (retention)", ErrorCode.TX_NOT_FOUND) from None
                     if to == "half":
-                        msg = half_copy(rec, **{PROP_CHECK_TIMES: "0", PROP_REPLAYED: "1"})
+                        msg = half_copy(rec, **{PROP_CHECK_TIMES: "0", PROP_REPLAYED: str(d.cl_offset)})
                         await self.core.append([msg], partial(self._replayed, msg))
                     else:
                         await self.decide(self._half_of_discard(rec), True, "operator", allow_discarded=True)

@@ -11,9 +11,9 @@ so the CLI uses it on a data directory offline (``txmq inspect --data-dir``).
 Events, in commit-log order, and their effect:
 
 - half record (a first copy, a check copy, or a replayed copy): if the
-  transaction is decided, ignore it (a stale copy), except that a copy marked
-  ``TXMQ_REPLAYED`` re-opens a discarded transaction; otherwise it becomes
-  the transaction's latest copy.
+  transaction is decided, ignore it (a stale copy), except that a copy whose
+  ``TXMQ_REPLAYED`` names the transaction's discard record re-opens it
+  (``reopens``); otherwise it becomes the transaction's latest copy.
 - op record (tag ``d``; tx_type commit or rollback): the outcome.
 - discard record: outcome ``discarded``.
 """
@@ -132,6 +132,16 @@ class Decided:
     checks: int = 0
 
 
+def reopens(d: Decided, mark: str | None) -> bool:
+    """Does a half copy carrying this replay mark re-open the transaction decided as d?
+
+    Only a discard, and only the one the replay undid: the mark is that
+    discard record's offset (copies inherit it; see ``tx.copy_properties``).
+    "1" is the mark logs written before session 3 put on a replay's own copy.
+    """
+    return d.outcome is Outcome.DISCARDED and mark is not None and (mark == str(d.cl_offset) or mark == "1")
+
+
 def _int(v: str | None, default: int) -> int:
     try:
         return int(v) if v is not None else default
@@ -162,7 +172,7 @@ class TxIndex:
             return None
         d = self.decided.get(tx_id)
         if d is not None:
-            if d.outcome is Outcome.DISCARDED and rec.properties.get(PROP_REPLAYED):
+            if reopens(d, rec.properties.get(PROP_REPLAYED)):
                 del self.decided[tx_id]
             else:
                 return None
@@ -475,7 +485,7 @@ def rebuild_steps(reader, half_progress: int, op_progress: int, idx: TxIndex, ba
                 if tx_id:
                     d = decided.get(tx_id)
                     if d is not None:
-                        if d.outcome is discarded and props.get(PROP_REPLAYED):
+                        if reopens(d, props.get(PROP_REPLAYED)):
                             del decided[tx_id]
                         else:
                             continue  # a stale copy

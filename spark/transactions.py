@@ -74,7 +74,9 @@ def transactions(messages):
             F.min_by("stored_at", half_off).alias("first_half_at"),
             F.min(half_off).alias("first_half_offset"),
             F.max(F.when(is_half, col("check_count"))).alias("h_checks"),
-            F.max(F.when(is_half & (props[PROP_REPLAYED] == "1"), off)).alias("last_replay"),
+            # The mark is on a replay's copy and every later copy of it (the
+            # discard it undid, by offset; "1" in logs before session 3).
+            F.max(F.when(is_half & props[PROP_REPLAYED].isNotNull(), off)).alias("last_replay"),
             F.max_by(decision, F.when(is_decision, off)).alias("d"),
             F.min(F.when(kind == COMMIT, off)).alias("committed_offset"),
             F.count(F.when(is_half | is_decision, True)).alias("events"),

@@ -241,3 +241,40 @@ def test_stop_while_a_background_snapshot_is_being_written(tmp_path, monkeypatch
             raise AssertionError(f"child {pid} was not reaped")
         except ChildProcessError:
             pass
+
+
+def test_a_replayed_transaction_checked_again_is_still_pending_after_a_crash(tmp_path):
+    """Found by review: check copies dropped the replay mark, so a rebuild that started past the
+    replay's own copy saw the discard and then only stale-looking copies, and said "discarded"."""
+    from txmq.broker.clock import ManualClock
+
+    data = tmp_path / "data"
+    clock = ManualClock()
+
+    async def first():
+        async with running_broker(data, clock=clock, check_interval_s=3600, max_checks=1, index_snapshot_records=0) as b:
+            c = await RawClient.open(b.address)
+            await c.ok("hello", {"producer_groups": ["g"]})
+            h = await c.ok("send", {"topic": "t", "body": b"m", "properties": {"TRAN_MSG": "true", "PGROUP": "g"}})
+            tx = h["tx_id"]
+            clock.advance(10)
+            await b.core.check.run_pass()  # a check copy
+            clock.advance(10)
+            await b.core.check.run_pass()  # max_checks=1: discarded
+            assert b.core.tx.index.outcome(tx).label == "discarded"
+            await c.ok("discard_replay", {"to": "half", "refs": [{"tx_id": tx}]})
+            assert b.core.tx.index.outcome(tx).label == "pending"
+            clock.advance(10)
+            await b.core.check.run_pass()  # a check copy of the replayed copy; the progress passes the replay's copy
+            assert b.core.check.progress.half > 2
+            await c.close()
+            b.broker._save_snapshot = lambda: None  # as if killed
+            return tx
+
+    tx = arun(first())
+
+    async def restart():
+        async with running_broker(data, clock=clock, check_interval_s=3600, index_snapshot_records=0) as b:
+            return b.core.tx.index.outcome(tx).label
+
+    assert arun(restart()) == "pending"
