@@ -69,6 +69,7 @@ class CheckService:
         self.next_pass_at: float = 0.0
         self._pass_lock = asyncio.Lock()
         self._pack = msgpack.Packer(use_bin_type=True).pack  # check copies' properties
+        self._stuck: list[int] = []  # half offsets of pending halves this batch could not read
 
     # ---- settings ---------------------------------------------------------
     def set(self, key: str, value: Any) -> tuple[Any, Any]:
@@ -141,7 +142,8 @@ class CheckService:
         half_max = store.queue_max_offset(HALF_TOPIC, 0)
         start = max(self.progress.half, store.queue_min_offset(HALF_TOPIC, 0))
         blocked: int | None = None  # first offset the progress cannot pass
-        stats = {"walked": 0, "checked": 0, "discarded": 0, "no_producer": 0, "immune": 0}
+        self._stuck.clear()  # left by a check_now between passes: that one is seen again below
+        stats = {"walked": 0, "checked": 0, "discarded": 0, "no_producer": 0, "immune": 0, "unreadable": 0}
         qo = start
         stop = False
         batch = max(1, core.config.check_batch)
@@ -208,8 +210,14 @@ class CheckService:
                 await self._discard(to_discard)
                 stats["discarded"] += len(to_discard)
             if to_check:
+                unread = len(self._stuck)
                 await self._check(to_check, now_ms)
-                stats["checked"] += len(to_check)
+                stats["checked"] += len(to_check) - (len(self._stuck) - unread)
+            if self._stuck:  # records _read or _check could not use: still pending
+                first_stuck = min(self._stuck)
+                blocked = first_stuck if blocked is None else min(blocked, first_stuck)
+                stats["unreadable"] += len(self._stuck)
+                self._stuck.clear()
             qo = end
             await asyncio.sleep(0)  # let sends through between batches
         new_half = blocked if blocked is not None else qo
@@ -253,8 +261,18 @@ class CheckService:
                 try:
                     out.append((it, store.read_many([it[0].cl_offset], raw)[0]))
                 except Exception as exc:
-                    log.error("event=check_read_failed tx_id=%s cl_offset=%d error=%r", it[0].tx_id, it[0].cl_offset, exc)
+                    self._unreadable(it[0], exc)
             return out
+
+    def _unreadable(self, p: PendingTx, exc: BaseException) -> None:
+        """p's half record could not be read or decoded: log it, show it, and hold the progress before it.
+
+        The transaction is still pending; moving the half progress past it
+        would make a rebuild after a crash forget it.
+        """
+        log.error("event=check_read_failed tx_id=%s cl_offset=%d error=%r", p.tx_id, p.cl_offset, exc)
+        p.last_check_result = f"unreadable: {exc!r}"[:200]
+        self._stuck.append(p.half_offset)
 
     async def _check(self, items: list[tuple[PendingTx, Any]], now_ms: int) -> None:
         """Re-append each half with its check count + 1, then push a check-back for the copy.
@@ -282,7 +300,7 @@ class CheckService:
                     if type(props) is not dict:
                         raise ValueError("properties are not a map")
                 except Exception as exc:
-                    log.error("event=check_read_failed tx_id=%s cl_offset=%d error=%r", p.tx_id, p.cl_offset, exc)
+                    self._unreadable(p, exc)
                     continue
                 copy_properties(props, p.cl_offset)
                 props[PROP_CHECK_TIMES] = str(checks)

@@ -278,3 +278,43 @@ def test_a_replayed_transaction_checked_again_is_still_pending_after_a_crash(tmp
             return b.core.tx.index.outcome(tx).label
 
     assert arun(restart()) == "pending"
+
+
+def test_a_half_the_check_service_cannot_read_holds_the_progress(tmp_path):
+    """Found by review: an unreadable pending half was skipped and the progress moved past it,
+    so a rebuild after a crash (which reads halves from the progress) would forget it."""
+    from txmq.broker.clock import ManualClock
+    from txmq.store import CorruptRecordError
+
+    clock = ManualClock()
+
+    async def go():
+        async with running_broker(tmp_path / "data", clock=clock, check_interval_s=3600) as b:
+            c = await RawClient.open(b.address)
+            await c.ok("hello", {"producer_groups": ["g"]})
+            hs = [await c.ok("send", {"topic": "t", "body": b"m%d" % i, "properties": {"TRAN_MSG": "true", "PGROUP": "g"}})
+                  for i in range(3)]
+            bad = hs[1]["commit_log_offset"]
+            store = b.core.store
+            real = store.read_many
+
+            def read_many(offsets, raw=False):
+                if bad in offsets:
+                    raise CorruptRecordError(f"crc mismatch at {bad}")
+                return real(offsets, raw)
+
+            store.read_many = read_many
+            clock.advance(10)
+            r = await b.core.check.run_pass()
+            assert (r["checked"], r["unreadable"]) == (2, 1)
+            assert b.core.check.progress.half == hs[1]["half_offset"]  # not past the unreadable one
+            p = b.core.tx.index.pending[hs[1]["tx_id"]]
+            assert p.last_check_result.startswith("unreadable") and p.checks == 0
+            store.read_many = real  # readable again: the next pass checks it and moves on
+            clock.advance(10)
+            r = await b.core.check.run_pass()
+            assert r["unreadable"] == 0 and p.checks == 1
+            assert b.core.check.progress.half > hs[2]["half_offset"]
+            await c.close()
+
+    arun(go())
