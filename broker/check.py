@@ -385,7 +385,10 @@ class CheckService:
         if conn is None:
             p.last_check_result = "no producer online"
             raise TxmqError(f"no producer of group {p.group!r} is online", ErrorCode.NO_PRODUCER)
+        stuck = len(self._stuck)
         await self._check([(p, conn)], int(self.core.clock() * 1000))
+        if len(self._stuck) > stuck:
+            raise TxmqError(f"the half message of {tx_id} could not be read ({p.last_check_result})", ErrorCode.STORE_ERROR)
         log.info("event=operator_check_now tx_id=%s group=%s checks=%d", tx_id, p.group, p.checks)
         return {"sent": True, "message": f"check-back sent to a producer of {p.group}"}
 
