@@ -318,7 +318,10 @@ class BrokerCore:
             if res.status is not GetStatus.NO_MESSAGE or wait_ms <= 0 or self.draining:
                 break
             remaining = deadline - loop.time()
-            if remaining <= 0:
+            # uvloop's clock and timers have millisecond resolution: a wait of
+            # less than that fires at once with the clock unchanged, and the
+            # loop would spin (re-reading the queue) until the clock ticks.
+            if remaining < 0.001:
                 break
             fut = loop.create_future()
             self._pollers[(topic, queue_id)].append(fut)
