@@ -74,31 +74,28 @@ def patch_properties(raw, cl_offset: int, origin: int, checks_now: int, checks_n
     b = bytes(raw)
     if b.find(_K_TAGS) >= 0:  # not `in`: bytes.__contains__ tries the key as an int first and pays for a TypeError
         return None
-    if checks_now > 0 and 0 < checks_now < 63 and b and 0x80 <= b[0] <= 0x8F:
-        # The common case, a later copy whose map has a one-byte header,
-        # without the function calls of the general path below (this runs
-        # once per check-back).
-        now = _CHECK_ENTRIES[checks_now]
-        cut = len(b) - len(now)
-        if b.endswith(now) and b.endswith(_K_ORIGIN + _pack(str(origin)), 0, cut):
-            return b[:cut] + _CHECK_ENTRIES[checks_new] if checks_new < 64 else b[:cut] + _check_entry(checks_new)
-    head = _map_header(b)
-    if head is None:
-        return None
-    n, start = head
+    entries = _CHECK_ENTRIES
     if checks_now > 0:
         # A check copy ends with the origin and then the count (both paths put
         # them there) and holds no discard reason (both paths drop it). A
         # replay mark, which copies keep, stays where it is on both paths
-        # (usually last, which sends the copy to the dict path). Property values are valid UTF-8: this suffix cannot be
-        # the end of a value. The map keeps its size, so a canonical header
-        # (what both paths write) stays as it is.
-        now = _check_entry(checks_now)
+        # (usually last, which sends the copy to the dict path). Property
+        # values are valid UTF-8: this suffix cannot be the end of a value.
+        # The map keeps its size, so its header stays as it is when canonical
+        # (what both paths write; a one-byte fixmap in the common case).
+        # Inlined list lookups instead of _check_entry: this runs per check-back.
+        now = entries[checks_now] if checks_now < 64 else _check_entry(checks_now)
         cut = len(b) - len(now)
         if b.endswith(now) and b.endswith(_K_ORIGIN + _pack(str(origin)), 0, cut):
-            if start == 1:
-                return b[:cut] + _check_entry(checks_new)
-            return _pack_map_header(n) + b[start:cut] + _check_entry(checks_new)
+            new = entries[checks_new] if checks_new < 64 else _check_entry(checks_new)
+            if 0x80 <= b[0] <= 0x8F:
+                return b[:cut] + new
+            head = _map_header(b)
+            return None if head is None else _pack_map_header(head[0]) + b[head[1]:cut] + new
+    head = _map_header(b)
+    if head is None:
+        return None
+    n, start = head
     for k in _FIRST_COPY_SLOW:
         if b.find(k) >= 0:
             return None

@@ -125,22 +125,21 @@ class Broker:
             report = core.recovery
             if report is not None and report.scanned_from < core.store.max_offset:
                 await core.tx.repair_commits(core.store.scan(report.scanned_from))
-        except BaseException as exc:
-            if gc_was_enabled:
-                gc.enable()
-            if not isinstance(exc, Exception):  # cancelled (a shutdown while rebuilding)
-                raise
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
             # Transactional requests get this error instead of waiting forever;
             # plain traffic goes on. The log is not touched: fix the cause, restart.
             log.exception("event=txindex_rebuild_failed")
             core.tx_error = TxmqError(f"the transaction index could not be rebuilt ({exc!r}); transactional operations are unavailable until a restart", ErrorCode.STORE_ERROR)
             core.tx_ready.set()
             return
+        finally:
+            if gc_was_enabled:
+                gc.enable()
         # The index can hold millions of long-lived objects: take them out of
         # the cyclic GC's reach so full collections don't stall the loop.
         gc.freeze()
-        if gc_was_enabled:
-            gc.enable()
         core.tx_ready.set()
         core.check.start()
         log.info("event=broker_ready pending=%d decided=%d took_s=%.3f", len(index.pending), len(index.decided), time.perf_counter() - t0)
