@@ -9,13 +9,16 @@ ARGS   ?=
 
 .PHONY: run test test-fast fault-long binary bench completions clean
 
-$(VENV)/.installed: pyproject.toml
+# The compiled speed-ups (setup.py) are rebuilt when their sources change.
+SPEEDUPS_SRC = setup.py store/_speedups.pyx broker/_speedups.pyx
+
+$(VENV)/.installed: pyproject.toml $(SPEEDUPS_SRC)
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -e .
 	touch $@
 
-$(VENV)/.installed-test: $(VENV)/.installed pyproject.toml
+$(VENV)/.installed-test: $(VENV)/.installed pyproject.toml $(SPEEDUPS_SRC)
 	$(PIP) install -q -e '.[test,spark]'
 	touch $@
 

@@ -23,6 +23,7 @@ tests/test_checkcopy.py holds both to their dict-path equivalents.
 
 from __future__ import annotations
 
+import os
 import struct
 
 import msgpack
@@ -87,7 +88,7 @@ def patch_properties(raw, cl_offset: int, origin: int, checks_now: int, checks_n
         now = entries[checks_now] if checks_now < 64 else _check_entry(checks_now)
         cut = len(b) - len(now)
         if b.endswith(now) and b.endswith(_K_ORIGIN + _pack(str(origin)), 0, cut):
-            new = entries[checks_new] if checks_new < 64 else _check_entry(checks_new)
+            new = entries[checks_new] if 0 <= checks_new < 64 else _check_entry(checks_new)
             if 0x80 <= b[0] <= 0x8F:
                 return b[:cut] + new
             head = _map_header(b)
@@ -160,3 +161,22 @@ def check_push(group_packed: bytes, tx_id: str, cl: int, qoff: int, size: int, b
 pack_group = _pack
 # Bytes of every frame whatever its fields: prefix, keys, the packed integers.
 _FIXED = len(_PREFIX) + len(_K_TX_ID) + _INTS.size + len(_CONST_TAIL) + len(_K_PROPS) + len(_K_BODY)
+
+
+# ---- compiled speed-ups ---------------------------------------------------------------
+# broker/_speedups.pyx holds compiled versions of patch_properties and
+# check_push, built by `pip install` when the machine can (setup.py). They
+# take every byte constant from here and give the same bytes
+# (tests/test_speedups.py). TXMQ_PURE_PYTHON=1 turns them off.
+patch_properties_py, check_push_py = patch_properties, check_push
+speedups = None
+if not os.environ.get("TXMQ_PURE_PYTHON"):
+    try:
+        from . import _speedups as speedups  # type: ignore[no-redef]
+    except ImportError:  # not built here: the Python versions serve
+        speedups = None
+if speedups is not None:
+    speedups.configure(_K_TAGS, _K_CHECK, _K_ORIGIN, _FIRST_COPY_SLOW, _PREFIX, _K_TX_ID, _KEY_BYTES,
+                       _INT_KEYS.index("message"), _CONST_TAIL, _K_PROPS, _K_BODY)
+    patch_properties = speedups.patch_properties  # noqa: F811
+    check_push = speedups.check_push  # noqa: F811

@@ -76,6 +76,15 @@ def record_to_map(rec: Record) -> dict[str, Any]:
     }
 
 
+def speedups_in_use() -> str:
+    """"native" when both compiled speed-ups are loaded (setup.py), else "python"."""
+    from txmq.store import codec
+
+    from . import checkcopy
+
+    return "native" if codec.speedups is not None and checkcopy.speedups is not None else "python"
+
+
 class Appender:
     """Batches appends submitted in one loop iteration into one store.append.
 
@@ -378,6 +387,7 @@ class BrokerCore:
             "topics": len([t for t in self.topics.all() if not is_system_topic(t)]),
             "producer_groups": self.registry.groups(),
             "auth": bool(self.config.auth_token),
+            "speedups": speedups_in_use(),
             "counters": self.metrics.snapshot(),
         }
 

@@ -27,7 +27,7 @@ from .check import CheckProgress, CheckService
 from .clock import Clock
 from .config import BrokerConfig, CheckSettings
 from .connection import BrokerConnection
-from .core import BrokerCore
+from .core import BrokerCore, speedups_in_use
 from .tx import TransactionService
 from .txindex import (
     SNAPSHOT_FILE, TxIndex, boundary_ok, fork_snapshot, load_snapshot, rebuild_steps, save_snapshot, snapshot_header,
@@ -150,7 +150,8 @@ class Broker:
         loop = asyncio.get_running_loop()
         self.server = await loop.create_server(lambda: BrokerConnection(self.core, self.state), sock=sock, backlog=2048)
         host, port = sock.getsockname()[:2]
-        log.info("event=listening host=%s port=%d flush=%s data_dir=%s", host, port, self.config.flush, self.core.data_dir)
+        log.info("event=listening host=%s port=%d flush=%s data_dir=%s speedups=%s", host, port, self.config.flush, self.core.data_dir,
+                 speedups_in_use())
         self.ready.set()
         try:
             await (shutdown or asyncio.Event()).wait()

@@ -30,6 +30,7 @@ at 12345"``. Nothing here raises on arbitrary input bytes.
 
 from __future__ import annotations
 
+import os
 import struct
 import zlib
 from dataclasses import dataclass
@@ -181,6 +182,18 @@ def encode_parts(
     return _HEAD.pack(HEADER_SIZE + len(topic) + len(props) + len(body), MAGIC, crc), tail
 
 
+def encode_raw(pos: int, tx_type: int, topic: bytes, queue_id: int, queue_offset: int, born_ts: int, store_ts: int,
+               prepared_offset: int, props: bytes, body, body_start: int) -> bytes:
+    """One whole record from its fields, the body being ``body[body_start:]``: Store.append's per-record encoder.
+
+    Replaced by the compiled version when there is one (end of this module);
+    Store.append inlines this Python version when there is not.
+    """
+    b = memoryview(body)[body_start:] if body_start else body
+    head, tail = encode_parts(pos, topic, queue_id, queue_offset, tx_type, born_ts, store_ts, prepared_offset, props, b)
+    return b"".join((head, tail, topic, props, b))
+
+
 def encode_record(msg: Message, commit_log_offset: int, queue_offset: int, store_ts: int) -> bytes:
     """One record's bytes (the store batches records itself; this is for tests and tools)."""
     topic = msg.topic.encode()
@@ -244,7 +257,8 @@ def valid_header(buf, pos: int, expected_offset: int, mv: memoryview | None) -> 
 
     The common case in one header unpack; ``check_record`` names the
     problem when there is one. Readers that go on to use the header's fields
-    (``read_many(..., raw=True)`` for RawCopy) keep the tuple.
+    (``read_many(..., raw=True)`` for RawCopy) keep the tuple. Replaced by
+    the compiled version when there is one (end of this module).
     """
     try:
         h = _HEADER_UNPACK(buf, pos)
@@ -312,3 +326,20 @@ def record_problem(buf, pos: int, expected_offset: int) -> str | None:
     """Why the record at buf[pos:] is invalid, or None when it is valid."""
     rec = decode(buf, pos, expected_offset)
     return rec if type(rec) is str else None
+
+
+# ---- compiled speed-ups ---------------------------------------------------------------
+# store/_speedups.pyx holds compiled versions of valid_header and encode_raw,
+# built by `pip install` when the machine can (setup.py); they give the same
+# results (tests/test_speedups.py). TXMQ_PURE_PYTHON=1 turns them off.
+valid_header_py, encode_raw_py = valid_header, encode_raw
+speedups = None
+if not os.environ.get("TXMQ_PURE_PYTHON"):
+    try:
+        from . import _speedups as speedups  # type: ignore[no-redef]
+    except ImportError:  # not built here: the Python versions serve
+        speedups = None
+if speedups is not None:
+    speedups.configure(_N_TX)
+    valid_header = speedups.valid_header  # noqa: F811
+    encode_raw = speedups.encode_raw  # noqa: F811

@@ -120,7 +120,8 @@ def status(broker: BrokerOpt = "127.0.0.1:10911", token: TokenOpt = None, output
         "status": "up", "address": broker, "version": info["version"], "uptime_s": info["uptime_s"],
         "flush": info["flush"], "data_dir": info["data_dir"], "connections": info["connections"],
         "topics": info["topics"], "max_offset": info["max_offset"], "durable_offset": info["durable_offset"],
-        "producer_groups": info["producer_groups"], "auth": info["auth"], "rtt_ms": round(rtt_ms, 2),
+        "producer_groups": info["producer_groups"], "auth": info["auth"], "speedups": info.get("speedups", "unknown"),
+        "rtt_ms": round(rtt_ms, 2),
         "messages_sent": counters.get("messages_sent", 0), "half_stored": counters.get("half_stored", 0),
     }
     kv_table(row, output, title=f"txmq broker at {broker}")
