@@ -24,11 +24,13 @@ from typing import Any, Callable, Sequence
 from txmq import __version__
 from txmq.constants import PROP_UNIQ_KEY, is_system_topic
 from txmq.store import (
+    HEADER_SIZE,
     AppendResult,
     ConsumerOffsets,
     GetResult,
     GetStatus,
     Message,
+    RawCopy,
     Record,
     RecordTooLargeError,
     Store,
@@ -36,6 +38,7 @@ from txmq.store import (
     StoreError,
     StoreFullError,
 )
+from txmq.store.codec import HEADER
 from txmq.wire import ErrorCode, TxmqError
 
 from .clock import Clock
@@ -295,12 +298,23 @@ class BrokerCore:
             raise TxmqError(f"queue {queue_id} does not exist: topic {topic} has {n} queues", ErrorCode.NO_SUCH_QUEUE)
         return queue_id
 
-    def notify_appended(self, msgs: Sequence[Message]) -> None:
-        """Wake the long polls waiting on the queues these messages went to."""
+    def notify_appended(self, msgs: Sequence[Message | RawCopy]) -> None:
+        """Wake the long polls waiting on the queues these messages went to.
+
+        A batch can hold check copies (RawCopy: the queue is its source
+        record's), written together with sends to the queues being polled.
+        """
         pollers = self._pollers
         if not pollers:
             return
-        for key in {(m.topic, m.queue_id) for m in msgs}:
+        keys = set()
+        for m in msgs:
+            if type(m) is RawCopy:
+                h = m.header or HEADER.unpack_from(m.source)
+                keys.add((str(m.source[HEADER_SIZE : HEADER_SIZE + h[6]], "utf-8"), h[7]))
+            else:
+                keys.add((m.topic, m.queue_id))
+        for key in keys:
             for fut in pollers.pop(key, ()):
                 if not fut.done():
                     fut.set_result(None)

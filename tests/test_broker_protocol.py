@@ -161,6 +161,42 @@ def test_long_poll_wakes_on_new_message(tmp_path):
     arun(go())
 
 
+def test_long_poll_is_woken_by_a_send_written_with_check_copies(tmp_path):
+    """A send appended in the same batch as a check copy (a RawCopy, which has no .topic) still wakes its long poll."""
+    from txmq.store import Message, TxType
+
+    class Dropping:
+        conn_id = -1
+
+        def writable(self):
+            return True
+
+        def send_frame(self, frame):
+            pass
+
+    async def go():
+        async with running_broker(tmp_path / "d") as b:
+            core = b.core
+            c = await RawClient.open(b.address)
+            await c.ok("create_topic", {"topic": "lp", "queues": 1})
+            half = await core.tx.send_half("t", None, b"x", {"PGROUP": "g"}, 1)
+            core.registry.register("g", Dropping())
+            poll = asyncio.create_task(c.req("pull", {"topic": "lp", "queue_id": 0, "offset": 0, "wait_ms": 5000}))
+            await asyncio.sleep(0.1)
+            t0 = asyncio.get_running_loop().time()
+            check = asyncio.ensure_future(core.check.check_now(half["tx_id"]))
+            await asyncio.sleep(0)  # check_now has submitted its copy; the batch is not written yet
+            sent = core.appender.submit([Message("lp", 0, TxType.NORMAL, 1, {}, b"hello")])
+            await check
+            await sent
+            code, r = await poll
+            assert code == 0 and r["status"] == "found" and [m["body"] for m in r["messages"]] == [b"hello"]
+            assert asyncio.get_running_loop().time() - t0 < 2.0  # woken, not answered at the 5 s deadline
+            await c.close()
+
+    arun(go())
+
+
 def test_long_poll_is_not_woken_by_other_queues(tmp_path):
     async def go():
         async with running_broker(tmp_path / "d") as b:
