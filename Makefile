@@ -51,4 +51,5 @@ completions: $(VENV)/.installed
 	PYTHON=$(PY) sh scripts/gen-completions.sh
 
 clean:
-	rm -rf build dist *.egg-info .pytest_cache
+	rm -rf build dist *.egg-info .pytest_cache store/_speedups.c broker/_speedups.c store/_speedups.*.so broker/_speedups.*.so \
+		$(VENV)/.installed $(VENV)/.installed-test

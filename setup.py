@@ -19,19 +19,28 @@ SPEEDUPS = [("txmq.store._speedups", "store/_speedups.pyx"), ("txmq.broker._spee
 
 
 class OptionalBuildExt(build_ext):
-    """Build the speed-ups if this machine can; never fail the install because of them."""
+    """Build the speed-ups this machine can build; never fail the install because of them.
+
+    Each extension is tried alone and dropped from the list when it fails,
+    so the others are still built and (editable installs) copied in place.
+    """
 
     def run(self) -> None:
         try:
             super().run()
-        except Exception as exc:  # no compiler, no headers: the pure-Python paths serve
+        except Exception as exc:  # e.g. no usable compiler at all: the pure-Python paths serve
             print(f"txmq: compiled speed-ups not built ({exc}); using the pure-Python code", file=sys.stderr)
 
-    def build_extension(self, ext) -> None:
-        try:
-            super().build_extension(ext)
-        except Exception as exc:
-            print(f"txmq: {ext.name} not built ({exc}); using the pure-Python code", file=sys.stderr)
+    def build_extensions(self) -> None:
+        built = []
+        for ext in self.extensions:
+            try:
+                self.build_extension(ext)
+            except Exception as exc:
+                print(f"txmq: {ext.name} not built ({exc}); using the pure-Python code", file=sys.stderr)
+            else:
+                built.append(ext)
+        self.extensions = built
 
 
 def extensions() -> list:

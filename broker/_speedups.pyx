@@ -3,7 +3,7 @@
 
 Optional, like ``txmq.store._speedups``: ``checkcopy`` uses these when the
 extension was built and its own Python functions otherwise (or when
-``TXMQ_PURE_PYTHON`` is set). They give the same bytes for every input;
+``TXMQ_PURE_PYTHON`` is set). They give the same bytes for every input the callers pass (bytes, int64s);
 ``tests/test_speedups.py`` holds them equal with hypothesis. Every byte
 constant (map keys, the frame prefix) comes from ``checkcopy`` through
 ``configure``, so the wire layout is written down once, in Python.
@@ -34,15 +34,18 @@ cdef int MSG_INDEX = -1  # the one key of INT_KEYS followed by a map header, not
 cdef bint configured = False
 
 
-def configure(bytes k_tags, bytes k_check, bytes k_origin, tuple first_copy_slow, bytes prefix, bytes k_tx_id,
-              list int_keys, int msg_index, bytes const_tail, bytes k_props, bytes k_body):
+def configure(bytes k_tags not None, bytes k_check not None, bytes k_origin not None, tuple first_copy_slow not None,
+              bytes prefix not None, bytes k_tx_id not None, list int_keys not None, int msg_index,
+              bytes const_tail not None, bytes k_props not None, bytes k_body not None):
     global K_TAGS, K_CHECK, K_ORIGIN, FIRST_COPY_SLOW, PREFIX, K_TX_ID, INT_KEYS, MSG_INDEX, CONST_TAIL, K_PROPS, K_BODY, configured
-    if len(int_keys) != 9 or not 0 <= msg_index < 9:
-        raise ValueError("check_push expects 9 keys, one of them the message map")
+    if len(int_keys) != 9 or msg_index != 2:
+        raise ValueError("check_push expects 9 keys, the third of them the message map")
+    if not all(type(k) is bytes for k in (*first_copy_slow, *int_keys)):
+        raise TypeError("every key must be bytes")
     if len(k_check) > 64 or len(k_origin) > 64:
         raise ValueError("property keys this long do not fit the fixed buffers")
     K_TAGS, K_CHECK, K_ORIGIN, FIRST_COPY_SLOW = k_tags, k_check, k_origin, first_copy_slow
-    PREFIX, K_TX_ID, INT_KEYS, MSG_INDEX = prefix, k_tx_id, [bytes(k) for k in int_keys], msg_index
+    PREFIX, K_TX_ID, INT_KEYS, MSG_INDEX = prefix, k_tx_id, list(int_keys), msg_index
     CONST_TAIL, K_PROPS, K_BODY = const_tail, k_props, k_body
     configured = True
 
@@ -62,21 +65,26 @@ cdef inline Py_ssize_t _str_digits(char *out, int64_t v) noexcept:
     return k + 1
 
 
+cdef inline char *_put_be(char *o, int width, uint64_t n) noexcept:
+    """n as a big-endian integer of width bytes; returns the end."""
+    cdef int i
+    for i in range(width):
+        o[i] = <char>(n >> (8 * (width - 1 - i)))
+    return o + width
+
+
+cdef inline Py_ssize_t _sized(char *o, unsigned char marker, int width, uint64_t n) noexcept:
+    """A msgpack marker byte, then n as a big-endian integer of width bytes; returns 1 + width."""
+    o[0] = <char>marker
+    _put_be(o + 1, width, n)
+    return 1 + width
+
+
 cdef inline Py_ssize_t _map_header(char *out, uint64_t n) noexcept:
     if n < 16:
-        out[0] = <char>(0x80 | n)
+        out[0] = <char>(0x80 | n)  # fixmap
         return 1
-    if n < 0x10000:
-        out[0] = <char>0xDE
-        out[1] = <char>(n >> 8)
-        out[2] = <char>n
-        return 3
-    out[0] = <char>0xDF
-    out[1] = <char>(n >> 24)
-    out[2] = <char>(n >> 16)
-    out[3] = <char>(n >> 8)
-    out[4] = <char>n
-    return 5
+    return _sized(out, 0xDE, 2, n) if n < 0x10000 else _sized(out, 0xDF, 4, n)
 
 
 cdef inline Py_ssize_t _check_entry(char *out, int64_t n) noexcept:
@@ -95,17 +103,22 @@ cdef object _join3(const char *a, Py_ssize_t an, const unsigned char *b, Py_ssiz
     return out
 
 
-def patch_properties(object raw, int64_t cl_offset, int64_t origin, int64_t checks_now, int64_t checks_new):
+def patch_properties(object raw, object cl_offset_, object origin_, object checks_now_, object checks_new_):
     """checkcopy.patch_properties: the check copy's packed properties, or None for the dict path."""
     cdef Py_buffer view
     cdef const unsigned char *b
     cdef Py_ssize_t n, cut, start, hl, nl, ol
+    cdef int64_t cl_offset, origin, checks_now, checks_new
     cdef uint64_t entries
     cdef char now[96]
     cdef char tail[192]
     cdef char head[5]
     if not configured:
         raise RuntimeError("txmq.broker._speedups.configure() was not called")
+    try:
+        cl_offset, origin, checks_now, checks_new = cl_offset_, origin_, checks_now_, checks_new_
+    except OverflowError:  # not an int64: the dict path (its result is what the Python version would give)
+        return None
     PyObject_GetBuffer(raw, &view, PyBUF_SIMPLE)
     try:
         b = <const unsigned char *>view.buf
@@ -168,54 +181,22 @@ cdef inline char *_put_bytes(char *o, bytes s) noexcept:
     return o + n
 
 
-cdef inline char *_put_be64(char *o, int64_t v) noexcept:
-    cdef uint64_t u = <uint64_t>v
-    cdef int i
-    for i in range(8):
-        o[i] = <char>(u >> (56 - 8 * i))
-    return o + 8
-
-
 cdef inline Py_ssize_t _str_header(char *o, Py_ssize_t n) noexcept:
     if n < 32:
-        o[0] = <char>(0xA0 | n)
+        o[0] = <char>(0xA0 | n)  # fixstr
         return 1
     if n < 0x100:
-        o[0] = <char>0xD9
-        o[1] = <char>n
-        return 2
-    if n < 0x10000:
-        o[0] = <char>0xDA
-        o[1] = <char>(n >> 8)
-        o[2] = <char>n
-        return 3
-    o[0] = <char>0xDB
-    o[1] = <char>(n >> 24)
-    o[2] = <char>(n >> 16)
-    o[3] = <char>(n >> 8)
-    o[4] = <char>n
-    return 5
+        return _sized(o, 0xD9, 1, n)
+    return _sized(o, 0xDA, 2, n) if n < 0x10000 else _sized(o, 0xDB, 4, n)
 
 
 cdef inline Py_ssize_t _bin_header(char *o, Py_ssize_t n) noexcept:
     if n < 0x100:
-        o[0] = <char>0xC4
-        o[1] = <char>n
-        return 2
-    if n < 0x10000:
-        o[0] = <char>0xC5
-        o[1] = <char>(n >> 8)
-        o[2] = <char>n
-        return 3
-    o[0] = <char>0xC6
-    o[1] = <char>(n >> 24)
-    o[2] = <char>(n >> 16)
-    o[3] = <char>(n >> 8)
-    o[4] = <char>n
-    return 5
+        return _sized(o, 0xC4, 1, n)
+    return _sized(o, 0xC5, 2, n) if n < 0x10000 else _sized(o, 0xC6, 4, n)
 
 
-def check_push(bytes group_packed, str tx_id, int64_t cl, int64_t qoff, int64_t size, int64_t born, int64_t store_ts,
+def check_push(bytes group_packed not None, str tx_id not None, int64_t cl, int64_t qoff, int64_t size, int64_t born, int64_t store_ts,
                int64_t prep, object props_raw, object body):
     """checkcopy.check_push: the whole check_transaction push frame, length prefix included."""
     cdef Py_buffer pv, bv
@@ -249,11 +230,7 @@ def check_push(bytes group_packed, str tx_id, int64_t cl, int64_t qoff, int64_t 
                 raise ValueError("frame too long")
             out = PyBytes_FromStringAndSize(NULL, 4 + payload)
             o = PyBytes_AS_STRING(out)
-            o[0] = <char>(payload >> 24)
-            o[1] = <char>(payload >> 16)
-            o[2] = <char>(payload >> 8)
-            o[3] = <char>payload
-            o += 4
+            o = _put_be(o, 4, payload)  # the frame's length prefix
             o = _put_bytes(o, PREFIX)
             o = _put_bytes(o, group_packed)
             o = _put_bytes(o, K_TX_ID)
@@ -266,7 +243,7 @@ def check_push(bytes group_packed, str tx_id, int64_t cl, int64_t qoff, int64_t 
                     o += 1
                 else:
                     o[0] = <char>0xD3  # int64
-                    o = _put_be64(o + 1, vals[i])
+                    o = _put_be(o + 1, 8, <uint64_t>vals[i])
             o = _put_bytes(o, CONST_TAIL)
             memcpy(o, txh, txhl); o += txhl
             memcpy(o, txs, txn); o += txn

@@ -23,7 +23,6 @@ tests/test_checkcopy.py holds both to their dict-path equivalents.
 
 from __future__ import annotations
 
-import os
 import struct
 
 import msgpack
@@ -36,7 +35,7 @@ from txmq.constants import (
     PROP_ORIGIN_CL_OFFSET,
     PROP_REPLAYED,
 )
-from txmq.store.codec import TAGS_PROPERTY, TxType
+from txmq.store.codec import TAGS_PROPERTY, TxType, optional_speedups
 
 _pack = msgpack.Packer(use_bin_type=True).pack
 _pack_map_header = msgpack.Packer(use_bin_type=True).pack_map_header
@@ -165,18 +164,11 @@ _FIXED = len(_PREFIX) + len(_K_TX_ID) + _INTS.size + len(_CONST_TAIL) + len(_K_P
 
 # ---- compiled speed-ups ---------------------------------------------------------------
 # broker/_speedups.pyx holds compiled versions of patch_properties and
-# check_push, built by `pip install` when the machine can (setup.py). They
-# take every byte constant from here and give the same bytes
-# (tests/test_speedups.py). TXMQ_PURE_PYTHON=1 turns them off.
+# check_push; they take every byte constant from here and give the same
+# bytes (tests/test_speedups.py).
 patch_properties_py, check_push_py = patch_properties, check_push
-speedups = None
-if not os.environ.get("TXMQ_PURE_PYTHON"):
-    try:
-        from . import _speedups as speedups  # type: ignore[no-redef]
-    except ImportError:  # not built here: the Python versions serve
-        speedups = None
+speedups = optional_speedups(__package__ + "._speedups", _K_TAGS, _K_CHECK, _K_ORIGIN, _FIRST_COPY_SLOW, _PREFIX, _K_TX_ID,
+                             _KEY_BYTES, _INT_KEYS.index("message"), _CONST_TAIL, _K_PROPS, _K_BODY)
 if speedups is not None:
-    speedups.configure(_K_TAGS, _K_CHECK, _K_ORIGIN, _FIRST_COPY_SLOW, _PREFIX, _K_TX_ID, _KEY_BYTES,
-                       _INT_KEYS.index("message"), _CONST_TAIL, _K_PROPS, _K_BODY)
     patch_properties = speedups.patch_properties  # noqa: F811
     check_push = speedups.check_push  # noqa: F811

@@ -142,11 +142,21 @@ def reopens(d: Decided, mark: str | None) -> bool:
     return d.outcome is Outcome.DISCARDED and mark is not None and (mark == str(d.cl_offset) or mark == "1")
 
 
+_I64_MIN, _I64_MAX = -(1 << 63), (1 << 63) - 1
+
+
 def _int(v: str | None, default: int) -> int:
+    """A producer-set numeric property, or default when absent, not a number, or outside int64.
+
+    Offsets and counts are int64 everywhere else (the record header, the
+    snapshot, the compiled check path): a value a client wrote that cannot
+    be one is treated as absent, never carried into them.
+    """
     try:
-        return int(v) if v is not None else default
+        n = int(v) if v is not None else default
     except ValueError:
         return default
+    return n if _I64_MIN <= n <= _I64_MAX else default
 
 
 def _float(v: str) -> float | None:

@@ -4,7 +4,8 @@
 Optional: ``txmq.store.codec`` uses these when the extension was built
 (``pip install`` compiles it with Cython when a C compiler and zlib's header
 are present) and its own Python code otherwise, or when ``TXMQ_PURE_PYTHON``
-is set. Both give the same bytes and the same answers for every input:
+is set. Both give the same bytes and the same answers for every input the store
+passes (bytes, int64 fields, a body_start inside the body):
 ``tests/test_speedups.py`` holds them equal with hypothesis. The record
 layout is documented in ``codec.py`` and ``docs/store-format.md``; nothing
 here decides it, it only writes and checks it faster.
@@ -94,8 +95,8 @@ def valid_header(object buf, Py_ssize_t pos, int64_t expected_offset, object mv)
         PyBuffer_Release(&view)
 
 
-def encode_raw(int64_t pos, unsigned char tx_type, bytes tb, int32_t qid, int64_t q, int64_t born, int64_t store_ts,
-                  int64_t prep, bytes pb, object body, Py_ssize_t body_start):
+def encode_raw(int64_t pos, unsigned char tx_type, bytes tb not None, int32_t qid, int64_t q, int64_t born, int64_t store_ts,
+                  int64_t prep, bytes pb not None, object body, Py_ssize_t body_start):
     """codec.encode_raw: one whole record (header, topic, properties, body[body_start:]) as bytes."""
     cdef Py_buffer bv
     cdef Py_ssize_t plen = len(pb), blen, total

@@ -30,8 +30,10 @@ at 12345"``. Nothing here raises on arbitrary input bytes.
 
 from __future__ import annotations
 
+import importlib
 import os
 import struct
+import warnings
 import zlib
 from dataclasses import dataclass
 from enum import IntEnum
@@ -329,17 +331,34 @@ def record_problem(buf, pos: int, expected_offset: int) -> str | None:
 
 
 # ---- compiled speed-ups ---------------------------------------------------------------
-# store/_speedups.pyx holds compiled versions of valid_header and encode_raw,
-# built by `pip install` when the machine can (setup.py); they give the same
-# results (tests/test_speedups.py). TXMQ_PURE_PYTHON=1 turns them off.
-valid_header_py, encode_raw_py = valid_header, encode_raw
-speedups = None
-if not os.environ.get("TXMQ_PURE_PYTHON"):
+def optional_speedups(name: str, *config):
+    """The compiled module ``name`` configured with ``config`` (README "Compiled speed-ups"), or None.
+
+    None when it was not built on this machine (setup.py builds it when it
+    can), when TXMQ_PURE_PYTHON is set, or when it does not load or accept
+    its configuration (a stale build from older sources): the caller's
+    Python versions of the same functions then serve, giving the same
+    results.
+    """
+    if os.environ.get("TXMQ_PURE_PYTHON"):
+        return None
     try:
-        from . import _speedups as speedups  # type: ignore[no-redef]
-    except ImportError:  # not built here: the Python versions serve
-        speedups = None
+        mod = importlib.import_module(name)
+    except ImportError:
+        return None
+    try:
+        mod.configure(*config)
+    except Exception as exc:
+        warnings.warn(f"{name} is out of date ({exc!r}); using the Python code. Rebuild: pip install -e .", RuntimeWarning,
+                      stacklevel=2)
+        return None
+    return mod
+
+
+# store/_speedups.pyx holds compiled versions of valid_header and encode_raw
+# (tests/test_speedups.py holds them equal to these).
+valid_header_py, encode_raw_py = valid_header, encode_raw
+speedups = optional_speedups(__package__ + "._speedups", _N_TX)
 if speedups is not None:
-    speedups.configure(_N_TX)
     valid_header = speedups.valid_header  # noqa: F811
     encode_raw = speedups.encode_raw  # noqa: F811

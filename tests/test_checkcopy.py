@@ -144,3 +144,33 @@ def test_two_checks_of_one_transaction_in_flight_keep_the_index_equal_to_the_log
             assert p.checks == int(rec.properties[PROP_CHECK_TIMES]) == 1
 
     arun(go())
+
+
+# ---- producer-set numbers that are no int64 ------------------------------------------
+import pytest  # noqa: E402
+
+from conftest import arun  # noqa: E402
+from txhelpers import G, half_fields  # noqa: E402
+from txmq.broker.clock import ManualClock  # noqa: E402
+from txmq.broker.testing import running_broker  # noqa: E402
+from wireclient import RawClient  # noqa: E402
+
+
+@pytest.mark.parametrize("props", [{PROP_ORIGIN_CL_OFFSET: "1" + "0" * 20}, {PROP_CHECK_TIMES: "-1" + "0" * 20}])
+def test_a_huge_number_in_a_half_message_does_not_stop_the_check_pass(tmp_path, props):
+    """A producer may write any string in these properties; the pass checks that transaction and the next one."""
+    clock = ManualClock()
+
+    async def go():
+        async with running_broker(tmp_path / "data", clock=clock, check_interval_s=3600) as b:
+            c = await RawClient.open(b.address)
+            await c.ok("hello", {"producer_groups": [G]})
+            await c.ok("send", half_fields(**props))
+            await c.ok("send", half_fields(body=b"innocent"))
+            clock.advance(100)
+            r = await b.core.check.run_pass()
+            await c.close()
+            return r
+
+    r = arun(go())
+    assert r["checked"] == 2 and r["unreadable"] == 0, r
