@@ -188,8 +188,7 @@ def encode_raw(pos: int, tx_type: int, topic: bytes, queue_id: int, queue_offset
                prepared_offset: int, props: bytes, body, body_start: int) -> bytes:
     """One whole record from its fields, the body being ``body[body_start:]``: Store.append's per-record encoder.
 
-    Replaced by the compiled version when there is one (end of this module);
-    Store.append inlines this Python version when there is not.
+    Replaced by the compiled version when there is one (end of this module).
     """
     b = memoryview(body)[body_start:] if body_start else body
     head, tail = encode_parts(pos, topic, queue_id, queue_offset, tx_type, born_ts, store_ts, prepared_offset, props, b)

@@ -13,15 +13,12 @@ import fcntl
 import os
 import threading
 import time
-import zlib
 from collections.abc import Callable, Iterator, Sequence
 
 import msgpack
 
 from .checkpoint import Checkpoint, read_checkpoint, write_checkpoint
-from . import codec
-from .codec import EMPTY_PROPS, HEADER, HEADER_SIZE, MAGIC, TAGS_PROPERTY, Message, RawCopy, Record, tag_hash
-from .codec import _HEAD, _TAIL  # the header's two pieces, packed inline on the append path
+from .codec import EMPTY_PROPS, HEADER, HEADER_SIZE, TAGS_PROPERTY, Message, RawCopy, Record, encode_raw, tag_hash
 from .commitlog import CommitLog
 from .consumequeue import ENTRY, ENTRY_SIZE, ConsumeQueue, Entry
 from .errors import RecordTooLargeError, StoreError, StoreLockedError
@@ -166,8 +163,6 @@ class Store:
         store_ts = int(self._clock() * 1000)
         seg_size, limit = self.config.segment_size, self._limit
         queues, topics, pack = self._queues, self._topic_bytes, self._pack_props
-        pack_head, pack_tail, crc32 = _HEAD.pack, _TAIL.pack, zlib.crc32
-        native = codec.encode_raw if codec.speedups is not None else None  # one call per record instead of ~12
         cur = log.segments[-1]
         pos, used = cur.end, cur.length
         group_start = pos
@@ -213,13 +208,8 @@ class Store:
             if buf is None:
                 buf = entries[key] = bytearray()
             buf += _pack_entry(pos, total, tag_hash(tags) if tags else 0)
-            if native is not None:
-                parts.append(native(pos, tx_type, tb, qid, q, born, store_ts, prep, pb, body, bstart))
-            else:  # codec.encode_raw, inlined: this loop runs once per record appended
-                if bstart:
-                    body = body[bstart:]
-                tail = pack_tail(pos, tx_type, 0, len(tb), qid, q, born, store_ts, prep, len(pb), len(body))
-                parts += (pack_head(total, MAGIC, crc32(body, crc32(pb, crc32(tb, crc32(tail))))), tail, tb, pb, body)
+            # The compiled encoder when it was built (codec's end), else its Python twin.
+            parts.append(encode_raw(pos, tx_type, tb, qid, q, born, store_ts, prep, pb, body, bstart))
             results.append(AppendResult(pos, total, q, store_ts))
             pos += total
             used += total

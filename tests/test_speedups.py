@@ -1,7 +1,7 @@
 """The compiled speed-ups give exactly what the Python code gives.
 
 store/_speedups.pyx and broker/_speedups.pyx replace four per-record hot
-paths (codec.valid_header, codec.encode_raw and Store.append's inlined
+paths (codec.valid_header, codec.encode_raw, Store.append's per-record
 encoder, checkcopy.patch_properties, checkcopy.check_push). They are
 optional, so both versions must agree byte for byte on every input: the
 comparisons below run them side by side over arbitrary inputs, and one test
