@@ -1,10 +1,12 @@
 """The check-back service (SPEC step 4).
 
-Every check interval it walks the half queue from its progress offset, in
-batches, yielding to the event loop between batches so sends keep flowing:
+Every check interval it walks the pending transactions in half-queue order
+from its progress offset (the index keeps them in that order, so a pass
+costs what is pending, not the decided history behind an old pending
+one), in batches, yielding to the event loop between batches so sends keep
+flowing:
 
-- an offset that is not the latest copy of a pending transaction (decided,
-  or superseded by a later copy): skip;
+- a transaction decided, or moved to a later copy, since the walk began: skip;
 - checked ``max_checks`` times, or stored longer ago than the retention:
   move it to the discard topic;
 - stored after the pass began: stop (the walk ends at the queue's max
@@ -17,15 +19,18 @@ batches, yielding to the event loop between batches so sends keep flowing:
   ``check_transaction`` to one live connection of the group.
 
 The half progress is the first offset the walk could not leave behind; it
-never moves past an undecided transaction. The op progress moves over op
-records whose half offset is below the half progress. Both persist in
-``txcheck.json``.
+never moves past an undecided transaction. The op progress is the number
+of op records written before the half record at the half progress (all of
+them name a half copy below it). Both persist in ``txcheck.json``; they
+are for people (``txmq inspect offsets``): a start reads the pending
+transactions from the index file, not from the half progress.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from bisect import bisect_left
 from pathlib import Path
 from typing import Any
 
@@ -144,23 +149,30 @@ class CheckService:
         blocked: int | None = None  # first offset the progress cannot pass
         self._stuck.clear()  # left by a check_now between passes: that one is seen again below
         stats = {"walked": 0, "checked": 0, "discarded": 0, "no_producer": 0, "immune": 0, "unreadable": 0}
-        qo = start
         stop = False
         batch = max(1, core.config.check_batch)
+        # The pending transactions' latest copies at the start of the pass, in
+        # half-queue order (by_half is kept in that order; the sort only
+        # checks it). Copies written by this pass are past half_max.
+        offs = list(idx.by_half)
+        offs.sort()
+        i, last = bisect_left(offs, start), bisect_left(offs, half_max)
         # Hoisted out of the walk, which visits every pending transaction.
         by_half_get, pending, deciding = idx.by_half.get, idx.pending, self.tx._deciding
         targets = core.registry.targets
         max_checks, retention_ms = s.max_checks, s.retention_s * 1000
         timeout_s = s.transaction_timeout_s
         timeout_ms = timeout_s * 1000
-        while qo < half_max and not stop:
-            end = min(half_max, qo + batch)
+        qo = half_max  # where the walk ends: the first offset it did not pass
+        while i < last and not stop:
+            end = min(last, i + batch)
             to_check: list[tuple[PendingTx, Any]] = []
             to_discard: list[tuple[PendingTx, str]] = []
             # A group's writable connections, once per batch; the batch's
             # check-backs go round-robin over them.
             group_conns: dict[str, list] = {}
-            for off in range(qo, end):
+            for k in range(i, end):
+                off = offs[k]
                 tx_id = by_half_get(off)
                 if tx_id is None:
                     continue
@@ -178,7 +190,7 @@ class CheckService:
                     continue
                 if p.stored_ts > now_ms:
                     stop = True
-                    end = off
+                    end, qo = k, off
                     break
                 # born_ts is the producer's clock: never later than the store's, so a
                 # producer whose clock runs ahead cannot hold every pass at its message.
@@ -191,7 +203,7 @@ class CheckService:
                         blocked = off
                     if imm is None or imm <= timeout_s:
                         stop = True
-                        end = off
+                        end, qo = k, off
                         break
                     continue  # a longer per-message immunity: skip it, keep walking
                 conns = group_conns.get(p.group)
@@ -205,7 +217,7 @@ class CheckService:
                         blocked = off
                     continue
                 to_check.append((p, conns[len(to_check) % len(conns)]))
-            stats["walked"] += end - qo
+            stats["walked"] += end - i
             if to_discard:
                 await self._discard(to_discard)
                 stats["discarded"] += len(to_discard)
@@ -218,7 +230,7 @@ class CheckService:
                 blocked = first_stuck if blocked is None else min(blocked, first_stuck)
                 stats["unreadable"] += len(self._stuck)
                 self._stuck.clear()
-            qo = end
+            i = end
             await asyncio.sleep(0)  # let sends through between batches
         new_half = blocked if blocked is not None else qo
         # The progress is persisted only once everything it skips past (the
@@ -240,14 +252,28 @@ class CheckService:
         return self.last_pass
 
     def _advance_op(self) -> None:
-        ops = self.tx.index.ops_since_progress
-        i = 0
+        """Move the op progress to the op records written before the half record at the half progress.
+
+        Each of them decided a half copy that existed when it was written,
+        so one below the half progress. A binary search over the op queue's
+        entries by commit-log offset: no list of op records is kept.
+        """
+        store = self.core.store
         half = self.progress.half
-        while i < len(ops) and ops[i][1] < half:
-            i += 1
-        if i:
-            self.progress.op = ops[i - 1][0] + 1
-            del ops[:i]
+        lo, hi = store.queue_min_offset(OP_TOPIC, 0), store.queue_max_offset(OP_TOPIC, 0)
+        entry = store.cq_entries(HALF_TOPIC, 0, half, 1) if half < store.queue_max_offset(HALF_TOPIC, 0) else None
+        if entry:
+            cl = entry[0][0]
+            while lo < hi:
+                mid = (lo + hi) // 2
+                e = store.cq_entries(OP_TOPIC, 0, mid, 1)
+                if e and e[0][0] < cl:
+                    lo = mid + 1
+                else:
+                    hi = mid
+            hi = lo
+        if hi > self.progress.op:
+            self.progress.op = hi
 
     def _read(self, items: list, raw: bool = False) -> list:
         """The half records of items, skipping any that can no longer be read (logged)."""
@@ -367,7 +393,7 @@ class CheckService:
     def offsets(self) -> dict[str, Any]:
         store = self.core.store
         idx = self.tx.index
-        discarded = sum(1 for d in idx.decided.values() if d.outcome.name == "DISCARDED")
+        discarded = idx.discarded
         return {
             "half": {"progress": self.progress.half, "max": store.queue_max_offset(HALF_TOPIC, 0)},
             "op": {"progress": self.progress.op, "max": store.queue_max_offset(OP_TOPIC, 0)},

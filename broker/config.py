@@ -83,10 +83,5 @@ class BrokerConfig:
     # Halves per check-pass batch; the loop serves other requests between
     # batches, so this bounds the delay a pass adds to them (~2 ms at 128).
     check_batch: int = 128
-    # A background snapshot of the transaction index once this many op,
-    # discard and half records were written since the last one (0: only at
-    # shutdown). A start after a crash loads it and reads only what came
-    # after: at ~6 us per record, 500,000 records are ~3 s on top of the load.
-    index_snapshot_records: int = 500_000
     metrics_port: int | None = None
     shutdown_timeout_s: float = 10.0

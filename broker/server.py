@@ -12,8 +12,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
-import os
-import signal
 import socket
 import time
 from dataclasses import replace
@@ -29,14 +27,18 @@ from .config import BrokerConfig, CheckSettings
 from .connection import BrokerConnection
 from .core import BrokerCore, speedups_in_use
 from .tx import TransactionService
-from .txindex import (
-    SNAPSHOT_FILE, TxIndex, boundary_ok, fork_snapshot, load_snapshot, rebuild_steps, save_snapshot, snapshot_header,
-)
+from .txdb import DB_FILE, IndexFileError, TxDatabase, remove_db
+from .txindex import TxIndex, agrees, log_position, replay_steps
 
 log = logging.getLogger("txmq.broker")
 
 JANITOR_INTERVAL_S = 60.0
-SNAPSHOT_POLL_S = 5.0  # how often the background snapshot looks at how much was written
+# The index file is flushed every INDEX_FLUSH_S, or as soon as INDEX_FLUSH_ROWS
+# rows changed: what a start after a crash reads beyond it, and the decisions
+# memory holds meanwhile (~300 bytes each), stay bounded by these.
+INDEX_FLUSH_S = 1.0
+INDEX_FLUSH_POLL_S = 0.1
+INDEX_FLUSH_ROWS = 100_000
 
 
 class ServerState:
@@ -54,8 +56,10 @@ class Broker:
         self.ready = asyncio.Event()
         self._janitor: asyncio.Task | None = None
         self._indexer: asyncio.Task | None = None
-        self._snapshotter: asyncio.Task | None = None
-        self._snapshot_base = 0  # op + discard + half records the loaded snapshot covers
+        self._index_flusher: asyncio.Task | None = None
+        self._writer: TxDatabase | None = None  # the index file's connection for flushes (worker thread)
+        self._flush_lock = asyncio.Lock()
+        self._flush_failing = False
 
     def _settings(self) -> CheckSettings:
         """Defaults < config.json (set live) < explicit start options."""
@@ -72,59 +76,50 @@ class Broker:
         core.open()
         settings = self._settings()
         progress = CheckProgress(core.data_dir / "txcheck.json")
-        index = TxIndex()
-        self._log_end_at_open = core.store.max_offset
-        core.tx = TransactionService(core, index)
+        core.tx = TransactionService(core, TxIndex())
         core.check = CheckService(core, core.tx, progress, core.data_dir / "config.json", settings)
         core.store.config = replace(core.store.config, retention_s=settings.retention_s)
         await core.start()
         loop = asyncio.get_running_loop()
         self._indexer = loop.create_task(self._build_index(progress, t0), name="txmq-txindex")
         self._janitor = loop.create_task(self._janitor_loop(), name="txmq-janitor")
-        if self.config.index_snapshot_records > 0:
-            self._snapshotter = loop.create_task(self._snapshot_loop(), name="txmq-txindex-snapshot")
         log.info("event=store_ready took_s=%.3f", time.perf_counter() - t0)
 
     async def _build_index(self, progress: CheckProgress, t0: float) -> None:
-        """Rebuild the transaction index from the log while plain traffic is served.
+        """Load the transaction index while plain traffic is served.
 
-        Transactional operations wait for it (core.tx_ready); the check
-        service starts after it. Batches alternate with other work, so sends
-        and pulls are answered from the first moment.
+        The pending rows come from the index file and only the op, discard
+        and half records written after its last flush are read; with no
+        usable file (missing, damaged, another version, not this log's),
+        every transactional record is read and the file is written anew as
+        it goes. Transactional operations wait for this (core.tx_ready);
+        the check service starts after it. Batches alternate with other
+        work, so sends and pulls are answered from the first moment.
         """
         core = self.core
-        # The index is millions of long-lived objects made in one go, with no
-        # cycles among them: the cyclic GC would traverse them again and again
-        # as they pile up (full collections are triggered by growth), for
-        # nothing. It is off while they are made, and they are frozen after.
-        gc_was_enabled = gc.isenabled()
-        gc.disable()
+        loop = asyncio.get_running_loop()
         try:
-            loop = asyncio.get_running_loop()
-            path = core.data_dir / SNAPSHOT_FILE
-            for stale in core.data_dir.glob(SNAPSHOT_FILE + ".bg.*"):  # a background snapshot cut short
-                stale.unlink(missing_ok=True)
-            snap = await loop.run_in_executor(None, load_snapshot, path, self._log_end_at_open, progress.op)
+            db, why = await loop.run_in_executor(None, self._open_index)
+            index = TxIndex(db)
+            core.tx.index = index
             starts = None
-            if snap is not None and boundary_ok(core.store, snap[1]):
-                core.tx.index, header = snap
-                starts = header["queues"]
-                self._snapshot_base = sum(starts.values())
-                log.info("event=txindex_loaded source=snapshot log_end=%d records_after=%d", header["log_end"],
-                         self._tx_records() - self._snapshot_base)
-            elif path.exists():
-                # Not for this log (cut below it after a crash, or another
-                # version): never to be trusted later either.
-                log.warning("event=txindex_snapshot_ignored path=%s", path)
-                path.unlink(missing_ok=True)
-                fsync_dir(core.data_dir)
-            # Everything after the snapshot (with none: every op and half record).
-            for _ in rebuild_steps(core.store, progress.half, progress.op, core.tx.index, starts=starts):
+            if why is None:
+                await loop.run_in_executor(None, index.load_pending, db.pending_rows())
+                starts = db.meta["queues"]
+                index.discarded = db.count_discarded()
+            else:
+                log.warning("event=txindex_rebuild reason=%r", why)
+            self._writer = db.writer()
+            replayed = 0
+            for replayed in replay_steps(core.store, index, starts):
+                if starts is None and len(index.dirty or ()) >= INDEX_FLUSH_ROWS:
+                    await self._flush_index()  # a whole rebuild: memory stays bounded
                 await asyncio.sleep(0)
-            index = core.tx.index
             report = core.recovery
             if report is not None and report.scanned_from < core.store.max_offset:
                 await core.tx.repair_commits(core.store.scan(report.scanned_from))
+            if starts is None:
+                await self._flush_index()
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -134,15 +129,85 @@ class Broker:
             core.tx_error = TxmqError(f"the transaction index could not be rebuilt ({exc!r}); transactional operations are unavailable until a restart", ErrorCode.STORE_ERROR)
             core.tx_ready.set()
             return
-        finally:
-            if gc_was_enabled:
-                gc.enable()
-        # The index can hold millions of long-lived objects: take them out of
-        # the cyclic GC's reach so full collections don't stall the loop.
+        # The pending transactions can be millions of long-lived objects:
+        # take them out of the cyclic GC's reach so full collections don't stall the loop.
         gc.freeze()
         core.tx_ready.set()
         core.check.start()
-        log.info("event=broker_ready pending=%d decided=%d took_s=%.3f", len(index.pending), len(index.decided), time.perf_counter() - t0)
+        self._index_flusher = loop.create_task(self._index_flush_loop(), name="txmq-txindex-flush")
+        log.info("event=broker_ready pending=%d index=%s records_read=%d took_s=%.3f", len(index.pending),
+                 "loaded" if starts is not None else "rebuilt", replayed, time.perf_counter() - t0)
+
+    def _open_index(self) -> tuple[TxDatabase, str | None]:
+        """The index file and None if it fits the log, else a new empty one and why the old one was dropped."""
+        data_dir = self.core.data_dir
+        why = None
+        try:
+            db = TxDatabase(data_dir / DB_FILE)
+            why = agrees(self.core.store, db.meta)
+            if why is None:
+                return db, None
+            db.close()
+        except IndexFileError as exc:
+            why = str(exc)
+        if not (data_dir / DB_FILE).exists():
+            why = "no index file"
+        # Derived data only: the log has everything it held.
+        remove_db(data_dir)
+        for stale in data_dir.glob("txindex.snap*"):  # the snapshot files of older versions
+            stale.unlink(missing_ok=True)
+        fsync_dir(data_dir)
+        return TxDatabase(data_dir / DB_FILE), why
+
+    async def _flush_index(self) -> None:
+        """Write the index rows changed since the last flush, once the log is durable past them.
+
+        The rows and the log position they reflect are taken together,
+        between appends; the file is written in a worker thread as one
+        SQLite transaction, so it always reflects a prefix of the log that
+        is on disk (a power cut can never leave it ahead of the log).
+        """
+        async with self._flush_lock:
+            core = self.core
+            index = core.tx.index
+            rows, changed = index.capture()
+            meta = log_position(core.store)  # no await since the capture: the rows reflect exactly this
+            store_min = core.store.min_offset
+            prune = store_min if store_min > self._writer.meta.get("log_min", 0) else None
+            if prune is not None:
+                meta["log_min"] = prune
+            try:
+                waiter = core.flusher.wait_synced(meta["applied_to"])
+                if waiter is not None:
+                    await waiter
+                await asyncio.get_running_loop().run_in_executor(None, self._writer.flush, rows, meta, prune)
+            except BaseException as exc:
+                index.flush_failed(changed)
+                if not isinstance(exc, Exception):
+                    raise
+                if not self._flush_failing:
+                    log.error("event=txindex_flush_failed error=%r", exc)  # once per failing spell
+                self._flush_failing = True
+                core.metrics.inc("index_flush_errors")
+                return
+            if self._flush_failing:
+                log.info("event=txindex_flush_recovered")
+                self._flush_failing = False
+            index.flushed(changed)
+
+    async def _index_flush_loop(self) -> None:
+        """Flush the index every INDEX_FLUSH_S, sooner when many rows changed (a check pass)."""
+        index = self.core.tx.index
+        waited = 0.0
+        while True:
+            await asyncio.sleep(INDEX_FLUSH_POLL_S)
+            waited += INDEX_FLUSH_POLL_S
+            if index.dirty and (waited >= INDEX_FLUSH_S or len(index.dirty) >= INDEX_FLUSH_ROWS):
+                waited = 0.0
+                try:
+                    await self._flush_index()
+                except Exception:
+                    log.exception("event=txindex_flush_failed")
 
     async def serve(self, sock: socket.socket, shutdown: asyncio.Event | None = None) -> None:
         """Start, accept on sock until shutdown is set, then stop."""
@@ -166,7 +231,7 @@ class Broker:
             self.server.close()
         if self.state.inflight:
             await asyncio.wait(list(self.state.inflight), timeout=self.config.shutdown_timeout_s)
-        for task in (self._janitor, self._indexer, self._snapshotter):
+        for task in (self._janitor, self._indexer, self._index_flusher):
             if task is not None and not task.done():
                 task.cancel()
                 try:
@@ -174,7 +239,7 @@ class Broker:
                 except (asyncio.CancelledError, Exception):
                     pass
         await self.core.check.stop()
-        self._save_snapshot()
+        await self._final_flush()
         await self.core.stop()  # refuses new work, flushes, closes the store
         for conn in list(self.state.connections):
             conn.close()
@@ -185,98 +250,25 @@ class Broker:
                 pass
         log.info("event=shutdown_done")
 
-    def _save_snapshot(self) -> None:
-        """Leave the index for a fast next start (see txindex.save_snapshot)."""
+    async def _final_flush(self) -> None:
+        """Leave the index file reflecting the whole log: the next start reads nothing after it."""
         core = self.core
-        if not core.tx_ready.is_set() or core.tx_error is not None or self.state.inflight or core.appender._batch:
+        writer = self._writer
+        if writer is None:
             return
-        t0 = time.perf_counter()
         try:
-            p = core.check.progress
-            save_snapshot(core.data_dir / SNAPSHOT_FILE, core.tx.index, snapshot_header(core.store, core.tx.index, p.half, p.op))
+            if core.tx_ready.is_set() and core.tx_error is None:
+                t0 = time.perf_counter()
+                await self._flush_index()
+                await asyncio.get_running_loop().run_in_executor(None, writer.checkpoint)
+                log.info("event=txindex_flushed applied_to=%d took_s=%.3f", writer.meta.get("applied_to", 0), time.perf_counter() - t0)
         except Exception:  # only a slower next start
-            log.exception("event=txindex_snapshot_failed")
-            return
-        log.info("event=txindex_snapshot entries=%d took_s=%.3f", len(core.tx.index.pending) + len(core.tx.index.decided), time.perf_counter() - t0)
-
-    def _tx_records(self) -> int:
-        """Op, discard and half records written so far (their queues' ends)."""
-        return sum(self.core.store.queue_max_offset(t, 0) for t in (HALF_TOPIC, OP_TOPIC, DISCARD_TOPIC))
-
-    async def _snapshot_loop(self) -> None:
-        """Snapshot the index in the background once enough transactional records were written.
-
-        Bounds what a start after a crash reads beyond the snapshot (see
-        ``BrokerConfig.index_snapshot_records``). The snapshot is written by
-        a forked child (``fork_snapshot``) and put in place only once the log
-        is fsynced past it, so a crash can never leave a snapshot ahead of
-        the log it describes.
-        """
-        core = self.core
-        await core.tx_ready.wait()
-        if core.tx_error is not None:
-            return
-        # Counted from the snapshot this start loaded (from nothing without
-        # one): a start that had to read many records snapshots soon, so a
-        # crash loop does not make every start read more than the last.
-        last = self._snapshot_base
-        while True:
-            await asyncio.sleep(SNAPSHOT_POLL_S)
-            if self._tx_records() - last < self.config.index_snapshot_records:
-                continue
-            if core.check.passing:
-                # A pass re-appends every due half message (a million records
-                # for a million pending): snapshotting meanwhile would copy
-                # the pages the pass is rewriting and take the other core
-                # from it. The next poll after the pass takes the snapshot.
-                continue
-            last = self._tx_records()
-            t0 = time.perf_counter()
-            try:
-                await self._background_snapshot()
-            except Exception:  # only a slower start after a crash
-                log.exception("event=txindex_snapshot_failed")
-            # The child's work grows with the index (every decided transaction
-            # is in it): rest as long as it took, so that snapshots never take
-            # more than half of a core however fast records arrive.
-            await asyncio.sleep(time.perf_counter() - t0)
-
-    async def _background_snapshot(self) -> None:
-        core = self.core
-        loop = asyncio.get_running_loop()
-        path = core.data_dir / SNAPSHOT_FILE
-        # Named after this broker: a child left running by a killed broker
-        # must not write into the next broker's file.
-        tmp = core.data_dir / f"{SNAPSHOT_FILE}.bg.{os.getpid()}"
-        p = core.check.progress
-        t0 = time.perf_counter()
-        header = snapshot_header(core.store, core.tx.index, p.half, p.op)  # taken with the fork: no await between
-        pid = fork_snapshot(tmp, core.tx.index, header)
-        forked = time.perf_counter() - t0
-        reaped = loop.run_in_executor(None, os.waitpid, pid, 0)  # the one wait for this child
-        try:
-            _, status = await asyncio.shield(reaped)
-        except asyncio.CancelledError:  # shutting down: the clean shutdown writes its own snapshot
-            os.kill(pid, signal.SIGKILL)
-            try:
-                await reaped
-            finally:
-                tmp.unlink(missing_ok=True)
-            raise
-        if status != 0:
-            tmp.unlink(missing_ok=True)
-            raise RuntimeError(f"snapshot child exited with status {status}")
-        try:
-            waiter = core.flusher.wait_synced(header["log_end"])
-            if waiter is not None:
-                await waiter
-            os.replace(tmp, path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        fsync_dir(core.data_dir)
-        log.info("event=txindex_snapshot background=1 entries=%d log_end=%d fork_s=%.3f took_s=%.3f",
-                 header["pending"] + header["decided"], header["log_end"], forked, time.perf_counter() - t0)
+            log.exception("event=txindex_flush_failed")
+        finally:
+            writer.close()
+            db = core.tx.index.db if core.tx is not None else None
+            if db is not None:
+                db.close()
 
     async def _janitor_loop(self) -> None:
         """Retention: delete expired segments, never one holding an undecided half message."""

@@ -128,8 +128,13 @@ class TransactionService:
         qid = core.pick_queue(topic, queue_id)
         props = dict(props)
         props.pop(PROP_DELAY, None)  # delay levels do not apply to transactional messages
-        tx_id = props.get(PROP_UNIQ_KEY) or self.new_tx_id()
-        if self.index.outcome(tx_id) is not None or tx_id in self._deciding or tx_id in self._sending:
+        tx_id = props.get(PROP_UNIQ_KEY)
+        if not tx_id:
+            tx_id = self.new_tx_id()  # unique by construction: no lookup of the decided ones on disk
+            taken = tx_id in self.index.pending or tx_id in self._sending
+        else:
+            taken = tx_id in self._deciding or tx_id in self._sending or self.index.outcome(tx_id) is not None
+        if taken:
             raise TxmqError(f"transaction id {tx_id} is already in use", ErrorCode.INVALID_FIELD)
         self._sending.add(tx_id)
         props[PROP_UNIQ_KEY] = tx_id
@@ -213,7 +218,7 @@ class TransactionService:
             return asyncio.ensure_future(self._decide_after(inflight, rec, commit, source, allow_discarded))
         loop = self.core.appender._loop
         want = Outcome.COMMITTED if commit else Outcome.ROLLED_BACK
-        d = self.index.decided.get(tx_id)
+        d = None if tx_id in self.index.pending else self.index.lookup(tx_id)
         if d is not None and not (allow_discarded and d.outcome is Outcome.DISCARDED):
             fut = loop.create_future()
             if d.outcome is want:
@@ -357,7 +362,7 @@ class TransactionService:
             p = idx.pending.get(tx_id)
             if p is not None:
                 return self.read_half(p.cl_offset)
-            d = idx.decided.get(tx_id)
+            d = idx.lookup(tx_id)
             if d is None:
                 raise TxmqError(f"no transaction with id {tx_id}", ErrorCode.TX_NOT_FOUND)
             if d.outcome is Outcome.DISCARDED:
@@ -392,7 +397,7 @@ class TransactionService:
             try:
                 rec = self.find(ref)
                 row["tx_id"] = tx_id = rec.properties[PROP_UNIQ_KEY]
-                d = self.index.decided.get(tx_id)
+                d = None if tx_id in self.index.pending else self.index.lookup(tx_id)
                 if dry_run:
                     row.update(self._dry(d, commit, tx_id))
                 else:
@@ -416,14 +421,10 @@ class TransactionService:
 
     # ---- operator: the discard topic ---------------------------------------
     def discarded(self, limit: int) -> list[dict[str, Any]]:
-        rows = []
-        for tx_id, d in self.index.decided.items():
-            if d.outcome is Outcome.DISCARDED:
-                rows.append({"tx_id": tx_id, "topic": d.topic, "group": d.group, "checks": d.checks,
-                             "discarded_at": d.decided_at, "discard_offset": d.half_offset,
-                             "reason": d.decided_by, "commit_log_offset": d.cl_offset})
-        rows.sort(key=lambda r: r["discard_offset"])
-        return rows[:limit]
+        return [{"tx_id": tx_id, "topic": d.topic, "group": d.group, "checks": d.checks,
+                 "discarded_at": d.decided_at, "discard_offset": d.half_offset,
+                 "reason": d.decided_by, "commit_log_offset": d.cl_offset}
+                for tx_id, d in self.index.discarded_rows(limit)]
 
     async def replay(self, to: str, refs: list[dict[str, Any]] | None, all_: bool, dry_run: bool) -> list[dict[str, Any]]:
         if all_:
@@ -477,14 +478,17 @@ class TransactionService:
     def _find_discarded(self, ref: dict[str, Any]) -> tuple[str, Decided | None]:
         if ref.get("tx_id") is not None:
             tx_id = str(ref["tx_id"])
-            if self.index.outcome(tx_id) is None:
+            if tx_id in self.index.pending:
+                return tx_id, None
+            d = self.index.lookup(tx_id)
+            if d is None:
                 raise TxmqError(f"no transaction with id {tx_id}", ErrorCode.TX_NOT_FOUND)
-            return tx_id, self.index.decided.get(tx_id)
+            return tx_id, d
         if ref.get("discard_offset") is not None:
             off = int(ref["discard_offset"])
-            for tx_id, d in self.index.decided.items():
-                if d.outcome is Outcome.DISCARDED and d.half_offset == off:
-                    return tx_id, d
+            found = self.index.discarded_at(off)
+            if found is not None:
+                return found
             raise TxmqError(f"no discarded transaction at discard offset {off}", ErrorCode.TX_NOT_FOUND)
         raise TxmqError("a ref needs tx_id or discard_offset", ErrorCode.INVALID_FIELD)
 

@@ -130,10 +130,10 @@ class StoreReader(LogView):
             self._refresh()
         return super().read(offset)
 
-    def read_many(self, offsets: Sequence[int]) -> list[Record]:
+    def read_many(self, offsets: Sequence[int], raw: bool = False) -> list[Record] | list[memoryview]:
         if offsets and max(offsets) >= self._readable_end():
             self._refresh()
-        return super().read_many(offsets)
+        return super().read_many(offsets, raw)
 
     def scan(self, start: int = 0, end: int | None = None) -> Iterator[Record]:
         self._refresh()

@@ -7,6 +7,7 @@ log order and ends at DISCARDED; a replay then commits the transaction again.
 import asyncio
 
 from txhelpers import G, arun, half_fields, pull_all
+from txmq.broker.txdb import remove_db
 from txmq.broker.clock import ManualClock
 from txmq.broker.testing import running_broker
 from txmq.broker.txindex import Outcome, rebuild
@@ -74,7 +75,7 @@ def test_after_restart_replay_commits_a_second_time(tmp_path):
             return h
 
     h = arun(first())
-    (data / "txindex.snap").unlink(missing_ok=True)  # as after a crash (kill -9 / power cut): no snapshot
+    remove_db(data)  # the index rebuilt from the log alone
 
     async def second():
         async with running_broker(data, clock=clock, check_interval_s=3600, max_checks=1) as b:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 from conftest import arun
@@ -47,22 +48,59 @@ def test_commit_without_its_op_record_is_repaired_not_committed_twice(tmp_path):
     arun(second())
 
 
-def _index_view(idx):
-    pend = {t: (p.half_offset, p.cl_offset, p.checks, p.group, p.topic) for t, p in idx.pending.items()}
-    dec = {t: (d.outcome, d.decided_by, d.half_offset, d.cl_offset) for t, d in idx.decided.items()}
-    return pend, dec, list(map(tuple, idx.ops_since_progress))
+def _index_view(idx, tx_ids):
+    """What the index says of each transaction: pending fields, or the outcome and who decided it."""
+    out = {}
+    for t in sorted(tx_ids):
+        p = idx.pending.get(t)
+        if p is not None:
+            out[t] = ("pending", p.half_offset, p.cl_offset, p.checks, p.group, p.topic, p.origin_cl_offset)
+        else:
+            d = idx.lookup(t)
+            out[t] = None if d is None else (d.outcome.label, d.decided_by, d.half_offset, d.cl_offset, d.group, d.topic)
+    return out, idx.discarded
 
 
-def test_clean_shutdown_snapshot_loads_the_same_index_and_a_stale_one_is_ignored(tmp_path, caplog):
+def _full_view(data):
+    """The index a rebuild from the log alone gives."""
+    from txmq.broker.txindex import rebuild
+
+    reader = StoreReader(data)
+    try:
+        idx = rebuild(reader)
+        return _index_view(idx, idx.pending.keys() | idx.decided.keys())
+    finally:
+        reader.close()
+
+
+def crash_on_exit(b) -> None:
+    """Make the broker's stop leave the index file as a SIGKILL would: no flush after this point."""
+    async def no_flush() -> None:
+        pass
+
+    if b.broker._index_flusher is not None:
+        b.broker._index_flusher.cancel()
+    b.broker._final_flush = no_flush
+
+
+async def _tx(c, state: str, body: bytes = b"x") -> dict:
+    h = await c.ok("send", {"topic": "t", "body": body, "properties": {"TRAN_MSG": "true", "PGROUP": "g"}})
+    await c.ok("end_transaction", {"group": "g", "tx_id": h["tx_id"], "commit_log_offset": h["commit_log_offset"],
+                                   "half_offset": h["half_offset"], "state": state})
+    return h
+
+
+def test_the_index_file_loads_the_index_a_rebuild_gives_and_one_that_does_not_fit_the_log_is_rebuilt(tmp_path, caplog):
     import logging
+    import sqlite3
 
     from txmq.broker.clock import ManualClock
-    from txmq.broker.txindex import SNAPSHOT_FILE, rebuild
+    from txmq.broker.txdb import DB_FILE
 
     data = tmp_path / "data"
     clock = ManualClock()
 
-    async def load(extra_send: bool):
+    async def load():
         async with running_broker(data, clock=clock, check_interval_s=3600, max_checks=1) as b:
             c = await RawClient.open(b.address)
             await c.ok("hello", {"producer_groups": ["g"]})
@@ -74,185 +112,130 @@ def test_clean_shutdown_snapshot_loads_the_same_index_and_a_stale_one_is_ignored
             await b.core.check.run_pass()  # check copies for the undecided ones
             clock.advance(10)
             await b.core.check.run_pass()  # max_checks=1: discards
-            view = _index_view(b.core.tx.index)
             await c.close()
-            return view
+            return [h["tx_id"] for h in hs]
 
-    live = arun(load(False))
-    assert (data / SNAPSHOT_FILE).exists()
-    reader = StoreReader(data)
-    from txmq.broker.check import CheckProgress
+    ids = arun(load())
+    assert (data / DB_FILE).exists()
+    full = _full_view(data)
+    assert set(full[0]) == set(ids) and full[1] == 4  # the 4 left undecided were discarded
 
-    prog = CheckProgress(data / "txcheck.json")
-    assert _index_view(rebuild(reader, prog.half, prog.op)) == live
-
-    async def restart():
+    async def restart(crash: bool = False):
         async with running_broker(data, clock=clock, check_interval_s=3600) as b:
-            return _index_view(b.core.tx.index)
+            if crash:
+                crash_on_exit(b)
+            return _index_view(b.core.tx.index, full_ids())
+
+    def full_ids():
+        return set(_full_view(data)[0])
 
     with caplog.at_level(logging.INFO, logger="txmq.broker"):
-        assert arun(restart()) == live
-    assert "source=snapshot" in caplog.text
+        assert arun(restart()) == full
+    assert "index=loaded records_read=0" in caplog.text
     # The log moves on (a transaction decided, another left pending) and the
-    # broker dies without a new snapshot: the next start loads the old one and
+    # broker dies before its next flush: the next start loads the file and
     # reads only what was written after it, and gets what a full rebuild gets.
     async def append_and_crash():
         async with running_broker(data, clock=clock, check_interval_s=3600) as b:
+            crash_on_exit(b)
             c = await RawClient.open(b.address)
             await c.ok("hello", {"producer_groups": ["g"]})
             await c.ok("send", {"topic": "t", "body": b"later"})
             for state in ("commit", "unknown"):
-                h = await c.ok("send", {"topic": "t", "body": b"after", "properties": {"TRAN_MSG": "true", "PGROUP": "g"}})
-                await c.ok("end_transaction", {"group": "g", "tx_id": h["tx_id"], "commit_log_offset": h["commit_log_offset"],
-                                               "half_offset": h["half_offset"], "state": state})
+                await _tx(c, state, b"after")
             await c.close()
-            b.broker._save_snapshot = lambda: None  # as if killed: no new snapshot
     arun(append_and_crash())
-    prog = CheckProgress(data / "txcheck.json")
-    full = _index_view(rebuild(StoreReader(data), prog.half, prog.op))
-    assert full != live
+    full = _full_view(data)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="txmq.broker"):
+        assert arun(restart(crash=True)) == full
+    assert "index=loaded records_read=3" in caplog.text
+    # A file ahead of the log (as after a crash that cut the log's tail) is
+    # not used: the index is rebuilt from the log, and the file written anew.
+    def set_meta(key, value):
+        db = sqlite3.connect(data / DB_FILE)
+        db.execute("UPDATE meta SET value = ? WHERE key = ?", (value, key))
+        db.commit()
+        db.close()
+
+    arun(restart())  # a clean shutdown: the file reflects the whole log
+    set_meta("applied_to", 1 << 50)
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="txmq.broker"):
         assert arun(restart()) == full
-    assert "source=snapshot" in caplog.text and "records_after=0" not in caplog.text
-    # A snapshot ahead of the log (as after a crash that cut the log's tail)
-    # is not used, and is removed so that no later start trusts it either.
-    from txmq.broker.txindex import load_snapshot, save_snapshot
-
-    idx, header = load_snapshot(data / SNAPSHOT_FILE, 1 << 60, 0)
-    save_snapshot(data / SNAPSHOT_FILE, idx, {**header, "log_end": 1 << 50})
+    assert "event=txindex_rebuild " in caplog.text and "index=rebuilt" in caplog.text
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="txmq.broker"):
-        async def restart_crashed():
-            async with running_broker(data, clock=clock, check_interval_s=3600) as b:
-                b.broker._save_snapshot = lambda: None
-                return _index_view(b.core.tx.index), (data / SNAPSHOT_FILE).exists()
-        view, snap_left = arun(restart_crashed())
-    assert view == full and not snap_left
-    assert "event=txindex_snapshot_ignored" in caplog.text and "source=snapshot" not in caplog.text
-    # ... and a snapshot whose boundary record is not the log's is not used either.
-    arun(restart())  # a clean shutdown leaves a good snapshot
-    idx, header = load_snapshot(data / SNAPSHOT_FILE, 1 << 60, 0)
-    save_snapshot(data / SNAPSHOT_FILE, idx, {**header, "boundary": [header["boundary"][0], header["boundary"][1] ^ 1]})
+        assert arun(restart()) == full  # ... and the new file is used again
+    assert "index=loaded records_read=0" in caplog.text
+    # ... nor is one whose boundary record is not the log's,
+    db = sqlite3.connect(data / DB_FILE)
+    (boundary,) = db.execute("SELECT value FROM meta WHERE key = 'boundary'").fetchone()
+    db.close()
+    cl, crc = json.loads(boundary)
+    set_meta("boundary", json.dumps([cl, crc ^ 1]))
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="txmq.broker"):
         assert arun(restart()) == full
-    assert "event=txindex_snapshot_ignored" in caplog.text
+    assert "index=rebuilt" in caplog.text
+    # ... nor a damaged file.
+    with open(data / DB_FILE, "r+b") as f:
+        f.write(b"garbage" * 20)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="txmq.broker"):
+        assert arun(restart()) == full
+    assert "index=rebuilt" in caplog.text
+    # Lost altogether: rebuilt from the log alone.
+    from txmq.broker.txdb import remove_db
+
+    remove_db(data)
+    assert arun(restart()) == full
 
 
-def test_background_snapshot_bounds_what_a_start_after_a_crash_reads(tmp_path, caplog, monkeypatch):
-    """Once enough transactional records were written, a forked child snapshots the index;
-    a start after a crash loads it and reads only what came after, and gets a full rebuild's index."""
-    import asyncio
+def test_a_start_after_a_crash_reads_only_the_records_after_the_last_flush(tmp_path, caplog):
     import logging
 
-    from txmq.broker import server
-    from txmq.broker.check import CheckProgress
-    from txmq.broker.txindex import SNAPSHOT_FILE, rebuild
-
-    monkeypatch.setattr(server, "SNAPSHOT_POLL_S", 0.02)
     data = tmp_path / "data"
 
-    async def tx(c, state: str) -> None:
-        h = await c.ok("send", {"topic": "t", "body": b"x", "properties": {"TRAN_MSG": "true", "PGROUP": "g"}})
-        await c.ok("end_transaction", {"group": "g", "tx_id": h["tx_id"], "commit_log_offset": h["commit_log_offset"],
-                                       "half_offset": h["half_offset"], "state": state})
-
     async def run_and_crash():
-        async with running_broker(data, check_interval_s=3600, index_snapshot_records=8) as b:
+        async with running_broker(data, check_interval_s=3600) as b:
+            crash_on_exit(b)
             c = await RawClient.open(b.address)
             await c.ok("hello", {"producer_groups": ["g"]})
             for state in ("commit", "rollback", "commit", "unknown", "commit"):
-                await tx(c, state)  # 9 records: 5 halves, 4 ops
-            for _ in range(250):
-                if (data / SNAPSHOT_FILE).exists():
-                    break
-                await asyncio.sleep(0.02)
-            assert (data / SNAPSHOT_FILE).exists(), "no background snapshot"
-            assert not list(data.glob(SNAPSHOT_FILE + ".bg*"))
-            for state in ("commit", "unknown"):  # after the snapshot: 3 records, below the threshold
-                await tx(c, state)
+                await _tx(c, state)  # 9 records: 5 halves, 4 ops
+            await b.broker._flush_index()
+            assert not b.core.tx.index.decided  # flushed decisions leave memory
+            assert b.core.tx.index.lookup(next(iter(b.core.tx.index.pending))) is None
+            for state in ("commit", "unknown"):  # after the flush: 3 records
+                await _tx(c, state)
             await c.close()
-            b.broker._save_snapshot = lambda: None  # as if killed: no snapshot at shutdown
 
-    with caplog.at_level(logging.INFO, logger="txmq.broker"):
-        arun(run_and_crash())
-    assert "background=1" in caplog.text
-    prog = CheckProgress(data / "txcheck.json")
-    full = _index_view(rebuild(StoreReader(data), prog.half, prog.op))
+    arun(run_and_crash())
+    full = _full_view(data)
 
     async def restart():
         async with running_broker(data, check_interval_s=3600) as b:
-            return _index_view(b.core.tx.index), len(b.core.tx.index.pending)
+            return _index_view(b.core.tx.index, full[0]), len(b.core.tx.index.pending)
 
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="txmq.broker"):
         view, pending = arun(restart())
     assert view == full and pending == 2
-    assert "source=snapshot" in caplog.text and "records_after=3" in caplog.text
-
-
-def test_stop_while_a_background_snapshot_is_being_written(tmp_path, monkeypatch):
-    """A clean shutdown during a background snapshot kills the child, removes its file,
-    and still ends with its own snapshot (found by review: the cancellation used to be lost)."""
-    import asyncio
-    import time
-
-    from txmq.broker import server, txindex
-
-    real_save = txindex.save_snapshot
-
-    def slow_save(*a, **k):
-        if "tmp" in k:  # the forked child's call: long enough to be caught by the stop
-            time.sleep(5)
-        return real_save(*a, **k)
-
-    monkeypatch.setattr(txindex, "save_snapshot", slow_save)
-    monkeypatch.setattr(server, "SNAPSHOT_POLL_S", 0.02)
-    forked: list[int] = []
-    real_fork = server.fork_snapshot
-    monkeypatch.setattr(server, "fork_snapshot", lambda *a: forked.append(real_fork(*a)) or forked[-1])
-    data = tmp_path / "data"
-
-    async def main() -> float:
-        ctx = running_broker(data, check_interval_s=3600, index_snapshot_records=2)
-        b = await ctx.__aenter__()
-        c = await RawClient.open(b.address)
-        await c.ok("hello", {"producer_groups": ["g"]})
-        for _ in range(3):
-            await c.ok("send", {"topic": "t", "body": b"x", "properties": {"TRAN_MSG": "true", "PGROUP": "g"}})
-        for _ in range(250):
-            if forked:
-                break
-            await asyncio.sleep(0.02)
-        assert forked, "no background snapshot was started"
-        await asyncio.sleep(0.2)
-        await c.close()
-        t0 = time.perf_counter()
-        await asyncio.wait_for(ctx.__aexit__(None, None, None), 4)
-        return time.perf_counter() - t0
-
-    assert arun(main()) < 4
-    assert not list(data.glob("txindex.snap.bg*"))
-    assert (data / "txindex.snap").exists()  # the shutdown's own
-    for pid in forked:  # reaped: no such child any more
-        try:
-            os.waitpid(pid, os.WNOHANG)
-            raise AssertionError(f"child {pid} was not reaped")
-        except ChildProcessError:
-            pass
+    assert "index=loaded records_read=3" in caplog.text
 
 
 def test_a_replayed_transaction_checked_again_is_still_pending_after_a_crash(tmp_path):
-    """Found by review: check copies dropped the replay mark, so a rebuild that started past the
-    replay's own copy saw the discard and then only stale-looking copies, and said "discarded"."""
+    """Check copies keep the replay mark: a start that reads past the replay's own copy
+    (from the index file, or from the progress) still sees the discard undone."""
     from txmq.broker.clock import ManualClock
 
     data = tmp_path / "data"
     clock = ManualClock()
 
     async def first():
-        async with running_broker(data, clock=clock, check_interval_s=3600, max_checks=1, index_snapshot_records=0) as b:
+        async with running_broker(data, clock=clock, check_interval_s=3600, max_checks=1) as b:
+            crash_on_exit(b)
             c = await RawClient.open(b.address)
             await c.ok("hello", {"producer_groups": ["g"]})
             h = await c.ok("send", {"topic": "t", "body": b"m", "properties": {"TRAN_MSG": "true", "PGROUP": "g"}})
@@ -268,21 +251,20 @@ def test_a_replayed_transaction_checked_again_is_still_pending_after_a_crash(tmp
             await b.core.check.run_pass()  # a check copy of the replayed copy; the progress passes the replay's copy
             assert b.core.check.progress.half > 2
             await c.close()
-            b.broker._save_snapshot = lambda: None  # as if killed
             return tx
 
     tx = arun(first())
 
     async def restart():
-        async with running_broker(data, clock=clock, check_interval_s=3600, index_snapshot_records=0) as b:
+        async with running_broker(data, clock=clock, check_interval_s=3600) as b:
             return b.core.tx.index.outcome(tx).label
 
     assert arun(restart()) == "pending"
 
 
 def test_a_half_the_check_service_cannot_read_holds_the_progress(tmp_path):
-    """Found by review: an unreadable pending half was skipped and the progress moved past it,
-    so a rebuild after a crash (which reads halves from the progress) would forget it."""
+    """An unreadable pending half is not skipped: the progress stays before it, and the next
+    readable pass checks it and moves on."""
     from txmq.broker.clock import ManualClock
     from txmq.store import CorruptRecordError
 

@@ -1,7 +1,10 @@
 """Reading a data directory directly (`--data-dir`), read-only, so inspect works while the broker is down.
 
-The transaction index is rebuilt the way the broker rebuilds it at start
-(txmq.broker.txindex.rebuild) from the check progress in txcheck.json.
+The transaction index is read as the broker reads it at start: the pending
+rows of the index file (``txindex.db``, opened read-only) plus the
+transactional records written after its last flush; decided transactions
+are looked up in the file. With no usable index file, every transactional
+record is read into memory instead (txmq.broker.txindex.rebuild).
 What only a running broker knows (when the last check was sent and what it
 got back, when the next pass runs) is null here.
 """
@@ -42,9 +45,7 @@ class DataDir:
     @property
     def index(self) -> Any:
         if self._index is None:
-            from txmq.broker.txindex import rebuild
-
-            self._index = rebuild(self.reader, self.progress.half, self.progress.op)
+            self._index = load_index(self.path, self.reader)
         return self._index
 
     def pending(self, group: str | None, topic: str | None, min_age_ms: int, limit: int) -> tuple[list[dict[str, Any]], int]:
@@ -62,7 +63,7 @@ class DataDir:
             "half": {"progress": self.progress.half, "max": self.reader.queue_max_offset(HALF_TOPIC, 0)},
             "op": {"progress": self.progress.op, "max": self.reader.queue_max_offset(OP_TOPIC, 0)},
             "pending": len(idx.pending),
-            "discarded": sum(1 for d in idx.decided.values() if d.outcome.name == "DISCARDED"),
+            "discarded": idx.discarded,
         }
 
     def queue_bounds(self, topic: str, queue_id: int) -> tuple[int, int]:
@@ -74,3 +75,31 @@ class DataDir:
 
         res = self.reader.get_messages(topic, queue_id, offset, count, 16 << 20)
         return [record_to_map(r) for r in res.records], res.next_offset
+
+
+def load_index(path: Path, reader: Any) -> Any:
+    """The transaction index of a data directory, from its index file when that fits the log, else from the log alone."""
+    from txmq.broker.txdb import DB_FILE, IndexFileError, TxDatabase
+    from txmq.broker.txindex import TxIndex, agrees, rebuild, replay_steps
+
+    if (path / DB_FILE).exists():
+        try:
+            db = TxDatabase(path / DB_FILE, readonly=True)
+        except IndexFileError:
+            db = None
+        if db is not None:
+            try:
+                db.snapshot()  # rows and meta of one flush, while a broker may be writing
+                if agrees(reader, db.meta) is None:
+                    idx = TxIndex(db, track=False)
+                    idx.load_pending(db.pending_rows())
+                    idx.discarded = db.count_discarded()
+                    db.end_snapshot()
+                    for _ in replay_steps(reader, idx, db.meta["queues"]):
+                        pass
+                    return idx
+                db.end_snapshot()
+            except Exception:  # damaged: the log alone answers
+                pass
+            db.close()
+    return rebuild(reader)

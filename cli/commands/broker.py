@@ -36,7 +36,7 @@ def start(
     segment_size: Annotated[int, typer.Option(help="Commit-log segment size in bytes.", hidden=True)] = 1 << 30,
     max_frame: Annotated[int, typer.Option(help="Largest frame accepted, bytes.")] = 8 << 20,
     max_body: Annotated[int, typer.Option(help="Largest message body accepted, bytes.")] = 4 << 20,
-    index_snapshot_records: Annotated[int, typer.Option(min=0, help="Snapshot the transaction index in the background after this many transactional records (bounds the start after a crash); 0: only at shutdown.")] = 500_000,
+    index_snapshot_records: Annotated[Optional[int], typer.Option(min=0, hidden=True, help="Deprecated, no effect: the transaction index is flushed to txindex.db every second.", show_default=False)] = None,
 ) -> None:
     """Run a broker in the foreground until SIGINT/SIGTERM (logs on stderr)."""
     import asyncio
@@ -54,6 +54,8 @@ def start(
         raise CliError("--log-format must be kv or json", exitcodes.USAGE)
     logs.setup(log_format, log_level)
     log = logging.getLogger("txmq.broker")
+    if index_snapshot_records is not None:
+        log.warning("event=deprecated_option option=--index-snapshot-records msg=%s", "'no effect: the transaction index is flushed to txindex.db every second'")
     check = CheckSettings()
     overrides = []
     try:
@@ -72,7 +74,7 @@ def start(
         data_dir=data_dir or default_data_dir(), host=host or "127.0.0.1", port=port, flush=flush,
         flush_interval_s=parse_duration(flush_interval), check=check, check_overrides=tuple(overrides),
         auth_token=auth_token or None, metrics_port=metrics_port, segment_size=segment_size,
-        max_frame=max_frame, max_body=max_body, index_snapshot_records=index_snapshot_records,
+        max_frame=max_frame, max_body=max_body,
     )
     loop_name = install_uvloop()
     import gc
