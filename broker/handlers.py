@@ -273,7 +273,7 @@ def discard_replay(core, conn, f: dict) -> Reply:
 
 
 def config_get(core, conn, f: dict) -> Reply:
-    return core.check.settings.to_dict()
+    return {**core.check.settings.to_dict(), "outcomes_known_since": core.tx.outcomes_known_since()}
 
 
 def config_set(core, conn, f: dict) -> Reply:

@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import itertools
 import logging
 import socket
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 from txmq.constants import DISCARD_TOPIC, HALF_TOPIC, OP_TOPIC
@@ -39,6 +42,7 @@ JANITOR_INTERVAL_S = 60.0
 INDEX_FLUSH_S = 1.0
 INDEX_FLUSH_POLL_S = 0.1
 INDEX_FLUSH_ROWS = 100_000
+INDEX_WRITER_NICE = 10
 
 
 class ServerState:
@@ -59,6 +63,10 @@ class Broker:
         self._index_flusher: asyncio.Task | None = None
         self._writer: TxDatabase | None = None  # the index file's connection for flushes (worker thread)
         self._flush_lock = asyncio.Lock()
+        # Index writes run in one thread of their own at a lower CPU priority
+        # (Linux nice applies per thread): on a busy machine the event loop
+        # and the log's fsyncs go first, the index catches up in between.
+        self._index_pool = ThreadPoolExecutor(1, "txmq-index", initializer=_lower_priority)
         self._flush_failing = False
 
     def _settings(self) -> CheckSettings:
@@ -112,14 +120,13 @@ class Broker:
             self._writer = db.writer()
             replayed = 0
             for replayed in replay_steps(core.store, index, starts):
-                if starts is None and len(index.dirty or ()) >= INDEX_FLUSH_ROWS:
-                    await self._flush_index()  # a whole rebuild: memory stays bounded
+                if len(index.dirty or ()) >= INDEX_FLUSH_ROWS:
+                    await self._flush_index()  # a long replay or a whole rebuild: memory stays bounded
                 await asyncio.sleep(0)
             report = core.recovery
             if report is not None and report.scanned_from < core.store.max_offset:
                 await core.tx.repair_commits(core.store.scan(report.scanned_from))
-            if starts is None:
-                await self._flush_index()
+            await self._flush_index()
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -141,8 +148,10 @@ class Broker:
     def _open_index(self) -> tuple[TxDatabase, str | None]:
         """The index file and None if it fits the log, else a new empty one and why the old one was dropped."""
         data_dir = self.core.data_dir
-        why = None
+        why = "no index file"
         try:
+            if not (data_dir / DB_FILE).exists():
+                raise IndexFileError(why)  # opening would create an empty one, which fits no log but an empty one
             db = TxDatabase(data_dir / DB_FILE)
             why = agrees(self.core.store, db.meta)
             if why is None:
@@ -150,8 +159,6 @@ class Broker:
             db.close()
         except IndexFileError as exc:
             why = str(exc)
-        if not (data_dir / DB_FILE).exists():
-            why = "no index file"
         # Derived data only: the log has everything it held.
         remove_db(data_dir)
         for stale in data_dir.glob("txindex.snap*"):  # the snapshot files of older versions
@@ -180,7 +187,8 @@ class Broker:
                 waiter = core.flusher.wait_synced(meta["applied_to"])
                 if waiter is not None:
                     await waiter
-                await asyncio.get_running_loop().run_in_executor(None, self._writer.flush, rows, meta, prune)
+                rows = itertools.chain(rows, index.decided_rows(changed))
+                await asyncio.get_running_loop().run_in_executor(self._index_pool, self._writer.flush, rows, meta, prune)
             except BaseException as exc:
                 index.flush_failed(changed)
                 if not isinstance(exc, Exception):
@@ -288,6 +296,15 @@ class Broker:
                 continue
             if deleted:
                 log.info("event=retention_deleted files=%d", len(deleted))
+
+
+def _lower_priority() -> None:
+    import os
+
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), INDEX_WRITER_NICE)
+    except (AttributeError, OSError):  # not Linux, or not allowed: normal priority
+        pass
 
 
 def bind(host: str, port: int) -> socket.socket:

@@ -119,6 +119,20 @@ class TransactionService:
         self._half_young.pop(cl_offset, None)
         self._half_old.pop(cl_offset, None)
 
+    def outcomes_known_since(self) -> int | None:
+        """When the oldest record still in the log was stored (ms): outcomes are on record for transactions since then.
+
+        Retention deletes a transaction's records and its row in the index
+        file together (never while it is pending).
+        """
+        store = self.core.store
+        if store.min_offset >= store.max_offset:
+            return None
+        try:
+            return store.read(store.min_offset).store_ts
+        except (CorruptRecordError, StoreError, ValueError):
+            return None
+
     # ---- step 1: half messages --------------------------------------------
     def send_half(self, topic: str, queue_id: int | None, body: bytes, props: dict[str, str], born_ts: int) -> asyncio.Future:
         group = props.get(PROP_PGROUP)
@@ -165,7 +179,12 @@ class TransactionService:
         if rec is not None:
             return rec
         store = self.core.store
-        if cl_offset < store.min_offset or cl_offset >= store.max_offset:
+        if cl_offset < store.min_offset:
+            # Retention deleted it, and the transaction's outcome with it: an
+            # explicit error, never a second decision (docs/transactions.md).
+            raise TxmqError(f"no half message at commit-log offset {cl_offset}: the log now starts at {store.min_offset} "
+                            "(older records and their outcomes were deleted by retention)", ErrorCode.TX_NOT_FOUND)
+        if cl_offset >= store.max_offset:
             raise TxmqError(f"no half message at commit-log offset {cl_offset}", ErrorCode.TX_NOT_FOUND)
         try:
             rec = store.read(cl_offset)
@@ -364,7 +383,7 @@ class TransactionService:
                 return self.read_half(p.cl_offset)
             d = idx.lookup(tx_id)
             if d is None:
-                raise TxmqError(f"no transaction with id {tx_id}", ErrorCode.TX_NOT_FOUND)
+                raise TxmqError(f"no transaction with id {tx_id} (never stored, or deleted by retention)", ErrorCode.TX_NOT_FOUND)
             if d.outcome is Outcome.DISCARDED:
                 raise TxmqError(f"transaction {tx_id} was discarded; use `txmq discard replay`", ErrorCode.TX_CONFLICT, outcome=d.outcome.label)
             return self._decided_half(tx_id, d)

@@ -55,10 +55,10 @@ VERSION = 1
 # checks); a decided row the record that decided it (cl_offset) and the
 # half offset it names (the decided copy's; for a discard, the discard
 # queue offset), with decided_at / decided_by set.
-COLUMNS = (
-    "origin", "tx_id", "state", "decided_at", "decided_by", "half_offset", "cl_offset", "grp", "topic", "checks",
-    "queue_id", "born_ts", "first_stored_ts", "stored_ts", "immunity_s",
-)  # fmt: skip
+# ``pending`` packs the fields only a pending row has (msgpack: queue id,
+# born_ts, first_stored_ts, stored_ts, immunity_s), null in decided rows:
+# one column instead of five nullable ones halves SQLite's cost per row.
+COLUMNS = ("origin", "tx_id", "state", "decided_at", "decided_by", "half_offset", "cl_offset", "grp", "topic", "checks", "pending")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value) WITHOUT ROWID;
@@ -73,11 +73,7 @@ CREATE TABLE IF NOT EXISTS tx (
     grp TEXT NOT NULL,
     topic TEXT NOT NULL,
     checks INTEGER NOT NULL,
-    queue_id INTEGER,
-    born_ts INTEGER,
-    first_stored_ts INTEGER,
-    stored_ts INTEGER,
-    immunity_s REAL
+    pending BLOB
 );
 CREATE INDEX IF NOT EXISTS tx_by_id ON tx (tx_id);
 CREATE INDEX IF NOT EXISTS tx_pending ON tx (half_offset) WHERE state = 0;

@@ -47,6 +47,8 @@ from txmq.constants import (
     PROP_REPLAYED,
     PROP_UNIQ_KEY,
 )
+import msgpack
+
 from txmq.store import CorruptRecordError, Record, TxType, decode_record, record_problem
 from txmq.store.bulk import raw_queue_runs
 
@@ -100,13 +102,13 @@ class PendingTx:
     def db_row(self) -> tuple:
         """This transaction's row of ``txindex.db`` (``txdb.COLUMNS``)."""
         return (self.origin_cl_offset, self.tx_id, 0, None, None, self.half_offset, self.cl_offset, self.group, self.topic,
-                self.checks, self.queue_id, self.born_ts, self.first_stored_ts, self.stored_ts, self.immunity_s)
+                self.checks, _pack([self.queue_id, self.born_ts, self.first_stored_ts, self.stored_ts, self.immunity_s]))
 
     @classmethod
     def from_db_row(cls, row: tuple) -> "PendingTx":
         p = cls.__new__(cls)
-        (p.origin_cl_offset, p.tx_id, _state, _at, _by, p.half_offset, p.cl_offset, group, topic,
-         p.checks, p.queue_id, p.born_ts, p.first_stored_ts, p.stored_ts, p.immunity_s) = row
+        (p.origin_cl_offset, p.tx_id, _state, _at, _by, p.half_offset, p.cl_offset, group, topic, p.checks, extra) = row
+        p.queue_id, p.born_ts, p.first_stored_ts, p.stored_ts, p.immunity_s = msgpack.unpackb(extra)
         p.group, p.topic = intern(group), intern(topic)
         p.last_check_at = None
         p.last_check_result = None
@@ -144,7 +146,7 @@ class Decided:
 
     def db_row(self, tx_id: str) -> tuple:
         return (self.origin, tx_id, int(self.outcome), self.decided_at, self.decided_by, self.half_offset, self.cl_offset,
-                self.group, self.topic, self.checks, None, None, None, None, None)
+                self.group, self.topic, self.checks, None)
 
     @classmethod
     def from_db_row(cls, row: tuple) -> "Decided":
@@ -186,6 +188,7 @@ def _float(v: str) -> float | None:
 
 
 _OUTCOMES = list(Outcome)
+_pack = msgpack.Packer(use_bin_type=True).pack
 
 
 class TxIndex:
@@ -378,15 +381,24 @@ class TxIndex:
             by_half[p.half_offset] = p.tx_id
 
     def capture(self) -> tuple[list[tuple], dict[str, Any]]:
-        """The rows changed since the last capture, as they are now; starts a new set of changes.
+        """The pending rows changed since the last capture, as they are now, and every change; starts a new set.
 
         Call between appends (the index matches the log), together with the
-        log position the rows reflect, and pass the second value to
-        ``flushed`` once they are on disk (or ``flush_failed``).
+        log position the rows reflect. Pending transactions change in place,
+        so their rows are taken now; a Decided never changes, so its row is
+        made later, off the event loop (``decided_rows``). Pass the second
+        value to ``flushed`` once the rows are on disk (or ``flush_failed``).
         """
         changed = self.dirty or {}
         self.dirty = {}
-        return [obj.db_row(tx_id) if type(obj) is Decided else obj.db_row() for tx_id, obj in changed.items()], changed
+        return [obj.db_row() for obj in changed.values() if type(obj) is PendingTx], changed
+
+    @staticmethod
+    def decided_rows(changed: dict[str, Any]) -> Iterator[tuple]:
+        """The rows of the decisions among a capture's changes (safe in another thread: they never change)."""
+        for tx_id, obj in changed.items():
+            if type(obj) is Decided:
+                yield obj.db_row(tx_id)
 
     def flushed(self, changed: dict[str, Any]) -> None:
         """Those rows are on disk: decisions among them leave memory (unless changed again since)."""

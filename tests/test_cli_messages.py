@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
+import time
 
 import pytest
 
@@ -128,8 +129,13 @@ def test_stats_once_and_watch(broker):
 
 def test_config_get_and_set(broker):
     doc = one(run(broker, "config", "get", "-o", "json"))
-    assert set(doc) == {"check_interval_s", "transaction_timeout_s", "max_checks", "retention_s"}
+    assert set(doc) == {"check_interval_s", "transaction_timeout_s", "max_checks", "retention_s", "outcomes_known_since"}
     assert doc["check_interval_s"] == 1.0
+    # the window of known outcomes: the oldest record still in the log (the broker's fixture sent some)
+    assert isinstance(doc["outcomes_known_since"], int) and doc["outcomes_known_since"] <= time.time() * 1000
+    assert "outcomes-known-since" in out(ok(run(broker, "config", "get", "-o", "table")))
+    r = run(broker, "config", "set", "outcomes-known-since", "1s")
+    assert r.returncode == USAGE and "read-only" in err(r)
     changed = one(run(broker, "config", "set", "check-interval", "2s", "-o", "json"))
     assert changed == {"key": "check_interval_s", "old": 1.0, "new": 2.0}
     assert one(run(broker, "config", "set", "timeout", "1m30s", "-o", "json"))["new"] == 90.0

@@ -6,7 +6,7 @@ import typer
 
 from .. import exitcodes
 from ..common import DEFAULT_BROKER, BrokerOpt, CliError, OutputOpt, TokenOpt, parse_duration
-from ..console import Output, emit_json, emit_line, fmt_duration, new_table, out, print_table, resolve_output
+from ..console import Output, emit_json, emit_line, fmt_duration, fmt_ts, fmt_when, new_table, out, print_table, resolve_output
 
 app = typer.Typer(help="Read and change the check settings of a running broker.", no_args_is_help=True)
 
@@ -17,10 +17,16 @@ KEYS: dict[str, str] = {
     "timeout": "transaction_timeout_s",
     "max-checks": "max_checks",
     "retention": "retention_s",
+    "outcomes-known-since": "outcomes_known_since",
 }
-WIRE_ORDER = ("check_interval_s", "transaction_timeout_s", "max_checks", "retention_s")
+# outcomes_known_since is read-only: when the oldest record still in the log
+# was stored. Transactions stored since then have their outcome on record
+# (a late end or resolve answers "already" / "conflict"); older ones were
+# deleted by retention, records and outcome both (docs/transactions.md).
+READ_ONLY = ("outcomes_known_since",)
+WIRE_ORDER = ("check_interval_s", "transaction_timeout_s", "max_checks", "retention_s", "outcomes_known_since")
 CLI_NAME = {"check_interval_s": "check-interval", "transaction_timeout_s": "transaction-timeout",
-            "max_checks": "max-checks", "retention_s": "retention"}
+            "max_checks": "max-checks", "retention_s": "retention", "outcomes_known_since": "outcomes-known-since"}
 
 
 def wire_key(name: str) -> str:
@@ -29,18 +35,20 @@ def wire_key(name: str) -> str:
         return KEYS[k]
     if name in WIRE_ORDER:
         return name
-    raise CliError(f"unknown setting {name!r}: one of check-interval, transaction-timeout (timeout), max-checks, retention",
-                   exitcodes.USAGE)
+    raise CliError(f"unknown setting {name!r}: one of check-interval, transaction-timeout (timeout), max-checks, retention"
+                   " (and outcomes-known-since, read-only)", exitcodes.USAGE)
 
 
 def human(key: str, value: Any) -> str:
     if value is None:
         return "-"
+    if key == "outcomes_known_since":
+        return f"{fmt_ts(value)} ({fmt_when(value)})"
     return str(value) if key == "max_checks" else fmt_duration(float(value))
 
 
 def _complete_key(incomplete: str) -> list[str]:
-    return [k for k in ("check-interval", "transaction-timeout", "max-checks", "retention") if k.startswith(incomplete)]
+    return [k for k in ("check-interval", "transaction-timeout", "max-checks", "retention", "outcomes-known-since") if k.startswith(incomplete)]
 
 
 @app.command(epilog="""Examples:
@@ -51,7 +59,9 @@ def _complete_key(incomplete: str) -> list[str]:
 
   txmq config get -o json | jq .max_checks
 
-Keys: check_interval_s, transaction_timeout_s, max_checks, retention_s.""")
+Keys: check_interval_s, transaction_timeout_s, max_checks, retention_s, and
+outcomes_known_since (read-only, ms since the epoch: the oldest record
+still in the log; transactions stored before it were deleted by retention).""")
 def get(
     key: Annotated[Optional[str], typer.Argument(metavar="KEY", help="One setting (check-interval, transaction-timeout, max-checks, retention).",
                                                  show_default=False, autocompletion=_complete_key)] = None,
@@ -106,6 +116,8 @@ def set_(
     from ..client_ops import call
 
     wk = wire_key(key)
+    if wk in READ_ONLY:
+        raise CliError(f"{CLI_NAME[wk]} is read-only: it follows the retention setting and the log", exitcodes.USAGE)
     number: float | int
     if wk == "max_checks":
         try:
