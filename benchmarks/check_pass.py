@@ -185,14 +185,6 @@ class RssSampler(threading.Thread):
         return self.peak
 
 
-def _background_snapshots(b: BrokerProc) -> int:
-    """Background index snapshots the broker has started so far (its log says)."""
-    try:
-        return b.log_path.read_text(errors="replace").count("background=1")
-    except OSError:
-        return 0
-
-
 def config_set(address: str, key: str, value: str) -> None:
     subprocess.run([*TXMQ, "config", "set", key, value, "--broker", address, "-o", "json"], check=True, capture_output=True, timeout=60)
 
@@ -219,7 +211,6 @@ async def measure(b: BrokerProc, a: argparse.Namespace) -> dict[str, Any]:
     await loop.run_in_executor(None, config_set, b.address, "check-interval", "1s")
     t_started = time.monotonic()  # the broker answered: the pass starts right after its reply
     cpu0 = cpu_seconds(b.pid), cpu_times(b.pid, b.pid)  # the whole broker, and its event-loop (main) thread
-    snaps0 = _background_snapshots(b)
     # The next pass is timed from this one's start: an interval of an hour
     # again keeps it to one pass.
     await loop.run_in_executor(None, config_set, b.address, "check-interval", "1h")
@@ -235,10 +226,8 @@ async def measure(b: BrokerProc, a: argparse.Namespace) -> dict[str, Any]:
             break
         await asyncio.sleep(0.25)
     # Where the pass's time went: with the event loop's thread near 100% of
-    # the pass the broker is CPU-bound; the rest of the process is the flush thread.
-    # A forked child writing the index meanwhile competes for the second core,
-    # and the pages the pass writes after the fork are copied (kernel time).
-    res["background_snapshots_during_pass"] = _background_snapshots(b) - snaps0
+    # the pass the broker is CPU-bound; the rest of the process is the flush
+    # threads (the commit log's, and the index file's in a worker thread).
     res["broker_cpu_s"] = round(cpu_seconds(b.pid) - cpu0[0], 2)
     user, system = cpu_times(b.pid, b.pid)
     res["broker_loop_thread_cpu_s"] = round(user + system - sum(cpu0[1]), 2)
@@ -276,16 +265,13 @@ def main() -> None:
     ap.add_argument("--baseline", type=float, default=3.0, help="seconds of sends before the pass is triggered")
     ap.add_argument("--connections", type=int, default=4, help="connections used to create the pending transactions")
     ap.add_argument("--inflight", type=int, default=256, help="half sends in flight per connection while filling")
-    ap.add_argument("--index-snapshot-records", type=int, default=None,
-                    help="the broker's --index-snapshot-records (default: the broker's default; 0 turns background snapshots off)")
     ap.add_argument("--timeout", type=float, default=600, help="give up waiting for the pass after this many seconds")
     ap.add_argument("--write", type=Path, metavar="DOC", help="save the result and write it into this Markdown file")
     ap.add_argument("-o", "--output", choices=["text", "json"], default="text")
     a = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="txmq-checkpass-", dir=data_disk_dir()))
-    extra = [] if a.index_snapshot_records is None else ["--index-snapshot-records", str(a.index_snapshot_records)]
     b = BrokerProc(tmp / "data", "--flush", "async", "--check-interval", "1h", "--transaction-timeout", "1h", "--log-level", "info",
-                   *extra, log_path=tmp / "broker.log")
+                   log_path=tmp / "broker.log")
     try:
         b.start()
         install_uvloop()
@@ -307,8 +293,8 @@ def main() -> None:
           f"checked {res['pass'].get('checked', 0):,}); broker RSS {res['rss_before_mb']:.0f} -> peak {res['rss_peak_mb']:.0f} MiB; "
           f"{s.get('count', 0):,} sends during the pass, p50 {s.get('p50')} ms p99 {s.get('p99')} ms max {s.get('max')} ms; "
           f"send errors {res['send_errors']}; broker CPU {res['broker_cpu_s']} s, of which its event-loop thread "
-          f"{res['broker_loop_thread_cpu_s']} s ({res['broker_loop_thread_system_s']} s in the kernel); background index snapshots "
-          f"during the pass: {res['background_snapshots_during_pass']}", file=sys.stderr if a.output == "json" else sys.stdout)
+          f"{res['broker_loop_thread_cpu_s']} s ({res['broker_loop_thread_system_s']} s in the kernel)",
+          file=sys.stderr if a.output == "json" else sys.stdout)
     if a.output == "json":
         print(json.dumps(res, indent=2))
 

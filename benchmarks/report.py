@@ -1,10 +1,10 @@
 """Markdown for the benchmark results, and writing it into docs/benchmarks.md.
 
 The scripts save their JSON under benchmarks/results/ (compare.json,
-check_pass.json, restart.json); ``write_doc`` renders all that exist into
-the generated part of docs/benchmarks.md (between BEGIN and END markers)
-and leaves everything else in the file, such as the Profiling section,
-as it was.
+check_pass.json, restart.json, history.json); ``write_doc`` renders all
+that exist into the generated part of docs/benchmarks.md (between BEGIN
+and END markers) and leaves everything else in the file, such as the
+Profiling section, as it was.
 """
 
 from __future__ import annotations
@@ -25,7 +25,9 @@ What txmq does on one small machine, next to a peer (RabbitMQ) and next to
 the machine's own limits, measured in one run by `benchmarks/compare.py`;
 the check service over many pending transactions by
 `benchmarks/check_pass.py`; a restart over a large commit log by
-`benchmarks/restart.py`. How to run them: `benchmarks/README.md`.
+`benchmarks/restart.py`; memory, index size and restarts as the history of
+decided transactions grows by `benchmarks/history.py`. How to run them:
+`benchmarks/README.md`.
 
 {BEGIN}
 {END}
@@ -40,6 +42,16 @@ def num(x: float | None) -> str:
     if x is None:
         return "—"
     return f"{x:,.0f}" if abs(x) >= 100 else f"{x:,.1f}" if abs(x) >= 10 else f"{x:,.2f}"
+
+
+def count(x: int | None) -> str:
+    """A count (walked, records read): as an integer."""
+    return "—" if x is None else f"{x:,}"
+
+
+def secs(x: float | None) -> str:
+    """A short duration in seconds, small ones (a check pass over one transaction) kept readable."""
+    return "—" if x is None else f"{x:.4f}" if x < 0.1 else num(x)
 
 
 def ratio(a: float | None, b: float | None) -> str:
@@ -237,11 +249,16 @@ def restart_md(res: dict[str, Any]) -> str:
     ]
     for r in res["restarts"]:
         tx = f"; transactions ready (`tx_offsets` answered) after **{r['tx_ready_s']} s**" if "tx_ready_s" in r else ""
-        rows.append([f"restart, {r.get('case') or 'index ' + r.get('index_source', '')}, {r['cache']} page cache", f"serving (`broker_info` answered) after **{r['ready_s']} s**{tx} "
-                     f"(port accepting after {r['port_s']} s; broker log: store opened in {r.get('store_open_s', '?')} s, index rebuilt "
-                     f"{r.get('broker_ready_s', '?')} s after start ({r.get('index_source', '?')}), {num(r.get('pending'))} pending / "
-                     f"{num(r.get('decided'))} decided; "
-                     f"RSS {num(r['rss_mb'])} MiB)"])
+        if "records_read" in r or "index" in r:  # the index file (txindex.db): loaded, or rebuilt from the log
+            loaded = r.get("index") == "loaded" and r.get("index_file", True)  # a missing file is created empty, then "loaded"
+            index = (f"index {'loaded from the index file' if loaded else 'rebuilt from the log'}, "
+                     f"{count(r.get('records_read'))} records read from the log")
+        else:  # results of the older, snapshot-based index
+            index = f"index ({r.get('index_source', '?')}), {num(r.get('decided'))} decided"
+        rows.append([f"restart, {r.get('case') or index}, {r['cache']} page cache", f"serving (`broker_info` answered) after **{r['ready_s']} s**{tx} "
+                     f"(port accepting after {r['port_s']} s; broker log: store opened in {r.get('store_open_s', '?')} s, transactions "
+                     f"ready {r.get('broker_ready_s', '?')} s after start; {index}; {count(r.get('pending'))} pending; "
+                     f"RSS {num(r['rss_mb'])} MiB" + (f", peak {num(r['rss_peak_mb'])} MiB" if "rss_peak_mb" in r else "") + ")"])
     return "\n".join([
         f"## Restart with a {res['log_gib']:.1f} GiB commit log",
         "",
@@ -252,6 +269,52 @@ def restart_md(res: dict[str, Any]) -> str:
         res["notes"],
         "",
     ])
+
+
+def history_md(res: dict[str, Any]) -> str:
+    steps = res["steps"]
+    rows = [[f"{s['decided']:,}", f"{s['log_bytes'] / 1e9:.2f}", f"{s['index_bytes'] / 1e6:,.1f}", num(s["rss_idle_mb"]),
+             num(s["rss_clean_mb"]), num(s["rss_kill_mb"]), num(s["ingest_s"]), f"**{num(s['restart_clean_s'])}**",
+             f"**{num(s['restart_kill_s'])}**", num(s["starts"]["first"].get("stop_s")), f"**{count(s.get('pass_walked'))}**",
+             secs(s.get("pass_s"))] for s in steps]
+    pending = res.get("stale_pending")
+    idle = f"RSS MiB idle ({pending} pending, first start)" if pending is not None else "RSS MiB idle (first start)"
+    out = [
+        "## History: memory, restart and check pass do not grow with decided transactions",
+        "",
+        f"Run on {res['date']} with `{res['command']}`. Machine: {machine_line(res['machine'])}.",
+        "",
+        table(["decided transactions", "log GB", "index MB", idle, "RSS MiB after clean restart",
+               "RSS MiB after SIGKILL restart", "first start after bulk write s", "restart clean s", "restart after SIGKILL s",
+               "clean stop s", "pass walked", "pass s"], rows),
+        "",
+    ]
+    g = res.get("growth") or {}
+    if g:
+        out += [f"From the first step to the last ({g['decided']}× the decided transactions): index {g['index_bytes']}×, "
+                f"RSS idle {g['rss_idle_mb']}×, RSS after a clean restart {g['rss_clean_mb']}×, restart after a clean shutdown "
+                f"{g['restart_clean_s']}×, after SIGKILL {g['restart_kill_s']}×; the first start after a bulk write "
+                f"{g['ingest_s']}× (it reads what that step bulk-wrote, which differs from step to step)"
+                + (f"; the check pass after a clean restart walked {g['pass_walked']}× and took {g['pass_s']}×" if "pass_s" in g else "")
+                + ".", ""]
+    detail = []
+    for s in steps:
+        for name, st in s["starts"].items():
+            cp = st.get("check_pass") or {}
+            detail.append([f"{s['decided']:,}", st["case"], num(st.get("serving_s")), num(st["tx_s"]), num(st["rss_mb"]),
+                           num(st.get("rss_peak_mb")), count(cp.get("walked")), count(cp.get("no_producer")), secs(cp.get("took_s")),
+                           f"`{st['broker_ready_line']}`" if st.get("broker_ready_line") else "—"])
+    out += [
+        table(["decided", "start", "serving s", "transaction s", "RSS MiB", "peak RSS MiB", "pass walked", "pass no producer",
+               "pass s", "broker log"], detail, "llrrrrrrrl"),
+        "",
+        "Bulk-written per step: " + "; ".join(f"{s['written']:,} in {s['build_s']} s" for s in steps)
+        + ". Burst before each SIGKILL: " + "; ".join(f"{num(s['burst'].get('completed'))} at {num(s['burst'].get('per_s'))}/s" for s in steps) + ".",
+        "",
+        res["notes"],
+        "",
+    ]
+    return "\n".join(out)
 
 
 # ---- targets -------------------------------------------------------------------------------
@@ -311,17 +374,18 @@ def targets_md(cmp: dict | None, chk: dict | None, rst: dict | None) -> str:
         row("restart with a 5 GB commit log ready to serve < 10 s: plain traffic (`broker_info` answered)",
             f"{r['ready_s']} s ({r['cache']} cache){note}", r["ready_s"] < 10 and big)
         if all("tx_ready_s" in x for x in rst["restarts"]):
-            # A running broker always has a snapshot at most --index-snapshot-records
-            # old (clean shutdown, or the background one): those cases decide. A log
-            # with no snapshot at all (written without a broker, or snapshots off)
-            # is reported beside them.
-            with_snap = [x for x in rst["restarts"] if x.get("snapshot")]
-            judged = with_snap or rst["restarts"]
+            # A running broker always has an index file at most a second of records
+            # old (flushed every second, and at a clean shutdown): the starts that load
+            # it decide. A log with no index file at all (written without a broker, or
+            # the file deleted), rebuilt from the log, is reported beside them.
+            # ("snapshot": results of the older, snapshot-based index.)
+            with_file = [x for x in rst["restarts"] if x.get("index_file", x.get("snapshot"))]
+            judged = with_file or rst["restarts"]
             r = max(judged, key=lambda x: x["tx_ready_s"])
-            parts = [f"{x['tx_ready_s']} s {x.get('case') or 'with the index ' + x.get('index_source', '')} ({x['cache']} cache)"
+            parts = [f"{x['tx_ready_s']} s {x.get('case') or 'with the index ' + x.get('index', x.get('index_source', ''))} ({x['cache']} cache)"
                      for x in rst["restarts"]]
             row(f"… and transactions (index of {num(rst['transactions'])} transactions, `tx_offsets` answered); judged on the "
-                "starts a broker with its default background snapshots can face (after a clean shutdown, after a crash)",
+                "starts a running broker's index file leaves (after a clean shutdown, after a crash: loaded from `txindex.db`)",
                 "; ".join(parts) + note, r["tx_ready_s"] < 10 and big)
     else:
         row("restart with a 5 GB commit log", "benchmarks/restart.py not run", None)
@@ -336,7 +400,7 @@ def _load(name: str) -> dict | None:
 
 
 def generated() -> str:
-    cmp, chk, rst = _load("compare"), _load("check_pass"), _load("restart")
+    cmp, chk, rst, hist = _load("compare"), _load("check_pass"), _load("restart"), _load("history")
     parts = [targets_md(cmp, chk, rst)]
     if cmp:
         parts.append(comparison_md(cmp))
@@ -344,6 +408,8 @@ def generated() -> str:
         parts.append(check_pass_md(chk))
     if rst:
         parts.append(restart_md(rst))
+    if hist:
+        parts.append(history_md(hist))
     return "\n".join(parts)
 
 

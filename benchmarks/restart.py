@@ -6,21 +6,33 @@
    written as the broker writes them (broker/tx.py): a half message in the
    half topic, then the committed message in its real topic and the op
    record in the op topic; ``--pending`` of them (1%) are left without an
-   end, so the broker's transaction index rebuild reads every half and op
-   record and keeps some pending. The store is closed cleanly (checkpoint
-   written), as after a clean shutdown; there is no txcheck.json, so the
-   index rebuild starts from the first half message (the worst case).
+   end, so the index keeps some pending. The store is closed cleanly
+   (checkpoint written), as after a clean shutdown. No broker has run on
+   it, so there is no transaction index file (``txindex.db``): the first
+   start rebuilds the index from the log, reading every half and op record
+   (the worst case).
 2. Times ``txmq broker start`` from spawn until the port accepts, until a
    ``broker_info`` request is answered (plain traffic is served: the broker
    binds its port before it opens the store, so only a reply says it
    serves) and until a ``tx_offsets`` request is answered (transactional
-   operations wait for the transaction index, rebuilt from the log after
-   the store opens): once with the page cache warm from the build, then
-   again after the data directory's pages were dropped (posix_fadvise
-   DONTNEED on every file; needs no privilege), a cold start as after a
-   reboot.
+   operations wait for the transaction index: the pending rows loaded from
+   ``txindex.db`` and the transactional records written after its last
+   flush read from the log, or, with no usable index file, the whole index
+   rebuilt from the log). Three starts:
 
-    .venv/bin/python benchmarks/restart.py [--gigabytes 5] [--transactions 1000000] [-o json] [--write docs/benchmarks.md]
+   - no index file (deleted first: ``txindex.db``, ``-wal``, ``-shm``), page
+     cache warm from the build: rebuilt from the log;
+   - after that broker's clean shutdown (its index file, flushed at the
+     stop), after the data directory's pages were dropped (posix_fadvise
+     DONTNEED on every file; needs no privilege), a cold start as after a
+     reboot: the index file loaded, nothing read after it;
+   - after a crash (``--after-flush`` transactions appended with the broker
+     stopped, with the same builder, after the index file's last flush; the
+     broker flushes it every second, so a crash leaves about a second of
+     records behind it), page cache warm: the index file loaded, then the
+     records appended after its last flush read from the log.
+
+    .venv/bin/python benchmarks/restart.py [--gigabytes 5] [--transactions 1000000] [--after-flush 30000] [-o json] [--write docs/benchmarks.md]
 """
 
 from __future__ import annotations
@@ -44,6 +56,7 @@ import report  # noqa: E402
 from benchlib import BrokerProc, command_line, data_disk_dir, machine_info, proc_status, save_result  # noqa: E402
 
 from txmq import wire  # noqa: E402
+from txmq.broker.txdb import DB_FILE, remove_db  # noqa: E402
 from txmq.constants import (  # noqa: E402
     HALF_TOPIC, OP_TAG, OP_TOPIC, PROP_CHECK_TIMES, PROP_DECIDED_BY, PROP_HALF_CL_OFFSET, PROP_PGROUP, PROP_PREPARED_QUEUE_OFFSET,
     PROP_REAL_QID, PROP_REAL_TOPIC, PROP_TAGS, PROP_TRAN_MSG, PROP_UNIQ_KEY,
@@ -55,14 +68,21 @@ PLAIN_BATCH_BYTES = 16 << 20
 
 
 # ---- building the log ----------------------------------------------------------------------
-def _transactions(store: Store, first: int, count: int, pending_every: int, body: bytes) -> int:
-    """Append `count` transactions; every pending_every-th one is left pending. Returns how many were left."""
+def _transactions(store: Store, first: int, count: int, pending_every: int, body: bytes, group: str = GROUP,
+                  born_ts: int | None = None) -> int:
+    """Append `count` transactions of producer group `group`; every pending_every-th one is left pending.
+
+    Keys (the transaction ids) are first .. first+count-1 in hex. born_ts is
+    the producer's timestamp of the half messages (ms; default now). Returns
+    how many were left pending.
+    """
     now = int(time.time() * 1000)
+    born = now if born_ts is None else born_ts
     halves = []
     for i in range(first, first + count):
         q = i % QUEUES
-        halves.append(Message(HALF_TOPIC, 0, TxType.PREPARED, now, {
-            PROP_UNIQ_KEY: f"{i:032X}", PROP_TRAN_MSG: "true", PROP_PGROUP: GROUP, PROP_REAL_TOPIC: TOPIC, PROP_REAL_QID: str(q)}, body))
+        halves.append(Message(HALF_TOPIC, 0, TxType.PREPARED, born, {
+            PROP_UNIQ_KEY: f"{i:032X}", PROP_TRAN_MSG: "true", PROP_PGROUP: group, PROP_REAL_TOPIC: TOPIC, PROP_REAL_QID: str(q)}, body))
     results = store.append(halves)
     ends, left = [], 0
     for i, h, r in zip(range(first, first + count), halves, results):
@@ -73,7 +93,7 @@ def _transactions(store: Store, first: int, count: int, pending_every: int, body
         props[PROP_PREPARED_QUEUE_OFFSET] = str(r.queue_offset)
         ends.append(Message(TOPIC, i % QUEUES, TxType.COMMIT, now, props, body, prepared_offset=r.commit_log_offset))
         ends.append(Message(OP_TOPIC, 0, TxType.COMMIT, now, {
-            PROP_TAGS: OP_TAG, PROP_UNIQ_KEY: h.properties[PROP_UNIQ_KEY], PROP_PGROUP: GROUP, PROP_REAL_TOPIC: TOPIC,
+            PROP_TAGS: OP_TAG, PROP_UNIQ_KEY: h.properties[PROP_UNIQ_KEY], PROP_PGROUP: group, PROP_REAL_TOPIC: TOPIC,
             PROP_HALF_CL_OFFSET: str(r.commit_log_offset), PROP_DECIDED_BY: "producer", PROP_CHECK_TIMES: "0"},
             str(r.queue_offset).encode(), prepared_offset=r.commit_log_offset))
     if ends:
@@ -167,8 +187,8 @@ def _probe(port: int, deadline: float) -> tuple[float, float, float]:
     return accepted, answered[2], answered[3]
 
 
-def append_after_snapshot(data_dir: Path, first: int, count: int) -> int:
-    """count more transactions (2 op + half records each) after the snapshot a clean shutdown left; returns the records."""
+def append_after_flush(data_dir: Path, first: int, count: int) -> int:
+    """count more transactions (half + op records each) after the index file's last flush (a clean shutdown's); returns those records."""
     with Store(data_dir) as store:
         _transactions(store, first, count, 0, b"t" * TX_BODY)
         store.sync()
@@ -179,26 +199,39 @@ def restart(data_dir: Path, log_path: Path, cache: str, timeout: float, case: st
     if cache == "cold":
         drop_cache(data_dir)
     log_path.write_text("")
-    snapshot = (data_dir / "txindex.snap").exists()  # left by a clean shutdown (the previous restart's)
+    index_file = (data_dir / DB_FILE).exists()  # left by the previous start's broker (flushed at its clean shutdown)
     b = BrokerProc(data_dir, "--flush", "async", "--log-level", "info", log_path=log_path)
     b.spawn()
     try:
         accepted, info, tx = _probe(b.port, b.started_at + timeout)
-        res = {"cache": cache, "case": case, "snapshot": snapshot, "port_s": round(accepted - b.started_at, 3), "ready_s": round(info - b.started_at, 3),
-               "tx_ready_s": round(tx - b.started_at, 3), "rss_mb": round(proc_status(b.pid, "VmRSS"), 1)}
+        res = {"cache": cache, "case": case, "index_file": index_file, "port_s": round(accepted - b.started_at, 3), "ready_s": round(info - b.started_at, 3),
+               "tx_ready_s": round(tx - b.started_at, 3), "rss_mb": round(proc_status(b.pid, "VmRSS"), 1),
+               "rss_peak_mb": round(proc_status(b.pid, "VmHWM"), 1)}
     finally:
         b.stop()
     text = log_path.read_text()
     m = re.search(r"event=store_opened .*?took_s=([\d.]+)", text)
     if m:
         res["store_open_s"] = float(m.group(1))
-    m = re.search(r"source=snapshot log_end=\d+ records_after=(\d+)", text)
-    res["index_source"] = (f"loaded from the snapshot, then {int(m.group(1)):,} records read after it" if m
-                           else "snapshot" if "source=snapshot" in text else "rebuilt from the log")
-    m = re.search(r"event=broker_ready pending=(\d+) decided=(\d+) took_s=([\d.]+)", text)
+    m = re.search(r"event=txindex_rebuild reason=(\"(?:[^\"\\]|\\.)*\"|'[^']*'|\S+)", text)
     if m:
-        res.update(pending=int(m.group(1)), decided=int(m.group(2)), broker_ready_s=float(m.group(3)))
+        res["rebuild_reason"] = m.group(1).strip("'\"")
+    m = re.search(r"event=broker_ready pending=(\d+) index=(\w+) records_read=(\d+) took_s=([\d.]+)", text)
+    if m:
+        res.update(pending=int(m.group(1)), index=m.group(2), records_read=int(m.group(3)), broker_ready_s=float(m.group(4)))
+        # A missing index file is created empty and then "loaded" (the broker
+        # logs index=loaded): it is read from offset 0, i.e. rebuilt from the log.
+        res["index_source"] = (f"loaded from {DB_FILE}, then {res['records_read']:,} records read from the log after its last flush"
+                               if res["index"] == "loaded" and index_file else
+                               f"built from the log, no index file ({res['records_read']:,} records read; broker log: index={res['index']})"
+                               if not index_file else f"rebuilt from the log ({res['records_read']:,} records read)")
+    else:
+        res["index_source"] = "? (no event=broker_ready line with index= in the broker log)"
     return res
+
+
+def _n(v: Any) -> str:
+    return "?" if v is None else f"{v:,}"
 
 
 def main() -> None:
@@ -210,9 +243,10 @@ def main() -> None:
     ap.add_argument("--dir", type=Path, default=None,
                     help="build here and keep it (a later run with the same --dir measures again without rebuilding) "
                          "instead of in a temporary directory that is removed")
-    ap.add_argument("--after-snapshot", type=int, default=250_000,
-                    help="transactions appended after the clean shutdown's snapshot for the crash case (default 250,000, i.e. "
-                         "500,000 op and half records: the broker's default --index-snapshot-records); 0 skips that case")
+    ap.add_argument("--after-flush", "--after-snapshot", dest="after_flush", type=int, default=30_000,
+                    help="transactions appended after the index file's last flush for the crash case (default 30,000, i.e. "
+                         "60,000 half and op records: about one second of transactions at ~27,000/s, the best async rate "
+                         "compare.py measured, and the broker flushes the index file every second); 0 skips that case")
     ap.add_argument("--timeout", type=float, default=300)
     ap.add_argument("--write", type=Path, metavar="DOC", help="save the result and write it into this Markdown file")
     ap.add_argument("-o", "--output", choices=["text", "json"], default="text")
@@ -235,19 +269,19 @@ def main() -> None:
             built.write_text(json.dumps(res))
             print(f"  {res['log_gib']} GiB in {res['build_s']} s", file=sys.stderr, flush=True)
         data = tmp / "data"
-        (data / "txindex.snap").unlink(missing_ok=True)  # a kept --dir: start from no snapshot again
+        remove_db(data)  # a kept --dir: start from no index file again
         res["restarts"] = [
-            restart(data, tmp / "broker-warm.log", "warm", a.timeout, "no snapshot: every op and half record read"),
-            restart(data, tmp / "broker-cold.log", "cold", a.timeout, "after a clean shutdown (its snapshot)"),
+            restart(data, tmp / "broker-warm.log", "warm", a.timeout, "no index file: rebuilt from the log, every half and op record read"),
+            restart(data, tmp / "broker-cold.log", "cold", a.timeout, "after a clean shutdown: index file loaded"),
         ]
-        if a.after_snapshot:
-            # As after a crash just before the next background snapshot was due:
-            # the last snapshot (the clean shutdown's) is that many records old.
-            print(f"appending {a.after_snapshot:,} transactions after the snapshot ...", file=sys.stderr, flush=True)
-            n = append_after_snapshot(data, res["transactions"], a.after_snapshot)
+        if a.after_flush:
+            # As after a crash: the index file's last flush (here the clean
+            # shutdown's) is that many records behind the end of the log.
+            print(f"appending {a.after_flush:,} transactions after the index file's last flush ...", file=sys.stderr, flush=True)
+            n = append_after_flush(data, res["transactions"], a.after_flush)
             res["restarts"].append(restart(data, tmp / "broker-crash.log", "warm", a.timeout,
-                                           f"after a crash, the last snapshot {n:,} records old"))
-            (data / "txindex.snap").unlink(missing_ok=True)
+                                           f"after a crash: index file loaded, {n:,} records appended after its last flush"))
+            remove_db(data)
             if a.dir is not None:  # the next run with this --dir must find the log it built
                 print("note: the kept --dir now holds the appended transactions too", file=sys.stderr)
     finally:
@@ -258,13 +292,17 @@ def main() -> None:
            "notes": ("Serving means the first `broker_info` request was answered (the port accepts connections earlier: the broker "
                      "binds it before it opens the store); transactions ready means a `tx_offsets` request, which like every "
                      "transactional operation waits for the transaction index, was answered. The store was closed cleanly (a "
-                     "checkpoint), so recovery trusts the log up to it; with no txcheck.json the index rebuild reads every half and "
-                     "op record. A cold start had the data directory's pages dropped from the page cache first.")}
+                     "checkpoint), so recovery trusts the log up to it. With no index file (`txindex.db`) the broker rebuilds the "
+                     "index from the log, reading every half and op record; with one it loads the pending rows and reads only the "
+                     "transactional records written after the file's last flush (the broker flushes it every second and at a clean "
+                     "shutdown; the crash case has the records appended after that flush with the broker stopped). A cold start had "
+                     "the data directory's pages dropped from the page cache first.")}
     if a.write:
         save_result("restart", res)
         report.write_doc(a.write)
     line = "; ".join(f"{r['case']} ({r['cache']} cache): serving in {r['ready_s']} s, transactions in {r['tx_ready_s']} s (port after {r['port_s']} s, "
-                     f"RSS {r['rss_mb']:.0f} MiB)" for r in res["restarts"])
+                     f"index {r.get('index', '?')}, {_n(r.get('records_read'))} records read, {_n(r.get('pending'))} pending, "
+                     f"RSS {r['rss_mb']:.0f} MiB, peak {r.get('rss_peak_mb', 0):.0f})" for r in res["restarts"])
     print(f"restart over a {res['log_gib']} GiB commit log with {res['transactions']:,} transactions ({res['pending']:,} pending): {line}",
           file=sys.stderr if a.output == "json" else sys.stdout)
     if a.output == "json":

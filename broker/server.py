@@ -116,7 +116,8 @@ class Broker:
                 starts = db.meta["queues"]
                 index.discarded = db.count_discarded()
             else:
-                log.warning("event=txindex_rebuild reason=%r", why)
+                # A new data directory has nothing to rebuild: not worth a warning.
+                (log.warning if core.store.max_offset > 0 else log.info)("event=txindex_rebuild reason=%r", why)
             self._writer = db.writer()
             replayed = 0
             for replayed in replay_steps(core.store, index, starts):

@@ -110,7 +110,13 @@ class TxDatabase:
         self.readonly = readonly
         try:
             if readonly:
-                self.conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, isolation_level=None, check_same_thread=False)
+                # No WAL file: no broker has the file open, and a clean stop
+                # folded everything into it. immutable=1 then reads it without
+                # creating the -wal/-shm files a WAL reader needs (inspection
+                # leaves the data directory as it was). With a WAL, a broker is
+                # writing: read through it.
+                flags = "mode=ro" if Path(f"{path}-wal").exists() else "mode=ro&immutable=1"
+                self.conn = sqlite3.connect(f"file:{path}?{flags}", uri=True, isolation_level=None, check_same_thread=False)
             else:
                 self.conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
                 self.conn.execute("PRAGMA journal_mode=WAL")
