@@ -193,9 +193,6 @@ class TxDatabase:
         """The newest row of this transaction id (ids are unique while their records are in the log)."""
         return self.conn.execute(f"{_SELECT} WHERE tx_id = ? ORDER BY origin DESC LIMIT 1", (tx_id,)).fetchone()
 
-    def by_origin(self, origin: int) -> tuple | None:
-        return self.conn.execute(f"{_SELECT} WHERE origin = ?", (origin,)).fetchone()
-
     def discarded(self, after: int = -1, limit: int = 1000) -> list[tuple]:
         """Discarded rows by discard-queue offset (``half_offset`` of a discarded row), from after+1."""
         return self.conn.execute(f"{_SELECT} WHERE state = 3 AND half_offset > ? ORDER BY half_offset LIMIT ?", (after, limit)).fetchall()
@@ -205,20 +202,6 @@ class TxDatabase:
 
     def count_discarded(self) -> int:
         return self.conn.execute("SELECT count(*) FROM tx WHERE state = 3").fetchone()[0]
-
-    def oldest(self) -> tuple[int, int] | None:
-        """(origin, first stored or decided time) of the oldest row: how far back outcomes are known."""
-        row = self.conn.execute("SELECT origin, coalesce(first_stored_ts, decided_at) FROM tx ORDER BY origin LIMIT 1").fetchone()
-        return (row[0], row[1]) if row else None
-
-    def size_bytes(self) -> int:
-        total = 0
-        for p in db_files(self.path.parent):
-            try:
-                total += p.stat().st_size
-            except FileNotFoundError:
-                pass
-        return total
 
     # ---- writing (the writer connection, in one thread at a time) --------------
     def flush(self, rows: Iterable[tuple], meta: dict[str, Any], prune_below: int | None = None) -> None:

@@ -170,7 +170,7 @@ def _int(v: str | None, default: int) -> int:
     """A producer-set numeric property, or default when absent, not a number, or outside int64.
 
     Offsets and counts are int64 everywhere else (the record header, the
-    snapshot, the compiled check path): a value a client wrote that cannot
+    index file, the compiled check path): a value a client wrote that cannot
     be one is treated as absent, never carried into them.
     """
     try:
@@ -232,10 +232,6 @@ class TxIndex:
             return Outcome.PENDING
         d = self.lookup(tx_id)
         return d.outcome if d else None
-
-    def first_undecided_half(self) -> int | None:
-        """Smallest half offset of a pending transaction's latest copy."""
-        return next(iter(self.by_half), None)
 
     def pending_by_topic(self) -> dict[str, int]:
         """Pending transactions per real topic (safe from another thread: it iterates a copy)."""

@@ -75,7 +75,7 @@ def transactions(messages):
             F.min(half_off).alias("first_half_offset"),
             F.max(F.when(is_half, col("check_count"))).alias("h_checks"),
             # The mark is on a replay's copy and every later copy of it (the
-            # discard it undid, by offset; "1" in logs before session 3).
+            # discard it undid, by offset; "1" in logs of older versions).
             F.max(F.when(is_half & props[PROP_REPLAYED].isNotNull(), off)).alias("last_replay"),
             F.max_by(decision, F.when(is_decision, off)).alias("d"),
             F.min(F.when(kind == COMMIT, off)).alias("committed_offset"),

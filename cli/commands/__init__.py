@@ -27,7 +27,7 @@ def register_all(app: typer.Typer) -> None:
         app.add_typer(broker.app, name="broker")
         app.add_typer(config.app, name="config")
         stats.register(app)
-        bench.register(app)  # the lead's: txmq bench
+        bench.register(app)  # txmq bench
     with _panel(app, "Analysis"):
         spark.register(app)  # txmq spark-export (cli/commands/spark.py)
     with _panel(app, "Shell"):
