@@ -233,6 +233,10 @@ class TxIndex:
         d = self.lookup(tx_id)
         return d.outcome if d else None
 
+    def first_undecided_half(self) -> int | None:
+        """Smallest half offset of a pending transaction's latest copy (what holds the half progress back)."""
+        return next(iter(self.by_half), None)
+
     def pending_by_topic(self) -> dict[str, int]:
         """Pending transactions per real topic (safe from another thread: it iterates a copy)."""
         out: dict[str, int] = {}
