@@ -19,11 +19,11 @@ magic, lengths, own offset, CRC), and a record that fails it raises
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from operator import itemgetter
 from os import pread
 
-from .codec import decode, valid_header
+from .codec import HEADER_SIZE, decode, valid_header
 from .consumequeue import Entry
 from .errors import CorruptRecordError
 from .segments import GAP, SPAN, LogView
@@ -89,7 +89,7 @@ def _refill(reader, s: list, chunk: int) -> bool:
     return bool(entries)
 
 
-def raw_record_runs(reader, entries: Sequence[Entry]) -> Iterator[RawRun]:
+def raw_record_runs(reader, entries: Sequence[Entry], on_damage: Callable[[int, str], None] | None = None) -> Iterator[RawRun]:
     """The records at consume-queue entries sorted by offset, validated, in runs read with one pread each.
 
     Yields (buf, mv, first, headers): ``buf`` holds the run's bytes from
@@ -101,6 +101,11 @@ def raw_record_runs(reader, entries: Sequence[Entry]) -> Iterator[RawRun]:
     ``_read_sized`` reads them for ``get_messages``. Headers come in a list
     per run rather than one yield per record: the caller's loop over two
     million records is the cost this module exists to cut.
+
+    A damaged record (or an entry pointing outside the log) raises
+    ``CorruptRecordError``; with ``on_damage`` it is reported there as
+    (commit-log offset, reason) instead and left out of its run, and the
+    records around it are read as usual.
     """
     log: LogView = reader._open_log() if isinstance(reader, Store) else reader
     seg_at = log._seg_at
@@ -108,9 +113,14 @@ def raw_record_runs(reader, entries: Sequence[Entry]) -> Iterator[RawRun]:
     i = 0
     while i < n:
         first, size = entries[i][0], entries[i][1]
-        seg = seg_at(first)
-        if seg is None:
-            raise CorruptRecordError(f"no record at {first}: outside the log")
+        seg = seg_at(first) if first >= 0 else None
+        if seg is None or size < HEADER_SIZE or first + size > seg.end:
+            why = f"no record at {first}: outside the log" if seg is None else f"impossible record size {size} at {first}"
+            if on_damage is None:
+                raise CorruptRecordError(why)
+            on_damage(first, why)
+            i += 1
+            continue
         seg_end = seg.end
         run_end = first + size
         j = i + 1
@@ -125,9 +135,15 @@ def raw_record_runs(reader, entries: Sequence[Entry]) -> Iterator[RawRun]:
         mv = memoryview(buf)
         headers = [valid_header(buf, e[0] - first, e[0], mv) for e in entries[i:j]]
         if None in headers:
-            o = entries[i + headers.index(None)][0]
-            raise CorruptRecordError(_problem(buf, o - first, o, mv))
-        yield buf, mv, first, headers
+            if on_damage is None:
+                o = entries[i + headers.index(None)][0]
+                raise CorruptRecordError(_problem(buf, o - first, o, mv))
+            for e, h in zip(entries[i:j], headers):
+                if h is None:
+                    on_damage(e[0], _problem(buf, e[0] - first, e[0], mv))
+            headers = [h for h in headers if h is not None]
+        if headers:
+            yield buf, mv, first, headers
         i = j
 
 
@@ -136,7 +152,9 @@ def _problem(buf, pos: int, offset: int, mv: memoryview) -> str:
     return why if type(why) is str else f"invalid record at {offset}"
 
 
-def raw_queue_runs(reader, queues: Sequence[tuple[str, int, int]], chunk: int | None = None) -> Iterator[RawRun]:
+def raw_queue_runs(
+    reader, queues: Sequence[tuple[str, int, int]], chunk: int | None = None, on_damage: Callable[[int, str], None] | None = None
+) -> Iterator[RawRun]:
     """``raw_record_runs`` over ``merged_entries``: every record of the queues, in commit-log order."""
     for entries in merged_entries(reader, queues, chunk):
-        yield from raw_record_runs(reader, entries)
+        yield from raw_record_runs(reader, entries, on_damage)

@@ -145,20 +145,30 @@ class CommitLog(LogView):
             os.close(self._retired.pop())
 
     # ---- truncating and deleting ---------------------------------------------
-    def truncate(self, offset: int) -> int:
-        """Cut the log at offset (recovery): shorten its segment, delete later ones; returns bytes dropped."""
+    def truncate(self, offset: int, quarantine: str | None = None) -> int:
+        """Cut the log at offset (recovery): shorten its segment, remove later ones; returns bytes dropped.
+
+        With ``quarantine`` (a directory), nothing is lost: later segments are
+        moved there and the cut bytes are copied there first.
+        """
         dropped = 0
         while len(self._segs) > 1 and self._segs[-1].start > offset:
             seg = self._segs.pop()
             self._starts.pop()
             dropped += seg.length
             os.close(seg.fd)
-            os.unlink(seg.path)
+            if quarantine is not None and seg.length:
+                os.makedirs(quarantine, exist_ok=True)
+                os.replace(seg.path, os.path.join(quarantine, f"commitlog-{offset_name(seg.start)}"))
+            else:
+                os.unlink(seg.path)
             self.dir_dirty = True
         seg = self._segs[-1]
         keep = max(offset - seg.start, 0)
         if keep < seg.length:
             dropped += seg.length - keep
+            if quarantine is not None:
+                _copy_range(seg.fd, keep, seg.length - keep, quarantine, f"commitlog-{offset_name(seg.start + keep)}")
             os.ftruncate(seg.fd, keep)
             os.fsync(seg.fd)
             seg.length = keep
@@ -188,6 +198,25 @@ class CommitLog(LogView):
             os.close(seg.fd)
         self._segs.clear()
         self._starts.clear()
+
+
+def _copy_range(fd: int, pos: int, length: int, directory: str, name: str) -> None:
+    """Copy length bytes of fd from pos into directory/name (durably), in 1 MiB pieces."""
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, name)
+    out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        done = 0
+        while done < length:
+            data = os.pread(fd, min(1 << 20, length - done), pos + done)
+            if not data:
+                break
+            _pwrite_all(out, data, done)
+            done += len(data)
+        os.fsync(out)
+    finally:
+        os.close(out)
+    fsync_dir(directory)
 
 
 def _pwrite_all(fd: int, data: bytes, pos: int) -> None:

@@ -38,6 +38,23 @@ _VERIFY_ENTRIES = 1024  # entries read at once while recovery compares entries
 Entry = tuple[int, int, int]
 
 
+def pick_entries(entries, max_bytes: int) -> list[tuple[int, int]]:
+    """(offset, size) of the leading entries whose records fit max_bytes (at least one).
+
+    A size no record can have (past the segment size: a garbage entry) counts
+    as nothing here; the read then reports the entry as damaged.
+    """
+    out: list[tuple[int, int]] = []
+    total = 0
+    for off, size, _ in entries:
+        cost = size if size < (1 << 31) else 0
+        if out and total + cost > max_bytes:
+            break
+        out.append((off, size))
+        total += cost
+    return out
+
+
 class ConsumeQueue:
     __slots__ = (
         "topic", "queue_id", "dir", "starts", "flushed", "pending", "next",
@@ -226,6 +243,11 @@ class ConsumeQueue:
 
     def entries(self, start: int, stop: int) -> list[Entry]:
         return list(ENTRY.iter_unpack(self.read_raw(start, stop)))
+
+    def last_offset(self) -> int:
+        """Commit-log offset of the queue's last entry, -1 when it has none."""
+        e = self.entry(self.next - 1)
+        return e[0] if e is not None else -1
 
     def entry(self, index: int) -> Entry | None:
         """One entry, for recovery's comparisons (reads ahead, so sequential calls are cheap)."""

@@ -43,6 +43,9 @@ class GetResult:
     next_offset: int = 0  # queue offset to ask for next
     min_offset: int = 0
     max_offset: int = 0
+    # entries skipped because their record is damaged: (queue offset, commit-log offset, reason);
+    # next_offset is past them, so a consumer moves on
+    skipped: list[tuple[int, int, str]] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,3 +59,5 @@ class RecoveryReport:
     max_offset: int  # end of the log after recovery
     scanned_from: int  # recovery validated every record from here to max_offset (the unverified tail)
     duration_s: float
+    damaged: int = 0  # damaged ranges inside the log, skipped (each reported in Store.damage)
+    queues_rebuilt: list[str] = field(default_factory=list)  # why the consume queues were re-read from the log

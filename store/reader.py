@@ -19,7 +19,8 @@ from collections.abc import Iterator, Sequence
 
 from .checkpoint import Checkpoint, read_checkpoint
 from .codec import Record, tag_hash
-from .consumequeue import ENTRY, ENTRY_SIZE, ConsumeQueue, Entry
+from .consumequeue import ENTRY, ENTRY_SIZE, ConsumeQueue, Entry, pick_entries
+from .damage import Damage, DamageLog
 from .errors import CorruptRecordError
 from .files import list_numbered, offset_name
 from .model import GetResult, GetStatus
@@ -39,6 +40,7 @@ class StoreReader(LogView):
         self._cqs: dict[tuple[str, int], ConsumeQueue] = {}
         self._overlay: dict[tuple[str, int], tuple[int, bytearray]] = {}
         self._overlay_pos: int | None = None
+        self.damage = DamageLog()
         self._refresh()
 
     def close(self) -> None:
@@ -66,10 +68,20 @@ class StoreReader(LogView):
         end = self._valid_end
         if end is None or end < segs[0].start or end > segs[-1].end:
             end = self._trusted_start(lambda c: c.log_offset)
-        for offset, res in self._walk(end, _FAR, validate_only=True):
-            if type(res) is str:
+        pos = end
+        while True:
+            for offset, res in self._walk(pos, _FAR, validate_only=True):
+                if type(res) is str:
+                    # Damage inside the log (a valid record follows) is skipped;
+                    # nothing valid after it is the tail a writer is still writing.
+                    nxt = self.next_valid(offset + 1, _FAR)
+                    pos = nxt if nxt is not None else -1
+                    break
+                end = offset + res  # type: ignore[operator]
+            else:
                 break
-            end = offset + res  # type: ignore[operator]
+            if pos < 0:
+                break
         self._valid_end = end
 
     def _refresh_segments(self) -> None:
@@ -138,7 +150,10 @@ class StoreReader(LogView):
     def scan(self, start: int = 0, end: int | None = None) -> Iterator[Record]:
         self._refresh()
         stop = self._valid_end if end is None else min(end, self._valid_end)  # type: ignore[type-var]
-        return self._scan(start, stop)  # type: ignore[arg-type]
+        return self._scan(start, stop, self._log_damage)  # type: ignore[arg-type]
+
+    def _log_damage(self, offset: int, reason: str, length: int) -> None:
+        self.damage.report(Damage(offset, "log", reason, length))
 
     def scan_range(self, start: int, end: int) -> Iterator[Record]:
         """Every valid record whose offset is in [start, end); start may be any byte position.
@@ -294,15 +309,11 @@ class StoreReader(LogView):
         if queue_offset >= hi:
             status = GetStatus.NO_MESSAGE if queue_offset == hi else GetStatus.OFFSET_OVERFLOW
             return GetResult(status, [], hi, lo, hi)
-        picked = []
-        total = 0
         stop = queue_offset + max(max_count, 1)
-        for off, size, _ in self._entries((topic, queue_id), queue_offset, stop, bounds):
-            if picked and total + size > max_bytes:
-                break
-            picked.append((off, size))
-            total += size
+        picked = pick_entries(self._entries((topic, queue_id), queue_offset, stop, bounds), max_bytes)
         if not picked:
             raise CorruptRecordError(f"queue {topic}/{queue_id} has no entry at {queue_offset}")
-        records = self._read_sized(picked)
-        return GetResult(GetStatus.FOUND, records, queue_offset + len(records), lo, hi)
+        records, bad = self.read_queue(topic, queue_id, queue_offset, picked)
+        for _q, off, why in bad:
+            self.damage.report(Damage(off, f"queue {topic}/{queue_id}", why))
+        return GetResult(GetStatus.FOUND, records, queue_offset + len(picked), lo, hi, bad)

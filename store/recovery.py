@@ -10,14 +10,17 @@ log is re-read from its first byte, which rebuilds every queue.
 
 from __future__ import annotations
 
+import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .checkpoint import Checkpoint
-from .codec import Record, tag_hash
+from .codec import HEADER_SIZE, Record, tag_hash
 from .commitlog import CommitLog
 from .consumequeue import ENTRY_SIZE, ConsumeQueue
+from .errors import CorruptRecordError
 
+_FAR = 1 << 62
 _FLUSH_PENDING = 1 << 20  # entries held in memory during recovery before writing them out
 
 
@@ -33,6 +36,8 @@ class Recovered:
     redispatched: int = 0
     cq_entries_dropped: int = 0
     scanned_from: int = 0
+    damaged: list[tuple[int, str, int]] = field(default_factory=list)  # (offset, reason, bytes skipped)
+    queue_problems: list[str] = field(default_factory=list)  # why the queues were rebuilt from the log
 
 
 def load_queues(root: str) -> tuple[dict[tuple[str, int], ConsumeQueue], int]:
@@ -53,24 +58,100 @@ def load_queues(root: str) -> tuple[dict[tuple[str, int], ConsumeQueue], int]:
     return queues, dropped
 
 
+MANIFEST = "cqmanifest.json"  # in the data directory: every queue and its end at the last clean close
+
+
+def read_manifest(path: str) -> dict[tuple[str, int], int]:
+    """The queues the manifest lists and their ends; empty when missing or unreadable (it is only a check)."""
+    try:
+        with open(path, "rb") as f:
+            doc = json.loads(f.read(64 << 20))
+        return {(str(t), int(q)): int(n) for t, q, n in doc["queues"]}
+    except (OSError, ValueError, TypeError, KeyError):
+        return {}
+
+
+def manifest_bytes(queues: dict[tuple[str, int], ConsumeQueue]) -> bytes:
+    """Each queue's end as flushed to disk: a lower bound of its entries at any later open."""
+    rows = [[t, q, cq.flushed] for (t, q), cq in sorted(queues.items())]
+    return json.dumps({"version": 1, "queues": rows}, separators=(",", ":")).encode()
+
+
+def queue_problems(log: CommitLog, queues: dict[tuple[str, int], ConsumeQueue], manifest: dict[tuple[str, int], int]) -> list[str]:
+    """Why the consume queues on disk disagree with the log (empty: they agree as far as a cheap check sees).
+
+    Checks that every queue the manifest lists is there with at least the
+    entries it had, and that each queue's last entry points at that
+    queue's record with that queue offset. A problem makes recovery re-read
+    the whole log, which rebuilds the queues from it.
+    """
+    out: list[str] = []
+    for key, n in manifest.items():
+        cq = queues.get(key)
+        if cq is None:
+            out.append(f"queue {key[0]}/{key[1]} is missing ({n} entries at the last close)")
+        elif cq.next < n:
+            out.append(f"queue {key[0]}/{key[1]} ends at {cq.next}, it had {n} entries at the last close")
+    for (topic, qid), cq in queues.items():
+        e = cq.entry(cq.next - 1) if cq.next > cq.base else None
+        if e is None or 0 <= e[0] < log.min_offset:
+            continue
+        if e[0] < 0 or e[0] >= log.end or log._seg_at(e[0]) is None:
+            out.append(f"queue {topic}/{qid}: its last entry {cq.next - 1} points outside the log ({e[0]})")
+            continue
+        try:
+            rec = log.read(e[0])
+        except CorruptRecordError:
+            continue  # a damaged record: readers skip it; nothing to rebuild the queue from
+        if rec.topic != topic or rec.queue_id != qid or rec.queue_offset != cq.next - 1 or rec.size != e[1]:
+            out.append(f"queue {topic}/{qid}: its last entry {cq.next - 1} points at another record ({rec.topic}/{rec.queue_id}:{rec.queue_offset})")
+    return out
+
+
 def recover(
     log: CommitLog,
     queues: dict[tuple[str, int], ConsumeQueue],
     ckpt: Checkpoint | None,
     root: str,
     per_file: int,
+    quarantine: str | None = None,
+    rebuild: bool = False,
+    manifest: dict[tuple[str, int], int] | None = None,
 ) -> Recovered:
-    """Validate and re-dispatch from the checkpoint; cut the log and the queues at the first bad record."""
+    """Validate and re-dispatch from the checkpoint; skip damage inside the log, cut a torn tail.
+
+    Damage below the checkpoint's fsynced offset (or anywhere, without a
+    checkpoint) that a valid record follows - a flipped byte, a missing
+    middle segment - is skipped: the walk resynchronises at the next valid
+    record and the range is reported in ``damaged``. What no valid record
+    follows is the tail a crash tore: the log is cut there, and with
+    ``quarantine`` the cut bytes and later segments are moved there, never
+    deleted. ``rebuild`` re-reads the whole log (queues that disagree with
+    it are rebuilt).
+    """
     out = Recovered()
+    if manifest is not None and not rebuild:
+        out.queue_problems = queue_problems(log, queues, manifest)
+        rebuild = bool(out.queue_problems)
     segs = log.segments
+    resync_below = ckpt.log_offset if ckpt is not None else _FAR
     for a, b in zip(segs, segs[1:]):
-        if a.end != b.start:  # a segment went missing (or shrank): the log ends at the gap
-            out.dropped_bytes = log.truncate(a.end)
-            out.reason = f"segment gap at {a.end}: next segment starts at {b.start}"
+        if a.end > b.start:  # overlapping segments: the later ones cannot be placed
+            out.dropped_bytes = log.truncate(a.end, quarantine)
+            out.reason = f"segment overlap at {b.start}: previous segment ends at {a.end}"
             out.truncated_at = a.end
             break
+        if a.end < b.start:
+            why = f"segment gap at {a.end}: next segment starts at {b.start}"
+            if a.end >= resync_below:  # a gap in the unsynced tail: the log ends there
+                out.dropped_bytes = log.truncate(a.end, quarantine)
+                out.reason = why
+                out.truncated_at = a.end
+                break
+            out.damaged.append((a.end, why, b.start - a.end))  # a segment went missing: skipped, the rest kept
+    segs = log.segments
     log_min, files_end = segs[0].start, segs[-1].end
-    if ckpt is None or ckpt.cq_offset < log_min or not queues:
+    if rebuild or ckpt is None or ckpt.cq_offset < log_min or not queues:
         start = log_min  # no checkpoint, or no queues at all (removed to force a rebuild)
     elif ckpt.cq_offset <= files_end:
         start = ckpt.cq_offset
@@ -78,13 +159,13 @@ def recover(
         start = segs[-1].start
     out.scanned_from = start
     try:
-        end, reason = _dispatch(log, queues, start, root, per_file, out, full=start == log_min)
+        end, reason = _dispatch(log, queues, start, root, per_file, out, start == log_min, resync_below)
     except _NeedFullScan:
         out.scanned_from = log_min
-        end, reason = _dispatch(log, queues, log_min, root, per_file, out, full=True)
-    if end < files_end:
-        out.dropped_bytes += log.truncate(end)
-        out.reason = reason
+        end, reason = _dispatch(log, queues, log_min, root, per_file, out, True, resync_below)
+    if end < log.end:
+        out.dropped_bytes += log.truncate(end, quarantine)
+        out.reason = out.reason or reason
         out.truncated_at = end
     for cq in queues.values():
         out.cq_entries_dropped += cq.drop_bad_tail(end)
@@ -99,36 +180,60 @@ def _dispatch(
     per_file: int,
     out: Recovered,
     full: bool,
+    resync_below: int,
 ) -> tuple[int, str | None]:
-    """Walk the log from start, putting each record into its queue; (end of valid log, reason)."""
+    """Walk the log from start, putting each record into its queue; (end of valid log, reason).
+
+    Past a damaged range, a queue's next record may skip the queue offsets
+    whose records the range held: those get entries pointing at the range
+    (readers report them as damaged and move on), so every later record
+    keeps its queue offset.
+    """
     since_flush = 0
-    for offset, rec in log._walk(start, 1 << 62):
-        if type(rec) is str:
-            return offset, rec
-        assert isinstance(rec, Record)
-        key = (rec.topic, rec.queue_id)
-        q = rec.queue_offset
-        cq = queues.get(key)
-        if cq is None:
-            if q and not full:
-                raise _NeedFullScan
-            cq = queues[key] = ConsumeQueue(root, rec.topic, rec.queue_id, q)
-        if cq.base <= q < cq.next:
-            e = cq.entry(q)
-            if e is not None and e[0] == offset and e[1] == rec.size:
-                continue  # already indexed
-            out.cq_entries_dropped += cq.truncate(q)
-        elif q != cq.next:  # the queue lost entries the checkpoint said it had
-            if not full:
-                raise _NeedFullScan
-            out.cq_entries_dropped += cq.reset(q)
-        cq.append(offset, rec.size, tag_hash(rec.properties.get("TAGS")))
-        out.redispatched += 1
-        since_flush += 1
-        if since_flush >= _FLUSH_PENDING:
-            flush_all(queues, per_file, fsync=False)
-            since_flush = 0
-    return log.end, None  # a clean walk went through the last segment
+    pos = start
+    hole_at = -1  # start of the last damaged range
+    holes = 0  # queue offsets the damaged ranges can account for (at most one record per 68 bytes)
+    while True:
+        for offset, rec in log._walk(pos, _FAR):
+            if type(rec) is str:
+                nxt = log.next_valid(offset + 1, _FAR) if offset < resync_below else None
+                if nxt is None:
+                    return offset, rec
+                if not any(d[0] == offset for d in out.damaged[-64:]):
+                    out.damaged.append((offset, rec, nxt - offset))
+                hole_at = offset
+                holes += (nxt - offset) // HEADER_SIZE + 1
+                pos = nxt
+                break
+            assert isinstance(rec, Record)
+            key = (rec.topic, rec.queue_id)
+            q = rec.queue_offset
+            cq = queues.get(key)
+            if cq is None:
+                if q and not full:
+                    raise _NeedFullScan
+                cq = queues[key] = ConsumeQueue(root, rec.topic, rec.queue_id, q)
+            if cq.base <= q < cq.next:
+                e = cq.entry(q)
+                if e is not None and e[0] == offset and e[1] == rec.size:
+                    continue  # already indexed
+                out.cq_entries_dropped += cq.truncate(q)
+            elif q > cq.next and q - cq.next <= holes and hole_at >= cq.last_offset():
+                holes -= q - cq.next
+                while cq.next < q:
+                    cq.append(hole_at, HEADER_SIZE, 0)
+            elif q != cq.next:  # the queue lost entries the checkpoint said it had
+                if not full:
+                    raise _NeedFullScan
+                out.cq_entries_dropped += cq.reset(q)
+            cq.append(offset, rec.size, tag_hash(rec.properties.get("TAGS")))
+            out.redispatched += 1
+            since_flush += 1
+            if since_flush >= _FLUSH_PENDING:
+                flush_all(queues, per_file, fsync=False)
+                since_flush = 0
+        else:
+            return log.end, None  # a clean walk went through the last segment
 
 
 def flush_all(queues: dict[tuple[str, int], ConsumeQueue], per_file: int, fsync: bool) -> None:

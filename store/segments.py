@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import struct
 from bisect import bisect_right
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from .codec import HEADER_SIZE, MAGIC, Record, check_header, check_record, decode, valid_header
 from .errors import CorruptRecordError
@@ -214,34 +214,56 @@ class LogView:
             i = j
         return out
 
-    def _read_sized(self, entries: Sequence[tuple[int, int]]) -> list[Record]:
-        """Records at (offset, size) pairs sorted by offset, as consume queues give them."""
-        out: list[Record] = []
-        n = len(entries)
-        i = 0
-        while i < n:
-            first, size = entries[i]
-            seg = self._seg_at(first)
-            if seg is None:
-                raise CorruptRecordError(f"no record at {first}: outside the log")
-            run_end = first + size
-            j = i + 1
-            while j < n:
-                o, s = entries[j]
-                if o - run_end > GAP or o + s - first > SPAN or o + s > seg.end or o < run_end:
-                    break
-                run_end = o + s
-                j += 1
-            chunk = os.pread(seg.fd, run_end - first, first - seg.start)
+    def read_queue(self, topic: str, queue_id: int, first_q: int, entries: Sequence[tuple[int, int]]) -> tuple[list[Record], list[tuple[int, int, str]]]:
+        """The records of consume-queue entries first_q, first_q + 1, ... (given as (offset, size) pairs).
+
+        An entry that does not lead to this queue's record with that queue
+        offset (a damaged record, an entry pointing outside the log, a
+        garbage entry) is skipped and reported as (queue offset, commit-log
+        offset, reason) in the second list, so one bad record never holds
+        back the good ones around it. Neighbouring records are read with one
+        pread (holes up to GAP, runs up to SPAN).
+        """
+        end = self._readable_end()
+        good: list[Record] = []
+        bad: list[tuple[int, int, str]] = []
+        run: list[tuple[int, int, int]] = []  # (queue offset, offset, size) of one coalesced read
+        run_seg: Segment | None = None
+        run_end = 0
+
+        def read_run() -> None:
+            first = run[0][1]
+            chunk = os.pread(run_seg.fd, run_end - first, first - run_seg.start)  # type: ignore[union-attr]
             mv = memoryview(chunk)
-            for k in range(i, j):
-                o = entries[k][0]
+            for q, o, _size in run:
                 rec = decode(chunk, o - first, o, mv)
                 if type(rec) is str:
-                    raise CorruptRecordError(rec)
-                out.append(rec)
-            i = j
-        return out
+                    bad.append((q, o, rec))
+                elif rec.topic != topic or rec.queue_id != queue_id or rec.queue_offset != q:
+                    bad.append((q, o, f"queue entry {topic}/{queue_id}:{q} points at another record ({rec.topic}/{rec.queue_id}:{rec.queue_offset}) at {o}"))
+                else:
+                    good.append(rec)
+
+        for i, (o, size) in enumerate(entries):
+            q = first_q + i
+            seg = self._seg_at(o) if 0 <= o < end else None
+            if seg is None or size < HEADER_SIZE or o + size > min(seg.end, end):
+                if seg is None:
+                    why = f"no record at {o}: outside the log"
+                else:
+                    why = f"queue entry {topic}/{queue_id}:{q} has an impossible size {size} at {o}"
+                bad.append((q, o, why))
+                continue
+            if run and (seg is not run_seg or o - run_end > GAP or o + size - run[0][1] > SPAN or o < run_end):
+                read_run()
+                run = []
+            if not run:
+                run_seg = seg
+            run.append((q, o, size))
+            run_end = o + size
+        if run:
+            read_run()
+        return good, bad
 
     # ---- sequential reads ------------------------------------------------
     def _walk(
@@ -266,13 +288,40 @@ class LogView:
             pos = seg.end
             i += 1
 
-    def _scan(self, start: int, end: int) -> Iterator[Record]:
+    def next_valid(self, pos: int, stop: int) -> int | None:
+        """The first offset in [pos, stop) where a valid record starts (resynchronising), or None."""
+        for seg in self._segs[self._seg_index(pos):]:
+            if seg.start >= stop:
+                return None
+            if seg.end <= pos:
+                continue
+            found = resync(seg, max(pos, seg.start))
+            if found is not None:
+                return found if found < stop else None
+        return None
+
+    def _scan(self, start: int, end: int, on_damage: Callable[[int, str, int], None] | None = None) -> Iterator[Record]:
+        """Records from start (a boundary) to end, in order.
+
+        A damaged record raises CorruptRecordError; with ``on_damage`` it is
+        reported as (offset, reason, bytes skipped) instead and the walk
+        resynchronises at the next valid record (every record carries its
+        own offset, so a match is never a body that embeds record bytes).
+        """
         first = self._segs[0].start if self._segs else 0
-        start = max(start, first)
-        for offset, rec in self._walk(start, end):
-            if type(rec) is str:
-                raise CorruptRecordError(rec)
-            yield rec  # type: ignore[misc]
+        pos = max(start, first)
+        while pos < end:
+            for offset, rec in self._walk(pos, end):
+                if type(rec) is str:
+                    if on_damage is None:
+                        raise CorruptRecordError(rec)
+                    nxt = self.next_valid(offset + 1, end)
+                    on_damage(offset, rec, (end if nxt is None else nxt) - offset)
+                    pos = end if nxt is None else nxt
+                    break
+                yield rec  # type: ignore[misc]
+            else:
+                return
 
     def _scan_range(self, start: int, end: int) -> Iterator[Record]:
         """Records starting in [start, end); start may be any byte position.

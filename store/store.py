@@ -10,6 +10,7 @@ closing segment fds.
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import threading
 import time
@@ -20,14 +21,17 @@ import msgpack
 from .checkpoint import Checkpoint, read_checkpoint, write_checkpoint
 from .codec import EMPTY_PROPS, HEADER, HEADER_SIZE, TAGS_PROPERTY, Message, RawCopy, Record, encode_raw, tag_hash
 from .commitlog import CommitLog
-from .consumequeue import ENTRY, ENTRY_SIZE, ConsumeQueue, Entry
-from .errors import RecordTooLargeError, StoreError, StoreLockedError
-from .files import fsync_dir
+from .consumequeue import ENTRY, ENTRY_SIZE, ConsumeQueue, Entry, pick_entries
+from .damage import Damage, DamageLog
+from .errors import CorruptRecordError, RecordTooLargeError, StoreError, StoreLockedError
+from .files import atomic_write_bytes, fsync_dir
 from .model import AppendResult, GetResult, GetStatus, RecoveryReport, StoreConfig
-from .recovery import flush_all, load_queues, recover
+from .recovery import MANIFEST, flush_all, load_queues, manifest_bytes, read_manifest, recover
 
+_log = logging.getLogger("txmq.store")
 _pack_entry = ENTRY.pack
 _HEADER_UNPACK = HEADER.unpack_from
+QUARANTINE_DIR = "quarantine"  # bytes recovery will not use are moved here, never deleted
 _MAX_QUEUE_ID = (1 << 31) - 1
 _MAX_TOPIC_BYTES = (1 << 16) - 1
 
@@ -57,6 +61,8 @@ class Store:
         self._last_ckpt: Checkpoint | None = None  # what the checkpoint file holds
         self._limit = min(config.max_record_size, config.segment_size)
         self._cq_root = os.path.join(self.data_dir, "consumequeue")
+        self.damage = DamageLog()  # damaged records met since open (recovery and reads)
+        self._manifest_queues = -1  # queues listed in the manifest file
 
     def __enter__(self) -> Store:
         self.open()
@@ -66,11 +72,13 @@ class Store:
         self.close()
 
     # ---- lifecycle ---------------------------------------------------------
-    def open(self) -> RecoveryReport:
+    def open(self, rebuild: bool = False) -> RecoveryReport:
         """Lock the directory and recover it (docs/store-format.md, "Recovery").
 
         A damaged tail is cut and reported, never raised; only a held lock
-        (StoreLockedError) or an I/O error (OSError) fails the open.
+        (StoreLockedError) or an I/O error (OSError) fails the open. With
+        ``rebuild`` the whole log is re-read and every consume queue checked
+        against it (what ``txmq store repair`` does).
         """
         if self._log is not None:
             raise StoreError("store is already open")
@@ -83,11 +91,18 @@ class Store:
             self._log = log
             queues, dropped = load_queues(self._cq_root)
             ckpt = self._last_ckpt = read_checkpoint(self._checkpoint_path)
-            rec = recover(log, queues, ckpt, self._cq_root, self.config.cq_entries_per_file)
+            rec = recover(log, queues, ckpt, self._cq_root, self.config.cq_entries_per_file,
+                          quarantine=os.path.join(self.data_dir, QUARANTINE_DIR), rebuild=rebuild,
+                          manifest=read_manifest(self._manifest_path))
+            for offset, why, length in rec.damaged:
+                self.damage.report(Damage(offset, "log", why, length))
+            for why in rec.queue_problems:
+                _log.warning("event=consume_queue_rebuilt reason=%r", why)
             self._queues = queues
             log.durable = max(log.min_offset, min(ckpt.log_offset, log.end)) if ckpt else log.min_offset
             flush_all(queues, self.config.cq_entries_per_file, fsync=True)
             self.checkpoint()
+            self._write_manifest()
         except BaseException:
             self._release()
             raise
@@ -100,6 +115,8 @@ class Store:
             segments=len(log.segments),
             max_offset=log.end,
             scanned_from=min(rec.scanned_from, log.end),
+            damaged=len(rec.damaged),
+            queues_rebuilt=rec.queue_problems,
             duration_s=time.perf_counter() - t0,
         )
 
@@ -109,6 +126,7 @@ class Store:
             return
         try:
             self.checkpoint()
+            self._write_manifest()
         finally:
             self._release()
 
@@ -303,7 +321,25 @@ class Store:
             if ckpt != self._last_ckpt:  # an unchanged checkpoint costs no fsyncs
                 write_checkpoint(self._checkpoint_path, ckpt)
                 self._last_ckpt = ckpt
+            if len(self._queues) != self._manifest_queues:  # a new queue: list it (ends are written at close)
+                self._write_manifest()
             log.close_retired()
+
+    @property
+    def _manifest_path(self) -> str:
+        return os.path.join(self.data_dir, MANIFEST)
+
+    def _write_manifest(self) -> None:
+        """List every queue and its flushed end, so an open notices a queue lost or cut from outside."""
+        with self._lock:
+            data = manifest_bytes(self._queues)
+            count = len(self._queues)
+        try:
+            atomic_write_bytes(self._manifest_path, data)
+        except OSError as exc:  # a full disk: the check is weaker until the next write, nothing else
+            _log.warning("event=manifest_write_failed error=%r", exc)
+            return
+        self._manifest_queues = count
 
     # ---- reading -----------------------------------------------------------
     def read(self, offset: int) -> Record:
@@ -314,9 +350,23 @@ class Store:
         return self._open_log().read_many(offsets, raw)
 
     def scan(self, start: int = 0, end: int | None = None) -> Iterator[Record]:
-        """Records from start (a record boundary, or below the log's start) up to end, in order."""
+        """Records from start (a record boundary, or below the log's start) up to end, in order.
+
+        A damaged record is skipped and reported once (``damage``).
+        """
         log = self._open_log()
-        return log._scan(start, log.end if end is None else end)
+        return log._scan(start, log.end if end is None else end, self._log_damage)
+
+    def scan_range(self, start: int, end: int) -> Iterator[Record]:
+        """Valid records whose offset is in [start, end); start may be any byte position (resynchronises)."""
+        log = self._open_log()
+        try:
+            yield from log._scan_range(max(start, log.min_offset), min(end, log.end))
+        except CorruptRecordError as exc:
+            self.damage.report(Damage(start, "log", str(exc)))
+
+    def _log_damage(self, offset: int, reason: str, length: int) -> None:
+        self.damage.report(Damage(offset, "log", reason, length))
 
     def queues(self) -> dict[str, list[int]]:
         out: dict[str, list[int]] = {}
@@ -365,15 +415,11 @@ class Store:
         if queue_offset >= hi:
             status = GetStatus.NO_MESSAGE if queue_offset == hi else GetStatus.OFFSET_OVERFLOW
             return GetResult(status, [], hi, lo, hi)
-        entries = []
-        total = 0
-        for off, size, _ in ENTRY.iter_unpack(raw):
-            if entries and total + size > max_bytes:
-                break
-            entries.append((off, size))
-            total += size
-        records = log._read_sized(entries)
-        return GetResult(GetStatus.FOUND, records, queue_offset + len(records), lo, hi)
+        entries = pick_entries(ENTRY.iter_unpack(raw), max_bytes)
+        records, bad = log.read_queue(topic, queue_id, queue_offset, entries)
+        for q, off, why in bad:
+            self.damage.report(Damage(off, f"queue {topic}/{queue_id}", why))
+        return GetResult(GetStatus.FOUND, records, queue_offset + len(entries), lo, hi, bad)
 
     # ---- retention ---------------------------------------------------------
     def delete_expired(self, now: float, protect_from: int) -> list[str]:

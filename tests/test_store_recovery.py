@@ -300,7 +300,7 @@ def test_garbage_tail_never_raises(tmp_path):
         s.close()
 
 
-def test_segment_gap_drops_later_segments(tmp_path):
+def test_a_missing_middle_segment_is_skipped_and_the_later_segments_kept(tmp_path):
     d = tmp_path / "d"
     with Store(d, SMALL) as s:
         results = s.append([msg(body=b"q" * 200) for _ in range(40)])
@@ -308,14 +308,19 @@ def test_segment_gap_drops_later_segments(tmp_path):
     assert len(segs) >= 3
     victim = d / "commitlog" / segs[1]  # a middle segment goes missing
     victim.unlink()
+    gap = (int(segs[1]), int(segs[2]))
     s = Store(d, SMALL)
     report = s.open()
     try:
-        assert report.truncated_at == int(segs[1])
-        assert report.reason.startswith("segment gap")
-        assert s.max_offset == int(segs[1])
-        n = sum(1 for r in results if r.end_offset <= int(segs[1]))
-        assert s.queue_max_offset("T", 0) == n
+        assert report.truncated_at is None and report.dropped_bytes == 0 and report.damaged == 1
+        assert s.max_offset == results[-1].end_offset  # nothing after the gap was cut
+        assert [dmg.reason for dmg in s.damage.places.values()] == [f"segment gap at {gap[0]}: next segment starts at {gap[1]}"]
+        res = s.get_messages("T", 0, 0, max_count=100, max_bytes=1 << 30)
+        kept = [r.commit_log_offset for r in results if not gap[0] <= r.commit_log_offset < gap[1]]
+        assert [r.commit_log_offset for r in res.records] == kept
+        assert res.next_offset == 40 and len(res.skipped) == 40 - len(kept)
+        s.append([msg(body=b"after")])
+        assert s.queue_max_offset("T", 0) == 41  # new records never reuse a queue offset
     finally:
         s.close()
 
