@@ -61,20 +61,24 @@ def load_queues(root: str) -> tuple[dict[tuple[str, int], ConsumeQueue], int]:
 MANIFEST = "cqmanifest.json"  # in the data directory: every queue and its end at the last clean close
 
 
-def read_manifest(path: str) -> dict[tuple[str, int], int]:
-    """The queues the manifest lists and their ends; empty when missing or unreadable (it is only a check)."""
+def read_manifest(path: str) -> tuple[dict[tuple[str, int], int], int | None]:
+    """The queues the manifest lists with their ends, and the log's start then; empty when missing or unreadable.
+
+    The manifest is only a check: without it recovery trusts the queues it finds.
+    """
     try:
         with open(path, "rb") as f:
             doc = json.loads(f.read(64 << 20))
-        return {(str(t), int(q)): int(n) for t, q, n in doc["queues"]}
-    except (OSError, ValueError, TypeError, KeyError):
-        return {}
+        log_min = doc.get("log_min")
+        return {(str(t), int(q)): int(n) for t, q, n in doc["queues"]}, (int(log_min) if log_min is not None else None)
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return {}, None
 
 
-def manifest_bytes(queues: dict[tuple[str, int], ConsumeQueue]) -> bytes:
-    """Each queue's end as flushed to disk: a lower bound of its entries at any later open."""
+def manifest_bytes(queues: dict[tuple[str, int], ConsumeQueue], log_min: int) -> bytes:
+    """Each queue's end as flushed to disk (a lower bound of its entries at any later open) and the log's start."""
     rows = [[t, q, cq.flushed] for (t, q), cq in sorted(queues.items())]
-    return json.dumps({"version": 1, "queues": rows}, separators=(",", ":")).encode()
+    return json.dumps({"version": 1, "log_min": log_min, "queues": rows}, separators=(",", ":")).encode()
 
 
 def queue_problems(log: CommitLog, queues: dict[tuple[str, int], ConsumeQueue], manifest: dict[tuple[str, int], int]) -> list[str]:
@@ -116,7 +120,7 @@ def recover(
     per_file: int,
     quarantine: str | None = None,
     rebuild: bool = False,
-    manifest: dict[tuple[str, int], int] | None = None,
+    manifest: tuple[dict[tuple[str, int], int], int | None] | None = None,
 ) -> Recovered:
     """Validate and re-dispatch from the checkpoint; skip damage inside the log, cut a torn tail.
 
@@ -130,9 +134,15 @@ def recover(
     it are rebuilt).
     """
     out = Recovered()
-    if manifest is not None and not rebuild:
-        out.queue_problems = queue_problems(log, queues, manifest)
-        rebuild = bool(out.queue_problems)
+    if manifest is not None:
+        ends, was_min = manifest
+        if was_min is not None and log.segments[0].start > was_min:
+            # retention rewrites the manifest after it deletes: a start that moved otherwise is a file removed by hand
+            out.damaged.append((was_min, f"the log starts at {log.segments[0].start}, it started at {was_min} at the last close: "
+                                         "its first segment files were removed", log.segments[0].start - was_min))
+        if not rebuild:
+            out.queue_problems = queue_problems(log, queues, ends)
+            rebuild = bool(out.queue_problems)
     segs = log.segments
     resync_below = ckpt.log_offset if ckpt is not None else _FAR
     for a, b in zip(segs, segs[1:]):

@@ -332,7 +332,7 @@ class Store:
     def _write_manifest(self) -> None:
         """List every queue and its flushed end, so an open notices a queue lost or cut from outside."""
         with self._lock:
-            data = manifest_bytes(self._queues)
+            data = manifest_bytes(self._queues, self._open_log().min_offset)
             count = len(self._queues)
         try:
             atomic_write_bytes(self._manifest_path, data)
@@ -454,6 +454,7 @@ class Store:
         finally:
             if idle:
                 self._sync_lock.release()
+        self._write_manifest()  # the log's new start: not mistaken for files removed by hand
         root = self.data_dir
         return [os.path.relpath(s.path, root) for s in gone] + [os.path.relpath(p, root) for p in deleted]
 

@@ -176,3 +176,19 @@ def test_a_torn_tail_is_moved_to_quarantine_not_deleted(tmp_path):
         assert len(kept) == 1 and kept[0].read_bytes() == b"\x55" * 100
     finally:
         s.close()
+
+
+def test_removing_the_first_segment_by_hand_is_reported(tmp_path):
+    d = tmp_path / "d"
+    with Store(d, SMALL) as s:
+        s.append([msg(i) for i in range(60)])
+    first = sorted(os.listdir(d / "commitlog"))[0]
+    os.unlink(d / "commitlog" / first)
+    s = Store(d, SMALL)
+    report = s.open()
+    try:
+        assert report.damaged == 1
+        (dmg,) = s.damage.places.values()
+        assert dmg.offset == 0 and "first segment files were removed" in dmg.reason
+    finally:
+        s.close()

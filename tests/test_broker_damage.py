@@ -1,0 +1,104 @@
+"""A broker on a damaged data directory keeps serving: queues past a bad record, transactions around one."""
+
+from __future__ import annotations
+
+import os
+
+from txhelpers import T, arun, end, half_fields
+from txmq.broker.testing import running_broker
+from txmq.broker.txdb import remove_db
+from txmq.constants import OP_TOPIC
+from txmq.store import StoreReader
+from wireclient import RawClient
+
+
+def flip(data_dir, offset: int) -> None:
+    names = sorted(os.listdir(data_dir / "commitlog"))
+    start = [int(n) for n in names if int(n) <= offset][-1]
+    with open(data_dir / "commitlog" / f"{start:020d}", "r+b") as f:
+        f.seek(offset - start)
+        b = f.read(1)
+        f.seek(offset - start)
+        f.write(bytes([b[0] ^ 1]))
+
+
+def test_a_damaged_record_does_not_wedge_its_queue_and_is_reported_once(tmp_path):
+    data = tmp_path / "data"
+
+    async def first():
+        async with running_broker(data, flush="sync") as b:
+            c = await RawClient.open(b.address)
+            out = [await c.ok("send", {"topic": "t1", "queue_id": 0, "body": b"%d" % i}) for i in range(100)]
+            await c.close()
+            return out
+
+    sent = arun(first())
+    victim = sent[63]
+    with StoreReader(data) as r:
+        size = r.read(victim["commit_log_offset"]).size
+    flip(data, victim["commit_log_offset"] + size - 30)
+
+    async def second():
+        async with running_broker(data, flush="sync") as b:
+            c = await RawClient.open(b.address)
+            await c.ok("send", {"topic": "t1", "queue_id": 0, "body": b"after"})
+            bodies, offset = [], 0
+            for _ in range(20):  # a consumer's loop: small batches, each one past the last
+                r = await c.ok("pull", {"topic": "t1", "queue_id": 0, "offset": offset, "max_count": 16, "wait_ms": 0})
+                bodies += [m["body"] for m in r["messages"]]
+                if r["next_offset"] == offset:
+                    break
+                offset = r["next_offset"]
+            info = await c.ok("broker_info", {})
+            stats = await c.ok("stats", {})
+            await c.close()
+            return bodies, offset, info, stats
+
+    bodies, offset, info, stats = arun(second())
+    assert bodies == [b"%d" % i for i in range(100) if i != 63] + [b"after"]
+    assert offset == 101
+    assert info["damaged_records"] == 1
+    places = stats["gauges"]["damaged"]["places"]
+    assert [p["offset"] for p in places] == [victim["commit_log_offset"]]
+    assert places[0]["reason"] == f"crc mismatch at {victim['commit_log_offset']}"
+
+
+def _damage_op_record(data):
+    remove_db(data)  # the index is rebuilt from the log alone, which reads the damaged record
+    with StoreReader(data) as reader:
+        op = [r for r in reader.scan() if r.topic == OP_TOPIC][0]
+    flip(data, op.commit_log_offset + op.size - 1)
+
+
+def test_a_damaged_op_record_leaves_transactions_available_and_its_commit_stays_single(tmp_path):
+    data = tmp_path / "data"
+
+    async def first():
+        async with running_broker(data, check_interval_s=3600) as b:
+            c = await RawClient.open(b.address)
+            await c.ok("hello", {"producer_groups": ["g"]})
+            h = await c.ok("send", half_fields(b"committed"))
+            await c.ok("end_transaction", end(h, "commit"))
+            h2 = await c.ok("send", half_fields(b"open"))
+            await c.ok("send", {"topic": T, "body": b"after"})  # so the op is not the tail
+            await c.close()
+            return h, h2
+
+    h, h2 = arun(first())
+    _damage_op_record(data)
+
+    async def second():
+        async with running_broker(data, check_interval_s=3600) as b:
+            c = await RawClient.open(b.address)
+            again = await c.ok("end_transaction", end(h, "commit"))  # its commit message was found: committed
+            other = await c.ok("end_transaction", end(h2, "rollback"))  # the rest of the service works
+            r = await c.ok("pull", {"topic": T, "queue_id": h["queue_id"] if "queue_id" in h else 0, "offset": 0, "max_count": 100, "wait_ms": 0})
+            info = await c.ok("broker_info", {})
+            await c.close()
+            return again, other, r, info
+
+    again, other, r, info = arun(second())
+    assert again["status"] == "already" and again["outcome"] == "committed"
+    assert other["status"] == "ok"
+    assert [m["body"] for m in r["messages"]].count(b"committed") <= 1
+    assert info["damaged_records"] == 1
