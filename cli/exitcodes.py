@@ -10,4 +10,6 @@ CONFLICT = 6  # the transaction was already decided the other way / discarded
 PARTIAL = 7  # a bulk operation where some items failed
 STORE_FULL = 8  # the broker's disk is full
 MISSING_DEPENDENCY = 9  # e.g. pyspark or Java for spark-export
+DATA_PROBLEM = 10  # `txmq store verify` found problems in the data directory
+IN_USE = 11  # the data directory is locked by a running broker (`txmq store repair`)
 INTERRUPTED = 130

@@ -12,7 +12,7 @@ import typer
 
 
 def register_all(app: typer.Typer) -> None:
-    from . import bench, broker, checker, completion, config, consume, discard, inspect, resolve, send, spark, stats, topics
+    from . import bench, broker, checker, completion, config, consume, discard, inspect, resolve, send, spark, stats, store, topics
 
     with _panel(app, "Messages"):
         send.register(app)
@@ -28,6 +28,7 @@ def register_all(app: typer.Typer) -> None:
         app.add_typer(config.app, name="config")
         stats.register(app)
         bench.register(app)  # txmq bench
+        store.register(app)  # txmq store verify|repair (offline)
     with _panel(app, "Analysis"):
         spark.register(app)  # txmq spark-export (cli/commands/spark.py)
     with _panel(app, "Shell"):

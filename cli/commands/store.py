@@ -1,0 +1,537 @@
+"""txmq store verify|repair: check a data directory for damage, and heal it the way a broker start does.
+
+``verify`` is strictly read-only: it takes no lock and creates or changes no
+file (the transaction index is opened the way ``inspect --data-dir`` opens
+it), so it may run beside a broker. ``repair`` takes the directory's lock
+(a running broker makes it refuse), runs the recovery a broker start runs
+with a full consume-queue rebuild, and removes ``txindex.db`` when it does
+not fit the log (the broker rebuilds it at start). Bytes recovery cuts are
+moved to ``quarantine/``, never deleted. docs/cli.md, "txmq store".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+from bisect import bisect_right
+from pathlib import Path
+from typing import Annotated, Any, Iterator
+
+import typer
+
+from .. import exitcodes
+from ..common import CliError, OutputOpt
+from ..console import Output, emit_json, emit_line, err, new_table, note, print_table, resolve_output
+
+app = typer.Typer(help="Check a data directory for damage (verify) and heal it (repair).", no_args_is_help=True)
+
+DataDirOpt = Annotated[
+    Path,
+    typer.Option("--data-dir", "-d", envvar="TXMQ_DATA_DIR", help="The data directory to check.", show_default=False),
+]
+
+_FAR = 1 << 62
+_BATCH = 4096  # queue entries read per get_messages call
+_BATCH_BYTES = 32 << 20
+JSON_FILES = ("config.json", "txcheck.json", "offsets.json")
+
+
+def _problem(kind: str, offset: int | None, detail: str, repair: str, length: int | None = None) -> dict[str, Any]:
+    return {"kind": kind, "offset": offset, "length": length, "detail": detail, "repair": repair}
+
+
+@contextlib.contextmanager
+def _quiet_store_log() -> Iterator[None]:
+    """The store logs each damaged place; these commands report them themselves."""
+    lg = logging.getLogger("txmq.store")
+    was = lg.disabled
+    lg.disabled = True
+    try:
+        yield
+    finally:
+        lg.disabled = was
+
+
+def _check_dir(path: Path) -> None:
+    if not (path / "commitlog").is_dir():
+        raise CliError(f"{path} is not a txmq data directory (no commitlog/ in it)", exitcodes.NOT_FOUND)
+
+
+def broker_running(path: Path) -> bool:
+    """Whether a process holds the directory's LOCK (tested with a shared lock; nothing is written)."""
+    import fcntl
+
+    try:
+        fd = os.open(path / "LOCK", os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)  # closing releases a lock we got
+    return False
+
+
+# ---- verify ------------------------------------------------------------------
+def verify_dir(path: Path) -> dict[str, Any]:
+    """Every problem of a data directory, read-only: the document `txmq store verify -o json` prints."""
+    with _quiet_store_log():
+        return _verify(path)
+
+
+def _verify(path: Path) -> dict[str, Any]:
+    from txmq.store import StoreReader
+    from txmq.store.checkpoint import CHECKPOINT, read_checkpoint
+    from txmq.store.consumequeue import ENTRY_SIZE, ConsumeQueue
+    from txmq.store.files import list_numbered, offset_name
+    from txmq.store.recovery import MANIFEST, read_manifest
+    from txmq.store.store import QUARANTINE_DIR
+
+    problems: list[dict[str, Any]] = []
+    cl_dir = path / "commitlog"
+    segs = [(s, (cl_dir / offset_name(s)).stat().st_size) for s in list_numbered(cl_dir)]
+
+    # the checkpoint: below its fsynced offset damage is skipped, past it the log is cut
+    ck_path = path / "checkpoint"
+    ckpt = read_checkpoint(ck_path)
+    files_end = segs[-1][0] + segs[-1][1] if segs else 0
+    if not ck_path.exists():
+        problems.append(_problem("checkpoint", None, "checkpoint is missing: recovery checks the whole log", "rewritten"))
+    elif ckpt is None:
+        size = ck_path.stat().st_size
+        why = f"{size} bytes, expected {CHECKPOINT.size}" if size != CHECKPOINT.size else "CRC mismatch"
+        problems.append(_problem("checkpoint", None, f"checkpoint is damaged ({why}): recovery checks the whole log", "rewritten"))
+    elif segs and (ckpt.log_offset > files_end or ckpt.cq_offset > files_end):
+        problems.append(_problem("checkpoint", max(ckpt.log_offset, ckpt.cq_offset),
+                                 f"checkpoint points past the end of the log ({files_end})", "rewritten"))
+    resync_below = ckpt.log_offset if ckpt is not None else _FAR
+
+    # segments: contiguous, or recovery cuts (gap in the unsynced tail, overlap) or skips (gap below)
+    cut_at: int | None = None
+    cut_why = ""
+    gaps: dict[int, int] = {}
+    for (a, alen), (b, _) in zip(segs, segs[1:]):
+        a_end = a + alen
+        if a_end > b:
+            cut_at, cut_why = a_end, f"segment overlap at {b}: previous segment ends at {a_end}"
+            break
+        if a_end < b:
+            if a_end >= resync_below:
+                cut_at, cut_why = a_end, f"segment gap at {a_end}: next segment starts at {b}"
+                break
+            gaps[a_end] = b - a_end
+            problems.append(_problem("segment_gap", a_end, f"segment gap at {a_end}: next segment starts at {b}",
+                                     "kept: readers skip it (the records it held are lost)", b - a_end))
+
+    reader = StoreReader(path)
+    try:
+        records = 0
+        log_ends: dict[tuple[str, int], int] = {}  # per queue: 1 + the highest queue offset a record has
+        valid_end = reader.max_offset
+        for rec in reader.scan():
+            if cut_at is not None and rec.commit_log_offset >= cut_at:
+                break
+            records += 1
+            key = (rec.topic, rec.queue_id)
+            if rec.queue_offset >= log_ends.get(key, 0):
+                log_ends[key] = rec.queue_offset + 1
+        damaged: list[tuple[int, int, str]] = []  # (offset, length, reason) inside the log
+        for d in sorted(reader.damage.places.values(), key=lambda d: d.offset):
+            if cut_at is not None and d.offset >= cut_at:
+                continue
+            if d.offset >= resync_below:  # recovery does not resynchronise in the unsynced tail
+                cut_at, cut_why = d.offset, d.reason
+                continue
+            damaged.append((d.offset, d.length or 0, d.reason))
+        if cut_at is None and valid_end < files_end:
+            cut_at = valid_end
+            cut_why = "the last segment ends inside a record (a torn write)"
+        if reader.damage.count > len(reader.damage.places):
+            problems.append(_problem("damaged_range", None, f"{reader.damage.count - len(reader.damage.places)} more damaged places not listed",
+                                     "kept: readers skip them"))
+        for off, length, reason in damaged:
+            if off in gaps:
+                continue
+            problems.append(_problem("damaged_range", off, reason, "kept: readers skip it (the records in it are lost)", length))
+        if cut_at is not None:
+            tail = sum(max(0, s + n - max(s, cut_at)) for s, n in segs)
+            problems.append(_problem("torn_tail", cut_at, f"{tail} bytes after the last valid record: {cut_why}",
+                                     "the log is cut there; the bytes are moved to quarantine/", tail))
+
+        # consume queues: every entry must lead to its record
+        ranges = sorted([(o, n) for o, n, _ in damaged] + list(gaps.items()))
+        starts = [o for o, _ in ranges]
+        folded: dict[int, int] = {}  # damaged range -> queue entries that lead into it
+
+        def in_damage(off: int) -> int | None:
+            i = bisect_right(starts, off) - 1
+            if i >= 0 and off < ranges[i][0] + max(ranges[i][1], 1):
+                return ranges[i][0]
+            return None
+
+        queues = reader.queues()
+        keys = [(t, q) for t, qids in queues.items() for q in qids]
+        for topic, qid in keys:
+            lo, hi = reader.queue_min_offset(topic, qid), reader.queue_max_offset(topic, qid)
+            bad: list[tuple[int, int, str]] = []
+            q = lo
+            while q < hi:
+                try:
+                    res = reader.get_messages(topic, qid, q, _BATCH, _BATCH_BYTES)
+                except Exception as e:  # noqa: BLE001 - reported, and the walk of this queue ends
+                    problems.append(_problem("queue_entries", None, f"queue {topic}/{qid}: cannot read entry {q}: {e}",
+                                             "queue rebuilt from the log"))
+                    break
+                if res.next_offset <= q:
+                    break
+                for sq, off, why in res.skipped:
+                    d = in_damage(off)
+                    if d is not None:
+                        folded[d] = folded.get(d, 0) + 1
+                    else:
+                        bad.append((sq, off, why))
+                q = res.next_offset
+            for run in _runs(bad):
+                first, last = run[0], run[-1]
+                span = f"entry {first[0]}" if len(run) == 1 else f"entries {first[0]}-{last[0]} ({len(run)})"
+                problems.append(_problem("queue_entries", first[1], f"queue {topic}/{qid} {span} do not lead to their record: {first[2]}",
+                                         "queue rebuilt from the log"))
+        for p in problems:
+            if p["kind"] in ("damaged_range", "segment_gap") and p["offset"] in folded:
+                n = folded[p["offset"]]
+                p["detail"] += f"; {n} queue entr{'y leads' if n == 1 else 'ies lead'} into it"
+
+        # queues shorter than the manifest says they were, or than the log's records need
+        manifest, was_min = read_manifest(str(path / MANIFEST))
+        if segs and was_min is not None and segs[0][0] > was_min:
+            problems.append(_problem("log_start", was_min, f"the log starts at {segs[0][0]}, it started at {was_min} at the last close: "
+                                     "its first segment files were removed", "kept: the new start is recorded (the records in them are lost)",
+                                     segs[0][0] - was_min))
+        present = set(keys)
+        short: dict[tuple[str, int], list[str]] = {}
+        for key, n in manifest.items():
+            if key not in present:
+                short.setdefault(key, []).append(f"missing ({n} entries at the last close)")
+            elif reader.queue_max_offset(*key) < n:
+                short.setdefault(key, []).append(f"ends at {reader.queue_max_offset(*key)}, it had {n} entries at the last close")
+        for key, n in log_ends.items():
+            if key not in present:
+                short.setdefault(key, []).append(f"missing (the log holds records up to queue offset {n - 1})")
+            elif reader.queue_max_offset(*key) < n:
+                short.setdefault(key, []).append(f"ends at {reader.queue_max_offset(*key)}, the log holds records up to queue offset {n - 1}")
+        for (topic, qid), whys in sorted(short.items()):
+            kind = "queue_missing" if whys[0].startswith("missing") else "queue_short"
+            problems.append(_problem(kind, None, f"queue {topic}/{qid} " + "; ".join(dict.fromkeys(whys)), "queue rebuilt from the log"))
+
+        # consume-queue files: contiguous, whole entries
+        for topic, qid in keys:
+            cq_dir = path / "consumequeue" / topic / str(qid)
+            if not cq_dir.is_dir():
+                continue
+            cq, orphans = ConsumeQueue.load(str(path / "consumequeue"), topic, qid)
+            cq.close()
+            if orphans:
+                problems.append(_problem("queue_files", None, f"queue {topic}/{qid}: {len(orphans)} file(s) after a gap between files",
+                                         "removed (entries only; the queue is rebuilt from the log)"))
+            if cq.starts:
+                last = cq_dir / offset_name(cq.starts[-1])
+                if last.stat().st_size % ENTRY_SIZE:
+                    problems.append(_problem("queue_files", None, f"queue {topic}/{qid}: {last.name} ends inside an entry",
+                                             "the partial entry is cut"))
+
+        problems.extend(_index_problems(path, reader))
+    finally:
+        reader.close()
+
+    for name in (MANIFEST, *JSON_FILES):
+        p = path / name
+        if not p.exists():
+            continue
+        try:
+            json.loads(p.read_bytes())
+        except (OSError, ValueError) as e:
+            if name == MANIFEST:
+                fix = "rewritten (it is only a check)"
+            elif name == "txcheck.json":
+                fix = "moved aside as txcheck.json.corrupt-<time> (the check progress restarts at 0)"
+            else:
+                fix = "left alone: the broker refuses to start with it; fix or move it by hand"
+            problems.append(_problem("file", None, f"{name} is not JSON ({e})", fix))
+
+    qdir = path / QUARANTINE_DIR
+    quarantine = sorted(({"name": f.name, "bytes": f.stat().st_size} for f in qdir.iterdir() if f.is_file()),
+                        key=lambda f: f["name"]) if qdir.is_dir() else []
+    order = {o: i for i, o in enumerate(("torn_tail", "segment_gap", "segment_overlap", "damaged_range"))}
+    problems.sort(key=lambda p: (p["offset"] is None, p["offset"] or 0, order.get(p["kind"], 9)))
+    return {
+        "ok": not problems,
+        "problems": problems,
+        "records": records,
+        "segments": len(segs),
+        "queues": len(keys),
+        "log": {"min_offset": segs[0][0] if segs else 0, "end": files_end, "valid_end": valid_end},
+        "quarantine": quarantine,
+        "broker_running": broker_running(path),
+    }
+
+
+def _runs(bad: list[tuple[int, int, str]]) -> list[list[tuple[int, int, str]]]:
+    """Consecutive queue offsets with the same kind of reason, grouped."""
+    out: list[list[tuple[int, int, str]]] = []
+    for item in bad:
+        if out and item[0] == out[-1][-1][0] + 1 and _reason_kind(item[2]) == _reason_kind(out[-1][-1][2]):
+            out[-1].append(item)
+        else:
+            out.append([item])
+    return out
+
+
+def _reason_kind(reason: str) -> str:
+    return re.sub(r"\d+", "N", reason)
+
+
+def _index_problems(path: Path, reader: Any) -> list[dict[str, Any]]:
+    """Whether txindex.db fits the log (opened read-only, as `inspect --data-dir` opens it)."""
+    from txmq.broker.txdb import DB_FILE, IndexFileError, TxDatabase
+    from txmq.broker.txindex import agrees
+
+    if not (path / DB_FILE).exists():
+        return []
+    fix = "removed (the broker rebuilds it from the log at start)"
+    try:
+        db = TxDatabase(path / DB_FILE, readonly=True)
+    except IndexFileError as e:
+        return [_problem("index", None, f"{DB_FILE} cannot be read: {e}", fix)]
+    try:
+        db.snapshot()
+        why = agrees(reader, db.meta)
+        db.end_snapshot()
+    except Exception as e:  # noqa: BLE001 - a damaged file
+        why = f"unreadable ({e})"
+    finally:
+        db.close()
+    return [] if why is None else [_problem("index", None, f"{DB_FILE} does not fit the log: {why}", fix)]
+
+
+# ---- output ------------------------------------------------------------------
+def _problem_table(problems: list[dict[str, Any]], with_repair: bool = True) -> None:
+    from rich.markup import escape
+
+    t = new_table()
+    for label in ("KIND", "OFFSET", "DETAIL", *(("REPAIR",) if with_repair else ())):
+        t.add_column(label, overflow="fold")
+    for p in problems:
+        off = "-" if p["offset"] is None else str(p["offset"])
+        cells = [p["kind"], off, escape(p["detail"])] + ([escape(p["repair"])] if with_repair else [])
+        t.add_row(*cells)
+    print_table(t)
+
+
+def _emit(doc: dict[str, Any], output: Output) -> None:
+    if output is Output.json:
+        emit_json(doc)
+    else:
+        emit_line(doc)
+
+
+def _summary_line(doc: dict[str, Any]) -> str:
+    return f"{doc['records']} records in {doc['segments']} segment(s), {doc['queues']} queue(s)"
+
+
+def _print_verify(doc: dict[str, Any]) -> None:
+    if doc["problems"]:
+        _problem_table(doc["problems"])
+    if doc["quarantine"]:
+        total = sum(f["bytes"] for f in doc["quarantine"])
+        note(f"quarantine/ holds {len(doc['quarantine'])} file(s), {total} bytes cut by an earlier recovery (nothing reads them)")
+    if doc["broker_running"]:
+        note("a broker is running on this directory: its newest records may still be being written")
+    n = len(doc["problems"])
+    if n:
+        err.print(f"[warn]{n} problem{'s' if n != 1 else ''}[/warn] ({_summary_line(doc)}); `txmq store repair` heals what the REPAIR column says")
+    else:
+        err.print(f"[ok]clean[/ok]: {_summary_line(doc)}")
+
+
+@app.command(epilog="""Examples:
+
+  txmq store verify --data-dir /var/lib/txmq
+
+  txmq store verify -d /var/lib/txmq -o json | jq '.problems[] | .kind'
+
+Keys: ok, problems (each: kind, offset, length, detail, repair), records, segments, queues,
+log (min_offset, end, valid_end), quarantine (name, bytes), broker_running.
+Exit 0 when clean, 10 when problems were found, 5 when D is not a data directory.""")
+def verify(data_dir: DataDirOpt, output: OutputOpt = None) -> None:
+    """Check a data directory for damage, read-only (safe beside a running broker)."""
+    _check_dir(data_dir)
+    out_fmt = resolve_output(output)
+    doc = verify_dir(data_dir)
+    if out_fmt is Output.table:
+        _print_verify(doc)
+    else:
+        _emit(doc, out_fmt)
+    if not doc["ok"]:
+        raise typer.Exit(exitcodes.DATA_PROBLEM)
+
+
+# ---- repair ------------------------------------------------------------------
+_FIXED_BY_OPEN = {"torn_tail", "segment_overlap", "checkpoint", "queue_entries", "queue_missing", "queue_short", "queue_files"}
+
+
+def _plan(problems: list[dict[str, Any]]) -> list[str]:
+    kinds = {p["kind"] for p in problems}
+    plan: list[str] = []
+    for p in problems:
+        if p["kind"] == "torn_tail":
+            plan.append(f"cut the log at {p['offset']} and move {p['length']} bytes to quarantine/")
+    if kinds & _FIXED_BY_OPEN:
+        plan.append("re-read the whole log and rebuild every consume queue that disagrees with it, then write a new checkpoint")
+    if "index" in kinds:
+        plan.append("remove txindex.db (the broker rebuilds it from the log at start)")
+    if any(p["kind"] == "file" and p["detail"].startswith("txcheck.json") for p in problems):
+        plan.append("move txcheck.json aside as txcheck.json.corrupt-<time>")
+    if "log_start" in kinds:
+        plan.append("record the log's new start in cqmanifest.json (the removed segments' records are lost)")
+    left = [p for p in problems if p["kind"] in ("damaged_range", "segment_gap")]
+    if left:
+        plan.append(f"keep {len(left)} damaged range(s) inside the log as they are: readers skip them, nothing can bring their records back")
+    for p in problems:
+        if p["kind"] == "file" and not p["detail"].startswith(("txcheck.json", "cqmanifest.json")):
+            plan.append(f"leave {p['detail'].split(' ', 1)[0]} alone: fix or move it by hand")
+    return plan
+
+
+def _confirm(yes: bool) -> None:
+    import sys
+
+    if yes:
+        return
+    if not (sys.stdin.isatty() and err.is_terminal):
+        raise CliError("refusing to repair without a terminal to confirm on: pass --yes (or --dry-run to preview)", exitcodes.USAGE)
+    if not typer.confirm("Repair this data directory?", default=False, err=True):
+        raise CliError("aborted: nothing was changed", exitcodes.ERROR)
+
+
+def _locked(path: Path) -> CliError:
+    return CliError(f"{path} is in use by a running broker: stop it first (nothing was changed)", exitcodes.IN_USE)
+
+
+@app.command(epilog="""Examples:
+
+  txmq store repair --data-dir /var/lib/txmq --dry-run
+
+  txmq store repair -d /var/lib/txmq --yes
+
+Keys: dry_run, problems (as verify), plan, and after a repair: quarantined_bytes, cut_at, reason,
+damaged_ranges, queues_rebuilt, redispatched, cq_entries_dropped, index_removed, moved_aside, remaining
+(the problems verify still finds). Exit 0 when done (or nothing to do), 11 when a broker holds the
+directory, 5 when D is not a data directory.""")
+def repair(
+    data_dir: DataDirOpt,
+    dry_run: Annotated[bool, typer.Option("--dry-run", "-n", help="Show what verify finds and what repair would do; change nothing.")] = False,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
+    output: OutputOpt = None,
+) -> None:
+    """Heal a data directory as a broker start does, with a full queue rebuild (the broker must be stopped)."""
+    _check_dir(data_dir)
+    out_fmt = resolve_output(output)
+    found = verify_dir(data_dir)
+    plan = _plan(found["problems"])
+    doc: dict[str, Any] = {"dry_run": dry_run, "problems": found["problems"], "plan": plan}
+    if dry_run or found["ok"]:
+        if found["broker_running"]:
+            doc["plan"] = plan = ["nothing while a broker runs: stop it first", *plan]
+        if out_fmt is Output.table:
+            if found["problems"]:
+                _problem_table(found["problems"])
+            for step in plan:
+                err.print(f"would {step}" if not step.startswith("nothing") else step)
+            if found["ok"]:
+                err.print(f"[ok]nothing to repair[/ok]: {_summary_line(found)}")
+        else:
+            _emit(doc, out_fmt)
+        return
+    if found["broker_running"]:
+        raise _locked(data_dir)
+    _confirm(yes)
+    doc.update(_run_repair(data_dir, found))
+    if out_fmt is Output.table:
+        _print_repair(doc)
+    else:
+        _emit(doc, out_fmt)
+
+
+def _run_repair(path: Path, found: dict[str, Any]) -> dict[str, Any]:
+    from txmq.broker.txdb import DB_FILE, remove_db
+    from txmq.store import Store, StoreLockedError, StoreReader
+
+    before = {f["name"]: f["bytes"] for f in found["quarantine"]}
+    with _quiet_store_log():
+        store = Store(path)
+        try:
+            rep = store.open(rebuild=True)
+        except StoreLockedError:
+            raise _locked(path) from None
+        store.close()
+        index_removed = False
+        if (path / DB_FILE).exists():
+            with StoreReader(path) as reader:
+                bad = _index_problems(path, reader)
+            if bad:
+                remove_db(path)
+                index_removed = True
+        moved_aside = []
+        if any(p["kind"] == "file" and p["detail"].startswith("txcheck.json") for p in found["problems"]):
+            from txmq.broker.check import CheckProgress
+
+            CheckProgress(path / "txcheck.json", repair=True)
+            moved_aside.append("txcheck.json")
+    after = verify_dir(path)
+    now = {f["name"]: f["bytes"] for f in after["quarantine"]}
+    return {
+        "quarantined_bytes": sum(n for name, n in now.items() if before.get(name) != n),
+        "cut_at": rep.truncated_at,
+        "reason": rep.reason,
+        "damaged_ranges": rep.damaged,
+        "queues_rebuilt": rep.queues_rebuilt,
+        "redispatched": rep.redispatched,
+        "cq_entries_dropped": rep.cq_entries_dropped,
+        "index_removed": index_removed,
+        "moved_aside": moved_aside,
+        "remaining": after["problems"],
+    }
+
+
+def _print_repair(doc: dict[str, Any]) -> None:
+    lines = []
+    if doc["cut_at"] is not None:
+        lines.append(f"log cut at {doc['cut_at']} ({doc['reason']}): {doc['quarantined_bytes']} bytes moved to quarantine/")
+    if doc["damaged_ranges"]:
+        lines.append(f"{doc['damaged_ranges']} damaged range(s) inside the log skipped (kept as they are)")
+    lines.append(f"consume queues rebuilt from the log: {doc['redispatched']} entries written, {doc['cq_entries_dropped']} dropped")
+    for why in doc["queues_rebuilt"]:
+        lines.append(f"  because {why}")
+    if doc["index_removed"]:
+        lines.append("txindex.db removed: the broker rebuilds it at start")
+    for name in doc["moved_aside"]:
+        lines.append(f"{name} moved aside")
+    for line in lines:
+        err.print(line, markup=False)
+    if doc["remaining"]:
+        _problem_table(doc["remaining"])
+        n = len(doc["remaining"])
+        err.print(f"[ok]repaired[/ok]; {n} problem{'s' if n != 1 else ''} remain (see REPAIR: repair cannot change them)")
+    else:
+        err.print("[ok]repaired[/ok]: verify finds nothing")
+
+
+def register(parent: typer.Typer) -> None:
+    parent.add_typer(app, name="store")
