@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Awaitable, TypeVar
+from typing import Annotated, Any, Awaitable, Callable, TypeVar
 
 import typer
 
@@ -39,28 +39,103 @@ class CliError(Exception):
         self.code = code
 
 
-_DUR = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
-_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
+# Durations: one number of seconds, or one or more NUMBER+UNIT components
+# (1h30m). ASCII digits only, no spaces, no sign; every component of a
+# combination has its unit ("1h30" is refused: 30 what?).
+_DUR_NUM = r"[0-9]+(?:\.[0-9]+)?"
+_DUR_PART = re.compile(rf"({_DUR_NUM})(ms|s|m|h|d)")
+_DUR_FULL = re.compile(rf"{_DUR_NUM}|(?:{_DUR_NUM}(?:ms|s|m|h|d))+")
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+MAX_DURATION_S = 36500 * 86400.0  # 100 years: longer is a typo, and would not fit the wire's integer fields in ms
+
+# Integers the CLI puts on the wire (offsets, ages in ms) are checked against
+# the broker's range for them, so a typo is a usage error before anything is
+# sent rather than a refusal of a whole request half-way through a bulk run.
+WIRE_INT_MAX = 1 << 62
+# A REF names a transaction id (the broker takes ids of at most 255
+# characters) or an offset; a stdin line holding one (a JSON object from
+# `inspect half -o jsonl`, say) may be longer, up to MAX_REF_LINE bytes.
+MAX_REF_CHARS = 255
+MAX_REF_LINE = 64 << 10
 
 
 def parse_duration(text: str) -> float:
-    """'500ms', '30s', '10m', '72h', '2d', or a bare number of seconds -> seconds."""
-    total = 0.0
-    parts = re.findall(r"\d+(?:\.\d+)?\s*(?:ms|s|m|h|d)?", text or "")
-    if not parts or "".join(p.replace(" ", "") for p in parts) != (text or "").replace(" ", ""):
-        raise CliError(f"bad duration {text!r}: use e.g. 500ms, 30s, 10m, 72h or a number of seconds", exitcodes.USAGE)
-    for p in parts:
-        m = _DUR.match(p)
-        assert m
-        total += float(m.group(1)) * _UNITS[m.group(2)]
+    """'500ms', '30s', '10m', '72h', '2d', combinations ('1h30m'), or a bare number of seconds -> seconds."""
+    t = text or ""
+    if not _DUR_FULL.fullmatch(t):
+        raise CliError(f"bad duration {t!r}: use e.g. 500ms, 30s, 10m, 72h, 2d, 1h30m or a number of seconds "
+                       "(ASCII digits, no spaces, a unit on every part of a combination)", exitcodes.USAGE)
+    parts = _DUR_PART.findall(t)
+    total = sum(float(n) * _UNITS[u] for n, u in parts) if parts else float(t)
+    if total > MAX_DURATION_S:
+        raise CliError(f"duration {t!r} is out of range: at most 36500d (100 years)", exitcodes.USAGE)
     return total
 
 
+_HOST = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9.\-_]*[A-Za-z0-9])?")
+_PORT = re.compile(r"[0-9]{1,5}")
+
+
 def parse_address(addr: str) -> str:
-    m = re.match(r"^[\w.\-\[\]:]+:(\d{1,5})$", addr or "")
-    if not m or not 0 < int(m.group(1)) < 65536:
-        raise CliError(f"bad broker address {addr!r}: expected HOST:PORT", exitcodes.USAGE)
-    return addr
+    """HOST:PORT or [IPV6]:PORT, with a port from 1 to 65535; anything else is a usage error."""
+    text = addr or ""
+    host, sep, port = text.rpartition(":")
+    ok = bool(sep) and _PORT.fullmatch(port) is not None and 0 < int(port) < 65536
+    if ok and host.startswith("["):
+        import ipaddress
+
+        try:
+            ok = host.endswith("]") and ipaddress.ip_address(host[1:-1].partition("%")[0]).version == 6
+        except ValueError:
+            ok = False
+    elif ok:
+        ok = _HOST.fullmatch(host) is not None
+    if not ok:
+        hint = " (an IPv6 address goes in brackets: [::1]:10911)" if text.count(":") > 1 else ""
+        raise CliError(f"bad broker address {text!r}: expected HOST:PORT with a port from 1 to 65535{hint}", exitcodes.USAGE)
+    return text
+
+
+def check_utf8(value: Any, what: str) -> None:
+    """Refuse an argument that is not valid UTF-8 (Python hands such bytes over as lone surrogates)."""
+    values = value if isinstance(value, (list, tuple)) else (value,)
+    for v in values:
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                raise CliError(f"{what} is not valid UTF-8: {v.encode('utf-8', 'surrogateescape')[:60]!r}", exitcodes.USAGE) from None
+
+
+def utf8_arguments(func: Callable[..., T]) -> Callable[..., T]:
+    """Wrap a command so that every text argument it gets must be valid UTF-8 (paths are exempt: they stay bytes-safe)."""
+    import functools
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> T:
+        for name, value in kwargs.items():
+            try:
+                check_utf8(value, "")
+            except CliError as e:
+                raise CliError(_param_label(func, name) + e.message, e.code) from None
+        return func(*args, **kwargs)
+
+    return wrapper
+
+
+def _param_label(func: Callable[..., Any], name: str) -> str:
+    """How the user wrote parameter `name` of a command: its --option or its ARGUMENT metavar."""
+    import inspect
+
+    param = inspect.signature(func, eval_str=True).parameters[name]
+    for info in (*getattr(param.annotation, "__metadata__", ()), param.default):
+        decls = getattr(info, "param_decls", None)
+        if type(info).__name__ == "ArgumentInfo":
+            return getattr(info, "metavar", None) or name.upper()
+        if type(info).__name__ == "OptionInfo":
+            longs = [d for d in decls or () if d.startswith("--")]
+            return longs[0] if longs else "--" + name.rstrip("_").replace("_", "-")
+    return name
 
 
 def run(coro: Awaitable[T]) -> T:

@@ -52,6 +52,19 @@ def _register() -> None:
     from .commands import register_all
 
     register_all(app)
+    _require_utf8(app)
+
+
+def _require_utf8(group: typer.Typer) -> None:
+    """Every command refuses text arguments that are not valid UTF-8 (exit 2) before doing anything."""
+    from .common import utf8_arguments
+
+    for cmd in group.registered_commands:
+        if cmd.callback is not None:
+            cmd.callback = utf8_arguments(cmd.callback)
+    for sub in group.registered_groups:
+        if sub.typer_instance is not None:
+            _require_utf8(sub.typer_instance)
 
 
 _register()

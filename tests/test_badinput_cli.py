@@ -15,7 +15,7 @@ import pytest
 
 from conftest import arun
 from faultload import PipeClient
-from test_cli_support import ERROR, OK, USAGE, err, start_broker, txmq
+from test_cli_support import ERROR, NOT_FOUND, OK, USAGE, err, lines, out, start_broker, txmq
 
 WATCHED = ("connections_accepted", "records_appended", "bytes_appended", "messages_sent", "half_stored", "committed_operator",
            "rolled_back_operator", "replayed")
@@ -100,10 +100,111 @@ def test_an_integer_too_large_for_the_wire_is_a_usage_error_and_changes_nothing(
     refused_without_contact(broker, ["config", "set", "max-checks", "99999999999999999999"], USAGE, "out of range")
 
 
+@pytest.mark.parametrize("args, needle", [
+    (["resolve", "--commit", "99999999999999999999999"], "out of range"),
+    (["resolve", "--commit", "--commit-log-offset", "4611686018427387905"], "out of range"),
+    (["discard", "replay", "99999999999999999999999"], "out of range"),
+    (["inspect", "half", "--older-than", "99999999999999999999d"], "out of range"),
+    (["inspect", "op", "--from", "99999999999999999999"], "out of range"),
+    (["inspect", "half", "--limit", "99999999999999999999"], "Invalid value"),
+    (["discard", "list", "--limit", "99999999999999999999"], "Invalid value"),
+    (["send", "bi-t", "x", "--queue", str(2 ** 70)], "Invalid value"),
+    (["send", "bi-t", "x", "--queue", "1024"], "Invalid value"),
+    (["consume", "bi-t", "--group", "g", "--queue", str(2 ** 70)], "Invalid value"),
+    (["config", "set", "retention", "99999999999999999999d"], "out of range"),
+])
+def test_numbers_outside_the_wire_range_are_usage_errors_before_contact(broker, args, needle):
+    refused_without_contact(broker, args, USAGE, needle)
+
+
+@pytest.mark.parametrize("address", ["[::1", "[::1]", "::1:10911", "[nonsense]:10911", "127.0.0.1:١٠٩١١", "bad host:10911",
+                                     "127.0.0.1:0", "127.0.0.1:+5"])
+def test_a_malformed_broker_address_is_a_usage_error(broker, address):
+    refused_without_contact(broker, ["topics", "-b", address], USAGE, "bad broker address")
+    refused_without_contact(broker, ["send", "bi-t", "x", "-b", address], USAGE, "bad broker address")
+    refused_without_contact(broker, ["bench", "send", "-m", "1", "-b", address], USAGE, "bad broker address")
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["send", "\udcff", "x"], "TOPIC is not valid UTF-8"),
+    (["send", "bi-t", "\udcffbody"], "BODY is not valid UTF-8"),
+    (["send", "bi-t", "x", "--key", "k\udcfe"], "--key is not valid UTF-8"),
+    (["send", "bi-t", "x", "--tag", "\udcff"], "--tag is not valid UTF-8"),
+    (["send", "bi-t", "x", "--prop", "k=\udcff"], "--prop is not valid UTF-8"),
+    (["send", "bi-t", "x", "--tx", "--group", "g\udcff"], "--group is not valid UTF-8"),
+    (["inspect", "half", "--group", "\udcff"], "--group is not valid UTF-8"),
+    (["consume", "bi-t", "--group", "\udcff"], "--group is not valid UTF-8"),
+    (["topics", "--token", "\udcff"], "--token is not valid UTF-8"),
+])
+def test_arguments_that_are_not_utf8_are_usage_errors_before_contact(broker, args, needle):
+    # "\udcff" is how Python hands over the byte 0xff of a command line that is not UTF-8
+    refused_without_contact(broker, args, USAGE, needle)
+
+
+@pytest.mark.parametrize("value", [" 5s", "5s ", "5 s", "\u0663s", "1h30", "1h 30m", "5", "", "1e3s", "inf", "5S", "+5s"])
+def test_durations_are_strict_ascii_with_a_unit_on_every_part(broker, value):
+    if value in ("5",):  # a bare number of seconds is fine
+        r = txmq("inspect", "half", "--older-than", value, broker=broker.address)
+        assert r.returncode == OK, err(r)
+        return
+    refused_without_contact(broker, ["inspect", "half", "--older-than", value], USAGE, "bad duration")
+    refused_without_contact(broker, ["config", "set", "check-interval", value], USAGE, "bad duration")
+    refused_without_contact(broker, ["stats", "--watch", "--count", "1", "--interval", value], USAGE, "bad duration")
+
+
+@pytest.mark.parametrize("value, seconds", [("1h30m", 5400), ("1.5s", 1.5), ("500ms", 0.5), ("2d12h", 216000), ("30", 30)])
+def test_well_formed_durations_are_read_as_documented(value, seconds):
+    from txmq.cli.common import parse_duration
+
+    assert parse_duration(value) == pytest.approx(seconds)
+
+
+@pytest.mark.parametrize("value", [" 5s", "1h30", "\u0663s"])
+def test_broker_start_refuses_a_bad_duration_before_touching_the_data_directory(tmp_path, value):
+    data = tmp_path / "data"
+    r = txmq("broker", "start", "--data-dir", str(data), "--port", "1", "--check-interval", value, subprocess_=True)
+    assert r.returncode == USAGE and "bad duration" in err(r), err(r)
+    assert not data.exists()
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--port", "70000"], "Invalid value"),
+    (["--port", "0"], "Invalid value"),
+    (["--metrics-port", "70000"], "Invalid value"),
+    (["--log-level", "bogus"], "--log-level"),
+    (["--max-frame", "0"], "Invalid value"),
+    (["--max-checks", "99999999999999999999"], "max_checks"),
+])
+def test_broker_start_with_a_bad_option_is_a_usage_error_and_creates_nothing(tmp_path, args, needle):
+    data = tmp_path / "data"
+    r = txmq("broker", "start", "--data-dir", str(data), *args, subprocess_=True)
+    text = err(r)
+    assert r.returncode == USAGE and needle in text and "Traceback" not in text, f"exit {r.returncode}: {text}"
+    assert not data.exists()
+
+
+def test_a_data_dir_that_is_a_file_is_not_found(tmp_path):
+    f = tmp_path / "file"
+    f.write_text("not a directory")
+    for cmd in (["inspect", "half"], ["inspect", "op"], ["inspect", "offsets"]):
+        r = txmq(*cmd, "--data-dir", str(f), broker="127.0.0.1:1")
+        assert r.returncode == NOT_FOUND and "not a txmq data directory" in err(r), f"exit {r.returncode}: {err(r)}"
+    r = txmq("broker", "start", "--data-dir", str(f), "--port", "1", subprocess_=True)
+    assert r.returncode == NOT_FOUND and "not a directory" in err(r), f"exit {r.returncode}: {err(r)}"
+    assert f.read_text() == "not a directory"
+
+
 @pytest.mark.parametrize("stdin, needle", [
     ("{bad json\n", "not valid JSON"),
     ("two tokens\n", "one REF per line"),
-    ('{"half_offset": 3}\n', "without a tx_id"),
+    ('{"half": 3}\n', "without a tx_id"),
+    ('{"tx_id": 5}\n', "tx_id must be a string"),
+    ('{"tx_id": ""}\n', "empty transaction id"),
+    ('{"half_offset": "3"}\n', "must be an integer"),
+    ('{"half_offset": -3}\n', "out of range"),
+    ("-3\n", "out of range"),
+    ("99999999999999999999999\n", "out of range"),
+    (f'"{"x" * 256}"\n', "at most 255"),
     ("null\n", "expected a transaction id"),
     ('[1, 2]\n', "expected a transaction id"),
 ])
@@ -111,6 +212,43 @@ def test_a_bad_stdin_line_after_good_ones_resolves_nothing(broker, stdin, needle
     tx = pending_tx(broker.address)
     r = refused_without_contact(broker, ["resolve", "--rollback", "-", "--yes"], USAGE, needle, input=f"{tx}\n\n7\n{stdin}")
     assert "line 4" in err(r)
+
+
+def test_a_huge_stdin_line_is_a_usage_error_and_resolves_nothing(broker):
+    tx = pending_tx(broker.address)
+    r = refused_without_contact(broker, ["resolve", "--commit", "-", "--yes"], USAGE, "longer than 64 KiB",
+                                input=f"{tx}\n7\n".encode() + b"a" * (20 << 20) + b"\n")
+    assert "line 3" in err(r)
+
+
+def test_a_json_object_names_an_offset_only_under_an_offset_key(broker):
+    tx = pending_tx(broker.address)
+    (row,) = [r for r in _pending_rows(broker) if r["tx_id"] == tx]
+    # a JSON string is a transaction id even when it is all digits: never an offset
+    r = txmq("resolve", "--rollback", "-", "--yes", "--dry-run", "-o", "jsonl", broker=broker.address,
+             input=f'"{row["half_offset"]}"\n')
+    assert r.returncode == NOT_FOUND and lines(r)[0]["status"] == "not_found", out(r) + err(r)
+    # an object without tx_id is its half_offset (or offset)
+    for obj in ('{"half_offset": %d}', '{"offset": %d}'):
+        r = txmq("resolve", "--rollback", "-", "--yes", "--dry-run", "-o", "jsonl", broker=broker.address,
+                 input=obj % row["half_offset"] + "\n")
+        assert r.returncode == OK and lines(r)[0]["tx_id"] == tx, out(r) + err(r)
+    # tx_id wins over the offsets in a line of `inspect half -o jsonl`
+    import json
+
+    r = txmq("resolve", "--rollback", "-", "--yes", "-o", "jsonl", broker=broker.address,
+             input=json.dumps({**row, "half_offset": 0}) + "\n")
+    assert r.returncode == OK and lines(r)[0]["tx_id"] == tx and lines(r)[0]["status"] == "ok", out(r) + err(r)
+
+
+def _pending_rows(broker) -> list[dict]:
+    r = txmq("inspect", "half", "-o", "jsonl", broker=broker.address)
+    assert r.returncode == OK, err(r)
+    return lines(r)
+
+
+def test_an_empty_ref_argument_is_a_usage_error(broker):
+    refused_without_contact(broker, ["resolve", "--commit", ""], USAGE, "empty REF")
 
 
 def test_non_utf8_stdin_is_a_usage_error_and_resolves_nothing(broker):

@@ -136,7 +136,7 @@ def test_pipeline_without_jq_takes_json_lines(broker):
     r = shell("txmq inspect half --group pn | txmq resolve --commit - --yes", broker)
     assert r.returncode == OK and out(r) == "" and "nothing" in err(r)
     # garbage on stdin is a usage error
-    r = txmq("resolve", "--commit", "-", "--yes", broker=broker, input='{"half_offset": 1}\n')
+    r = txmq("resolve", "--commit", "-", "--yes", broker=broker, input='{"half": 1}\n')
     assert r.returncode == USAGE and "tx_id" in err(r)
 
 

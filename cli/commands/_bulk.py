@@ -1,56 +1,121 @@
 """What `resolve` and `discard replay` share: REFs from arguments or stdin, confirmation, per-REF results.
 
-A REF on stdin may be a bare token (an offset or a transaction id), a JSON
-string (`jq .tx_id` without -r), a JSON number, or a JSON object with a
-`tx_id` key, so `txmq inspect half -o jsonl | txmq resolve --rollback - --yes`
-works without jq in between.
+The REF grammar (docs/cli.md, "REFs"):
+
+- an argument or a line of stdin that is a bare token: ASCII digits (an
+  optional leading +) are an offset, anything else a transaction id;
+- a JSON string is a transaction id (`jq .tx_id` without -r), whatever it
+  looks like; a JSON object is its `tx_id` (which must be a string) when it
+  has one, else an offset under the command's offset key (`half_offset`,
+  `commit_log_offset`, `discard_offset`) or `offset`, so `txmq inspect half
+  -o jsonl | txmq resolve --rollback - --yes` works without jq in between;
+- a transaction id has 1 to 255 characters, an offset is 0 to 2^62, a stdin
+  line is at most 64 KiB.
+
+Any other input is refused (exit 2) before anything is sent.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import sys
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import typer
 
 from .. import exitcodes
-from ..common import CliError
+from ..common import MAX_REF_CHARS, MAX_REF_LINE, WIRE_INT_MAX, CliError
 from ..console import Output, emit_json, emit_line, err, interactive, render
 
 STATUS_EXIT = {"not_found": exitcodes.NOT_FOUND, "conflict": exitcodes.CONFLICT}
 OK_STATUSES = ("ok", "already")
 
+_INT = re.compile(r"\+?[0-9]+")
+_NEG = re.compile(r"-[0-9]+")
 
-def ref_token(line: str, where: str) -> str | None:
-    """The REF a line of stdin names, or None for a blank line."""
+Ref = tuple[str, dict[str, Any]]  # (the REF as shown in the output's `ref`, its wire form)
+
+
+def _show(text: str) -> str:
+    return repr(text[:60] + ("..." if len(text) > 60 else ""))
+
+
+def _tx_ref(tx_id: str, where: str) -> Ref:
+    if not tx_id:
+        raise CliError(f"{where}: an empty transaction id", exitcodes.USAGE)
+    if len(tx_id) > MAX_REF_CHARS:
+        raise CliError(f"{where}: a transaction id of {len(tx_id)} characters: at most {MAX_REF_CHARS}", exitcodes.USAGE)
+    return tx_id, {"tx_id": tx_id}
+
+
+def _offset_ref(n: int, key: str, where: str) -> Ref:
+    if not 0 <= n <= WIRE_INT_MAX:
+        shown = n if n.bit_length() < 256 else f"of {n.bit_length()} bits"
+        raise CliError(f"{where}: offset {shown} is out of range (0 to {WIRE_INT_MAX})", exitcodes.USAGE)
+    return str(n), {key: n}
+
+
+def parse_ref(line: str, where: str, offset_key: str, object_keys: tuple[str, ...] = ()) -> Ref | None:
+    """The REF a line names (None for a blank line); `offset_key` is what a bare integer is."""
     text = line.strip()
     if not text:
         return None
     try:
         text.encode("utf-8")
-    except UnicodeEncodeError:  # stdin bytes that are not UTF-8 (decoded with surrogateescape)
+    except UnicodeEncodeError:  # bytes that are not UTF-8 (decoded with surrogateescape)
         raise CliError(f"{where}: not valid UTF-8: {text.encode('utf-8', 'surrogateescape')[:60]!r}", exitcodes.USAGE) from None
     if text[0] in '{["' or text in ("null", "true", "false"):
         try:
             v = json.loads(text)
         except ValueError:
-            raise CliError(f"{where}: not valid JSON: {text[:60]!r}", exitcodes.USAGE) from None
+            raise CliError(f"{where}: not valid JSON: {_show(text)}", exitcodes.USAGE) from None
         if isinstance(v, dict):
-            v = v.get("tx_id")
-            if v is None:
-                raise CliError(f"{where}: JSON object without a tx_id key", exitcodes.USAGE)
-        if isinstance(v, bool) or not isinstance(v, (str, int)):
-            raise CliError(f"{where}: expected a transaction id, an offset or an object with tx_id, got {text[:60]!r}", exitcodes.USAGE)
-        return str(v)
+            if "tx_id" in v:
+                if not isinstance(v["tx_id"], str):
+                    raise CliError(f"{where}: tx_id must be a string (a transaction id), got {_show(json.dumps(v['tx_id']))}",
+                                   exitcodes.USAGE)
+                return _tx_ref(v["tx_id"], where)
+            for key in dict.fromkeys((offset_key, *object_keys, "offset")):
+                if key in v:
+                    n = v[key]
+                    if isinstance(n, bool) or not isinstance(n, int):
+                        raise CliError(f"{where}: {key} must be an integer, got {_show(json.dumps(n))}", exitcodes.USAGE)
+                    return _offset_ref(n, offset_key if key == "offset" else key, where)
+            keys = ", ".join(dict.fromkeys(("tx_id", offset_key, *object_keys, "offset")))
+            raise CliError(f"{where}: JSON object without a tx_id or offset key (one of {keys})", exitcodes.USAGE)
+        if isinstance(v, str):
+            return _tx_ref(v, where)
+        if isinstance(v, int) and not isinstance(v, bool):
+            return _offset_ref(v, offset_key, where)
+        raise CliError(f"{where}: expected a transaction id, an offset or an object with tx_id, got {_show(text)}", exitcodes.USAGE)
     if len(text.split()) != 1:
-        raise CliError(f"{where}: expected one REF per line, got {text[:60]!r}", exitcodes.USAGE)
-    return text
+        raise CliError(f"{where}: expected one REF{' per line' if where.startswith('stdin') else ''}, got {_show(text)}", exitcodes.USAGE)
+    if _INT.fullmatch(text) or _NEG.fullmatch(text):
+        if len(text) > 30:  # far beyond 2^62, and int() of a huge string is slow
+            raise CliError(f"{where}: offset {_show(text)} is out of range (0 to {WIRE_INT_MAX})", exitcodes.USAGE)
+        return _offset_ref(int(text), offset_key, where)
+    return _tx_ref(text, where)
 
 
-def collect_refs(args: Sequence[str]) -> list[str]:
+def _stdin_lines() -> Iterator[str]:
+    """Lines of stdin, each at most MAX_REF_LINE bytes (a longer one is refused without reading it all)."""
+    buf = getattr(sys.stdin, "buffer", None)
+    n = 0
+    while True:
+        raw: bytes | str = buf.readline(MAX_REF_LINE + 1) if buf is not None else sys.stdin.readline(MAX_REF_LINE + 1)
+        if not raw:
+            return
+        n += 1
+        line = raw.decode("utf-8", "surrogateescape") if isinstance(raw, bytes) else raw
+        if len(raw) > MAX_REF_LINE and not line.endswith("\n"):
+            raise CliError(f"stdin line {n}: longer than {MAX_REF_LINE // 1024} KiB: not a REF", exitcodes.USAGE)
+        yield line
+
+
+def collect_refs(args: Sequence[str], offset_key: str, object_keys: tuple[str, ...] = ()) -> list[Ref]:
     """Arguments in order, with '-' replaced by the REFs read from stdin (once)."""
-    refs: list[str] = []
+    refs: list[Ref] = []
     stdin_read = False
     for a in args:
         if a == "-":
@@ -59,19 +124,16 @@ def collect_refs(args: Sequence[str]) -> list[str]:
             stdin_read = True
             if sys.stdin.isatty():
                 err.print("[dim]reading REFs from stdin, one per line; end with Ctrl-D[/dim]")
-            for n, line in enumerate(sys.stdin, 1):
-                tok = ref_token(line, f"stdin line {n}")
-                if tok is not None:
-                    refs.append(tok)
+            for n, line in enumerate(_stdin_lines(), 1):
+                ref = parse_ref(line, f"stdin line {n}", offset_key, object_keys)
+                if ref is not None:
+                    refs.append(ref)
         else:
-            tok = ref_token(a, f"REF {a!r}")
-            if tok is not None:
-                refs.append(tok)
+            ref = parse_ref(a, f"REF {_show(a)}", offset_key, object_keys)
+            if ref is None:
+                raise CliError("an empty REF argument: name a transaction by offset or id", exitcodes.USAGE)
+            refs.append(ref)
     return refs
-
-
-def is_int(text: str) -> bool:
-    return text.isdigit() or (text.startswith("+") and text[1:].isdigit())
 
 
 def confirm(n: int, what: str, yes: bool, dry_run: bool, always: bool = False) -> None:

@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 import typer
 
 from .. import exitcodes
-from ..common import BrokerOpt, CliError, OutputOpt, TokenOpt, parse_duration, run
+from ..common import BrokerOpt, CliError, OutputOpt, TokenOpt, parse_address, parse_duration, run
 from ..console import Output, default_output, emit_json, err, out
 
 EPILOG = (
@@ -59,6 +59,8 @@ def bench(
         raise CliError(f"mode must be tx, send or consume, not {mode!r}", exitcodes.USAGE)
     if flush not in ("sync", "async"):
         raise CliError("--flush must be sync or async", exitcodes.USAGE)
+    if not embedded:
+        parse_address(broker)
     dur = parse_duration(duration) if duration else None
     if messages is None and dur is None:
         messages = 100_000

@@ -22,7 +22,7 @@ app = typer.Typer(help="Run a broker or ask one how it is.", no_args_is_help=Tru
 def start(
     data_dir: Annotated[Optional[Path], typer.Option("--data-dir", "-d", envvar="TXMQ_DATA_DIR", help="Data directory [default: ~/.local/share/txmq].", show_default=False)] = None,
     host: Annotated[Optional[str], typer.Option(help="Address to listen on [default: 127.0.0.1]. Another address without --auth-token draws a warning.", show_default=False)] = None,
-    port: Annotated[int, typer.Option(help="Port to listen on.")] = 10911,
+    port: Annotated[int, typer.Option(help="Port to listen on.", min=1, max=65535)] = 10911,
     flush: Annotated[str, typer.Option(help="sync: acknowledge after fsync (group commit); async: fsync every --flush-interval.")] = "async",
     flush_interval: Annotated[str, typer.Option(help="Async flush interval.")] = "500ms",
     check_interval: Annotated[Optional[str], typer.Option(help="Check-back interval [default: 60s].", show_default=False)] = None,
@@ -30,12 +30,12 @@ def start(
     max_checks: Annotated[Optional[int], typer.Option(help="Checks before a transaction is discarded [default: 15].", show_default=False)] = None,
     retention: Annotated[Optional[str], typer.Option(help="Log retention [default: 72h].", show_default=False)] = None,
     auth_token: Annotated[Optional[str], typer.Option(envvar="TXMQ_AUTH_TOKEN", help="Shared secret clients must present.", show_default=False)] = None,
-    metrics_port: Annotated[Optional[int], typer.Option(help="Serve Prometheus metrics on 127.0.0.1:PORT (same host as --host).", show_default=False)] = None,
+    metrics_port: Annotated[Optional[int], typer.Option(help="Serve Prometheus metrics on 127.0.0.1:PORT (same host as --host).", show_default=False, min=1, max=65535)] = None,
     log_format: Annotated[str, typer.Option(help="kv (key=value) or json.")] = "kv",
     log_level: Annotated[str, typer.Option(help="debug, info, warning, error.")] = "info",
-    segment_size: Annotated[int, typer.Option(help="Commit-log segment size in bytes.", hidden=True)] = 1 << 30,
-    max_frame: Annotated[int, typer.Option(help="Largest frame accepted, bytes.")] = 8 << 20,
-    max_body: Annotated[int, typer.Option(help="Largest message body accepted, bytes.")] = 4 << 20,
+    segment_size: Annotated[int, typer.Option(help="Commit-log segment size in bytes.", hidden=True, min=1 << 16, max=1 << 40)] = 1 << 30,
+    max_frame: Annotated[int, typer.Option(help="Largest frame accepted, bytes.", min=1024, max=(1 << 32) - 1)] = 8 << 20,
+    max_body: Annotated[int, typer.Option(help="Largest message body accepted, bytes.", min=0, max=(1 << 32) - 1)] = 4 << 20,
     index_snapshot_records: Annotated[Optional[int], typer.Option(min=0, hidden=True, help="Deprecated, no effect: the transaction index is flushed to txindex.db every second.", show_default=False)] = None,
 ) -> None:
     """Run a broker in the foreground until SIGINT/SIGTERM (logs on stderr)."""
@@ -52,6 +52,10 @@ def start(
         raise CliError(f"--flush must be sync or async, not {flush!r}", exitcodes.USAGE)
     if log_format not in ("kv", "json"):
         raise CliError("--log-format must be kv or json", exitcodes.USAGE)
+    if log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+        raise CliError(f"--log-level must be debug, info, warning or error, not {log_level!r}", exitcodes.USAGE)
+    if data_dir is not None and data_dir.exists() and not data_dir.is_dir():
+        raise CliError(f"data directory {data_dir} is not a directory", exitcodes.NOT_FOUND)
     logs.setup(log_format, log_level)
     log = logging.getLogger("txmq.broker")
     if index_snapshot_records is not None:

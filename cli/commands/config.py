@@ -1,5 +1,6 @@
 """txmq config get|set: the check settings, changed while the broker runs (persisted in config.json)."""
 
+import re
 from typing import Annotated, Any, Optional
 
 import typer
@@ -120,12 +121,11 @@ def set_(
         raise CliError(f"{CLI_NAME[wk]} is read-only: it follows the retention setting and the log", exitcodes.USAGE)
     number: float | int
     if wk == "max_checks":
-        try:
-            number = int(value)
-        except ValueError:
-            raise CliError(f"max-checks must be a whole number, not {value!r}", exitcodes.USAGE) from None
-        if not -(1 << 63) <= number < 1 << 63:  # the broker range-checks the rest; this one cannot even be sent
-            raise CliError(f"max-checks {value} is out of range (1 to 1000000)", exitcodes.USAGE)
+        if not re.fullmatch(r"-?[0-9]+", value):  # ASCII digits only, no spaces (int() would take ' 5', '1_0', '٣')
+            raise CliError(f"max-checks must be a whole number, not {value!r}", exitcodes.USAGE)
+        if len(value) > 19 or not -(1 << 63) <= int(value) < 1 << 63:  # the broker range-checks the rest; this cannot even be sent
+            raise CliError(f"max-checks {value[:40]} is out of range (1 to 1000000)", exitcodes.USAGE)
+        number = int(value)
     else:
         number = parse_duration(value)
     r = call(broker, token, "config_set", {"key": wk, "value": number})

@@ -37,7 +37,7 @@ def consume(
     from_: Annotated[From, typer.Option("--from", help="Where a group with no committed offset starts.")] = From.earliest,
     limit: Annotated[Optional[int], typer.Option("--limit", "-l", help="Stop after this many messages.", show_default=False, min=1)] = None,
     follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep waiting for new messages (until Ctrl-C).")] = False,
-    queue: Annotated[Optional[list[int]], typer.Option("--queue", "-q", help="Only this queue id; repeatable.", show_default=False, min=0)] = None,
+    queue: Annotated[Optional[list[int]], typer.Option("--queue", "-q", help="Only this queue id (0 to 1023); repeatable.", show_default=False, min=0, max=1023)] = None,
     broker: BrokerOpt = DEFAULT_BROKER,
     token: TokenOpt = None,
     output: OutputOpt = None,

@@ -30,7 +30,7 @@ class ReplayTo(str, Enum):
 Keys: tx_id, topic, group, checks, discarded_at, discard_offset, reason (max-checks | retention),
 commit_log_offset (of the discard record).""")
 def list_(
-    limit: Annotated[int, typer.Option("--limit", "-l", help="At most this many rows.", min=1)] = 1000,
+    limit: Annotated[int, typer.Option("--limit", "-l", help="At most this many rows.", min=1, max=10_000_000)] = 1000,
     broker: BrokerOpt = DEFAULT_BROKER,
     token: TokenOpt = None,
     output: OutputOpt = None,
@@ -79,15 +79,16 @@ def replay(
         from ..client_ops import call
 
         listed = call(broker, token, "discard_list", {"limit": 10_000_000})["discarded"]
-        texts = [r["tx_id"] for r in listed]
+        refs_: list[_bulk.Ref] = [(r["tx_id"], {"tx_id": r["tx_id"]}) for r in listed]
     else:
-        texts = _bulk.collect_refs(refs or [])
-    if not texts:
+        refs_ = _bulk.collect_refs(refs or [], "discard_offset")
+    if not refs_:
         note("nothing to replay")
         if out_fmt.value == "json":
             emit_json([])
         return
-    items = [{"discard_offset": int(t)} if _bulk.is_int(t) else {"tx_id": t} for t in texts]
+    texts = [t for t, _ in refs_]
+    items = [w for _, w in refs_]
     _bulk.confirm(len(items), verb, yes, dry_run, always=all_)
 
     def build(part: list[dict[str, Any]]) -> dict[str, Any]:

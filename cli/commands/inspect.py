@@ -8,7 +8,8 @@ import typer
 
 from txmq.constants import OP_TOPIC
 
-from ..common import DEFAULT_BROKER, BrokerOpt, OutputOpt, TokenOpt, parse_duration, run
+from .. import exitcodes
+from ..common import DEFAULT_BROKER, WIRE_INT_MAX, BrokerOpt, CliError, OutputOpt, TokenOpt, parse_duration, run
 from ..console import Output, emit_json, emit_line, fmt_age, fmt_ts, fmt_when, new_table, note, out, print_table, render, resolve_output
 
 app = typer.Typer(help="Look at pending transactions, op records and the check offsets.", no_args_is_help=True)
@@ -16,7 +17,7 @@ app = typer.Typer(help="Look at pending transactions, op records and the check o
 DataDirOpt = Annotated[
     Optional[Path],
     typer.Option("--data-dir", "-d", help="Read this data directory directly (read-only; works while the broker is down).",
-                 show_default=False, file_okay=False, rich_help_panel="Connection"),
+                 show_default=False, rich_help_panel="Connection"),
 ]
 
 HALF_KEYS = ("tx_id", "half_offset", "commit_log_offset", "topic", "queue_id", "group", "born_at", "age_s", "checks",
@@ -39,7 +40,7 @@ def half(
     group: Annotated[Optional[str], typer.Option("--group", "-g", help="Only this producer group.", show_default=False)] = None,
     topic: Annotated[Optional[str], typer.Option("--topic", "-t", help="Only this (real) topic.", show_default=False)] = None,
     older_than: Annotated[Optional[str], typer.Option("--older-than", help="Only transactions older than this (30s, 10m, 72h).", show_default=False)] = None,
-    limit: Annotated[int, typer.Option("--limit", "-l", help="At most this many rows.", min=1)] = 1000,
+    limit: Annotated[int, typer.Option("--limit", "-l", help="At most this many rows.", min=1, max=10_000_000)] = 1000,
     data_dir: DataDirOpt = None,
     broker: BrokerOpt = DEFAULT_BROKER,
     token: TokenOpt = None,
@@ -101,6 +102,8 @@ def op(
     output: OutputOpt = None,
 ) -> None:
     """Op records: the decisions (commit or rollback) written to RMQ_SYS_TRANS_OP_HALF_TOPIC."""
+    if from_ is not None and from_ > WIRE_INT_MAX:
+        raise CliError(f"--from {from_} is out of range: offsets are 0 to {WIRE_INT_MAX}", exitcodes.USAGE)
     if data_dir is not None:
         from ._offline import DataDir
 

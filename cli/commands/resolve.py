@@ -54,14 +54,15 @@ def resolve(
     if not refs:
         raise CliError("no REF given: name transactions by half offset or id, or '-' to read them from stdin", exitcodes.USAGE)
     action = "commit" if commit else "rollback"
-    texts = _bulk.collect_refs(refs)
+    refs_ = _bulk.collect_refs(refs, "commit_log_offset" if commit_log_offset else "half_offset", ("half_offset", "commit_log_offset"))
     out_fmt = resolve_output(output)
-    if not texts:
+    if not refs_:
         note("no REFs on stdin: nothing to resolve")
         if out_fmt.value == "json":
             emit_json([])
         return
-    items = [_wire_ref(t, commit_log_offset) for t in texts]
+    texts = [t for t, _ in refs_]
+    items = [w for _, w in refs_]
     _bulk.confirm(len(items), "commit" if commit else "roll back", yes, dry_run)
 
     def build(part: list[dict[str, Any]]) -> dict[str, Any]:
@@ -70,9 +71,3 @@ def resolve(
     label = ("committing" if commit else "rolling back") + (" (dry run)" if dry_run else "")
     rows = _bulk.run_bulk(broker, token, "tx_resolve", build, items, texts, out_fmt, label)
     _bulk.finish(rows, out_fmt, ("would be " if dry_run else "") + ("committed" if commit else "rolled back"))
-
-
-def _wire_ref(text: str, cl_offsets: bool) -> dict[str, Any]:
-    if _bulk.is_int(text):
-        return {"commit_log_offset" if cl_offsets else "half_offset": int(text)}
-    return {"tx_id": text}

@@ -48,7 +48,7 @@ def send(
     tag: Annotated[Optional[str], typer.Option("--tag", "-t", help="The message's tag (TAGS).", show_default=False)] = None,
     key: Annotated[Optional[list[str]], typer.Option("--key", "-k", help="A key (KEYS); repeatable.", show_default=False)] = None,
     prop: Annotated[Optional[list[str]], typer.Option("--prop", "-p", help="A user property K=V; repeatable.", show_default=False)] = None,
-    queue: Annotated[Optional[int], typer.Option("--queue", "-q", help="Queue id [default: round robin].", show_default=False, min=0)] = None,
+    queue: Annotated[Optional[int], typer.Option("--queue", "-q", help="Queue id, 0 to 1023 [default: round robin].", show_default=False, min=0, max=1023)] = None,
     tx: Annotated[bool, typer.Option("--tx", help="Send a half (transactional) message, then end it with --state.", rich_help_panel="Transactions")] = False,
     group: Annotated[Optional[str], typer.Option("--group", "-g", help="Producer group (required with --tx).", show_default=False, rich_help_panel="Transactions")] = None,
     state: Annotated[Optional[TxState], typer.Option("--state", help="How to end the transaction [default: unknown = leave it pending].", show_default=False, rich_help_panel="Transactions")] = None,
