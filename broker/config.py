@@ -85,3 +85,38 @@ class BrokerConfig:
     check_batch: int = 128
     metrics_port: int | None = None
     shutdown_timeout_s: float = 10.0
+    # Limits against clients that would exhaust the broker (docs/protocol.md, "Limits").
+    max_properties: int = 64 << 10  # UTF-8 bytes of one message's property keys and values
+    max_preauth_frame: int = 64 << 10  # largest frame before a successful hello, with auth_token
+    auth_timeout_s: float = 10.0  # connect -> first request (a successful hello with auth_token); 0 = none
+    frame_timeout_s: float = 60.0  # first byte of a frame -> its last; 0 = none
+    max_connections: int | None = None  # None: derived from RLIMIT_NOFILE (server.default_max_connections)
+    max_connections_per_ip: int = 0  # 0 = unlimited
+    partial_frame_budget: int = 256 << 20  # bytes all connections together may hold in partly received frames
+
+    def validated(self) -> "BrokerConfig":
+        """Raise ValueError, naming the start option, for limits the broker could not serve with."""
+        if self.max_properties < 1024:
+            raise ValueError(f"--max-properties must be at least 1024 bytes (a transactional message carries a few properties), not {self.max_properties}")
+        need = self.max_body + self.max_properties + FRAME_OVERHEAD
+        if self.max_frame < need:
+            raise ValueError(f"--max-frame {self.max_frame} is too small: a frame must carry the largest message, "
+                             f"--max-body + --max-properties + {FRAME_OVERHEAD} = {need} bytes")
+        hello = 1024 + len((self.auth_token or "").encode())
+        if self.max_preauth_frame < hello:
+            raise ValueError(f"--max-preauth-frame {self.max_preauth_frame} is too small to carry a hello (at least {hello} bytes)")
+        if self.partial_frame_budget < self.max_frame:
+            raise ValueError(f"--partial-frame-budget {self.partial_frame_budget} is smaller than --max-frame {self.max_frame}: "
+                             "no frame of the largest size could ever be received")
+        if not (0 <= self.auth_timeout_s <= 86400) or not (0 <= self.frame_timeout_s <= 86400):
+            raise ValueError("--auth-timeout and --frame-timeout must be between 0 (none) and 1d")
+        if self.max_connections is not None and self.max_connections < 1:
+            raise ValueError(f"--max-connections must be at least 1, not {self.max_connections}")
+        if self.max_connections_per_ip < 0:
+            raise ValueError(f"--max-connections-per-ip must be 0 (unlimited) or more, not {self.max_connections_per_ip}")
+        return self
+
+
+# Room in a frame besides the body and the properties: the array, the op,
+# field names, topic, ids, and msgpack headers of up to 256 properties.
+FRAME_OVERHEAD = 4096

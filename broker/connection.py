@@ -11,6 +11,15 @@
   same burst wait in a backlog instead of being dispatched. Memory per
   connection is bounded by max_frame + the write buffer limit + the pull
   budget + in-flight requests.
+- Limits against clients that would exhaust the broker: with a token, frames
+  before a successful hello are held to max_preauth_frame; a connection must
+  send its first request (the hello, with a token) within auth_timeout_s and
+  finish each frame within frame_timeout_s of its first byte (sweep(), run
+  by the server); the bytes all connections hold in partly received frames
+  stay under partial_frame_budget; connections beyond max_connections (or
+  max_connections_per_ip from one address) are closed as soon as accepted.
+  Each refusal gets an error reply when one can be sent, and is counted.
+  Authenticated connections may stay idle for as long as they like.
 """
 
 from __future__ import annotations
@@ -32,6 +41,11 @@ log = logging.getLogger("txmq.conn")
 _ids = itertools.count(1)
 
 WRITE_HIGH = 4 << 20
+# After an error reply that ends a connection, the broker shuts its side
+# down and reads and discards what the client still sends for up to this
+# long before closing: closing with unread input would reset the connection
+# and the client could lose the reply.
+LINGER_S = 1.0
 PULL_BUDGET = 64 << 20  # reply bytes the pulls in flight on one connection may ask for
 
 
@@ -42,8 +56,14 @@ class BrokerConnection(asyncio.Protocol):
         self.conn_id = next(_ids)
         self.client_id = ""
         self.transport: asyncio.Transport | None = None
-        self.decoder = FrameDecoder(core.config.max_frame)
-        self.authed = not core.config.auth_token
+        cfg = core.config
+        self.authed = not cfg.auth_token
+        self.decoder = FrameDecoder(cfg.max_frame if self.authed else min(cfg.max_preauth_frame, cfg.max_frame))
+        self._partial = 0  # bytes this connection adds to core.partial_frame_bytes
+        self._frame_started = 0.0  # loop time of the first byte of the frame being received; 0 when none
+        self._hello_by = 0.0  # loop time the first request (hello, with a token) is due by; 0 once it came
+        self._counted = False  # accepted (not refused at once): counted in the connection figures
+        self.ip = ""
         self.inflight = 0
         self._out: list[bytes] = []
         self._flush_scheduled = False
@@ -63,13 +83,51 @@ class BrokerConnection(asyncio.Protocol):
         self.transport.set_write_buffer_limits(high=WRITE_HIGH)
         peer = transport.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
-        self.state.connections.add(self)
+        self.ip = str(peer[0]) if isinstance(peer, tuple) else self.peer
+        state, cfg = self.state, self.core.config
+        cap = cfg.max_connections
+        if cap is not None and len(state.connections) >= cap:
+            self._refuse_at_once("connections_refused", f"too many connections: the broker's limit is {cap} (--max-connections)")
+            return
+        per_ip = cfg.max_connections_per_ip
+        if per_ip and state.by_ip.get(self.ip, 0) >= per_ip:
+            self._refuse_at_once("connections_refused_per_ip",
+                                 f"too many connections from {self.ip}: the broker's limit is {per_ip} per address (--max-connections-per-ip)")
+            return
+        self._counted = True
+        state.connections.add(self)
+        state.by_ip[self.ip] = state.by_ip.get(self.ip, 0) + 1
         self.core.connections += 1
         self.core.metrics.inc("connections_accepted")
+        if cfg.auth_timeout_s:
+            self._hello_by = self._loop.time() + cfg.auth_timeout_s
+
+    def _refuse_at_once(self, counter: str, message: str) -> None:
+        """Close a connection over a connection limit as soon as it is accepted: its descriptor is freed at once."""
+        self._closing = True
+        metrics = self.core.metrics
+        metrics.inc(counter)
+        metrics.inc("errors_busy")
+        self.state.note_refusal(counter, self.peer)
+        err = TxmqError(message, ErrorCode.BUSY)
+        try:
+            self.transport.write(reply(0, err.to_fields(), int(err.code)))  # one small frame: fits the socket buffer
+        finally:
+            self.transport.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closing = True
-        self.state.connections.discard(self)
+        self._release_partial()
+        if not self._counted:
+            return
+        self._counted = False
+        state = self.state
+        state.connections.discard(self)
+        n = state.by_ip.get(self.ip, 0) - 1
+        if n > 0:
+            state.by_ip[self.ip] = n
+        else:
+            state.by_ip.pop(self.ip, None)
         self.core.connections -= 1
         self.core.registry.unregister_all(self)
 
@@ -84,15 +142,87 @@ class BrokerConnection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self._closing:
             return
+        if not self.authed:
+            self._received_before_hello(data)
+            return
         try:
             payloads = self.decoder.feed(data)
         except TxmqError as err:
             self._fatal(0, err)
             return
+        if (self._partial or self.decoder.buffered) and not self._held(bool(payloads)):
+            return
         if self._backlog:
             self._backlog.extend(payloads)
             return
         self._run(payloads)
+
+    def _received_before_hello(self, data: bytes) -> None:
+        """Frames before a successful hello (a token is configured): one at a time, under the small limit.
+
+        Once the hello succeeds the full limit applies to what follows,
+        including frames pipelined behind the hello in the same read.
+        """
+        decoder = self.decoder
+        while True:
+            try:
+                payload = decoder.feed_one(data)
+            except TxmqError as err:
+                self._fatal(0, err)
+                return
+            data = b""
+            if not self._held(payload is not None):
+                return
+            if payload is None:
+                return
+            self._run([payload])
+            if self._closing:
+                return
+            if self.authed:
+                decoder.max_frame = self.core.config.max_frame
+                if decoder.buffered:
+                    self.data_received(b"")
+                return
+
+    def _held(self, completed: bool) -> bool:
+        """Account for the bytes of a frame still being received; False if the connection was refused for them."""
+        held = self.decoder.buffered
+        delta = held - self._partial
+        if delta:
+            core = self.core
+            if delta > 0 and core.partial_frame_bytes + delta > core.config.partial_frame_budget:
+                self._close_with(TxmqError(
+                    f"the broker holds too many bytes of frames still being received (--partial-frame-budget "
+                    f"{core.config.partial_frame_budget}); retry later", ErrorCode.BUSY), "partial_frame_refusals")
+                return False
+            core.partial_frame_bytes += delta
+            self._partial = held
+        if not held:
+            self._frame_started = 0.0
+        elif completed or not self._frame_started:
+            self._frame_started = self._loop.time()  # a new frame began in this read
+        return True
+
+    def _release_partial(self) -> None:
+        if self._partial:
+            self.core.partial_frame_bytes -= self._partial
+            self._partial = 0
+        self._frame_started = 0.0
+        if self.decoder.buffered:
+            self.decoder = FrameDecoder(0)  # what was buffered is never read: let it go now
+
+    def sweep(self, now: float) -> None:
+        """Close the connection if its first request or its current frame is overdue (called by the server)."""
+        if self._closing:
+            return
+        cfg = self.core.config
+        if self._hello_by and now >= self._hello_by:
+            what = "hello with the broker's token" if cfg.auth_token else "request"
+            self._close_with(TxmqError(f"no {what} within {cfg.auth_timeout_s:g}s of connecting (--auth-timeout)",
+                                       ErrorCode.AUTH_REQUIRED), "auth_timeouts")
+        elif self._frame_started and cfg.frame_timeout_s and not self._read_paused and now - self._frame_started >= cfg.frame_timeout_s:
+            self._close_with(TxmqError(f"frame not complete {cfg.frame_timeout_s:g}s after its first byte (--frame-timeout)",
+                                       ErrorCode.MALFORMED_FRAME), "frame_timeouts")
 
     def _run(self, payloads: list[bytes]) -> None:
         for i, payload in enumerate(payloads):
@@ -124,6 +254,8 @@ class BrokerConnection(asyncio.Protocol):
                 self._fatal(id_, TxmqError("authentication failed: wrong token", ErrorCode.AUTH_FAILED))
                 return
             self.authed = True
+        if self._hello_by:
+            self._hello_by = 0.0
         handler = HANDLERS.get(op)
         if handler is None:
             self._reply_error(id_, TxmqError(f"unknown operation {op[:64]!r}", ErrorCode.UNKNOWN_OPERATION))
@@ -189,16 +321,37 @@ class BrokerConnection(asyncio.Protocol):
 
     def _fatal(self, id_: int, err: TxmqError) -> None:
         assert err.code in FATAL or err.code == ErrorCode.MALFORMED_FRAME
-        self.core.metrics.inc(f"errors_{err.code.name.lower()}")
-        log.info("event=connection_refused peer=%s reason=%s", self.peer, err.code.name)
+        self._close_with(err, None, id_)
+
+    def _close_with(self, err: TxmqError, counter: str | None, id_: int = 0) -> None:
+        """Send one error reply, then close: after it the byte stream is not read any more."""
+        metrics = self.core.metrics
+        metrics.inc(f"errors_{err.code.name.lower()}")
+        if counter is not None:
+            metrics.inc(counter)
+        log.info("event=connection_refused peer=%s reason=%s", self.peer, counter or err.code.name)
         self._send(reply(id_, err.to_fields(), int(err.code)))
         self._flush()
         self._closing = True
-        if self.transport is not None:
-            self.transport.close()
+        self._release_partial()
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        try:
+            linger = transport.can_write_eof()
+        except NotImplementedError:
+            linger = False
+        if not linger:
+            transport.close()
+            return
+        transport.write_eof()  # the reply, then end of stream
+        if self._read_paused:
+            self._read_paused = False
+            transport.resume_reading()  # drain what the client still sends (data_received drops it)
+        self._loop.call_later(LINGER_S, transport.close)
 
     def _send(self, data: bytes) -> None:
-        if self.transport is None or self.transport.is_closing():
+        if self._closing or self.transport is None or self.transport.is_closing():
             return
         self._out.append(data)
         self._out_bytes += len(data)
@@ -225,7 +378,7 @@ class BrokerConnection(asyncio.Protocol):
         self._send(frame)
 
     def writable(self) -> bool:
-        return self.transport is not None and not self.transport.is_closing() and not self._write_paused
+        return self.transport is not None and not self._closing and not self.transport.is_closing() and not self._write_paused
 
     def _pause_reading(self) -> None:
         if not self._read_paused and self.transport is not None and not self.transport.is_closing():
@@ -233,6 +386,8 @@ class BrokerConnection(asyncio.Protocol):
             self.transport.pause_reading()
 
     def _maybe_resume_reading(self) -> None:
+        if self._frame_started and self._read_paused:
+            self._frame_started = self._loop.time()  # the frame's time runs only while it is being read
         if (
             self._read_paused
             and not self._write_paused

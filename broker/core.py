@@ -227,6 +227,7 @@ class BrokerCore:
         self._pollers: dict[tuple[str, int], list[asyncio.Future]] = defaultdict(list)
         self.connections = 0
         self.busy_connections = 0  # connections with requests in flight
+        self.partial_frame_bytes = 0  # held by all connections in frames not yet complete
         self.tx_ready = asyncio.Event()  # set once the transaction index is rebuilt (or failed to be)
         self.tx_error: TxmqError | None = None  # why it failed
         self.draining = False  # refuse new requests; in-flight ones finish
@@ -418,6 +419,7 @@ class BrokerCore:
                 "pending": sum(by_topic.values()),
                 "pending_by_topic": by_topic,
                 "connections": self.connections,
+                "partial_frame_bytes": self.partial_frame_bytes,
                 "max_offset": self.store.max_offset,
                 "durable_offset": self.store.durable_offset,
                 "check_passes": self.check.passes,

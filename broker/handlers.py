@@ -71,7 +71,7 @@ def body_of(f: dict, max_body: int) -> bytes:
     return bytes(v)
 
 
-def props_of(f: dict) -> dict[str, str]:
+def props_of(f: dict, max_bytes: int) -> dict[str, str]:
     v = f.get("properties")
     if v is None:
         return {}
@@ -79,6 +79,12 @@ def props_of(f: dict) -> dict[str, str]:
         raise _bad("field 'properties' must be a map of strings to strings")
     if len(v) > 256:
         raise _bad("at most 256 properties")
+    chars = sum(map(len, v)) + sum(map(len, v.values()))
+    if chars * 4 > max_bytes:  # a character is at most 4 UTF-8 bytes: count bytes only when it could matter
+        size = sum(len(k.encode("utf-8", "surrogatepass")) + len(x.encode("utf-8", "surrogatepass")) for k, x in v.items())
+        if size > max_bytes:
+            raise TxmqError(f"properties of {size} bytes (keys and values, UTF-8) exceed the {max_bytes}-byte limit",
+                            ErrorCode.BODY_TOO_LARGE)
     return v
 
 
@@ -132,7 +138,7 @@ def broker_info(core, conn, f: dict) -> Reply:
 def send(core, conn, f: dict) -> Reply:
     topic = user_topic(f)
     body = body_of(f, core.config.max_body)
-    props = props_of(f)
+    props = props_of(f, core.config.max_properties)
     qid = opt_int(f, "queue_id", None, -1, 1023)
     born = opt_int(f, "born_ts", None) or int(core.clock() * 1000)
     if props.get(PROP_TRAN_MSG) == "true":
@@ -156,7 +162,7 @@ def send_batch(core, conn, f: dict) -> Reply:
     for m in items:
         if not isinstance(m, dict):
             raise _bad("each message must be a map")
-        props = props_of(m)
+        props = props_of(m, core.config.max_properties)
         if props.get(PROP_TRAN_MSG) == "true":
             raise _bad("transactional messages cannot be sent in a batch")
         msgs.append(Message(topic, qid, TxType.NORMAL, opt_int(m, "born_ts", None) or now, props, body_of(m, core.config.max_body)))

@@ -30,6 +30,11 @@ COUNTERS = (
     ("store_full_errors", "Appends refused because the disk was full"),
     ("connections_accepted", "Client connections accepted"),
     ("auth_failures", "Connections refused for a wrong token"),
+    ("connections_refused", "Connections closed as soon as accepted: --max-connections reached"),
+    ("connections_refused_per_ip", "Connections closed as soon as accepted: --max-connections-per-ip reached for their address"),
+    ("auth_timeouts", "Connections closed for no first request (hello, with a token) within --auth-timeout"),
+    ("frame_timeouts", "Connections closed for a frame not complete within --frame-timeout"),
+    ("partial_frame_refusals", "Connections closed because their partial frame would pass --partial-frame-budget"),
     ("check_passes", "Check-service passes over the half queue"),
 )
 
@@ -85,6 +90,10 @@ class BrokerCollector:
                          m.flush_buckets, m.flush_hist, m.flush_seconds_total)
         yield GaugeMetricFamily("txmq_flush_seconds_max", "Longest fsync cycle", value=m.flush_seconds_max)
         yield GaugeMetricFamily("txmq_connections", "Open client connections", value=core.connections)
+        yield GaugeMetricFamily("txmq_max_connections", "Connection limit (--max-connections, or derived from RLIMIT_NOFILE)",
+                                value=core.config.max_connections or 0)
+        yield GaugeMetricFamily("txmq_partial_frame_bytes", "Bytes held in partly received frames, all connections",
+                                value=core.partial_frame_bytes)
         online = GaugeMetricFamily("txmq_producer_connections", "Live connections registered for check-backs, by producer group", labels=["group"])
         for g, n in sorted(_retry(core.registry.groups, {}).items()):
             online.add_metric([g], n)

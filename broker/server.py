@@ -45,20 +45,84 @@ INDEX_FLUSH_ROWS = 100_000
 INDEX_WRITER_NICE = 10
 
 
+# Descriptors the default connection limit leaves to the broker's own files
+# (commit-log segments, consume-queue files, txindex.db, config files, the
+# metrics endpoint); at most half of RLIMIT_NOFILE.
+FD_RESERVE = 512
+FD_LIMIT_WANTED = 65536  # the soft RLIMIT_NOFILE `txmq broker start` raises itself to (within the hard limit)
+REFUSAL_LOG_EVERY_S = 10.0
+
+
+def default_max_connections() -> int:
+    """The connection limit when none is given: RLIMIT_NOFILE (soft) minus what the broker's own files need."""
+    import resource
+
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft > 1 << 24:
+        soft = 1 << 24
+    return max(1, soft - min(FD_RESERVE, soft // 2))
+
+
+def raise_fd_limit(wanted: int = FD_LIMIT_WANTED) -> tuple[int, int]:
+    """Raise the soft RLIMIT_NOFILE towards wanted, within the hard limit (as the JVM does); returns (before, after)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            return soft, target
+        except (ValueError, OSError):
+            pass
+    return soft, soft
+
+
 class ServerState:
     def __init__(self) -> None:
         self.connections: set[BrokerConnection] = set()
         self.inflight: set[asyncio.Future] = set()
+        self.by_ip: dict[str, int] = {}  # open connections per remote address
+        self._refusals = 0  # connection-limit refusals not logged yet
+        self._refusal_logged_at = float("-inf")
+
+    def note_refusal(self, reason: str, peer: str) -> None:
+        """Log connection-limit refusals, at most one line per REFUSAL_LOG_EVERY_S (a flood must not flood the log)."""
+        self._refusals += 1
+        now = time.monotonic()
+        if now - self._refusal_logged_at >= REFUSAL_LOG_EVERY_S:
+            log.warning("event=connections_refused reason=%s peer=%s refused=%d msg=%s", reason, peer, self._refusals,
+                        "'over a connection limit; counted in connections_refused*, logged at most every 10s'")
+            self._refusals = 0
+            self._refusal_logged_at = now
+
+
+async def sweep_connections(state: ServerState, config: BrokerConfig) -> None:
+    """Close connections whose first request (--auth-timeout) or current frame (--frame-timeout) is overdue."""
+    timeouts = [t for t in (config.auth_timeout_s, config.frame_timeout_s) if t]
+    if not timeouts:
+        return
+    every = min(1.0, max(0.02, min(timeouts) / 4))
+    loop = asyncio.get_running_loop()
+    while True:
+        await asyncio.sleep(every)
+        now = loop.time()
+        for conn in list(state.connections):
+            conn.sweep(now)
 
 
 class Broker:
     def __init__(self, config: BrokerConfig, clock: Clock | None = None) -> None:
+        config = config.validated()
+        if config.max_connections is None:
+            config = replace(config, max_connections=default_max_connections())
         self.config = config
         self.core = BrokerCore(config, clock)
         self.state = ServerState()
         self.server: asyncio.AbstractServer | None = None
         self.ready = asyncio.Event()
         self._janitor: asyncio.Task | None = None
+        self._sweeper: asyncio.Task | None = None
         self._indexer: asyncio.Task | None = None
         self._index_flusher: asyncio.Task | None = None
         self._writer: TxDatabase | None = None  # the index file's connection for flushes (worker thread)
@@ -222,10 +286,15 @@ class Broker:
         """Start, accept on sock until shutdown is set, then stop."""
         await self.start()
         loop = asyncio.get_running_loop()
+        # Connections over --max-connections are accepted and closed at once
+        # (BrokerConnection.connection_made), so the backlog never fills with
+        # them; when descriptors run out all the same, uvloop (libuv's spare
+        # descriptor) and asyncio drain or retry the backlog and keep accepting.
         self.server = await loop.create_server(lambda: BrokerConnection(self.core, self.state), sock=sock, backlog=2048)
+        self._sweeper = loop.create_task(sweep_connections(self.state, self.config), name="txmq-sweeper")
         host, port = sock.getsockname()[:2]
-        log.info("event=listening host=%s port=%d flush=%s data_dir=%s speedups=%s", host, port, self.config.flush, self.core.data_dir,
-                 speedups_in_use())
+        log.info("event=listening host=%s port=%d flush=%s data_dir=%s speedups=%s max_connections=%d", host, port, self.config.flush,
+                 self.core.data_dir, speedups_in_use(), self.config.max_connections)
         self.ready.set()
         try:
             await (shutdown or asyncio.Event()).wait()
@@ -240,7 +309,7 @@ class Broker:
             self.server.close()
         if self.state.inflight:
             await asyncio.wait(list(self.state.inflight), timeout=self.config.shutdown_timeout_s)
-        for task in (self._janitor, self._indexer, self._index_flusher):
+        for task in (self._janitor, self._sweeper, self._indexer, self._index_flusher):
             if task is not None and not task.done():
                 task.cancel()
                 try:

@@ -188,6 +188,26 @@ class FrameDecoder:
             del buf[:pos]
         return out
 
+    def feed_one(self, data: bytes = b"") -> bytes | None:
+        """Like feed, but take at most one payload off the buffer (None while it is incomplete).
+
+        The bytes after it stay buffered, so the caller may change
+        ``max_frame`` before reading on (the broker's limit goes up once a
+        connection has authenticated).
+        """
+        buf = self._buf
+        buf += data
+        if len(buf) < 4:
+            return None
+        (length,) = HEADER.unpack_from(buf, 0)
+        if length > self.max_frame:
+            raise TxmqError(f"frame of {length} bytes exceeds the {self.max_frame}-byte limit", ErrorCode.FRAME_TOO_LARGE)
+        if len(buf) - 4 < length:
+            return None
+        payload = bytes(buf[4 : 4 + length])
+        del buf[: 4 + length]
+        return payload
+
     @property
     def buffered(self) -> int:
         return len(self._buf)

@@ -36,6 +36,20 @@ def start(
     segment_size: Annotated[int, typer.Option(help="Commit-log segment size in bytes.", hidden=True, min=1 << 16, max=1 << 40)] = 1 << 30,
     max_frame: Annotated[int, typer.Option(help="Largest frame accepted, bytes.", min=1024, max=(1 << 32) - 1)] = 8 << 20,
     max_body: Annotated[int, typer.Option(help="Largest message body accepted, bytes.", min=0, max=(1 << 32) - 1)] = 4 << 20,
+    max_properties: Annotated[int, typer.Option(help="Largest total of one message's property keys and values (UTF-8), bytes; "
+                                                "--max-frame must hold --max-body + --max-properties + 4096.")] = 64 << 10,
+    max_preauth_frame: Annotated[int, typer.Option(help="With --auth-token: largest frame accepted before a successful hello, bytes.")] = 64 << 10,
+    auth_timeout: Annotated[str, typer.Option(help="Time a new connection has to send its first request (with --auth-token: a "
+                                              "successful hello) before it is closed; 0 = no limit. Connections that said hello may idle forever.")] = "10s",
+    frame_timeout: Annotated[str, typer.Option(help="Time a frame may take from its first byte to its last before the connection "
+                                               "is closed; 0 = no limit.")] = "60s",
+    max_connections: Annotated[Optional[int], typer.Option(help="Open connections at most; more are accepted and closed at once with "
+                                                           "a BUSY reply [default: RLIMIT_NOFILE minus 512 descriptors kept for the "
+                                                           "broker's own files (at most half of it); the broker first raises its soft "
+                                                           "RLIMIT_NOFILE to the hard limit, up to 65536].", show_default=False)] = None,
+    max_connections_per_ip: Annotated[int, typer.Option(help="Open connections at most from one remote address; 0 = no limit.")] = 0,
+    partial_frame_budget: Annotated[int, typer.Option(help="Bytes all connections together may hold in frames still being received; "
+                                                      "a connection whose frame would pass it is closed with a BUSY reply.")] = 256 << 20,
     index_snapshot_records: Annotated[Optional[int], typer.Option(min=0, hidden=True, help="Deprecated, no effect: the transaction index is flushed to txindex.db every second.", show_default=False)] = None,
 ) -> None:
     """Run a broker in the foreground until SIGINT/SIGTERM (logs on stderr)."""
@@ -43,7 +57,7 @@ def start(
     import logging
 
     from txmq.broker.config import BrokerConfig, CheckSettings, default_data_dir
-    from txmq.broker.server import Broker, bind, install_uvloop
+    from txmq.broker.server import Broker, bind, install_uvloop, raise_fd_limit
     from txmq.store import StoreLockedError
 
     from .. import logs
@@ -78,8 +92,17 @@ def start(
         data_dir=data_dir or default_data_dir(), host=host or "127.0.0.1", port=port, flush=flush,
         flush_interval_s=parse_duration(flush_interval), check=check, check_overrides=tuple(overrides),
         auth_token=auth_token or None, metrics_port=metrics_port, segment_size=segment_size,
-        max_frame=max_frame, max_body=max_body,
+        max_frame=max_frame, max_body=max_body, max_properties=max_properties, max_preauth_frame=max_preauth_frame,
+        auth_timeout_s=parse_duration(auth_timeout), frame_timeout_s=parse_duration(frame_timeout),
+        max_connections=max_connections, max_connections_per_ip=max_connections_per_ip, partial_frame_budget=partial_frame_budget,
     )
+    try:
+        config.validated()
+    except ValueError as e:
+        raise CliError(str(e), exitcodes.USAGE) from None
+    fds_before, fds = raise_fd_limit()
+    if fds != fds_before:
+        log.info("event=fd_limit_raised from=%d to=%d", fds_before, fds)
     loop_name = install_uvloop()
     import gc
 
