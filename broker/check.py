@@ -12,7 +12,11 @@ flowing:
 - stored after the pass began: stop (the walk ends at the queue's max
   offset taken when the pass started);
 - younger than its immunity (the transaction timeout, or the message's own
-  ``CHECK_IMMUNITY_TIME_IN_SECONDS``): stop here, later passes come back;
+  ``CHECK_IMMUNITY_TIME_IN_SECONDS``): stop here, later passes come back.
+  The age runs on the broker's clock from when it stored the transaction's
+  first copy, never from the producer's ``born_ts``; a first copy stored
+  "after now" (the clock was stepped back) counts as stored now and does
+  not stop the pass;
 - no live producer of its group: leave it, spending no check, and note
   "no producer online"; the progress cannot move past it;
 - otherwise re-append it with ``TRANSACTION_CHECK_TIMES`` + 1 and push a
@@ -37,8 +41,10 @@ from typing import Any
 import msgpack
 
 from txmq.constants import HALF_TOPIC, OP_TOPIC, PROP_CHECK_TIMES
-from txmq.store import RawCopy, atomic_write_json, read_json
+from txmq.store import RawCopy, StoreError, atomic_write_json, read_json
+from txmq.store.files import move_aside
 from txmq.store.codec import HEADER_SIZE, TAGS_PROPERTY
+from txmq.wire import TxmqError
 
 from .checkcopy import check_push, pack_group, patch_properties
 from .config import CheckSettings
@@ -49,11 +55,39 @@ log = logging.getLogger("txmq.check")
 
 
 class CheckProgress:
-    def __init__(self, path: Path) -> None:
+    """The half and op progress, kept in txcheck.json.
+
+    A damaged file (not JSON, not an object, a progress that is not a whole
+    number >= 0) reads as 0 and 0, which is safe: the progress is for
+    people, and the next pass moves it forward again. With repair (the
+    broker), the file is moved aside as ``txcheck.json.corrupt-<time>`` with
+    a warning; without (read-only inspection) it is left as it is.
+    """
+
+    def __init__(self, path: Path, repair: bool = False) -> None:
         self.path = path
-        d = read_json(path, {}) or {}
-        self.half = int(d.get("half_progress", 0)) if isinstance(d, dict) else 0
-        self.op = int(d.get("op_progress", 0)) if isinstance(d, dict) else 0
+        self.half = self.op = 0
+        try:
+            d = read_json(path, {})
+        except StoreError as exc:  # not JSON
+            why = f"not JSON ({exc.__cause__ or exc})"
+        else:
+            why = None
+            if not isinstance(d, dict):
+                why = f"a JSON {type(d).__name__}, not an object"
+            else:
+                half, op = d.get("half_progress", 0), d.get("op_progress", 0)
+                if all(type(v) is int and v >= 0 for v in (half, op)):
+                    self.half, self.op = half, op
+                else:
+                    why = f"half_progress={half!r} op_progress={op!r}"
+        if why is not None and repair:
+            try:
+                moved = str(move_aside(path))
+            except OSError as exc:
+                moved = f"not moved ({exc.strerror or exc})"
+            log.warning("event=data_file_damaged file=%s why=%r moved_to=%s msg=%s", path, why, moved,
+                        "'the check progress starts again from 0 (it is for people: pending transactions come from the index)'")
 
     def save(self) -> None:
         atomic_write_json(self.path, {"half_progress": self.half, "op_progress": self.op})
@@ -71,10 +105,11 @@ class CheckService:
         self._stopping = False
         self.passes = 0
         self.last_pass: dict[str, Any] = {}
-        self.next_pass_at: float = 0.0
+        self._next_pass_mono: float | None = None  # when the next pass runs, on the loop's monotonic clock
         self._pass_lock = asyncio.Lock()
         self._pack = msgpack.Packer(use_bin_type=True).pack  # check copies' properties
         self._stuck: list[int] = []  # half offsets of pending halves this batch could not read
+        self._failing: set[str] = set()  # kinds of error logged since the last pass that succeeded
 
     # ---- settings ---------------------------------------------------------
     def set(self, key: str, value: Any) -> tuple[Any, Any]:
@@ -108,6 +143,9 @@ class CheckService:
     async def _run(self) -> None:
         """A pass every check interval, timed from the start of the previous one.
 
+        Intervals run on the event loop's monotonic clock: a step of the
+        broker's clock neither hurries nor holds back a pass.
+
         A settings change wakes the loop, which recomputes the deadline: a
         shorter interval that is already overdue runs a pass at once, and a
         change of another setting does not postpone the next pass.
@@ -116,7 +154,7 @@ class CheckService:
         started = loop.time()
         while not self._stopping:
             remaining = started + self.settings.check_interval_s - loop.time()
-            self.next_pass_at = self.core.clock() + max(0.0, remaining)
+            self._next_pass_mono = started + self.settings.check_interval_s
             if remaining > 0:
                 self._wake.clear()
                 try:
@@ -130,8 +168,36 @@ class CheckService:
             started = loop.time()
             try:
                 await self.run_pass()
-            except Exception:
-                log.exception("event=check_pass_failed")
+            except Exception as exc:
+                self._pass_failed(exc)
+            else:
+                self._pass_ok()
+
+    def _pass_failed(self, exc: Exception) -> None:
+        """Log a failed pass once per kind of failure; the next interval retries it.
+
+        A full disk is the broker-wide ``event=disk_full``; an OS or store
+        error (too many open files, an I/O error, a failed flush) is one
+        line without a traceback; only an unexpected error carries one. A
+        failure already logged since the last pass that succeeded is not
+        logged again.
+        """
+        disk = self.core.disk
+        if disk.failed("check", exc) or (disk.full and isinstance(exc, TxmqError)):
+            return  # a full disk (or the flush this pass waited for, failed by it): logged once, broker-wide
+        kind = f"{type(exc).__name__}:{getattr(exc, 'errno', None) or getattr(exc, 'code', None)}"
+        if kind in self._failing:
+            return
+        self._failing.add(kind)
+        expected = isinstance(exc, (OSError, StoreError, TxmqError))
+        log.error("event=check_pass_failed error=%r msg=%s", exc, "'retried at the next check interval; logged once until a pass succeeds'",
+                  exc_info=None if expected else exc)
+
+    def _pass_ok(self) -> None:
+        self.core.disk.ok("check")
+        if self._failing:
+            log.info("event=check_pass_recovered")
+            self._failing.clear()
 
     # ---- one pass ---------------------------------------------------------
     async def run_pass(self) -> dict[str, Any]:
@@ -184,24 +250,26 @@ class CheckService:
                 if p.checks >= max_checks:
                     to_discard.append((p, "max-checks"))
                     continue
+                # Ages are the broker's: from when it stored the first copy, by its
+                # clock. The producer's born_ts plays no part (a producer clock
+                # running behind would cut the timeout short, one running ahead
+                # would hide its transactions).
                 first = p.first_stored_ts
+                ahead = first > now_ms
+                if ahead:
+                    # Stored "later than now": the broker's clock was stepped back
+                    # since. It counts as stored now, and does not stop this pass:
+                    # the halves behind it were stored before the step or after it.
+                    p.first_stored_ts = first = now_ms
                 if now_ms - first > retention_ms:
                     to_discard.append((p, "retention"))
                     continue
-                if p.stored_ts > now_ms:
-                    stop = True
-                    end, qo = k, off
-                    break
-                # born_ts is the producer's clock: never later than the store's, so a
-                # producer whose clock runs ahead cannot hold every pass at its message.
-                born = p.born_ts
-                age_ms = now_ms - (born if born < first else first)
                 imm = p.immunity_s
-                if age_ms < (timeout_ms if imm is None else imm * 1000):
+                if now_ms - first < (timeout_ms if imm is None else imm * 1000):
                     stats["immune"] += 1
                     if blocked is None:
                         blocked = off
-                    if imm is None or imm <= timeout_s:
+                    if (imm is None or imm <= timeout_s) and not ahead:
                         stop = True
                         end, qo = k, off
                         break
@@ -383,11 +451,23 @@ class CheckService:
             await core.append(msgs, shape)
 
     # ---- for listings ------------------------------------------------------
+    @property
+    def next_pass_at(self) -> float:
+        """When the next pass runs, in seconds by the broker's clock (0.0 before the loop started).
+
+        Kept as a monotonic deadline and turned into clock time when asked:
+        a step of the broker's clock does not move it.
+        """
+        if self._next_pass_mono is None:
+            return 0.0
+        return self.core.clock() + max(0.0, self._next_pass_mono - asyncio.get_running_loop().time())
+
     def next_check_at(self, p: PendingTx) -> int | None:
         s = self.settings
         immunity = p.immunity_s if p.immunity_s is not None else s.transaction_timeout_s
-        eligible = min(p.born_ts, p.first_stored_ts) / 1000.0 + immunity
-        at = max(eligible, self.next_pass_at or self.core.clock())
+        now = self.core.clock()
+        eligible = min(p.first_stored_ts / 1000.0, now) + immunity  # stored ahead of the clock: counts from now
+        at = max(eligible, self.next_pass_at or now)
         return int(at * 1000)
 
     def offsets(self) -> dict[str, Any]:

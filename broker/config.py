@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 from txmq.constants import DEFAULT_HOST, DEFAULT_PORT, DEFAULT_QUEUES
+from txmq.store import StoreError, read_json
+from txmq.store.errors import DataFileError
+
+log = logging.getLogger("txmq.broker")
 
 
 def default_data_dir() -> Path:
@@ -60,6 +65,45 @@ class CheckSettings:
             except (KeyError, ValueError, TypeError):
                 continue
         return s
+
+
+def read_settings_file(path: Path, overridden: Iterable[str] = ()) -> dict[str, Any]:
+    """The check settings stored in config.json ({} when there is none), each value checked.
+
+    A file that is not a JSON object, or holds a setting out of range,
+    raises DataFileError: starting with the defaults instead could shorten
+    the transaction timeout an operator set, and check-backs would reach
+    transactions still running. A setting given as a start option
+    (overridden) is replaced anyway and not checked; an unknown key is
+    ignored with a warning.
+    """
+    what = "fix it, or move it away to start with the defaults and the start options"
+    try:
+        data = read_json(path, {})
+    except (StoreError, OSError) as exc:
+        why = str(exc.__cause__ or exc) if isinstance(exc, StoreError) else (exc.strerror or str(exc))
+        raise DataFileError(f"{path} (the check settings of `txmq config set`) cannot be read: {why}; {what}") from None
+    if not isinstance(data, dict):
+        raise DataFileError(f"{path} (the check settings of `txmq config set`) is not a JSON object: "
+                            f"it holds {type(data).__name__} {_short(data)}; {what}")
+    names = {f.name for f in fields(CheckSettings)}
+    skip = set(overridden)
+    for key, value in data.items():
+        if key not in names:
+            log.warning("event=config_unknown_key file=%s key=%r msg=%s", path, key, "'ignored'")
+            continue
+        if key in skip:
+            continue
+        try:
+            CheckSettings().with_value(key, value)
+        except (ValueError, TypeError) as exc:
+            raise DataFileError(f"{path} (the check settings of `txmq config set`): {key} = {_short(value)} is not valid ({exc}); {what}") from None
+    return data
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 @dataclass(frozen=True, slots=True)

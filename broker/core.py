@@ -43,7 +43,7 @@ from txmq.wire import ErrorCode, TxmqError
 
 from .clock import Clock
 from .config import BrokerConfig
-from .flush import Flusher
+from .flush import DiskState, Flusher
 from .metrics import Metrics
 from .registry import ProducerRegistry
 from .topics import TopicTable
@@ -232,6 +232,7 @@ class BrokerCore:
         self.tx_error: TxmqError | None = None  # why it failed
         self.draining = False  # refuse new requests; in-flight ones finish
         self.shutting_down = False  # refuse appends
+        self.disk = DiskState()  # a full disk, logged once per change of state
 
     # ---- lifecycle -------------------------------------------------------
     def open(self) -> None:
@@ -241,9 +242,13 @@ class BrokerCore:
         if r.dropped_bytes:
             log.warning("event=recovery_truncated dropped_bytes=%d reason=%r at=%s", r.dropped_bytes, r.reason, r.truncated_at)
         log.info("event=store_opened max_offset=%d segments=%d redispatched=%d took_s=%.3f", r.max_offset, r.segments, r.redispatched, r.duration_s)
-        self.topics = TopicTable(self.data_dir / "topics.json", self.config.default_queues)
-        self.topics.merge_from_store(self.store.queues())
-        self.offsets = ConsumerOffsets(self.data_dir / "offsets.json")
+        try:
+            self.topics = TopicTable(self.data_dir / "topics.json", self.config.default_queues)
+            self.topics.merge_from_store(self.store.queues())
+            self.offsets = ConsumerOffsets(self.data_dir / "offsets.json")
+        except BaseException:  # e.g. a damaged offsets.json: the start is refused, the directory released
+            self.store.close()
+            raise
 
     async def start(self) -> None:
         self.appender = Appender(self)
@@ -253,6 +258,7 @@ class BrokerCore:
             interval_s=self.config.flush_interval_s,
             on_persist=self.offsets.persist,
             observe=self.metrics.flush_latency,
+            disk=self.disk,
         )
         self.flusher.lone_client = lambda: self.busy_connections <= 1
         self.flusher.start()
@@ -265,7 +271,13 @@ class BrokerCore:
             self.offsets.persist()
         except OSError as exc:  # e.g. the disk is still full: offsets since the last persist are lost, nothing else
             log.error("event=offsets_persist_failed error=%r", exc)
-        self.store.close()
+        try:
+            self.store.close()
+        except (StoreError, OSError) as exc:
+            # The directory is released all the same. What could not be written
+            # (consume-queue entries, the checkpoint) is rebuilt from the log by
+            # the next start; the log itself holds every acknowledged record.
+            log.error("event=store_close_failed error=%r msg=%s", exc, "'the next start recovers from the log'")
 
     # ---- errors ----------------------------------------------------------
     def store_error(self, exc: BaseException) -> TxmqError:

@@ -17,16 +17,64 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import errno
 import logging
 import queue
 import threading
 import time
 from typing import Any, Callable
 
-from txmq.store import Store, StoreError
+from txmq.store import Store, StoreError, StoreFullError
 from txmq.wire import ErrorCode, TxmqError
 
 log = logging.getLogger("txmq.flush")
+_disk_log = logging.getLogger("txmq.broker")
+
+_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """exc says the data directory's disk (or quota, or file size limit) is full."""
+    if isinstance(exc, StoreFullError):
+        return True
+    if isinstance(exc, TxmqError):
+        return exc.code == ErrorCode.STORE_FULL
+    if isinstance(exc, OSError):
+        return exc.errno in _FULL_ERRNOS
+    # SQLite (the index file) says so in words.
+    return type(exc).__name__ == "OperationalError" and "disk is full" in str(exc)
+
+
+class DiskState:
+    """A full disk, logged once per change of state whatever part of the broker meets it.
+
+    Each writer (the flusher, the check service, the index flush) reports
+    its failures and its next success. The first full-disk failure logs
+    ``event=disk_full``; ``event=disk_ok`` follows once every writer that
+    met it has written again. Nothing in between is logged again.
+    """
+
+    def __init__(self) -> None:
+        self.failing: dict[str, str] = {}  # writer -> the error it met
+
+    @property
+    def full(self) -> bool:
+        return bool(self.failing)
+
+    def failed(self, where: str, exc: BaseException) -> bool:
+        """Note exc if it is a full disk (True); anything else is the caller's to report (False)."""
+        if not is_disk_full(exc):
+            return False
+        if not self.failing:
+            _disk_log.error("event=disk_full where=%s error=%r msg=%s", where, exc,
+                            "'writes are refused (STORE_FULL) until space is freed; reads go on; acknowledged data is safe'")
+        self.failing.setdefault(where, repr(exc))
+        return True
+
+    def ok(self, where: str) -> None:
+        """where wrote successfully."""
+        if self.failing and self.failing.pop(where, None) is not None and not self.failing:
+            _disk_log.warning("event=disk_ok where=%s msg=%s", where, "'writes work again'")
 
 
 def _settle(fut: asyncio.Future, ok: bool, value: Any) -> None:
@@ -88,8 +136,10 @@ class Flusher:
         interval_s: float = 0.5,
         on_persist: Callable[[], None] | None = None,
         observe: Callable[[float], None] | None = None,
+        disk: DiskState | None = None,
     ) -> None:
         self.store = store
+        self.disk = disk or DiskState()
         self.sync_mode = sync
         self.interval_s = interval_s
         self._on_persist = on_persist  # e.g. ConsumerOffsets.persist, run in the flush thread
@@ -185,7 +235,8 @@ class Flusher:
                     durable = await self._thread.run(self.store.sync)
             except (StoreError, OSError) as exc:
                 self._busy = False
-                log.error("event=flush_failed error=%r", exc)
+                if not self.disk.failed("flush", exc):  # a full disk is logged once, not every cycle
+                    log.error("event=flush_failed error=%r", exc)
                 err = TxmqError(f"flush failed: {exc}", ErrorCode.STORE_ERROR)
                 self._fail_all(err, persist_waiters)
                 # retry the checkpoint at its own pace: sends keep being fsynced meanwhile
@@ -199,6 +250,7 @@ class Flusher:
                 self._observe(time.perf_counter() - t0)
             if checkpoint:
                 next_checkpoint = loop.time() + self.interval_s
+                self.disk.ok("flush")
             self._resolve(durable, persist_waiters)
             if self._stopping and not self._waiters and not self._persist_waiters:
                 return

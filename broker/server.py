@@ -20,13 +20,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 from txmq.constants import DISCARD_TOPIC, HALF_TOPIC, OP_TOPIC
-from txmq.store import atomic_write_json, read_json
+from txmq.store import atomic_write_json
 from txmq.store.files import fsync_dir
 from txmq.wire import ErrorCode, TxmqError
 
 from .check import CheckProgress, CheckService
 from .clock import Clock
-from .config import BrokerConfig, CheckSettings
+from .config import BrokerConfig, CheckSettings, read_settings_file
 from .connection import BrokerConnection
 from .core import BrokerCore, speedups_in_use
 from .tx import TransactionService
@@ -131,23 +131,35 @@ class Broker:
         # (Linux nice applies per thread): on a busy machine the event loop
         # and the log's fsyncs go first, the index catches up in between.
         self._index_pool = ThreadPoolExecutor(1, "txmq-index", initializer=_lower_priority)
-        self._flush_failing = False
+        self._flush_failing: str | bool = False  # "disk" (full) or "error" while index flushes fail
 
-    def _settings(self) -> CheckSettings:
-        """Defaults < config.json (set live) < explicit start options."""
+    def _settings(self, stored: dict) -> CheckSettings:
+        """Defaults < config.json (set live; stored, as read) < explicit start options.
+
+        config.json is written only when that changes what it holds, and a
+        failed write (a full disk) is a warning: the settings apply to this
+        run all the same, and a broker must start on a full disk to serve reads.
+        """
         path = self.core.data_dir / "config.json"
-        settings = CheckSettings.from_dict(read_json(path, {}))
+        settings = CheckSettings.from_dict(stored)
         for key in self.config.check_overrides:
             settings = settings.with_value(key, getattr(self.config.check, key))
-        atomic_write_json(path, settings.to_dict())
+        if settings.to_dict() != stored:
+            try:
+                atomic_write_json(path, settings.to_dict())
+            except OSError as exc:
+                log.warning("event=config_write_failed file=%s error=%r msg=%s", path, exc,
+                            "'the settings apply to this run; config.json keeps what it held'")
         return settings
 
     async def start(self) -> None:
         core = self.core
         t0 = time.perf_counter()
+        # Read before the store is opened: a damaged config.json refuses the start with nothing locked.
+        stored = read_settings_file(core.data_dir / "config.json", self.config.check_overrides)
         core.open()
-        settings = self._settings()
-        progress = CheckProgress(core.data_dir / "txcheck.json")
+        settings = self._settings(stored)
+        progress = CheckProgress(core.data_dir / "txcheck.json", repair=True)
         core.tx = TransactionService(core, TxIndex())
         core.check = CheckService(core, core.tx, progress, core.data_dir / "config.json", settings)
         core.store.config = replace(core.store.config, retention_s=settings.retention_s)
@@ -197,7 +209,10 @@ class Broker:
         except Exception as exc:
             # Transactional requests get this error instead of waiting forever;
             # plain traffic goes on. The log is not touched: fix the cause, restart.
-            log.exception("event=txindex_rebuild_failed")
+            if getattr(exc, "io", False) or isinstance(exc, OSError):  # e.g. a full disk: no traceback
+                log.error("event=txindex_rebuild_failed error=%r msg=%s", exc, "'transactional operations are unavailable until a restart'")
+            else:
+                log.exception("event=txindex_rebuild_failed")
             core.tx_error = TxmqError(f"the transaction index could not be rebuilt ({exc!r}); transactional operations are unavailable until a restart", ErrorCode.STORE_ERROR)
             core.tx_ready.set()
             return
@@ -223,6 +238,8 @@ class Broker:
                 return db, None
             db.close()
         except IndexFileError as exc:
+            if exc.io:  # not damaged, unreadable now (a full disk): kept for the next start
+                raise
             why = str(exc)
         # Derived data only: the log has everything it held.
         remove_db(data_dir)
@@ -258,14 +275,17 @@ class Broker:
                 index.flush_failed(changed)
                 if not isinstance(exc, Exception):
                     raise
-                if not self._flush_failing:
+                if core.disk.failed("index", exc):  # a full disk is logged once, broker-wide
+                    self._flush_failing = self._flush_failing or "disk"
+                elif self._flush_failing != "error":
                     log.error("event=txindex_flush_failed error=%r", exc)  # once per failing spell
-                self._flush_failing = True
+                    self._flush_failing = "error"
                 core.metrics.inc("index_flush_errors")
                 return
-            if self._flush_failing:
+            if self._flush_failing == "error":
                 log.info("event=txindex_flush_recovered")
-                self._flush_failing = False
+            self._flush_failing = False
+            core.disk.ok("index")
             index.flushed(changed)
 
     async def _index_flush_loop(self) -> None:

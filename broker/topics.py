@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from txmq.constants import DISCARD_TOPIC, HALF_TOPIC, OP_TOPIC, TOPIC_RE, canonical_topic, is_system_topic
-from txmq.store import atomic_write_json, read_json
+from txmq.store import StoreError, atomic_write_json, read_json
+from txmq.store.files import move_aside
 from txmq.wire import ErrorCode, TxmqError
+
+log = logging.getLogger("txmq.broker")
 
 
 _valid: dict[str, str] = {}  # names already checked -> canonical name (bounded below)
@@ -28,7 +32,23 @@ class TopicTable:
         self.path = path
         self.default_queues = default_queues
         self._queues: dict[str, int] = {HALF_TOPIC: 1, OP_TOPIC: 1, DISCARD_TOPIC: 1}
-        for name, n in (read_json(path, {}) or {}).items():
+        try:
+            data = read_json(path, {})
+        except StoreError as exc:  # not JSON
+            data = exc
+        if not isinstance(data, dict):
+            # The queue counts come back from the store (merge_from_store): every
+            # queue holding a message is found again; only topics with no message
+            # yet are forgotten (a send creates them again).
+            why = f"not JSON ({data.__cause__ or data})" if isinstance(data, Exception) else f"a JSON {type(data).__name__}, not an object"
+            try:
+                moved = str(move_aside(path))
+            except OSError as exc:
+                moved = f"not moved ({exc.strerror or exc})"
+            log.warning("event=data_file_damaged file=%s why=%r moved_to=%s msg=%s", path, why, moved,
+                        "'topics are taken from the log: a topic with no message yet must be created again'")
+            data = {}
+        for name, n in data.items():
             if isinstance(name, str) and isinstance(n, int) and n > 0:
                 self._queues[name] = n
 
@@ -41,7 +61,10 @@ class TopicTable:
                 self._queues[name] = max(need, self.default_queues if not is_system_topic(name) else 1)
                 changed = True
         if changed:
-            self.save()
+            try:
+                self.save()
+            except OSError as exc:  # a full disk: the table is right in memory, and found again at the next start
+                log.warning("event=topics_write_failed file=%s error=%r", self.path, exc)
 
     def save(self) -> None:
         atomic_write_json(self.path, {k: v for k, v in self._queues.items() if not is_system_topic(k)})

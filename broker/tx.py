@@ -521,7 +521,7 @@ class TransactionService:
                 continue
             if topic and p.topic != topic:
                 continue
-            if now_ms - p.born_ts < min_age_ms:
+            if min_age_ms and p.age_ms(now_ms) < min_age_ms:  # the broker's store time, not the producer's clock
                 continue
             total += 1
             rows.append(p)

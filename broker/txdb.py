@@ -85,7 +85,13 @@ _SELECT = f"SELECT {', '.join(COLUMNS)} FROM tx"
 
 
 class IndexFileError(Exception):
-    """The index file cannot be used (damaged, another version, not for this log): rebuild it from the log."""
+    """The index file cannot be used (damaged, another version, not for this log): rebuild it from the log.
+
+    ``io`` is true when SQLite could not read or write it (an I/O error, a
+    full disk): the file is not known to be damaged and is kept.
+    """
+
+    io = False
 
 
 def db_files(data_dir: Path) -> list[Path]:
@@ -128,7 +134,11 @@ class TxDatabase:
             self.meta = self._meta()
         except sqlite3.Error as exc:
             self.close()
-            raise IndexFileError(f"{path}: {exc}") from None
+            err = IndexFileError(f"{path}: {exc}")
+            # SQLITE_IOERR (and its extended codes, e.g. a -shm file that cannot grow), SQLITE_FULL,
+            # SQLITE_CANTOPEN (e.g. too many open files)
+            err.io = ((getattr(exc, "sqlite_errorcode", 0) or 0) & 0xFF) in (10, 13, 14)
+            raise err from None
         if not self.meta:
             if readonly:
                 self.close()

@@ -114,6 +114,10 @@ class PendingTx:
         p.last_check_result = None
         return p
 
+    def age_ms(self, now_ms: int) -> int:
+        """Since the broker stored the first copy, by the broker's clock (the producer's born_ts plays no part); >= 0."""
+        return max(0, now_ms - self.first_stored_ts)
+
     def as_dict(self, now_ms: int, next_check_at: int | None = None) -> dict:
         return {
             "tx_id": self.tx_id,
@@ -124,7 +128,7 @@ class PendingTx:
             "group": self.group,
             "born_at": self.born_ts,
             "stored_at": self.first_stored_ts,
-            "age_s": round(max(0, now_ms - self.born_ts) / 1000.0, 3),
+            "age_s": round(self.age_ms(now_ms) / 1000.0, 3),
             "checks": self.checks,
             "last_check_at": self.last_check_at,
             "last_check_result": self.last_check_result,

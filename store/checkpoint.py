@@ -12,12 +12,15 @@ temp file, fsync, rename, fsync the directory).
 
 from __future__ import annotations
 
+import logging
 import os
 import struct
 import zlib
 from dataclasses import dataclass
 
 from .files import atomic_write_bytes
+
+log = logging.getLogger("txmq.store")
 
 CHECKPOINT = struct.Struct(
     "<"
@@ -56,7 +59,11 @@ def read_checkpoint(path: str | os.PathLike) -> Checkpoint | None:
             data = f.read(CHECKPOINT.size + 1)
     except FileNotFoundError:
         return None
-    return decode_checkpoint(data)
+    ckpt = decode_checkpoint(data)
+    if ckpt is None:  # safe, only slower: nothing is trusted without it
+        log.warning("event=checkpoint_damaged file=%s size=%d msg=%s", os.fspath(path), len(data),
+                    "'ignored: recovery checks the whole log; the next checkpoint replaces it'")
+    return ckpt
 
 
 def write_checkpoint(path: str | os.PathLike, ckpt: Checkpoint) -> None:

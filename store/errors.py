@@ -26,3 +26,7 @@ class RecordTooLargeError(StoreError):
 
 class CorruptRecordError(StoreError):
     """No valid record starts at the offset that was asked for."""
+
+
+class DataFileError(StoreError):
+    """A file of the data directory is damaged and cannot be used as it is; the message names it and says what to do."""

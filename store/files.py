@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -86,3 +87,17 @@ def read_json(path: str | os.PathLike, default: Any = None) -> Any:
         return json.loads(data)
     except ValueError as exc:
         raise StoreError(f"corrupt JSON in {path}: {exc}") from exc
+
+
+def move_aside(path: str | os.PathLike) -> Path:
+    """Rename a damaged file to ``<name>.corrupt-<UTC time>`` beside it, kept for a person to look at; the new path."""
+    path = Path(path)
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    dest = path.with_name(f"{path.name}.corrupt-{stamp}")
+    n = 1
+    while dest.exists():
+        dest = path.with_name(f"{path.name}.corrupt-{stamp}-{n}")
+        n += 1
+    os.replace(path, dest)
+    fsync_dir(path.parent)
+    return dest

@@ -11,6 +11,7 @@ import copy
 import os
 import threading
 
+from .errors import DataFileError, StoreError
 from .files import atomic_write_json, read_json
 
 
@@ -20,17 +21,28 @@ class ConsumerOffsets:
         self._lock = threading.Lock()
         self._offsets: dict[str, dict[str, dict[int, int]]] = {}
         self._dirty = False
-        data = read_json(self.path, {})
-        if isinstance(data, dict):
-            for group, topics in data.items():
-                if not isinstance(topics, dict):
+        try:
+            data = read_json(self.path, {})
+        except StoreError as exc:  # not JSON
+            data = exc
+        if not isinstance(data, dict):
+            # Starting without them would move every group to where its
+            # consumers' "from" setting says, past messages never read with
+            # "latest": a person decides.
+            why = f"not JSON ({data.__cause__ or data})" if isinstance(data, Exception) else f"a JSON {type(data).__name__}, not an object"
+            raise DataFileError(
+                f"{self.path} (the committed offsets of consumer groups) is damaged: {why}. Restore it from a backup, "
+                "or move it away to start without committed offsets (each group then starts where its consumers' "
+                "--from says: earliest reads again from the first message, latest skips to the end)")
+        for group, topics in data.items():
+            if not isinstance(topics, dict):
+                continue
+            for topic, queues in topics.items():
+                if not isinstance(queues, dict):
                     continue
-                for topic, queues in topics.items():
-                    if not isinstance(queues, dict):
-                        continue
-                    for qid, offset in queues.items():
-                        if str(qid).isdigit() and isinstance(offset, int):
-                            self._offsets.setdefault(group, {}).setdefault(topic, {})[int(qid)] = offset
+                for qid, offset in queues.items():
+                    if str(qid).isdigit() and isinstance(offset, int):
+                        self._offsets.setdefault(group, {}).setdefault(topic, {})[int(qid)] = offset
 
     def get(self, group: str, topic: str, queue_id: int) -> int | None:
         return self._offsets.get(group, {}).get(topic, {}).get(queue_id)

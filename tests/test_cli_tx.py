@@ -12,7 +12,7 @@ from test_cli_support import (
     start_broker, txmq, wait_for,
 )
 
-HALF_KEYS = {"tx_id", "half_offset", "commit_log_offset", "topic", "queue_id", "group", "born_at", "age_s", "checks",
+HALF_KEYS = {"tx_id", "half_offset", "commit_log_offset", "topic", "queue_id", "group", "born_at", "stored_at", "age_s", "checks",
              "last_check_at", "last_check_result", "next_check_at"}
 REF_KEYS = {"ref", "tx_id", "status", "message"}
 

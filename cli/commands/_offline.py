@@ -51,7 +51,7 @@ class DataDir:
     def pending(self, group: str | None, topic: str | None, min_age_ms: int, limit: int) -> tuple[list[dict[str, Any]], int]:
         now_ms = int(time.time() * 1000)
         rows = [p for p in self.index.pending.values()
-                if (not group or p.group == group) and (not topic or p.topic == topic) and now_ms - p.born_ts >= min_age_ms]
+                if (not group or p.group == group) and (not topic or p.topic == topic) and p.age_ms(now_ms) >= min_age_ms]
         rows.sort(key=lambda p: p.half_offset)
         return [p.as_dict(now_ms, None) for p in rows[:limit]], len(rows)
 

@@ -59,6 +59,7 @@ def start(
     from txmq.broker.config import BrokerConfig, CheckSettings, default_data_dir
     from txmq.broker.server import Broker, bind, install_uvloop, raise_fd_limit
     from txmq.store import StoreLockedError
+    from txmq.store.errors import DataFileError
 
     from .. import logs
 
@@ -133,6 +134,8 @@ def start(
         asyncio.run(main())
     except StoreLockedError as e:
         raise CliError(f"data directory {config.data_dir} is in use by another broker ({e})") from None
+    except DataFileError as e:  # a damaged file of the data directory: the message names it and what to do
+        raise CliError(f"cannot start: {e}") from None
 
 
 @app.command(epilog="Examples:\n\n  txmq broker status\n\n  txmq broker status -o json | jq .uptime_s")

@@ -20,7 +20,7 @@ DataDirOpt = Annotated[
                  show_default=False, rich_help_panel="Connection"),
 ]
 
-HALF_KEYS = ("tx_id", "half_offset", "commit_log_offset", "topic", "queue_id", "group", "born_at", "age_s", "checks",
+HALF_KEYS = ("tx_id", "half_offset", "commit_log_offset", "topic", "queue_id", "group", "born_at", "stored_at", "age_s", "checks",
              "last_check_at", "last_check_result", "next_check_at")
 
 
@@ -34,12 +34,13 @@ HALF_KEYS = ("tx_id", "half_offset", "commit_log_offset", "topic", "queue_id", "
 
   txmq inspect half --data-dir /var/lib/txmq      # broker down: read the files
 
-Keys: tx_id, half_offset, commit_log_offset, topic, queue_id, group, born_at, age_s, checks,
-last_check_at, last_check_result, next_check_at (*_at: ms since the epoch or null).""")
+Keys: tx_id, half_offset, commit_log_offset, topic, queue_id, group, born_at, stored_at, age_s, checks,
+last_check_at, last_check_result, next_check_at (*_at: ms since the epoch or null). age_s and --older-than
+count from stored_at, the broker's clock (born_at is the producer's).""")
 def half(
     group: Annotated[Optional[str], typer.Option("--group", "-g", help="Only this producer group.", show_default=False)] = None,
     topic: Annotated[Optional[str], typer.Option("--topic", "-t", help="Only this (real) topic.", show_default=False)] = None,
-    older_than: Annotated[Optional[str], typer.Option("--older-than", help="Only transactions older than this (30s, 10m, 72h).", show_default=False)] = None,
+    older_than: Annotated[Optional[str], typer.Option("--older-than", help="Only transactions stored longer ago than this (30s, 10m, 72h), by the broker's clock.", show_default=False)] = None,
     limit: Annotated[int, typer.Option("--limit", "-l", help="At most this many rows.", min=1, max=10_000_000)] = 1000,
     data_dir: DataDirOpt = None,
     broker: BrokerOpt = DEFAULT_BROKER,
