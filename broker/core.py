@@ -415,6 +415,7 @@ class BrokerCore:
             "producer_groups": self.registry.groups(),
             "auth": bool(self.config.auth_token),
             "speedups": speedups_in_use(),
+            "damaged_records": self.store.damage.count,
             "counters": self.metrics.snapshot(),
         }
 
@@ -423,6 +424,7 @@ class BrokerCore:
         recovery = {} if r is None else {
             "dropped_bytes": r.dropped_bytes, "reason": r.reason, "truncated_at": r.truncated_at,
             "redispatched": r.redispatched, "cq_entries_dropped": r.cq_entries_dropped,
+            "damaged": r.damaged, "queues_rebuilt": r.queues_rebuilt,
         }
         by_topic = self.tx.index.pending_by_topic()
         return {
@@ -437,5 +439,7 @@ class BrokerCore:
                 "check_passes": self.check.passes,
                 "last_check_pass": self.check.last_pass,
                 "recovery": recovery,
+                # damaged records skipped since start (recovery, reads, the index): each reported once
+                "damaged": self.store.damage.summary(),
             },
         }

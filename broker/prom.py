@@ -100,6 +100,8 @@ class BrokerCollector:
         yield online
         yield GaugeMetricFamily("txmq_commit_log_max_offset", "Written end of the commit log", value=core.store.max_offset)
         yield GaugeMetricFamily("txmq_commit_log_durable_offset", "fsynced end of the commit log", value=core.store.durable_offset)
+        yield GaugeMetricFamily("txmq_damaged_records", "Damaged records skipped since start (each reported once in the log)",
+                                value=core.store.damage.count)
         r = core.recovery
         yield GaugeMetricFamily("txmq_recovery_dropped_bytes", "Bytes of torn tail cut by recovery at this start",
                                 value=r.dropped_bytes if r is not None else 0)

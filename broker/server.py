@@ -21,6 +21,7 @@ from dataclasses import replace
 
 from txmq.constants import DISCARD_TOPIC, HALF_TOPIC, OP_TOPIC
 from txmq.store import atomic_write_json
+from txmq.store.damage import Damage
 from txmq.store.files import fsync_dir
 from txmq.wire import ErrorCode, TxmqError
 
@@ -196,13 +197,25 @@ class Broker:
                 (log.warning if core.store.max_offset > 0 else log.info)("event=txindex_rebuild reason=%r", why)
             self._writer = db.writer()
             replayed = 0
-            for replayed in replay_steps(core.store, index, starts):
+            damaged: list[int] = []
+
+            def on_damage(offset: int, why: str) -> None:
+                # The index is built around a damaged record; the service stays up.
+                if core.store.damage.report(Damage(offset, "transaction index", why)) and len(damaged) < 10_000:
+                    damaged.append(offset)
+
+            for replayed in replay_steps(core.store, index, starts, on_damage=on_damage):
                 if len(index.dirty or ()) >= INDEX_FLUSH_ROWS:
                     await self._flush_index()  # a long replay or a whole rebuild: memory stays bounded
                 await asyncio.sleep(0)
             report = core.recovery
             if report is not None and report.scanned_from < core.store.max_offset:
                 await core.tx.repair_commits(core.store.scan(report.scanned_from))
+            for offset in damaged:
+                # A commit writes its message and then its op record in one write: if the op
+                # record is the damaged one, its message ends right before it. Finding it keeps
+                # the transaction committed instead of re-checking it into a second delivery.
+                await core.tx.repair_commits(core.store.scan_range(offset - core.store.config.max_record_size, offset))
             await self._flush_index()
         except asyncio.CancelledError:
             raise

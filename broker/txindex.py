@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import IntEnum
 from sys import intern
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from txmq.constants import (
     DISCARD_TOPIC,
@@ -486,25 +486,32 @@ def rebuild(reader, half_progress: int = 0, op_progress: int = 0, batch: int = 2
     return idx
 
 
-def replay_steps(reader, idx: TxIndex, starts: dict[str, int] | None = None, batch: int = 2048) -> Iterator[int]:
+def replay_steps(reader, idx: TxIndex, starts: dict[str, int] | None = None, batch: int = 2048,
+                 on_damage: Callable[[int, str], None] | None = None) -> Iterator[int]:
     """Apply the op, discard and half records from ``starts`` (queue offsets; None: the queues' starts) to idx.
 
     Records are applied in commit-log order, exactly as the live path
     applies them, yielding the count so far every ``batch`` records: the
     broker drives this between other work (plain traffic is served
     meanwhile) and flushes the index between steps when it rebuilds the
-    whole file. A record that does not decode raises CorruptRecordError.
+    whole file. A record that does not decode raises CorruptRecordError;
+    with ``on_damage`` it is reported there as (offset, reason) and skipped,
+    and the index is built around it.
     """
     st = starts or {}
     queues = [(topic, 0, max(st.get(name, 0), reader.queue_min_offset(topic, 0))) for name, topic in _TX_QUEUES]
     apply = idx.apply
     n = 0
     next_yield = batch
-    for buf, _mv, first, headers in raw_queue_runs(reader, queues):
+    for buf, _mv, first, headers in raw_queue_runs(reader, queues, on_damage=on_damage):
         for h in headers:
             rec = decode_record(buf, h[3] - first, h[3])
             if rec is None:
-                raise CorruptRecordError(record_problem(buf, h[3] - first, h[3]) or f"invalid record at {h[3]}")
+                why = record_problem(buf, h[3] - first, h[3]) or f"invalid record at {h[3]}"
+                if on_damage is None:
+                    raise CorruptRecordError(why)
+                on_damage(h[3], why)
+                continue
             apply(rec)
         n += len(headers)
         if n >= next_yield:

@@ -18,6 +18,8 @@
 #   txmq send
 #   txmq spark-export
 #   txmq stats
+#   txmq store repair
+#   txmq store verify
 #   txmq topics
 
 _txmq_completion() {

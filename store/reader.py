@@ -131,6 +131,12 @@ class StoreReader(LogView):
         self._refresh_segments()
         return self._segs[0].start if self._segs else 0
 
+    @property
+    def files_end(self) -> int:
+        """End of the last segment file: above max_offset when its tail is torn or damaged."""
+        self._refresh_segments()
+        return self._segs[-1].end if self._segs else 0
+
     def segments(self) -> list[tuple[int, str, int]]:
         """(start offset, path, length) of each segment; the last length stops at the valid end."""
         self._refresh()

@@ -63,6 +63,7 @@ class Store:
         self._cq_root = os.path.join(self.data_dir, "consumequeue")
         self.damage = DamageLog()  # damaged records met since open (recovery and reads)
         self._manifest_queues = -1  # queues listed in the manifest file
+        self._manifest_failing = False
 
     def __enter__(self) -> Store:
         self.open()
@@ -337,8 +338,11 @@ class Store:
         try:
             atomic_write_bytes(self._manifest_path, data)
         except OSError as exc:  # a full disk: the check is weaker until the next write, nothing else
-            _log.warning("event=manifest_write_failed error=%r", exc)
+            if not self._manifest_failing:  # once per spell, not every checkpoint
+                _log.warning("event=manifest_write_failed error=%r", exc)
+            self._manifest_failing = True
             return
+        self._manifest_failing = False
         self._manifest_queues = count
 
     # ---- reading -----------------------------------------------------------

@@ -187,3 +187,18 @@ def test_repair_refuses_a_directory_a_broker_holds(data):
 def test_a_path_that_is_not_a_data_directory_is_not_found(tmp_path):
     assert txmq("store", "verify", "-d", str(tmp_path / "none")).returncode == NOT_FOUND
     assert txmq("store", "repair", "-d", str(tmp_path), "--dry-run").returncode == NOT_FOUND
+
+
+def test_offline_inspection_refuses_a_log_without_one_valid_record_and_warns_about_a_torn_tail(tmp_path):
+    garbage = tmp_path / "garbage"
+    (garbage / "commitlog").mkdir(parents=True)
+    (garbage / "commitlog" / f"{0:020d}").write_bytes(bytes(range(256)) * 20)
+    r = txmq("inspect", "half", "--data-dir", str(garbage), "-o", "json")
+    assert r.returncode == 10 and b"not one valid record" in r.stderr
+    torn = tmp_path / "torn"
+    with Store(torn, SMALL) as s:
+        s.append([msg(i) for i in range(3)])
+    with open(torn / "commitlog" / f"{0:020d}", "ab") as f:
+        f.write(b"\x07" * 300)
+    r = txmq("inspect", "offsets", "--data-dir", str(torn), "-o", "json")
+    assert r.returncode == 0 and b"300 bytes after the last valid record" in r.stderr

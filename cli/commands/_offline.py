@@ -31,13 +31,33 @@ class DataDir:
             self.reader = StoreReader(path)
         except OSError as e:
             raise CliError(f"cannot read {path}: {e.strerror or e}", exitcodes.ERROR) from None
+        self._check_log()
         self.progress = CheckProgress(path / "txcheck.json")
         self._index: Any = None
+
+    def _check_log(self) -> None:
+        """Say so when the log holds bytes that are not valid records; refuse when it holds nothing else."""
+        from ..console import warn
+
+        first, last, valid_end = self.reader.min_offset, self.reader.files_end, self.reader.max_offset
+        if valid_end <= first < last:
+            raise CliError(f"{self.path}: the commit log holds {last - first} bytes and not one valid record "
+                           f"(damaged, or not a txmq log); `txmq store verify --data-dir {self.path}` says more",
+                           exitcodes.DATA_PROBLEM)
+        if valid_end < last:
+            warn(f"{last - valid_end} bytes after the last valid record at {valid_end} are not read "
+                 f"(a torn tail the next broker start cuts, or damage): `txmq store verify --data-dir {self.path}`")
 
     def __enter__(self) -> "DataDir":
         return self
 
     def __exit__(self, *exc: object) -> None:
+        damage = getattr(self.reader, "damage", None)
+        if damage is not None and damage.count:
+            from ..console import warn
+
+            warn(f"{damage.count} damaged record(s) skipped while reading, first at "
+                 f"{min(damage.places) if damage.places else '?'}: `txmq store verify --data-dir {self.path}`")
         close = getattr(self.reader, "close", None)
         if close is not None:
             close()

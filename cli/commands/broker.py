@@ -153,6 +153,7 @@ def status(broker: BrokerOpt = "127.0.0.1:10911", token: TokenOpt = None, output
         "flush": info["flush"], "data_dir": info["data_dir"], "connections": info["connections"],
         "topics": info["topics"], "max_offset": info["max_offset"], "durable_offset": info["durable_offset"],
         "producer_groups": info["producer_groups"], "auth": info["auth"], "speedups": info.get("speedups", "unknown"),
+        "damaged_records": info.get("damaged_records", 0),
         "rtt_ms": round(rtt_ms, 2),
         "messages_sent": counters.get("messages_sent", 0), "half_stored": counters.get("half_stored", 0),
     }

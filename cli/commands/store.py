@@ -37,6 +37,7 @@ _FAR = 1 << 62
 _BATCH = 4096  # queue entries read per get_messages call
 _BATCH_BYTES = 32 << 20
 JSON_FILES = ("config.json", "txcheck.json", "offsets.json")
+_QUIET = ("txmq.store", "txmq.check", "txmq.txdb")  # loggers of what these commands call: they report what those would log
 
 
 def _problem(kind: str, offset: int | None, detail: str, repair: str, length: int | None = None) -> dict[str, Any]:
@@ -46,13 +47,15 @@ def _problem(kind: str, offset: int | None, detail: str, repair: str, length: in
 @contextlib.contextmanager
 def _quiet_store_log() -> Iterator[None]:
     """The store logs each damaged place; these commands report them themselves."""
-    lg = logging.getLogger("txmq.store")
-    was = lg.disabled
-    lg.disabled = True
+    loggers = [logging.getLogger(name) for name in _QUIET]
+    was = [lg.disabled for lg in loggers]
+    for lg in loggers:
+        lg.disabled = True
     try:
         yield
     finally:
-        lg.disabled = was
+        for lg, w in zip(loggers, was):
+            lg.disabled = w
 
 
 def _check_dir(path: Path) -> None:
@@ -217,18 +220,17 @@ def _verify(path: Path) -> dict[str, Any]:
         present = set(keys)
         short: dict[tuple[str, int], list[str]] = {}
         for key, n in manifest.items():
-            if key not in present:
-                short.setdefault(key, []).append(f"missing ({n} entries at the last close)")
-            elif reader.queue_max_offset(*key) < n:
-                short.setdefault(key, []).append(f"ends at {reader.queue_max_offset(*key)}, it had {n} entries at the last close")
+            if key not in present or reader.queue_max_offset(*key) < n:
+                short.setdefault(key, []).append(f"it had {n} entries at the last close")
         for key, n in log_ends.items():
-            if key not in present:
-                short.setdefault(key, []).append(f"missing (the log holds records up to queue offset {n - 1})")
-            elif reader.queue_max_offset(*key) < n:
-                short.setdefault(key, []).append(f"ends at {reader.queue_max_offset(*key)}, the log holds records up to queue offset {n - 1}")
+            if key not in present or reader.queue_max_offset(*key) < n:
+                short.setdefault(key, []).append(f"the log holds its records up to queue offset {n - 1}")
         for (topic, qid), whys in sorted(short.items()):
-            kind = "queue_missing" if whys[0].startswith("missing") else "queue_short"
-            problems.append(_problem(kind, None, f"queue {topic}/{qid} " + "; ".join(dict.fromkeys(whys)), "queue rebuilt from the log"))
+            if (topic, qid) in present:
+                kind, what = "queue_short", f"ends at {reader.queue_max_offset(topic, qid)}"
+            else:
+                kind, what = "queue_missing", "is missing"
+            problems.append(_problem(kind, None, f"queue {topic}/{qid} {what}: " + "; ".join(whys), "queue rebuilt from the log"))
 
         # consume-queue files: contiguous, whole entries
         for topic, qid in keys:
