@@ -22,7 +22,7 @@ Runnable against a broker on the default address (``txmq broker``)::
 
         async with TransactionProducer("demo-group", Listener()) as tp:
             r = await tp.send_in_transaction(Message("demo", b"paid"), arg="ok")
-            print("transaction", r.tx_id, r.local_state.name, r.outcome)
+            print("transaction", r.tx_id, r.local_state.name, await r.end)  # the end's reply (pipelined)
 
         async with Consumer("demo-readers", "demo", stop_when_caught_up=True) as c:
             async for msg in c:

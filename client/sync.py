@@ -157,7 +157,14 @@ class SyncTransactionProducer(_SyncBase):
     def group(self) -> str:
         return self._async.group
 
-    def send_in_transaction(self, message: Message, arg: Any = None, *, timeout: float | None = None) -> TransactionSendResult:
+    def send_in_transaction(
+        self, message: Message, arg: Any = None, *, timeout: float | None = None, wait_end: bool | None = None
+    ) -> TransactionSendResult:
+        """As `TransactionProducer.send_in_transaction`: the end is pipelined unless ``wait_end``.
+
+        The result's ``end`` future belongs to the producer's loop thread:
+        wait for it with `wait_end(result)`, or for every end with `flush()`.
+        """
         tp = self._async
         fields = message.send_fields(tp._tx_props)
         try:
@@ -170,7 +177,23 @@ class SyncTransactionProducer(_SyncBase):
             state = self._call(tp._run_execute(view, arg))
         else:
             state = self._execute_here(fn, view, arg)
-        return self._call(tp._finish(half, state, timeout))
+        if wait_end if wait_end is not None else tp.wait_end:
+            return self._call(tp._finish(half, state, timeout))
+        return self._call(_value(lambda: tp._finish_pipelined(half, state, timeout)))
+
+    def wait_end(self, result: TransactionSendResult, timeout: float | None = None) -> str | None:
+        """The end's outcome (None if it could not be delivered); raises its refusal (CONFLICT, TX_NOT_FOUND)."""
+        if result.end is None:
+            return result.outcome
+        return self._call(_awaited(result.end), timeout)
+
+    def flush(self, timeout: float | None = None) -> int:
+        """Wait for every pipelined end; returns how many are still outstanding (0: all answered)."""
+        return self._call(self._async.flush(timeout))
+
+    @property
+    def end_failures(self) -> dict[str, int]:
+        return dict(self._async.end_failures)
 
     def _execute_here(self, fn: Callable[..., Any], view: ReceivedMessage, arg: Any) -> LocalTransactionState:
         try:

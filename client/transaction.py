@@ -12,6 +12,18 @@ Shape of RocketMQ's ``TransactionMQProducer``::
 
     async with TransactionProducer("order-group", Orders()) as p:
         result = await p.send_in_transaction(Message("orders", b"..."), arg=order)
+        # the half is durable and the local transaction ran; the end is on its way:
+        outcome = await result.end          # "committed", or None if it could not be delivered
+        await p.flush()                     # every outstanding end answered (close() does this too)
+
+The end transaction is pipelined (docs/client.md, "Pipelined end"):
+`send_in_transaction` returns once the half message is acknowledged (durable
+under sync flush), the local transaction has run and the end request is
+queued on the connection; the end's reply arrives later, on `result.end`.
+Should the broker die before the end is durable, the half stays pending and
+the check-back asks `check_local_transaction`, so nothing is lost. Pass
+``wait_end=True`` (per call or to the producer) to return only after the
+broker has answered the end, as before.
 
 Listener methods may be plain or ``async``. A plain `execute_local_transaction`
 runs inline on the event loop (as RocketMQ runs it on the sending thread)
@@ -23,12 +35,14 @@ raises or returns None answers `UNKNOW`.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import enum
 import inspect
 import logging
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from txmq.constants import PROP_PGROUP, PROP_TRAN_MSG, PROP_UNIQ_KEY
@@ -88,8 +102,20 @@ class TransactionListener(ABC):
         """Tell the broker how a pending transaction ended; return a `LocalTransactionState`."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class TransactionSendResult:
+    """What `send_in_transaction` returns.
+
+    Every field but ``outcome`` and ``end_error`` is final when it returns.
+    With a pipelined end those two are filled when the end's reply arrives:
+    until then ``end`` is not done and ``outcome`` is None. ``await
+    result.end`` gives the outcome (``committed`` / ``rolled_back`` /
+    ``pending`` for an unknown state), None when the end could not be
+    delivered (the broker checks back instead), or raises the broker's
+    refusal (``CONFLICT``: an operator decided it the other way first;
+    ``TX_NOT_FOUND``), which is also kept in ``end_error``.
+    """
+
     send_status: SendStatus
     tx_id: str | None
     msg_id: str | None
@@ -99,6 +125,13 @@ class TransactionSendResult:
     topic: str
     queue_id: int
     outcome: str | None = None  # the broker's answer to end_transaction: committed | rolled_back | pending
+    end: "asyncio.Future[str | None] | None" = field(default=None, repr=False, compare=False)
+    end_error: TxmqError | None = field(default=None, compare=False)
+
+    @property
+    def end_done(self) -> bool:
+        """True once the broker answered the end (or it failed, or there was none to send)."""
+        return self.end is None or self.end.done()
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,11 +157,18 @@ class TransactionProducer:
         executor: concurrent.futures.Executor | None = None,
         *,
         execute_in_executor: bool = False,
+        wait_end: bool = False,
         **client_options: Any,
     ) -> None:
         if not group:
             raise ValueError("a transactional producer needs a group")
         self.group = group
+        self.wait_end = wait_end  # default of send_in_transaction(wait_end=...)
+        self._ends: set[asyncio.Future[str | None]] = set()  # pipelined ends not answered yet
+        self.ends_sent = 0
+        self.ends_confirmed = 0
+        # pipelined ends that failed, by reason: conflict, not_found, refused, lost (the broker checks back)
+        self.end_failures: collections.Counter[str] = collections.Counter()
         self.listener = listener
         self.executor = executor
         self.execute_in_executor = execute_in_executor
@@ -148,7 +188,25 @@ class TransactionProducer:
         await self._client.start()
         return self
 
+    @property
+    def ends_outstanding(self) -> int:
+        """Pipelined end requests sent and not answered yet."""
+        return len(self._ends)
+
+    async def flush(self, timeout: float | None = None) -> int:
+        """Wait until every pipelined end so far is answered (or failed); returns how many are still outstanding.
+
+        ``timeout`` None waits as long as the ends' own request timeout.
+        """
+        if not self._ends:
+            return 0
+        await asyncio.wait(set(self._ends), timeout=timeout)
+        return len(self._ends)
+
     async def close(self) -> None:
+        """Wait for the outstanding ends (up to the request timeout), stop answering check-backs, disconnect."""
+        if self._ends and not self._client._closed:
+            await self.flush(self._client.request_timeout)
         for task in list(self._check_tasks):
             task.cancel()
         if self._check_tasks:
@@ -163,12 +221,18 @@ class TransactionProducer:
 
     # ---- sending ------------------------------------------------------
 
-    async def send_in_transaction(self, message: Message, arg: Any = None, *, timeout: float | None = None) -> TransactionSendResult:
+    async def send_in_transaction(
+        self, message: Message, arg: Any = None, *, timeout: float | None = None, wait_end: bool | None = None
+    ) -> TransactionSendResult:
         """Send a half message, run the local transaction if it was stored, then end the transaction.
 
+        Returns once the end request is queued on the connection (pipelined;
+        its reply arrives on ``result.end``), or with ``wait_end=True`` once
+        the broker answered it (default: the producer's ``wait_end``).
         Raises the send's `TxmqError` when the half was refused; a
         `STORE_ERROR` (not durable) instead returns a result with
         `FLUSH_DISK_TIMEOUT` and `ROLLBACK_MESSAGE`, without calling the listener.
+        With ``wait_end=True`` a refused end (CONFLICT, TX_NOT_FOUND) raises.
         """
         fields = message.send_fields(self._tx_props)
         try:
@@ -176,7 +240,9 @@ class TransactionProducer:
         except TxmqError as exc:
             return await self._not_durable(message, exc)
         state = await self._run_execute(self._view(fields, half), arg)
-        return await self._finish(half, state, timeout)
+        if wait_end if wait_end is not None else self.wait_end:
+            return await self._finish(half, state, timeout)
+        return self._finish_pipelined(half, state, timeout)
 
     async def send_half(self, message: Message, *, timeout: float | None = None) -> HalfResult:
         """Step 1 alone: store the half message (properties TRAN_MSG, PGROUP; the broker adds UNIQ_KEY)."""
@@ -191,24 +257,23 @@ class TransactionProducer:
     ) -> str | None:
         """Step 3 alone. Returns the broker's outcome, or None if it could not be told (the check-back will ask)."""
         try:
-            r = await self._client.request(
-                "end_transaction",
-                {
-                    "group": self.group,
-                    "tx_id": half.tx_id,
-                    "commit_log_offset": half.commit_log_offset,
-                    "half_offset": half.half_offset,
-                    "state": state.value,
-                    "from_check": from_check,
-                },
-                timeout,
-            )
+            r = await self._client.request("end_transaction", self._end_fields(half, state, from_check), timeout)
         except (TxmqError, TimeoutError) as exc:
             if isinstance(exc, TxmqError) and not exc.retriable:
                 raise
             log.warning("end_transaction(%s, %s) not delivered (%s); the broker will check back", half.tx_id, state.value, exc)
             return None
         return r.get("outcome")
+
+    def _end_fields(self, half: HalfResult, state: LocalTransactionState, from_check: bool) -> dict[str, Any]:
+        return {
+            "group": self.group,
+            "tx_id": half.tx_id,
+            "commit_log_offset": half.commit_log_offset,
+            "half_offset": half.half_offset,
+            "state": state.value,
+            "from_check": from_check,
+        }
 
     def half_view(self, message: Message, half: HalfResult) -> ReceivedMessage:
         """The message as the listener sees it: the sent message plus its transaction id and offsets."""
@@ -249,10 +314,83 @@ class TransactionProducer:
 
     async def _finish(self, half: HalfResult, state: LocalTransactionState, timeout: float | None) -> TransactionSendResult:
         outcome = await self.end_transaction(half, state, timeout=timeout)
+        end = asyncio.get_running_loop().create_future()
+        end.set_result(outcome)
         return TransactionSendResult(
             SendStatus.SEND_OK, half.tx_id, half.msg_id, half.commit_log_offset, half.half_offset,
-            state, half.topic, half.queue_id, outcome,
+            state, half.topic, half.queue_id, outcome, end,
         )
+
+    def _finish_pipelined(self, half: HalfResult, state: LocalTransactionState, timeout: float | None) -> TransactionSendResult:
+        """Queue the end request and return; the reply completes ``result.end`` (and the counters) later.
+
+        The request goes out in this loop iteration's write, together with
+        whatever the caller sends next (the next half shares the broker's
+        group-commit fsync with this end). On a lost connection the end is
+        sent again once the client reconnects (end_transaction is safe to
+        repeat); if that fails too, the broker checks back.
+        """
+        loop = asyncio.get_running_loop()
+        fields = self._end_fields(half, state, False)
+        end: asyncio.Future[str | None] = loop.create_future()
+        result = TransactionSendResult(
+            SendStatus.SEND_OK, half.tx_id, half.msg_id, half.commit_log_offset, half.half_offset,
+            state, half.topic, half.queue_id, None, end,
+        )
+        self._ends.add(end)
+        end.add_done_callback(self._ends.discard)
+        self.ends_sent += 1
+        try:
+            reply: asyncio.Future[dict[str, Any]] = self._client.send_request("end_transaction", fields, timeout)
+        except TxmqError as exc:  # no live connection right now
+            self._end_failed(result, fields, timeout, exc, retried=False)
+        else:
+            reply.add_done_callback(partial(self._end_replied, result, fields, timeout, False))
+        return result
+
+    def _end_replied(self, result: TransactionSendResult, fields: dict[str, Any], timeout: float | None,
+                     retried: bool, reply: "asyncio.Future[dict[str, Any]]") -> None:
+        if reply.cancelled():
+            self._end_failed(result, fields, timeout, TimeoutError("end_transaction cancelled"), retried=True)
+            return
+        exc = reply.exception()
+        if exc is not None:
+            self._end_failed(result, fields, timeout, exc, retried)
+            return
+        outcome = reply.result().get("outcome")
+        result.outcome = outcome
+        self.ends_confirmed += 1
+        end = result.end
+        if end is not None and not end.done():
+            end.set_result(outcome)
+
+    def _end_failed(self, result: TransactionSendResult, fields: dict[str, Any], timeout: float | None,
+                    exc: BaseException, retried: bool) -> None:
+        end = result.end
+        assert end is not None
+        lost = isinstance(exc, TimeoutError) or (isinstance(exc, TxmqError) and exc.retriable)
+        if lost and not retried and not self._client._closed:
+            # The retrying path waits for a reconnect; the result's end stays open meanwhile.
+            task = asyncio.get_running_loop().create_task(self._client.request("end_transaction", fields, timeout))
+            task.add_done_callback(partial(self._end_replied, result, fields, timeout, True))
+            return
+        if lost:
+            self.end_failures["lost"] += 1
+            log.warning("end_transaction(%s, %s) not delivered (%s); the broker will check back", fields["tx_id"], fields["state"], exc)
+            if not end.done():
+                end.set_result(None)
+            return
+        if isinstance(exc, TxmqError):
+            reason = {ErrorCode.TX_CONFLICT: "conflict", ErrorCode.TX_NOT_FOUND: "not_found"}.get(exc.code, "refused")
+            result.end_error = exc
+        else:
+            reason = "refused"
+            result.end_error = TxmqError(f"end_transaction failed: {exc!r}", ErrorCode.INTERNAL)
+        self.end_failures[reason] += 1
+        log.warning("end_transaction(%s, %s) refused: %s", fields["tx_id"], fields["state"], exc)
+        if not end.done():
+            end.set_exception(result.end_error)
+            end.exception()  # retrieved: an end nobody awaits is counted and logged, not reported again at exit
 
     async def _not_durable(self, message: Message, exc: TxmqError) -> TransactionSendResult:
         """A refused half: re-raise, except STORE_ERROR, which is a rollback without the local transaction."""

@@ -472,6 +472,7 @@ def test_async_listener_methods_are_awaited():
             r = await tp.send_in_transaction(Message("t", b"x"))
             assert r.local_state is R
             r2 = await tp.send_in_transaction(Message("t", b"y"))  # rolled back too; check it anyway
+            await r2.end
             b.outcomes.pop(r2.tx_id)
             b.push_check(r2.tx_id)
             await wait_until(lambda: tp.checks_answered == 1)
@@ -506,7 +507,7 @@ def test_check_back_is_answered_from_a_thread_with_push_offsets():
         listener = Listener(U, check=C)
         async with TransactionProducer("g", listener, b.address) as tp:
             r = await tp.send_in_transaction(Message("orders", b"x", tags="tg"))
-            assert r.outcome == "pending"
+            assert await r.end == "pending" and r.outcome == "pending"
             b.push_check(r.tx_id)
             await wait_until(lambda: tp.checks_answered == 1)
         (view,) = listener.checked
@@ -824,10 +825,11 @@ def test_sync_facade_round_trip():
                 return C
 
         with SyncTransactionProducer("g", L(), addr) as tp:
-            r = tp.send_in_transaction(Message("s", b"tx"), arg=C)
-            assert r.outcome == "committed" and r.topic == "s"
-            r = tp.send_in_transaction(Message("s", b"tx2"), arg=R)
+            r = tp.send_in_transaction(Message("s", b"tx"), arg=C)  # pipelined end
+            assert tp.wait_end(r) == "committed" and r.outcome == "committed" and r.topic == "s"
+            r = tp.send_in_transaction(Message("s", b"tx2"), arg=R, wait_end=True)
             assert r.outcome == "rolled_back"
+            assert tp.flush() == 0 and tp.end_failures == {}
         assert threads == [caller, caller]
 
         with SyncConsumer("sg", "s", addr, stop_when_caught_up=True, poll_timeout=0.2) as c:

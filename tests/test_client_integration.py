@@ -171,6 +171,10 @@ def test_transactions_commit_once_rollback_never_and_unknown_is_checked(data_dir
                 committed = await tp.send_in_transaction(Message("pays", b"commit"))
                 rolled = await tp.send_in_transaction(Message("pays", b"rollback"))
                 unknown = await tp.send_in_transaction(Message("pays", b"later", tags="u"))
+                assert committed.outcome is None or committed.end_done  # pipelined: the end's reply comes later
+                assert await tp.flush() == 0 and tp.ends_outstanding == 0
+                assert [await r.end for r in (committed, rolled, unknown)] == ["committed", "rolled_back", "pending"]
+                assert (tp.ends_sent, tp.ends_confirmed, sum(tp.end_failures.values())) == (3, 3, 0)
                 assert (committed.local_state, committed.outcome) == (C, "committed")
                 assert (rolled.local_state, rolled.outcome) == (R, "rolled_back")
                 assert (unknown.local_state, unknown.outcome) == (U, "pending")
@@ -208,7 +212,7 @@ def test_producer_reregisters_after_a_broker_restart_and_gets_its_check_back(dat
             async with running_broker(data_dir) as b:
                 proxy.target = (b.host, b.port)
                 tp = await TransactionProducer("shop", listener, proxy.address, backoff_initial=0.02).start()
-                pending = await tp.send_in_transaction(Message("carts", b"maybe"))
+                pending = await tp.send_in_transaction(Message("carts", b"maybe"), wait_end=True)
                 assert pending.outcome == "pending"
             proxy.target = None  # broker down: connections through the proxy are refused
             await wait_until(lambda: not tp.client.connected, what="disconnect")
