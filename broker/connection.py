@@ -130,6 +130,7 @@ class BrokerConnection(asyncio.Protocol):
             state.by_ip.pop(self.ip, None)
         self.core.connections -= 1
         self.core.registry.unregister_all(self)
+        self.core.consumer_registry.unregister_all(self)
 
     def pause_writing(self) -> None:
         self._write_paused = True

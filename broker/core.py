@@ -220,6 +220,7 @@ class BrokerCore:
         )
         self.metrics = Metrics()
         self.registry = ProducerRegistry()
+        self.consumer_registry = ProducerRegistry()  # live consumer connections by group (hello consumer_groups)
         self.broker_id = f"txmq-{os.getpid()}"
         self.started_at = time.time()
         self.recovery = None

@@ -122,6 +122,8 @@ def hello(core, conn, f: dict) -> Reply:
             raise _bad(f"field {key!r} must be a list of group names")
     for g in f.get("producer_groups") or []:
         core.registry.register(g, conn)
+    for g in f.get("consumer_groups") or []:
+        core.consumer_registry.register(g, conn)
     conn.client_id = opt_str(f, "client_id") or conn.client_id
     return {"version": __version__, "protocol": PROTOCOL_VERSION, "broker_id": core.broker_id, "flush": core.config.flush}
 
@@ -343,3 +345,7 @@ HANDLERS: dict[str, Handler] = {
     "config_set": config_set,
     "stats": _needs_index(stats),
 }
+
+from .grouphandlers import HANDLERS as _GROUP_HANDLERS  # noqa: E402  (consumer groups, read by time, message lookups)
+
+HANDLERS.update(_GROUP_HANDLERS)

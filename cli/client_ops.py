@@ -24,6 +24,9 @@ _CODE_EXIT = {
     ErrorCode.SYSTEM_TOPIC: exitcodes.USAGE,
     ErrorCode.INVALID_CONFIG: exitcodes.USAGE,
     ErrorCode.BODY_TOO_LARGE: exitcodes.USAGE,
+    ErrorCode.GROUP_ACTIVE: exitcodes.CONFLICT,
+    ErrorCode.NO_SUCH_GROUP: exitcodes.NOT_FOUND,
+    ErrorCode.NO_SUCH_MESSAGE: exitcodes.NOT_FOUND,
 }
 
 
@@ -49,6 +52,10 @@ def cli_error(exc: BaseException, address: str, token_given: bool | None = None)
     if isinstance(exc, TimeoutError):
         return CliError(f"broker at {address} did not answer: {exc}", exitcodes.UNREACHABLE)
     assert isinstance(exc, TxmqError)
+    if exc.code is ErrorCode.UNKNOWN_OPERATION:
+        # an older broker: the request this command needs came in a later version
+        return CliError(f"broker at {address} does not support this command ({exc.message}): it runs an older txmq; "
+                        "upgrade the broker", exitcodes.ERROR)
     if exc.code in (ErrorCode.AUTH_REQUIRED, ErrorCode.AUTH_FAILED):
         return CliError(f"broker at {address} refused the connection: {exc.message} (set --token or TXMQ_AUTH_TOKEN)", exitcodes.REFUSED)
     return CliError(exc.message, _CODE_EXIT.get(exc.code, exitcodes.ERROR))

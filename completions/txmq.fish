@@ -11,9 +11,15 @@
 #   txmq consume
 #   txmq discard list
 #   txmq discard replay
+#   txmq groups describe
+#   txmq groups list
+#   txmq groups reset
 #   txmq inspect half
 #   txmq inspect offsets
 #   txmq inspect op
+#   txmq message find
+#   txmq message get
+#   txmq read
 #   txmq resolve
 #   txmq send
 #   txmq spark-export

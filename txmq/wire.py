@@ -58,6 +58,9 @@ class ErrorCode(IntEnum):
     TX_ID_MISMATCH = 25
     NO_PRODUCER = 26
     INVALID_CONFIG = 30
+    GROUP_ACTIVE = 40
+    NO_SUCH_GROUP = 41
+    NO_SUCH_MESSAGE = 42
     INTERNAL = 99
 
 

@@ -13,11 +13,15 @@ import typer
 
 def register_all(app: typer.Typer) -> None:
     from . import bench, broker, checker, completion, config, consume, discard, inspect, resolve, send, spark, stats, store, topics
+    from . import groups, message, read
 
     with _panel(app, "Messages"):
         send.register(app)
         consume.register(app)
         topics.register(app)
+        read.register(app)  # txmq read (no group, no commit)
+        app.add_typer(message.app, name="message")
+        app.add_typer(groups.app, name="groups")
     with _panel(app, "Transactions"):
         app.add_typer(inspect.app, name="inspect")
         resolve.register(app)

@@ -1,0 +1,72 @@
+"""Wire handlers for consumer groups, reading by time and message lookups (broker/groups.py does the work)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from txmq.constants import canonical_topic
+
+from . import groups
+from .handlers import Reply, _bad, opt_bool, opt_int, opt_str, req_int, req_str
+
+
+def _queue_ids(f: dict) -> list[int] | None:
+    v = f.get("queue_ids")
+    if v is None:
+        return None
+    if not isinstance(v, list) or len(v) > 1024 or not all(type(q) is int and 0 <= q <= 1023 for q in v):
+        raise _bad("field 'queue_ids' must be a list of queue ids (0 to 1023)")
+    return v
+
+
+def _topic(f: dict, key: str = "topic") -> str:
+    return canonical_topic(req_str(f, key))
+
+
+def list_groups(core, conn, f: dict) -> Reply:
+    return groups.list_groups(core)
+
+
+def describe_group(core, conn, f: dict) -> Reply:
+    topic = opt_str(f, "topic")
+    return groups.describe_group(core, req_str(f, "group"), canonical_topic(topic) if topic else None)
+
+
+def reset_offsets(core, conn, f: dict) -> Reply:
+    group, topic, to = req_str(f, "group"), _topic(f), req_str(f, "to")
+    if to not in ("earliest", "latest", "offset", "time"):
+        raise _bad("field 'to' must be earliest, latest, offset or time")
+    offset = req_int(f, "offset") if to == "offset" else None
+    time_ms = req_int(f, "time_ms") if to == "time" else None
+    return groups.reset_offsets(core, group, topic, to, offset, time_ms, _queue_ids(f), opt_bool(f, "dry_run"),
+                                opt_bool(f, "force"))
+
+
+def offsets_for_time(core, conn, f: dict) -> Reply:
+    return groups.offsets_for_time(core, _topic(f), req_int(f, "time_ms"), _queue_ids(f))
+
+
+def get_message(core, conn, f: dict) -> Reply:
+    msg_id, off = opt_str(f, "msg_id"), opt_int(f, "commit_log_offset", None)
+    if msg_id is None and off is None:
+        raise _bad("one of the fields 'msg_id' and 'commit_log_offset' is required")
+    return groups.get_message(core, msg_id, off)
+
+
+def find_messages(core, conn, f: dict) -> Reply:
+    topic = opt_str(f, "topic")
+    return groups.find_messages(
+        core, req_str(f, "key"), canonical_topic(topic) if topic else None, req_int(f, "since_ms"),
+        opt_int(f, "until_ms", None), opt_int(f, "limit", 100, 1, 10_000),
+        opt_int(f, "max_scan", groups.DEFAULT_SCAN, 1, groups.MAX_SCAN),
+    )
+
+
+HANDLERS: dict[str, Any] = {
+    "list_groups": list_groups,
+    "describe_group": describe_group,
+    "reset_offsets": reset_offsets,
+    "offsets_for_time": offsets_for_time,
+    "get_message": get_message,
+    "find_messages": find_messages,
+}

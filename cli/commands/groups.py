@@ -1,0 +1,132 @@
+"""txmq groups list|describe|reset: consumer groups, their committed offsets and lag, and moving them."""
+
+import sys
+from typing import Annotated, Optional
+
+import typer
+
+from .. import exitcodes
+from ..common import DEFAULT_BROKER, BrokerOpt, CliError, OutputOpt, TokenOpt
+from ..console import Output, emit_json, emit_line, err, note, render, resolve_output
+
+app = typer.Typer(help="Consumer groups: committed offsets, lag, and resetting them.", no_args_is_help=True)
+
+QUEUE_COLUMNS = [("topic", "TOPIC"), ("queue_id", "QUEUE"), ("committed", "COMMITTED"), ("max_offset", "MAX"), ("lag", "LAG")]
+
+
+@app.command("list", epilog="""Examples:
+
+  txmq groups list
+
+  txmq groups list -o jsonl | jq -r 'select(.lag > 0) | .group'
+
+Keys: group, topics, consumers (live consumer connections), lag (messages behind, over committed queues).""")
+def list_(broker: BrokerOpt = DEFAULT_BROKER, token: TokenOpt = None, output: OutputOpt = None) -> None:
+    """List consumer groups: those with committed offsets, and those with live consumers."""
+    from ..client_ops import call
+
+    rows = call(broker, token, "list_groups", {})["groups"]
+    render(rows, resolve_output(output),
+           columns=[("group", "GROUP"), ("topics", "TOPICS"), ("consumers", "CONSUMERS"), ("lag", "LAG")],
+           formatters={"topics": lambda v: ",".join(v) or "-"}, empty="no consumer groups yet")
+
+
+@app.command("describe", epilog="""Examples:
+
+  txmq groups describe audit
+
+  txmq groups describe audit --topic orders -o json
+
+Keys (one row per topic and queue): topic, queue_id, committed (null when the group never committed that queue),
+min_offset, max_offset, lag (null when not committed). -o json: {group, consumers, topics, queues, total_lag}.""")
+def describe(
+    group: Annotated[str, typer.Argument(metavar="GROUP", help="Consumer group.", show_default=False)],
+    topic: Annotated[Optional[str], typer.Option("--topic", "-t", help="Only this topic (also one the group never committed).", show_default=False)] = None,
+    broker: BrokerOpt = DEFAULT_BROKER,
+    token: TokenOpt = None,
+    output: OutputOpt = None,
+) -> None:
+    """Committed offset, max offset and lag per topic and queue, with totals."""
+    from ..client_ops import call
+
+    fields = {"group": group}
+    if topic:
+        fields["topic"] = topic
+    d = call(broker, token, "describe_group", fields)
+    out_fmt = resolve_output(output)
+    if out_fmt is Output.json:
+        emit_json(d)
+        return
+    render(d["queues"], out_fmt, columns=QUEUE_COLUMNS, title=f"group {group}", empty=f"group {group} has no committed offsets")
+    if out_fmt is Output.table:
+        note(f"total lag {d['total_lag']}, {d['consumers']} live consumer connection(s)")
+
+
+@app.command("reset", epilog="""Examples:
+
+  txmq groups reset audit --topic orders --to earliest --dry-run
+
+  txmq groups reset audit --topic orders --to 10m --yes            # first message stored 10 minutes ago or later
+
+  txmq groups reset audit --topic orders --to 2026-01-31T12:00:00Z --queue 0 --yes
+
+--to: earliest, latest, an offset (kept within each queue's min and max), a duration ago (10m, 2h) or an ISO-8601
+time (UTC without a zone): per queue, the first message stored at or after it (the queue's end when none).
+A group with live consumers is refused (exit 6): they commit their own positions every second and would overwrite
+the reset; stop them, or --force it. Keys: topic, queue_id, old, new, min_offset, max_offset, lag.""")
+def reset(
+    group: Annotated[str, typer.Argument(metavar="GROUP", help="Consumer group.", show_default=False)],
+    topic: Annotated[str, typer.Option("--topic", "-t", help="Topic whose offsets to reset.", show_default=False)],
+    to: Annotated[str, typer.Option("--to", help="earliest | latest | OFFSET | TIME (10m ago, or ISO-8601).", show_default=False)],
+    queue: Annotated[Optional[list[int]], typer.Option("--queue", "-q", help="Only this queue id (0 to 1023); repeatable.", show_default=False, min=0, max=1023)] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", "-n", help="Show the plan; change nothing.")] = False,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask (required without a terminal).")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Reset even while the group has live consumers (they may overwrite it).")] = False,
+    broker: BrokerOpt = DEFAULT_BROKER,
+    token: TokenOpt = None,
+    output: OutputOpt = None,
+) -> None:
+    """Move a group's committed offsets on a topic (shows the plan first)."""
+    from ..client_ops import call
+    from ._positions import parse_position
+
+    pos = parse_position(to)
+    out_fmt = resolve_output(output)
+    fields = {"group": group, "topic": topic, "to": pos.kind, "force": force}
+    if pos.offset is not None:
+        fields["offset"] = pos.offset
+    if pos.time_ms is not None:
+        fields["time_ms"] = pos.time_ms
+    if queue:
+        fields["queue_ids"] = sorted(set(queue))
+    if not dry_run and not yes and not (sys.stdin.isatty() and err.is_terminal):
+        raise CliError("refusing to reset offsets without a terminal to confirm on: pass --yes (or --dry-run to preview)",
+                       exitcodes.USAGE)
+    plan = call(broker, token, "reset_offsets", {**fields, "dry_run": True})
+    if dry_run or not yes:
+        _show(plan, out_fmt if dry_run else Output.table)
+        if dry_run:
+            return
+        if plan["consumers"] and not force:
+            raise CliError(f"group {group!r} has {plan['consumers']} live consumer connection(s): stop them first, or --force",
+                           exitcodes.CONFLICT)
+        if not typer.confirm(f"Reset group {group} on {topic} ({len(plan['queues'])} queue(s))?", default=False, err=True):
+            raise CliError("not confirmed: nothing changed", exitcodes.ERROR)
+    done = call(broker, token, "reset_offsets", {**fields, "dry_run": False})
+    if out_fmt is Output.table and not dry_run and not yes:
+        note(f"reset {len(done['queues'])} queue(s)")
+        return
+    _show(done, out_fmt)
+    if done["consumers"]:
+        err.print(f"[warn]warning:[/warn] {done['consumers']} live consumer connection(s) may overwrite the reset")
+
+
+def _show(d: dict, out_fmt: Output) -> None:
+    if out_fmt is Output.json:
+        emit_json(d)
+    elif out_fmt is Output.jsonl:
+        for r in d["queues"]:
+            emit_line(r)
+    else:
+        render(d["queues"], out_fmt, title=("plan: " if d["dry_run"] else "reset: ") + f"group {d['group']} on {d['topic']}",
+               columns=[("topic", "TOPIC"), ("queue_id", "QUEUE"), ("old", "OLD"), ("new", "NEW"), ("max_offset", "MAX"), ("lag", "LAG")])
