@@ -1,0 +1,73 @@
+"""Wire requests for consumer groups, reading by time and message lookups: error replies and bounded cost."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import arun
+from txmq.broker.testing import running_broker
+from txmq.wire import ErrorCode
+from wireclient import RawClient
+
+
+BAD = [
+    ("describe_group", {}, ErrorCode.INVALID_FIELD),
+    ("describe_group", {"group": "never-seen"}, ErrorCode.NO_SUCH_GROUP),
+    ("reset_offsets", {"group": "g", "topic": "t", "to": "yesterday"}, ErrorCode.INVALID_FIELD),
+    ("reset_offsets", {"group": "g", "topic": "t", "to": "offset"}, ErrorCode.INVALID_FIELD),
+    ("reset_offsets", {"group": "g", "topic": "t", "to": "time", "time_ms": -1}, ErrorCode.INVALID_FIELD),
+    ("reset_offsets", {"group": "g", "topic": "t", "to": "earliest", "queue_ids": [2000]}, ErrorCode.INVALID_FIELD),
+    ("reset_offsets", {"group": "g", "topic": "t", "to": "earliest", "queue_ids": [9]}, ErrorCode.NO_SUCH_QUEUE),
+    ("reset_offsets", {"group": "g", "topic": "no-such-topic", "to": "earliest"}, ErrorCode.NO_SUCH_QUEUE),
+    ("offsets_for_time", {"topic": "t"}, ErrorCode.INVALID_FIELD),
+    ("get_message", {}, ErrorCode.INVALID_FIELD),
+    ("get_message", {"msg_id": "not-an-offset"}, ErrorCode.INVALID_FIELD),
+    ("get_message", {"commit_log_offset": 1 << 40}, ErrorCode.NO_SUCH_MESSAGE),
+    ("get_message", {"commit_log_offset": 3}, ErrorCode.NO_SUCH_MESSAGE),  # not a record boundary
+    ("find_messages", {"key": "k"}, ErrorCode.INVALID_FIELD),
+    ("find_messages", {"key": "k", "since_ms": 0, "max_scan": 2_000_000}, ErrorCode.INVALID_FIELD),
+    ("find_messages", {"key": "k", "since_ms": 0, "limit": 0}, ErrorCode.INVALID_FIELD),
+]
+
+
+@pytest.mark.parametrize("op,fields,code", BAD)
+def test_bad_group_and_lookup_requests_get_error_replies(tmp_path, op, fields, code):
+    async def go():
+        async with running_broker(tmp_path / "d") as b:
+            c = await RawClient.open(b.address)
+            await c.ok("send", {"topic": "t", "body": b"x", "queue_id": 0})
+            got, f = await c.req(op, fields)
+            assert got == code, f
+            assert (await c.ok("heartbeat"))["time_ms"] > 0
+            await c.close()
+
+    arun(go())
+
+
+def test_offset_for_time_binary_search_reads_few_records(tmp_path):
+    from txmq.broker import groups
+
+    async def go():
+        async with running_broker(tmp_path / "d") as b:
+            core = b.core
+            c = await RawClient.open(b.address)
+            for i in range(2000):
+                await c.ok("send", {"topic": "big", "body": b"m%d" % i, "queue_id": 0})
+            ts = [core.store.read(e[0]).store_ts for e in core.store.cq_entries("big", 0, 0, 2000)]
+            reads = 0
+            real = core.store.read
+
+            def counting(off):
+                nonlocal reads
+                reads += 1
+                return real(off)
+
+            core.store.read = counting
+            target = ts[1234]
+            got = groups.offset_for_time(core, "big", 0, target)
+            assert got == ts.index(target) and reads <= 2 * 12
+            assert groups.offset_for_time(core, "big", 0, ts[-1] + 1) == 2000  # after every message: the end
+            assert groups.offset_for_time(core, "big", 0, 0) == 0
+            await c.close()
+
+    arun(go())
