@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import re
 import sys
+from typing import Any
 
 import typer
 
@@ -55,6 +57,19 @@ def _register() -> None:
     _require_utf8(app)
 
 
+_BRACKET = re.compile(r"(?<!\\)\[(?=[A-Za-z#/@])")
+
+
+def _escape_help_brackets(command: Any) -> None:
+    """Option help such as "Data directory [default: ~/.local/share/txmq]." is shown as written (rich
+    markup would take "[default: ...]" for a style and print "Data directory .")."""
+    for param in getattr(command, "params", ()):
+        if isinstance(getattr(param, "help", None), str):
+            param.help = _BRACKET.sub(r"\\[", param.help)
+    for sub in getattr(command, "commands", {}).values():
+        _escape_help_brackets(sub)
+
+
 def _require_utf8(group: typer.Typer) -> None:
     """Every command refuses text arguments that are not valid UTF-8 (exit 2) before doing anything."""
     from .common import utf8_arguments
@@ -73,9 +88,55 @@ _register()
 COMPLETE_VAR = "_TXMQ_COMPLETE"
 
 
+# Options every broker command takes, accepted before the command name too
+# (`txmq -b HOST:PORT topics`, `txmq -o json topics`): moved after it.
+_GLOBAL_VALUE = ("-b", "--broker", "--token", "-o", "--output")
+
+
+def normalize_args(args: list[str]) -> tuple[list[str], str | None, bool]:
+    """Global options anywhere: returns (args for click, --context NAME, --debug given).
+
+    `--debug` and `--context NAME` may come before or after the command
+    (they are taken out here); -b/--broker, --token, -o/--output given
+    before the command name are moved after it. Nothing after `--` is touched.
+    """
+    cut = args.index("--") if "--" in args else len(args)
+    head, tail = args[:cut], args[cut:]
+    rest: list[str] = []
+    moved: list[str] = []
+    context: str | None = None
+    debug = False
+    in_command = False
+    i = 0
+    while i < len(head):
+        a = head[i]
+        if a == "--debug":
+            debug = True
+        elif a == "--context" and i + 1 < len(head):
+            context = head[i + 1]
+            i += 1
+        elif a.startswith("--context="):
+            context = a.partition("=")[2]
+        elif not in_command and a in _GLOBAL_VALUE and i + 1 < len(head):
+            moved += [a, head[i + 1]]
+            i += 1
+        elif not in_command and (a.startswith(("--broker=", "--token=", "--output="))
+                                 or (a[:2] in ("-b", "-o") and len(a) > 2)):
+            moved.append(a)
+        else:
+            if not a.startswith("-"):
+                in_command = True
+            rest.append(a)
+        i += 1
+    return (["--debug"] if debug else []) + rest + moved + tail, context, debug
+
+
 def main() -> None:
     """Console-script entry point: run the app, turn failures into one line + exit code."""
     import os
+
+    from typer._click import exceptions as clickx  # Typer carries its own copy of click
+    from typer.exceptions import Abort
 
     if os.environ.get(COMPLETE_VAR):
         # A shell asks for completions (the scripts in completions/ set this);
@@ -83,12 +144,31 @@ def main() -> None:
         from typer._completion_classes import completion_init
 
         completion_init()
-    try:
         app(prog_name="txmq")
+        return
+    args, context_name, debug_flag = normalize_args(sys.argv[1:])
+    _state["debug"] = debug_flag or os.environ.get("TXMQ_DEBUG", "").lower() in ("1", "true", "yes", "on")
+    try:
+        command = typer.main.get_command(app)
+        _escape_help_brackets(command)
+        from . import contexts
+
+        _, ctx = contexts.selected(context_name)
+        extra = {"default_map": contexts.default_map(command, ctx)} if ctx else {}
+        rv = command.main(args=args, prog_name="txmq", standalone_mode=False, **extra)
+        sys.exit(rv if isinstance(rv, int) else exitcodes.OK)
     except CliError as e:
-        if _state["debug"]:
-            raise
+        _debug_traceback()
         _fail(e.message, e.code)
+    except clickx.NoArgsIsHelpError as e:
+        sys.exit(e.exit_code)  # the help was printed
+    except clickx.UsageError as e:
+        _debug_traceback()
+        _fail(_usage_message(e, args), exitcodes.USAGE)
+    except Abort:
+        _fail("aborted", exitcodes.ERROR)
+    except clickx.ClickException as e:
+        _fail(e.format_message(), e.exit_code)
     except SystemExit as e:
         if e.code == 1 and type(sys.stdout).__name__ == "PacifyFlushWrapper":
             # click's answer to EPIPE (stdout closed under us, e.g. `| head`): not an error here
@@ -102,8 +182,7 @@ def main() -> None:
         _quiet_stdout()
         sys.exit(exitcodes.OK)
     except Exception as e:
-        if _state["debug"]:
-            raise
+        _debug_traceback()
         from txmq.wire import TxmqError
 
         if isinstance(e, TxmqError):
@@ -111,7 +190,30 @@ def main() -> None:
 
             ce = cli_error(e, "broker")
             _fail(ce.message, ce.code)
-        _fail(f"{type(e).__name__}: {e} (run with --debug for the traceback)", exitcodes.ERROR)
+        _fail(f"{type(e).__name__}: {e}" + ("" if _state["debug"] else " (run with --debug for the traceback)"), exitcodes.ERROR)
+
+
+def _debug_traceback() -> None:
+    """With --debug (TXMQ_DEBUG=1) the traceback goes to stderr; the exit code stays the documented one."""
+    if _state["debug"]:
+        import traceback
+
+        traceback.print_exc(file=sys.stderr)
+
+
+def _usage_message(e: Any, args: list[str]) -> str:
+    """click's usage error as one line, with where to find help."""
+    from typer._click import exceptions as clickx  # Typer carries its own copy of click
+
+    msg = e.format_message()
+    name = getattr(e, "option_name", None) or ""
+    if isinstance(e, clickx.NoSuchOption) and len(name) > 1 and name[1:2].isdigit():
+        word = next((a for a in args if a.startswith(name)), name)
+        msg = (f"{word!r} is read as an option: values have no sign (a duration or a count is never negative); "
+               f"a value that must start with '-' goes after '--'")
+    ctx = getattr(e, "ctx", None)
+    path = ctx.command_path if ctx is not None else "txmq"
+    return f"{msg} (see '{path} --help')"
 
 
 def _fail(message: str, code: int) -> None:

@@ -1,0 +1,68 @@
+"""Global options before or after the command, one-line usage errors, help texts, and named contexts."""
+
+import json
+import os
+import stat
+
+import pytest
+
+from brokerproc import free_port
+from test_cli_support import OK, UNREACHABLE, USAGE, err, lines, ok, out, start_broker, txmq
+
+
+def _one_line_error(r, code, *needles):
+    assert r.returncode == code, f"exit {r.returncode}: {err(r)}"
+    text = err(r)
+    assert text.startswith("error: ") and text.count("\n") == 1 and "Traceback" not in text and "╭" not in text, text
+    for n in needles:
+        assert n in text, text
+
+
+@pytest.fixture(scope="module")
+def broker(tmp_path_factory):
+    b = start_broker(tmp_path_factory.mktemp("globals"))
+    ok(txmq("send", "t-globals", "x", broker=b.address))
+    yield b
+    b.stop()
+
+
+@pytest.mark.parametrize("before", [True, False])
+def test_broker_and_output_options_work_before_the_command(broker, before):
+    args = ["-b", broker.address, "-o", "json", "topics"] if before else ["topics", "-b", broker.address, "-o", "json"]
+    r = ok(txmq(*args, broker=f"127.0.0.1:{free_port()}"))  # TXMQ_BROKER points elsewhere: the option wins
+    assert [t["topic"] for t in json.loads(out(r))] == ["t-globals"]
+
+
+def test_long_forms_with_equals_before_the_command(broker):
+    r = ok(txmq(f"--broker={broker.address}", "--output=json", "topics"))
+    assert [t["topic"] for t in json.loads(out(r))] == ["t-globals"]
+
+
+@pytest.mark.parametrize("args, env", [
+    (["--debug", "topics"], {}),
+    (["topics", "--debug"], {}),
+    (["topics"], {"TXMQ_DEBUG": "1"}),
+])
+def test_debug_shows_the_traceback_and_keeps_the_exit_code(args, env):
+    r = txmq(*args, broker=f"127.0.0.1:{free_port()}", env=env)
+    assert r.returncode == UNREACHABLE, err(r)
+    assert "Traceback" in err(r) and err(r).rstrip().splitlines()[-1].startswith("error: broker unreachable")
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["topics", "--nope"], "No such option: --nope"),
+    (["inspect", "half", "--limit", "many"], "--limit"),
+    (["send", "t", "x", "--tx", "--group", "g", "--state", "bogus"], "--state"),
+    (["config", "set", "check-interval", "-1s"], "'-1s' is read as an option"),
+    (["config", "set", "max-checks", "-1"], "values have no sign"),
+    (["nosuchcommand"], "nosuchcommand"),
+])
+def test_usage_errors_are_one_line(args, needle):
+    _one_line_error(txmq(*args, broker=f"127.0.0.1:{free_port()}"), USAGE, needle, "--help")
+
+
+def test_help_shows_bracketed_defaults():
+    r = ok(txmq("broker", "start", "--help", env={"COLUMNS": "250"}))
+    text = out(r)
+    assert "Data directory [default: ~/.local/share/txmq]" in text, text
+    assert "Check-back interval [default: 60s]" in text
