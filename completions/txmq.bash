@@ -9,6 +9,11 @@
 #   txmq config get
 #   txmq config set
 #   txmq consume
+#   txmq context add
+#   txmq context list
+#   txmq context remove
+#   txmq context show
+#   txmq context use
 #   txmq discard list
 #   txmq discard replay
 #   txmq groups describe

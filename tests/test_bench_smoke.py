@@ -32,6 +32,15 @@ def test_bench_tx_embedded_completes_every_transaction():
     assert res["flush"] == "async" and "broker_cpu_s" in res
 
 
+@pytest.mark.parametrize("end", ["pipelined", "wait"])
+def test_bench_tx_client_runs_the_client_library_and_counts_answered_ends(end):
+    res = _json([*TXMQ, "bench", "tx-client", "--embedded", "--flush", "sync", "-c", "2", "-n", "1", "-m", "300",
+                 "--end", end, "-o", "json"])
+    assert (res["mode"], res["end"], res["completed"]) == ("tx-client", end, 300)
+    assert res["errors"] == {} and res["outcomes"] == {"committed": 300}
+    assert res["latency_ms"]["call"]["count"] == res["latency_ms"]["tx"]["count"] == 300
+
+
 def test_bench_send_batched_counts_messages_not_requests():
     res = _json([*TXMQ, "bench", "send", "--embedded", "-m", "500", "--batch", "10", "-o", "json"])
     assert res["completed"] == 500 and res["batch"] == 10

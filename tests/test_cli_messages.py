@@ -167,3 +167,13 @@ def test_bad_input_is_a_usage_error(broker, args, needle):
     r = run(broker, *args)
     assert r.returncode == USAGE, err(r)
     assert needle in err(r) and err(r).count("\n") == 1 and "Traceback" not in err(r)
+
+
+def test_send_tx_stdin_lines_pipeline_their_ends_and_report_each_outcome(broker):
+    body = "".join(f"order {i}\n" for i in range(1, 201))
+    r = ok(run(broker, "send", "m-tx-lines", "--tx", "--group", "shop", "--state", "commit", "--window", "4", input=body))
+    rows = lines(r)
+    assert sorted(x["line"] for x in rows) == list(range(1, 201))
+    assert {x["state"] for x in rows} == {"committed"}  # printed once the end's reply arrived
+    got = lines(ok(run(broker, "consume", "m-tx-lines", "--group", "g-tx")))
+    assert sorted(m["body"] for m in got) == sorted(f"order {i}" for i in range(1, 201))

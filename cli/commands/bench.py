@@ -36,7 +36,7 @@ def _mix(text: str) -> dict[str, float]:
 
 
 def bench(
-    mode: Annotated[str, typer.Argument(help="tx (half + end transaction), send (plain sends), or consume (pulls).")],
+    mode: Annotated[str, typer.Argument(help="tx (half + end transaction, wire level), tx-client (transactions through the client library's TransactionProducer), send (plain sends), or consume (pulls).")],
     broker: BrokerOpt = "127.0.0.1:10911",
     token: TokenOpt = None,
     embedded: Annotated[bool, typer.Option(help="Start a broker in a subprocess on a temporary data directory.")] = False,
@@ -50,13 +50,18 @@ def bench(
     mix: Annotated[str, typer.Option(help="tx: weights of the end states, e.g. commit=8,rollback=1,unknown=1 (a checker answers unknowns).")] = "commit=1",
     rate: Annotated[Optional[float], typer.Option(min=1, help="Limit to this many units per second (open loop), to measure latency below saturation.", show_default=False)] = None,
     topic: Annotated[str, typer.Option(help="Topic to use.")] = "bench",
+    end: Annotated[str, typer.Option(help="tx-client: pipelined (send_in_transaction returns once the end is queued, the library's default) or wait (each call waits for the end's reply).")] = "pipelined",
     output: OutputOpt = None,
 ) -> None:
     """Measure throughput and latency percentiles (p50, p90, p99, p99.9, max) per operation."""
     from ..bench import Bench, BenchConfig, EmbeddedBroker
 
-    if mode not in ("tx", "send", "consume"):
-        raise CliError(f"mode must be tx, send or consume, not {mode!r}", exitcodes.USAGE)
+    if mode not in ("tx", "tx-client", "send", "consume"):
+        raise CliError(f"mode must be tx, tx-client, send or consume, not {mode!r}", exitcodes.USAGE)
+    if end not in ("pipelined", "wait"):
+        raise CliError("--end must be pipelined or wait", exitcodes.USAGE)
+    if mode == "tx-client" and rate:
+        raise CliError("--rate applies to tx, send and consume, not tx-client (producers send back to back)", exitcodes.USAGE)
     if flush not in ("sync", "async"):
         raise CliError("--flush must be sync or async", exitcodes.USAGE)
     if not embedded:
@@ -70,6 +75,10 @@ def bench(
 
     def go(progress) -> dict:
         async def main() -> dict:
+            if mode == "tx-client":
+                from ..bench_client import ClientBench
+
+                return await ClientBench(cfg, end, progress).run()
             return await Bench(cfg, progress).run()
 
         if embedded:

@@ -120,7 +120,9 @@ class _Spec:
         return f
 
 
-async def _deliver(client: Any, spec: _Spec, body: bytes) -> dict[str, Any]:
+async def _deliver(client: Any, spec: _Spec, body: bytes, end_queued: Any = None) -> dict[str, Any]:
+    """Send one message; with --tx, end it too. ``end_queued`` is called once the end request is queued
+    (pipelined: the caller may start the next line while the end's reply is on its way)."""
     r = await client.request("send", spec.fields(body))
     if spec.group is None:
         return {"msg_id": r["msg_id"], "topic": r["topic"], "queue_id": r["queue_id"],
@@ -129,10 +131,19 @@ async def _deliver(client: Any, spec: _Spec, body: bytes) -> dict[str, Any]:
            "commit_log_offset": r["commit_log_offset"], "tx_id": r["tx_id"], "half_offset": r["half_offset"],
            "state": "pending"}
     if spec.state != "unknown":
-        e = await client.request("end_transaction", {
-            "group": spec.group, "tx_id": r["tx_id"], "commit_log_offset": r["commit_log_offset"],
-            "half_offset": r["half_offset"], "state": spec.state, "from_check": False,
-        })
+        fields = {"group": spec.group, "tx_id": r["tx_id"], "commit_log_offset": r["commit_log_offset"],
+                  "half_offset": r["half_offset"], "state": spec.state, "from_check": False}
+        if end_queued is None:
+            e = await client.request("end_transaction", fields)
+        else:
+            try:
+                reply = client.send_request("end_transaction", fields)
+            except Exception:  # no live connection: the retrying path
+                end_queued()
+                e = await client.request("end_transaction", fields)
+            else:
+                end_queued()
+                e = await reply
         row["state"] = e.get("outcome", _OUTCOME[spec.state])
     return row
 
@@ -167,12 +178,26 @@ async def _send_stream(broker: str, token: str | None, spec: _Spec, window: int,
 
     async with connect(broker, token) as client:
         sem = asyncio.Semaphore(window)
+        ends = asyncio.Semaphore(window)  # --tx: ends whose reply is awaited after their line's slot was freed
         tasks: set[asyncio.Task[None]] = set()
 
         async def one(line_no: int, body: bytes) -> None:
             nonlocal sent
+            freed = False
+            end_slot = False
+
+            def end_queued() -> None:
+                # The half is acknowledged and its end queued: the next line may go (its half shares
+                # the broker's group-commit fsync with this end); at most `window` such ends wait.
+                nonlocal freed
+                freed = True
+                sem.release()
+
             try:
-                row = await _deliver(client, spec, body)
+                if spec.group is not None and spec.state != "unknown":
+                    await ends.acquire()
+                    end_slot = True
+                row = await _deliver(client, spec, body, end_queued if end_slot else None)
             except Exception as exc:
                 if exit_code_of(exc) == exitcodes.UNREACHABLE:
                     lost.append(exc)  # reported once, at the end
@@ -186,7 +211,10 @@ async def _send_stream(broker: str, token: str | None, spec: _Spec, window: int,
                 except BrokenPipeError:  # the reader went away (`| head`): stop sending
                     closed.append(line_no)
             finally:
-                sem.release()
+                if not freed:
+                    sem.release()
+                if end_slot:
+                    ends.release()
 
         line_no = 0
         async for line in _stdin_lines():
