@@ -9,6 +9,8 @@ Same body size (256 bytes) and the same concurrency everywhere:
    broker on a fresh temporary data directory per measurement):
    transactions (half + commit) with sync and async flush at 1 client back
    to back, 32 concurrent clients and the best pipelined configuration;
+   the client library (``txmq bench tx-client``: N TransactionProducers, each
+   back to back with its pipelined end) at 1 and 32, sync and async;
    plain sends unbatched and batched (64); the p99 of a whole transaction
    at half of the maximum rate;
 3. RabbitMQ AMQP transactions at 1 and 32 clients (rabbit.py), skipped with
@@ -85,6 +87,12 @@ def run_txmq(plan: Plan) -> dict[str, dict[str, Any]]:
                 best = r
         assert best is not None
         runs[f"tx_{flush}_best"] = best
+    # The client library a user calls: N TransactionProducers, each back to back (pipelined end, its default),
+    # and one producer waiting for each end's reply, for reference.
+    for flush in ("sync", "async"):
+        for c in PEER_CLIENTS:
+            bench(f"client_{flush}_{c}", ["tx-client", "--flush", flush, "-c", str(c), "-n", "1"])
+        bench(f"client_{flush}_1_wait", ["tx-client", "--flush", flush, "-c", "1", "-n", "1", "--end", "wait"])
     bench("send_4x64", ["send", "--flush", "async", "-c", "4", "-n", "64"])
     bench("send_batch64_4x16", ["send", "--flush", "async", "-c", "4", "-n", "16", "--batch", "64"])
     for flush in ("async", "sync"):
