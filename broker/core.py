@@ -428,11 +428,15 @@ class BrokerCore:
             "damaged": r.damaged, "queues_rebuilt": r.queues_rebuilt,
         }
         by_topic = self.tx.index.pending_by_topic()
+        now_ms = int(self.clock() * 1000)
+        oldest = {g: round(max(0, now_ms - ts) / 1000.0, 3) for g, ts in sorted(self.tx.index.oldest_pending_by_group().items())}
         return {
             "counters": self.metrics.snapshot(),
             "gauges": {
                 "pending": sum(by_topic.values()),
                 "pending_by_topic": by_topic,
+                # age (s, broker store time) of each group's oldest pending transaction: what to alert on
+                "oldest_pending_age_s": oldest,
                 "connections": self.connections,
                 "partial_frame_bytes": self.partial_frame_bytes,
                 "max_offset": self.store.max_offset,

@@ -236,11 +236,12 @@ def list_topics(core, conn, f: dict) -> Reply:
 # ---- administration --------------------------------------------------------
 def tx_pending(core, conn, f: dict) -> Reply:
     topic = opt_str(f, "topic")
-    rows, total = core.tx.pending_rows(
+    rows, total, cursor = core.tx.pending_rows(
         opt_str(f, "group"), canonical_topic(topic) if topic else None,
         opt_int(f, "min_age_ms", 0), opt_int(f, "limit", 1000, 1, 10_000_000), core.check.next_check_at,
+        opt_int(f, "after_half_offset", -1, -1),
     )
-    return {"transactions": rows, "total": total}
+    return {"transactions": rows, "total": total, "cursor": cursor}
 
 
 def tx_offsets(core, conn, f: dict) -> Reply:
@@ -259,12 +260,30 @@ def tx_resolve(core, conn, f: dict) -> Reply:
     return run()
 
 
+def tx_resolve_where(core, conn, f: dict) -> Reply:
+    action = req_str(f, "action")
+    if action not in ("commit", "rollback"):
+        raise _bad("field 'action' must be commit or rollback")
+    group = req_str(f, "group")
+    topic = opt_str(f, "topic")
+    args = (group, canonical_topic(topic) if topic else None, opt_int(f, "min_age_ms", 0),
+            opt_int(f, "after_half_offset", -1, -1), opt_int(f, "limit", 500, 1, 1000), opt_bool(f, "dry_run"))
+
+    async def run() -> dict:
+        results, cursor = await core.tx.resolve_where(action, *args)
+        return {"results": results, "cursor": cursor}
+
+    return run()
+
+
 def tx_check_now(core, conn, f: dict) -> Reply:
     return core.check.check_now(req_str(f, "tx_id"))
 
 
 def discard_list(core, conn, f: dict) -> Reply:
-    return {"discarded": core.tx.discarded(opt_int(f, "limit", 1000, 1, 10_000_000))}
+    limit = opt_int(f, "limit", 1000, 1, 10_000_000)
+    rows = core.tx.discarded(limit + 1, opt_int(f, "after_discard_offset", -1, -1))
+    return {"discarded": rows[:limit], "cursor": rows[limit - 1]["discard_offset"] if len(rows) > limit else None}
 
 
 def discard_replay(core, conn, f: dict) -> Reply:
@@ -338,6 +357,7 @@ HANDLERS: dict[str, Handler] = {
     "tx_pending": _needs_index(tx_pending),
     "tx_offsets": _needs_index(tx_offsets),
     "tx_resolve": _needs_index(tx_resolve),
+    "tx_resolve_where": _needs_index(tx_resolve_where),
     "tx_check_now": _needs_index(tx_check_now),
     "discard_list": _needs_index(discard_list),
     "discard_replay": _needs_index(discard_replay),

@@ -72,6 +72,13 @@ class BrokerCollector:
             pending.add_metric([topic], n)
         yield pending
         yield GaugeMetricFamily("txmq_pending_transactions", "Pending (undecided) transactions, all topics", value=sum(by_topic.values()))
+        oldest = GaugeMetricFamily("txmq_oldest_pending_age_seconds",
+                                   "Age of the oldest pending transaction, by producer group (broker store time; absent when none)",
+                                   labels=["group"])
+        now_ms = int(core.clock() * 1000)
+        for g, ts in sorted(core.tx.index.oldest_pending_by_group().items()):
+            oldest.add_metric([g], max(0, now_ms - ts) / 1000.0)
+        yield oldest
         for name, help_ in (("committed", "Transactions committed, by who decided"), ("rolled_back", "Transactions rolled back, by who decided")):
             fam = CounterMetricFamily(f"txmq_{name}", help_, labels=["source"])
             for s in SOURCES:

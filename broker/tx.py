@@ -431,6 +431,20 @@ class TransactionService:
             out.append(row)
         return out
 
+    async def resolve_where(self, action: str, group: str, topic: str | None, min_age_ms: int, after: int, limit: int,
+                            dry_run: bool) -> tuple[list[dict[str, Any]], int | None]:
+        """Decide up to `limit` pending transactions of `group` (by half offset above `after`) as they are now.
+
+        Returns their results (as ``resolve``'s, each ``ref`` its tx id) once
+        every decision is durable, and the cursor for the next batch (None
+        when this batch was the last). The decisions of one batch go to the
+        log together (group commit), not one fsync each.
+        """
+        page = self.matching(group, topic, min_age_ms, after, limit)
+        cursor = page[-1].half_offset if len(page) >= limit else None
+        results = await asyncio.gather(*(self.resolve(action, [{"tx_id": p.tx_id}], dry_run) for p in page))
+        return [dict(r[0], ref=r[0]["tx_id"]) for r in results], cursor
+
     @staticmethod
     def _dry(d: Decided | None, commit: bool, tx_id: str) -> dict[str, Any]:
         if d is None:
@@ -439,11 +453,11 @@ class TransactionService:
         return {"status": "already" if same else "conflict", "message": f"already {d.outcome.label.replace('_', ' ')}"}
 
     # ---- operator: the discard topic ---------------------------------------
-    def discarded(self, limit: int) -> list[dict[str, Any]]:
+    def discarded(self, limit: int, after: int = -1) -> list[dict[str, Any]]:
         return [{"tx_id": tx_id, "topic": d.topic, "group": d.group, "checks": d.checks,
                  "discarded_at": d.decided_at, "discard_offset": d.half_offset,
                  "reason": d.decided_by, "commit_log_offset": d.cl_offset}
-                for tx_id, d in self.index.discarded_rows(limit)]
+                for tx_id, d in self.index.discarded_rows(limit, after)]
 
     async def replay(self, to: str, refs: list[dict[str, Any]] | None, all_: bool, dry_run: bool) -> list[dict[str, Any]]:
         if all_:
@@ -512,21 +526,40 @@ class TransactionService:
         raise TxmqError("a ref needs tx_id or discard_offset", ErrorCode.INVALID_FIELD)
 
     # ---- listing -----------------------------------------------------------
-    def pending_rows(self, group: str | None, topic: str | None, min_age_ms: int, limit: int, next_check) -> tuple[list[dict[str, Any]], int]:
+    def pending_rows(self, group: str | None, topic: str | None, min_age_ms: int, limit: int, next_check,
+                     after: int = -1) -> tuple[list[dict[str, Any]], int, int | None]:
+        """A page of pending transactions by half offset above ``after``: (rows, total matching, cursor or None at the end)."""
         now_ms = int(self.core.clock() * 1000)
-        rows: list[PendingTx] = []
-        total = 0
-        for p in self.index.pending.values():
+        page = self.matching(group, topic, min_age_ms, after, limit + 1)
+        rows = [p.as_dict(now_ms, next_check(p)) for p in page[:limit]]
+        total = sum(1 for _ in self._matching_iter(group, topic, min_age_ms, -1, now_ms))
+        return rows, total, (page[limit - 1].half_offset if len(page) > limit else None)
+
+    def matching(self, group: str | None, topic: str | None, min_age_ms: int, after: int, limit: int) -> list[PendingTx]:
+        """At most limit pending transactions matching, by half offset above ``after`` (the index keeps them in that order)."""
+        now_ms = int(self.core.clock() * 1000)
+        out: list[PendingTx] = []
+        for p in self._matching_iter(group, topic, min_age_ms, after, now_ms):
+            out.append(p)
+            if len(out) >= limit:
+                break
+        return out
+
+    def _matching_iter(self, group: str | None, topic: str | None, min_age_ms: int, after: int, now_ms: int):
+        pending = self.index.pending
+        for half_offset, tx_id in self.index.by_half.items():
+            if half_offset <= after:
+                continue
+            p = pending.get(tx_id)
+            if p is None:
+                continue
             if group and p.group != group:
                 continue
             if topic and p.topic != topic:
                 continue
             if min_age_ms and p.age_ms(now_ms) < min_age_ms:  # the broker's store time, not the producer's clock
                 continue
-            total += 1
-            rows.append(p)
-        rows.sort(key=lambda p: p.half_offset)
-        return [p.as_dict(now_ms, next_check(p)) for p in rows[:limit]], total
+            yield p
 
 
 class _AlreadyDecided(Exception):

@@ -248,18 +248,30 @@ class TxIndex:
             out[p.topic] = out.get(p.topic, 0) + 1
         return out
 
-    def discarded_rows(self, limit: int) -> list[tuple[str, Decided]]:
-        """Discarded transactions (tx id, Decided), by discard-queue offset, at most limit.
+    def oldest_pending_by_group(self) -> dict[str, int]:
+        """Per producer group, the first_stored_ts (ms, broker store time) of its oldest pending transaction.
+
+        One pass over the pending transactions, like ``pending_by_topic``
+        (safe from another thread: it iterates a copy).
+        """
+        out: dict[str, int] = {}
+        for p in list(self.pending.values()):
+            t = out.get(p.group)
+            if t is None or p.first_stored_ts < t:
+                out[p.group] = p.first_stored_ts
+        return out
+
+    def discarded_rows(self, limit: int, after: int = -1) -> list[tuple[str, Decided]]:
+        """Discarded transactions (tx id, Decided), by discard-queue offset above ``after``, at most limit.
 
         Those decided since the last flush come from memory, the rest from
         the index file's partial index of discarded rows: the cost is that of
         the rows returned, whatever the history.
         """
-        mem = [(t, d) for t, d in self.decided.items() if d.outcome is Outcome.DISCARDED]
+        mem = [(t, d) for t, d in self.decided.items() if d.outcome is Outcome.DISCARDED and d.half_offset > after]
         out = list(mem)
         if self.db is not None:
             shadow = self.decided.keys() | self.pending.keys()  # changed since the last flush: memory wins
-            after = -1
             while len(out) < limit + len(mem):
                 rows = self.db.discarded(after, limit)
                 if not rows:

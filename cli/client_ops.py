@@ -19,6 +19,7 @@ _CODE_EXIT = {
     ErrorCode.NO_PRODUCER: exitcodes.NOT_FOUND,
     ErrorCode.TX_CONFLICT: exitcodes.CONFLICT,
     ErrorCode.STORE_FULL: exitcodes.STORE_FULL,
+    ErrorCode.SHUTTING_DOWN: exitcodes.UNREACHABLE,  # the broker is going away: as a lost connection
     ErrorCode.INVALID_FIELD: exitcodes.USAGE,
     ErrorCode.INVALID_TOPIC: exitcodes.USAGE,
     ErrorCode.SYSTEM_TOPIC: exitcodes.USAGE,

@@ -26,7 +26,7 @@ import typer
 
 from .. import exitcodes
 from ..common import MAX_REF_CHARS, MAX_REF_LINE, WIRE_INT_MAX, CliError
-from ..console import Output, emit_json, emit_line, err, interactive, render
+from ..console import Output, emit_json, emit_line, err, interactive, out, render
 
 STATUS_EXIT = {"not_found": exitcodes.NOT_FOUND, "conflict": exitcodes.CONFLICT}
 OK_STATUSES = ("ok", "already")
@@ -147,13 +147,65 @@ def confirm(n: int, what: str, yes: bool, dry_run: bool, always: bool = False) -
         raise CliError("aborted: nothing was changed", exitcodes.ERROR)
 
 
-def run_bulk(broker: str, token: str | None, op: str, build: Callable[[list[Any]], dict[str, Any]],
-             items: Sequence[Any], texts: Sequence[str], output: Output, label: str, chunk: int = 500) -> list[dict[str, Any]]:
-    """Send items to the broker in chunks of one request each, streaming jsonl rows; a progress bar on a terminal."""
-    from ..client_ops import connect
-    from ..common import run
+class Tally:
+    """What a bulk command did so far, for its one-line summary (also after Ctrl-C or a lost broker)."""
 
-    rows: list[dict[str, Any]] = []
+    def __init__(self, total: int | None, verb: str, resume: str) -> None:
+        self.total = total  # items to do, when known
+        self.verb = verb  # "rolled back", "would be committed", ...
+        self.resume = resume
+        self.rows: list[dict[str, Any]] = []
+        self.failed_rows: list[dict[str, Any]] = []
+        self.done = self.already = self.failed = 0
+        self.inflight = 0  # items sent in a request not answered yet
+
+    def add(self, row: dict[str, Any], keep: bool) -> None:
+        status = row["status"]
+        if status == "ok":
+            self.done += 1
+        elif status == "already":
+            self.already += 1
+        else:
+            self.failed += 1
+            self.failed_rows.append(row)
+        if keep:
+            self.rows.append(row)
+
+    @property
+    def seen(self) -> int:
+        return self.done + self.already + self.failed
+
+    def line(self, stopped: str | None = None) -> str:
+        parts = [f"{self.done} {self.verb}", f"{self.already} already", f"{self.failed} failed"]
+        if self.total is not None:
+            parts.append(f"{max(0, self.total - self.seen - self.inflight)} not attempted")
+        elif stopped:
+            parts.append("the rest not attempted")
+        text = ", ".join(parts)
+        if self.inflight:
+            text += (f", {'up to ' if self.total is None else ''}{self.inflight} unconfirmed"
+                     " (sent when it stopped: each is decided once or not at all)")
+        if stopped:
+            text = f"stopped ({stopped}): {text}; to resume, {self.resume}"
+        return text
+
+    def print(self, stopped: str | None = None) -> None:
+        from rich.markup import escape
+
+        err.print(("[warn]" if stopped or self.failed else "[ok]") + escape(self.line(stopped)) + "[/]")
+
+
+def run_bulk(broker: str, token: str | None, op: str, build: Callable[[list[Any]], dict[str, Any]],
+             items: Sequence[Any], texts: Sequence[str], output: Output, label: str, chunk: int = 500,
+             tally: Tally | None = None) -> list[dict[str, Any]]:
+    """Send items to the broker in chunks of one request each, streaming jsonl rows; a progress bar on a terminal.
+
+    With a `tally`, an interruption (Ctrl-C, a lost broker) prints its
+    summary line before the error goes on.
+    """
+    from ..client_ops import connect
+
+    t = tally or Tally(len(items), "done", "run the same command again")
 
     async def go() -> None:
         progress = None
@@ -171,10 +223,12 @@ def run_bulk(broker: str, token: str | None, op: str, build: Callable[[list[Any]
             try:
                 for i in range(0, len(items), size):
                     part = list(items[i:i + size])
+                    t.inflight = len(part)
                     results = (await client.request(op, build(part)))["results"]
+                    t.inflight = 0
                     for text, r in zip(texts[i:i + size], results):
                         row = {"ref": text, "tx_id": r.get("tx_id"), "status": r.get("status", "error"), "message": r.get("message", "")}
-                        rows.append(row)
+                        t.add(row, keep=output is not Output.jsonl or tally is None)
                         if output is Output.jsonl:
                             emit_line(row)
                     if progress:
@@ -183,31 +237,61 @@ def run_bulk(broker: str, token: str | None, op: str, build: Callable[[list[Any]
                 if progress:
                     progress.stop()
 
-    run(go())
-    return rows
+    guarded(go(), t, bulk=tally is not None)
+    return t.rows
 
 
-def finish(rows: list[dict[str, Any]], output: Output, verb: str) -> None:
-    """Print the per-REF outcomes (jsonl was streamed already) and exit with the documented code."""
+def guarded(coro: Any, t: Tally, bulk: bool) -> None:
+    """Run coro; on Ctrl-C or a broker error, print the summary (bulk commands) and go on with the error."""
+    from ..common import run
+
+    try:
+        run(coro)
+    except KeyboardInterrupt:
+        if bulk:
+            t.print("interrupted")
+        raise
+    except CliError as e:
+        if bulk and t.seen + t.inflight:
+            what = "broker lost" if e.code == exitcodes.UNREACHABLE else f"error: {e}"
+            t.print(what)
+        raise
+
+
+def finish(rows: list[dict[str, Any]], output: Output, verb: str, tally: Tally | None = None) -> None:
+    """Print the per-REF outcomes (jsonl was streamed already), the summary of a bulk run, and exit with the documented code."""
+    bulk = tally is not None and (tally.seen > 1 or tally.total is None)
+    columns = [("ref", "REF"), ("tx_id", "TX ID"), ("status", "STATUS"), ("message", "MESSAGE")]
     if output is Output.json:
         emit_json(rows)
     elif output is Output.table:
-        render(rows, output, columns=[("ref", "REF"), ("tx_id", "TX ID"), ("status", "STATUS"), ("message", "MESSAGE")],
-               formatters={"status": _status_cell})
-    failed = [r for r in rows if r["status"] not in OK_STATUSES]
-    if not failed:
+        if bulk and out.is_terminal:  # a person: the failures, then the summary, not a row per success
+            if tally is not None and tally.failed_rows:
+                render(tally.failed_rows, output, columns=columns, formatters={"status": _status_cell})
+        else:
+            render(rows, output, columns=columns, formatters={"status": _status_cell})
+    if tally is not None:
+        seen, failed_n = tally.seen, tally.failed
+        failed = tally.failed_rows
+    else:
+        seen = len(rows)
+        failed = [r for r in rows if r["status"] not in OK_STATUSES]
+        failed_n = len(failed)
+    if bulk and tally is not None:
+        tally.print()
+    elif not failed and output is Output.table and len(rows) > 1:
         done = sum(r["status"] == "ok" for r in rows)
-        if output is Output.table and len(rows) > 1:
-            err.print(f"[ok]{done} {verb}[/ok], {len(rows) - done} already were")
+        err.print(f"[ok]{done} {verb}[/ok], {len(rows) - done} already were")
+    if not failed_n:
         return
-    if len(rows) == 1:
-        r = rows[0]
+    if seen == 1:
+        r = failed[0]
         raise CliError(f"{r['ref']}: {r['message'] or r['status']}", STATUS_EXIT.get(r["status"], exitcodes.ERROR))
     counts: dict[str, int] = {}
     for r in failed:
         counts[r["status"]] = counts.get(r["status"], 0) + 1
     detail = ", ".join(f"{n} {s.replace('_', ' ')}" for s, n in sorted(counts.items()))
-    raise CliError(f"{len(failed)} of {len(rows)} REFs failed ({detail})", exitcodes.PARTIAL)
+    raise CliError(f"{failed_n} of {seen} REFs failed ({detail})", exitcodes.PARTIAL)
 
 
 def _status_cell(s: Any) -> str:

@@ -30,23 +30,34 @@ class ReplayTo(str, Enum):
 Keys: tx_id, topic, group, checks, discarded_at, discard_offset, reason (max-checks | retention),
 commit_log_offset (of the discard record).""")
 def list_(
-    limit: Annotated[int, typer.Option("--limit", "-l", help="At most this many rows.", min=1, max=10_000_000)] = 1000,
+    limit: Annotated[Optional[int], typer.Option("--limit", "-l", help="At most this many rows [default: all; a table on a terminal: 1000]. A cut listing is said on stderr.", min=1, max=10_000_000, show_default=False)] = None,
     broker: BrokerOpt = DEFAULT_BROKER,
     token: TokenOpt = None,
     output: OutputOpt = None,
 ) -> None:
     """Discarded transactions, in discard-topic order."""
-    from ..client_ops import call
+    from ..console import Output
+    from ._paging import RowSink, cut_note, effective_limit, stream_pages
 
-    rows = [{k: r.get(k) for k in DISCARD_KEYS} for r in call(broker, token, "discard_list", {"limit": limit})["discarded"]]
+    out_fmt = resolve_output(output)
+    eff, _ = effective_limit(limit, out_fmt, 1000)
+    sink = RowSink(out_fmt, lambda r: {k: r.get(k) for k in DISCARD_KEYS})
+    total, more, paged = stream_pages(broker, token, "discard_list", {}, "discarded", "after_discard_offset", eff, sink)
+    sink.close()
     now_ms = int(time.time() * 1000)
-    render(
-        rows, resolve_output(output),
-        columns=[("discard_offset", "OFFSET"), ("tx_id", "TX ID"), ("topic", "TOPIC"), ("group", "GROUP"), ("checks", "CHECKS"),
-                 ("reason", "REASON"), ("discarded_at", "DISCARDED")],
-        formatters={"discarded_at": lambda v: fmt_when(v, now_ms)},
-        empty="no discarded transactions",
-    )
+    if out_fmt is Output.table:
+        render(
+            sink.kept, out_fmt,
+            columns=[("discard_offset", "OFFSET"), ("tx_id", "TX ID"), ("topic", "TOPIC"), ("group", "GROUP"), ("checks", "CHECKS"),
+                     ("reason", "REASON"), ("discarded_at", "DISCARDED")],
+            formatters={"discarded_at": lambda v: fmt_when(v, now_ms)},
+            empty="no discarded transactions",
+        )
+    if more or (not paged and sink.count >= (eff or 1000)):
+        msg = cut_note(sink.count, total, "discarded transactions", asked=limit is not None, old_broker=not paged)
+        if not paged and limit is None:
+            raise CliError(msg, exitcodes.ERROR)
+        note(msg)
 
 
 @app.command(epilog="""Examples:
@@ -94,6 +105,9 @@ def replay(
     def build(part: list[dict[str, Any]]) -> dict[str, Any]:
         return {"to": to.value, "refs": part, "dry_run": dry_run}
 
+    verb_done = ("would be " if dry_run else "") + f"replayed to {to.value}"
+    tally = _bulk.Tally(len(items), verb_done, "feed what is still discarded: `txmq discard list -o jsonl | txmq discard replay - --yes`"
+                        + (f" --to {to.value}" if to is not ReplayTo.half else ""))
     rows = _bulk.run_bulk(broker, token, "discard_replay", build, items, texts, out_fmt,
-                          f"replaying to {to.value}" + (" (dry run)" if dry_run else ""))
-    _bulk.finish(rows, out_fmt, ("would be " if dry_run else "") + f"replayed to {to.value}")
+                          f"replaying to {to.value}" + (" (dry run)" if dry_run else ""), tally=tally)
+    _bulk.finish(rows, out_fmt, verb_done, tally)

@@ -41,46 +41,55 @@ def half(
     group: Annotated[Optional[str], typer.Option("--group", "-g", help="Only this producer group.", show_default=False)] = None,
     topic: Annotated[Optional[str], typer.Option("--topic", "-t", help="Only this (real) topic.", show_default=False)] = None,
     older_than: Annotated[Optional[str], typer.Option("--older-than", help="Only transactions stored longer ago than this (30s, 10m, 72h), by the broker's clock.", show_default=False)] = None,
-    limit: Annotated[int, typer.Option("--limit", "-l", help="At most this many rows.", min=1, max=10_000_000)] = 1000,
+    limit: Annotated[Optional[int], typer.Option("--limit", "-l", help="At most this many rows [default: all; a table on a terminal: 1000]. A cut listing is said on stderr.", min=1, max=10_000_000, show_default=False)] = None,
     data_dir: DataDirOpt = None,
     broker: BrokerOpt = DEFAULT_BROKER,
     token: TokenOpt = None,
     output: OutputOpt = None,
 ) -> None:
     """Pending transactions (half messages with no outcome yet), oldest first."""
+    from ._paging import RowSink, cut_note, effective_limit, stream_pages
+
     min_age_ms = int(parse_duration(older_than) * 1000) if older_than is not None else 0
+    out_fmt = resolve_output(output)
+    eff, by_default = effective_limit(limit, out_fmt, 1000)
+    sink = RowSink(out_fmt, lambda r: {k: r.get(k) for k in HALF_KEYS})
+    paged = True
     if data_dir is not None:
         from ._offline import DataDir
 
         with DataDir(data_dir) as d:
-            rows, total = d.pending(group, topic, min_age_ms, limit)
+            got, total = d.pending(group, topic, min_age_ms, eff if eff is not None else 1 << 62)
+        for r in got:
+            sink.add(r)
+        more = total > sink.count
     else:
-        from ..client_ops import call
-
-        fields: dict[str, Any] = {"min_age_ms": min_age_ms, "limit": limit}
+        fields: dict[str, Any] = {"min_age_ms": min_age_ms}
         if group:
             fields["group"] = group
         if topic:
             fields["topic"] = topic
-        reply = call(broker, token, "tx_pending", fields)
-        rows, total = reply["transactions"], reply.get("total", len(reply["transactions"]))
-    rows = [{k: r.get(k) for k in HALF_KEYS} for r in rows]
-    out_fmt = resolve_output(output)
+        total_, more, paged = stream_pages(broker, token, "tx_pending", fields, "transactions", "after_half_offset", eff, sink)
+        total = total_ if total_ is not None else sink.count
+    sink.close()
+    rows = sink.kept
     now_ms = int(time.time() * 1000)
-    shown = rows
     if out_fmt is Output.table:  # "sent 3s ago" in one column
         shown = [{**r, "last_check_result": None if r["last_check_result"] is None
                   else f"{r['last_check_result']} {fmt_when(r['last_check_at'], now_ms)}".strip()} for r in rows]
-    render(
-        shown, out_fmt,
-        columns=[("tx_id", "TX ID"), ("half_offset", "HALF OFFSET"), ("topic", "TOPIC"), ("queue_id", "Q"), ("group", "GROUP"),
-                 ("age_s", "AGE"), ("checks", "CHECKS"), ("last_check_result", "LAST CHECK"), ("next_check_at", "NEXT CHECK")],
-        formatters={"age_s": fmt_age, "next_check_at": lambda v: fmt_when(v, now_ms),
-                    "last_check_result": lambda v: "-" if v is None else str(v)},
-        empty="no pending transactions" + (" matching" if group or topic or older_than else ""),
-    )
-    if out_fmt is Output.table and total > len(rows):
-        note(f"showing {len(rows)} of {total} pending transactions (--limit)")
+        render(
+            shown, out_fmt,
+            columns=[("tx_id", "TX ID"), ("half_offset", "HALF OFFSET"), ("topic", "TOPIC"), ("queue_id", "Q"), ("group", "GROUP"),
+                     ("age_s", "AGE"), ("checks", "CHECKS"), ("last_check_result", "LAST CHECK"), ("next_check_at", "NEXT CHECK")],
+            formatters={"age_s": fmt_age, "next_check_at": lambda v: fmt_when(v, now_ms),
+                        "last_check_result": lambda v: "-" if v is None else str(v)},
+            empty="no pending transactions" + (" matching" if group or topic or older_than else ""),
+        )
+    if more:
+        msg = cut_note(sink.count, total, "pending transactions", asked=limit is not None, old_broker=not paged)
+        if not paged and limit is None:
+            raise CliError(msg, exitcodes.ERROR)
+        note(msg)
 
 
 @app.command(epilog="""Examples:
@@ -96,68 +105,83 @@ decided_at, group, topic, checks, commit_log_offset (of the op record), half_com
 (whether the check service's op progress has passed it).""")
 def op(
     from_: Annotated[Optional[int], typer.Option("--from", help="First op-queue offset [default: the newest --limit records].", show_default=False, min=0)] = None,
-    limit: Annotated[int, typer.Option("--limit", "-l", help="At most this many records.", min=1)] = 50,
+    limit: Annotated[Optional[int], typer.Option("--limit", "-l", help="At most this many records [default: all; a table on a terminal: the newest 50]. A cut listing is said on stderr.", min=1, show_default=False)] = None,
     data_dir: DataDirOpt = None,
     broker: BrokerOpt = DEFAULT_BROKER,
     token: TokenOpt = None,
     output: OutputOpt = None,
 ) -> None:
     """Op records: the decisions (commit or rollback) written to RMQ_SYS_TRANS_OP_HALF_TOPIC."""
+    from ._paging import RowSink, cut_note, effective_limit
+
     if from_ is not None and from_ > WIRE_INT_MAX:
         raise CliError(f"--from {from_} is out of range: offsets are 0 to {WIRE_INT_MAX}", exitcodes.USAGE)
+    out_fmt = resolve_output(output)
+    eff, _ = effective_limit(limit, out_fmt, 50)
+    progress_box: list[int] = [0]
+    sink = RowSink(out_fmt, lambda m: _op_row(m, progress_box[0]))
     if data_dir is not None:
         from ._offline import DataDir
 
         with DataDir(data_dir) as d:
             lo, hi = d.queue_bounds(OP_TOPIC, 0)
-            progress = d.progress.op
-            start = _op_start(from_, limit, lo, hi)
-            msgs: list[dict[str, Any]] = []
-            off = start
-            while len(msgs) < limit and off < hi:
-                batch, nxt = d.read(OP_TOPIC, 0, off, min(1024, limit - len(msgs)))
+            progress_box[0] = d.progress.op
+            off = start = _op_start(from_, eff, lo, hi)
+            while (eff is None or sink.count < eff) and off < hi:
+                batch, nxt = d.read(OP_TOPIC, 0, off, 1024 if eff is None else min(1024, eff - sink.count))
                 if not batch and nxt <= off:
                     break
-                msgs.extend(batch)
+                for m in batch:
+                    sink.add(m)
                 off = nxt
     else:
-        msgs, progress = run(_pull_ops(broker, token, from_, limit))
-    rows = [_op_row(m, progress) for m in msgs[:limit]]
-    render(
-        rows, resolve_output(output),
-        columns=[("op_offset", "OP OFFSET"), ("half_offset", "HALF OFFSET"), ("tx_id", "TX ID"), ("action", "ACTION"),
-                 ("decided_by", "BY"), ("decided_at", "AT"), ("group", "GROUP"), ("topic", "TOPIC"), ("processed", "PROCESSED")],
-        formatters={"decided_at": fmt_ts, "action": lambda a: f"[{'ok' if a == 'commit' else 'warn'}]{a}[/]"},
-        empty="no op records",
-    )
+        start, lo, hi = run(_pull_ops(broker, token, from_, eff, sink, progress_box))
+    sink.close()
+    if out_fmt is Output.table:
+        render(
+            sink.kept, out_fmt,
+            columns=[("op_offset", "OP OFFSET"), ("half_offset", "HALF OFFSET"), ("tx_id", "TX ID"), ("action", "ACTION"),
+                     ("decided_by", "BY"), ("decided_at", "AT"), ("group", "GROUP"), ("topic", "TOPIC"), ("processed", "PROCESSED")],
+            formatters={"decided_at": fmt_ts, "action": lambda a: f"[{'ok' if a == 'commit' else 'warn'}]{a}[/]"},
+            empty="no op records",
+        )
+    total = hi - max(lo, from_ if from_ is not None else lo)
+    if sink.count < total:
+        note(cut_note(sink.count, total, "op records" + (f" from {from_}" if from_ is not None else ""), asked=limit is not None)
+             + ("" if from_ is not None else "; --from OFFSET for older ones"))
 
 
-def _op_start(from_: int | None, limit: int, lo: int, hi: int) -> int:
+def _op_start(from_: int | None, limit: int | None, lo: int, hi: int) -> int:
     if from_ is not None:
         return max(from_, lo)
+    if limit is None:
+        return lo
     return max(lo, hi - limit)
 
 
-async def _pull_ops(broker: str, token: str | None, from_: int | None, limit: int) -> tuple[list[dict[str, Any]], int]:
+async def _pull_ops(broker: str, token: str | None, from_: int | None, limit: int | None, sink: Any,
+                    progress_box: list[int]) -> tuple[int, int, int]:
     from ..client_ops import connect
 
     async with connect(broker, token) as c:
-        progress = (await c.request("tx_offsets", {}))["op"]["progress"]
+        progress_box[0] = (await c.request("tx_offsets", {}))["op"]["progress"]
         head = await c.request("pull", {"topic": OP_TOPIC, "queue_id": 0, "offset": 0, "max_count": 1})
         lo, hi = head.get("min_offset", 0), head.get("max_offset", 0)
-        off = _op_start(from_, limit, lo, hi)
-        msgs: list[dict[str, Any]] = []
-        while len(msgs) < limit and off < hi:
-            r = await c.request("pull", {"topic": OP_TOPIC, "queue_id": 0, "offset": off, "max_count": min(1024, limit - len(msgs))})
+        off = start = _op_start(from_, limit, lo, hi)
+        while (limit is None or sink.count < limit) and off < hi:
+            want = 1024 if limit is None else min(1024, limit - sink.count)
+            r = await c.request("pull", {"topic": OP_TOPIC, "queue_id": 0, "offset": off, "max_count": want})
             status = r.get("status")
             if status == "found":
-                msgs.extend(m for m in r["messages"] if m["queue_offset"] >= off)
+                for m in r["messages"]:
+                    if m["queue_offset"] >= off and (limit is None or sink.count < limit):
+                        sink.add(m)
                 off = r["next_offset"]
             elif status == "offset_too_small":
                 off = r["min_offset"]
             else:
                 break
-        return msgs, progress
+        return start, lo, hi
 
 
 def _op_row(m: dict[str, Any], op_progress: int) -> dict[str, Any]:

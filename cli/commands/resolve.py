@@ -5,8 +5,8 @@ from typing import Annotated, Any, Optional
 import typer
 
 from .. import exitcodes
-from ..common import DEFAULT_BROKER, BrokerOpt, CliError, OutputOpt, TokenOpt
-from ..console import emit_json, note, resolve_output
+from ..common import DEFAULT_BROKER, BrokerOpt, CliError, OutputOpt, TokenOpt, parse_duration
+from ..console import Output, emit_json, emit_line, err, interactive, note, resolve_output
 from . import _bulk
 
 EPILOG = """Examples:
@@ -20,6 +20,8 @@ EPILOG = """Examples:
   txmq inspect half --older-than 10m -o jsonl | txmq resolve --rollback - --yes
 
   txmq inspect half --group shop -o jsonl | jq -r .tx_id | txmq resolve --commit - --yes --dry-run
+
+  txmq resolve --rollback --group shop --older-than 10m --yes   # decided by the broker, in batches
 
 Per REF: ref, tx_id, status (ok | already | conflict | not_found), message.
 Exit codes: 0 all ok or already; 5 not found / 6 conflict when the only REF failed;
@@ -37,6 +39,9 @@ def resolve(
     commit_log_offset: Annotated[bool, typer.Option("--commit-log-offset", help="Bare integers are commit-log offsets, not half offsets.")] = False,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation (required for several REFs without a terminal).")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", "-n", help="Show what would happen; change nothing.")] = False,
+    group: Annotated[Optional[str], typer.Option("--group", "-g", help="Instead of REFs: every pending transaction of this producer group, decided by the broker in batches.", show_default=False)] = None,
+    topic: Annotated[Optional[str], typer.Option("--topic", "-t", help="With --group: only this (real) topic.", show_default=False)] = None,
+    older_than: Annotated[Optional[str], typer.Option("--older-than", help="With --group: only transactions stored longer ago than this (10m, 72h), by the broker's clock.", show_default=False)] = None,
     broker: BrokerOpt = DEFAULT_BROKER,
     token: TokenOpt = None,
     output: OutputOpt = None,
@@ -51,6 +56,14 @@ def resolve(
     """
     if commit == rollback:
         raise CliError("give exactly one of --commit or --rollback", exitcodes.USAGE)
+    if group is not None or topic is not None or older_than is not None:
+        if refs:
+            raise CliError("give REFs or --group (not both)", exitcodes.USAGE)
+        if group is None:
+            raise CliError("--topic and --older-than select with --group: name the producer group", exitcodes.USAGE)
+        min_age_ms = int(parse_duration(older_than) * 1000) if older_than is not None else 0
+        _resolve_where(commit, group, topic, min_age_ms, yes, dry_run, broker, token, resolve_output(output))
+        return
     if not refs:
         raise CliError("no REF given: name transactions by half offset or id, or '-' to read them from stdin", exitcodes.USAGE)
     action = "commit" if commit else "rollback"
@@ -69,5 +82,78 @@ def resolve(
         return {"action": action, "refs": part, "dry_run": dry_run}
 
     label = ("committing" if commit else "rolling back") + (" (dry run)" if dry_run else "")
-    rows = _bulk.run_bulk(broker, token, "tx_resolve", build, items, texts, out_fmt, label)
-    _bulk.finish(rows, out_fmt, ("would be " if dry_run else "") + ("committed" if commit else "rolled back"))
+    verb = ("would be " if dry_run else "") + ("committed" if commit else "rolled back")
+    tally = _bulk.Tally(len(items), verb, "run the same command again (those decided answer `already`)")
+    rows = _bulk.run_bulk(broker, token, "tx_resolve", build, items, texts, out_fmt, label, tally=tally)
+    _bulk.finish(rows, out_fmt, verb, tally)
+
+
+def _resolve_where(commit: bool, group: str, topic: str | None, min_age_ms: int, yes: bool, dry_run: bool,
+                   broker: str, token: str | None, out_fmt: Output) -> None:
+    """The broker picks and decides the group's pending transactions, a batch per request (tx_resolve_where)."""
+    from txmq.wire import ErrorCode, TxmqError
+
+    from ..client_ops import call, connect
+
+    sel: dict[str, Any] = {"group": group, "min_age_ms": min_age_ms}
+    if topic:
+        sel["topic"] = topic
+    listing = call(broker, token, "tx_pending", {**sel, "limit": 1})
+    total = listing.get("total", len(listing["transactions"]))
+    what = f"transactions of group {group}" + (f" on topic {topic}" if topic else "")
+    if not total:
+        note(f"no pending {what}" + (" matching" if min_age_ms else "") + ": nothing to resolve")
+        if out_fmt is Output.json:
+            emit_json([])
+        return
+    _bulk.confirm(total, "commit" if commit else "roll back", yes, dry_run, always=True)
+    verb = ("would be " if dry_run else "") + ("committed" if commit else "rolled back")
+    tally = _bulk.Tally(None, verb, "run the same command again (what is decided is no longer pending)")
+    label = ("committing" if commit else "rolling back") + (" (dry run)" if dry_run else "")
+
+    async def go() -> None:
+        progress = None
+        if interactive() and out_fmt is Output.table:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                                console=err, transient=True)
+        async with connect(broker, token, request_timeout=300.0) as client:
+            task = progress.add_task(label, total=total) if progress else None
+            if progress:
+                progress.start()
+            try:
+                after = -1
+                while True:
+                    tally.inflight = BATCH
+                    try:
+                        reply = await client.request("tx_resolve_where", {**sel, "action": "commit" if commit else "rollback",
+                                                                          "limit": BATCH, "after_half_offset": after, "dry_run": dry_run})
+                    except TxmqError as e:
+                        tally.inflight = 0
+                        if e.code == ErrorCode.UNKNOWN_OPERATION:
+                            raise CliError(f"the broker at {broker} does not decide transactions by group (an older version): "
+                                           f"use `txmq inspect half --group {group} -o jsonl | txmq resolve "
+                                           f"--{'commit' if commit else 'rollback'} - --yes`", exitcodes.ERROR) from None
+                        raise
+                    tally.inflight = 0
+                    for r in reply["results"]:
+                        row = {"ref": r.get("ref") or r.get("tx_id"), "tx_id": r.get("tx_id"), "status": r.get("status", "error"),
+                               "message": r.get("message", "")}
+                        tally.add(row, keep=out_fmt is not Output.jsonl)
+                        if out_fmt is Output.jsonl:
+                            emit_line(row)
+                    if progress:
+                        progress.advance(task, len(reply["results"]))
+                    if reply.get("cursor") is None:
+                        return
+                    after = reply["cursor"]
+            finally:
+                if progress:
+                    progress.stop()
+
+    _bulk.guarded(go(), tally, bulk=True)
+    _bulk.finish(tally.rows, out_fmt, verb, tally)
+
+
+BATCH = 500

@@ -1,0 +1,178 @@
+"""Operators' bulk commands: listings that never stop silently, server-side bulk resolve, summaries, the oldest-pending gauge."""
+
+import asyncio
+import json
+
+import pytest
+
+from brokerproc import free_port
+from conftest import arun
+from faultload import PipeClient
+from test_cli_support import CONFLICT, OK, PARTIAL, UNREACHABLE, err, lines, ok, out, shell, start_broker, txmq
+
+PAGE = 1000
+
+
+@pytest.fixture(scope="module")
+def broker_proc(tmp_path_factory):
+    mport = free_port()
+    # no check-backs during the module: pending transactions stay as they are
+    b = start_broker(tmp_path_factory.mktemp("cli-bulk"), "--check-interval", "1h", "--metrics-port", str(mport))
+    b.metrics_port = mport
+    yield b
+    b.stop()
+
+
+@pytest.fixture(scope="module")
+def broker(broker_proc):
+    return broker_proc.address
+
+
+def run(broker, *args, **kw):
+    return txmq(*args, broker=broker, **kw)
+
+
+def pend_many(broker: str, group: str, n: int, topic: str = "t-bulk") -> list[dict]:
+    """n transactions left pending, sent over one pipelined connection."""
+
+    async def go() -> list[dict]:
+        c = await PipeClient.open(broker)
+        try:
+            out = []
+            for i in range(0, n, 200):
+                out += await asyncio.gather(*[
+                    c.ok("send", {"topic": topic, "body": b"x", "properties": {"TRAN_MSG": "true", "PGROUP": group}})
+                    for _ in range(min(200, n - i))])
+            return out
+        finally:
+            await c.close()
+
+    return arun(go())
+
+
+def test_listings_in_a_pipe_stream_every_row_in_pages(broker):
+    sent = pend_many(broker, "page", PAGE + 7)
+    rows = lines(ok(run(broker, "inspect", "half", "--group", "page")))
+    assert [r["tx_id"] for r in rows] == [s["tx_id"] for s in sent]
+    doc = json.loads(out(ok(run(broker, "inspect", "half", "--group", "page", "-o", "json"))))
+    assert len(doc) == PAGE + 7 and doc[-1]["tx_id"] == sent[-1]["tx_id"]
+
+
+def test_a_limit_that_cuts_a_listing_is_said_on_stderr_in_every_format(broker):
+    pend_many(broker, "cut", 5)
+    for fmt in ("jsonl", "json", "table"):
+        r = ok(run(broker, "inspect", "half", "--group", "cut", "--limit", "2", "-o", fmt))
+        assert "showing 2 of 5 pending transactions (--limit)" in err(r), fmt
+    r = ok(run(broker, "inspect", "half", "--group", "cut", "--limit", "5"))
+    assert "showing" not in err(r) and len(lines(r)) == 5
+
+
+def test_the_readme_recipe_rolls_back_every_pending_transaction_past_one_page(broker):
+    pend_many(broker, "recipe", PAGE + 3)
+    r = shell("txmq inspect half --group recipe -o jsonl | txmq resolve --rollback - --yes", broker, timeout=120)
+    assert r.returncode == 0, err(r)
+    rows = lines(r)
+    assert len(rows) == PAGE + 3 and all(x["status"] == "ok" for x in rows)
+    assert lines(ok(run(broker, "inspect", "half", "--group", "recipe"))) == []
+
+
+def test_oldest_pending_age_per_group_is_a_gauge_in_stats_and_prometheus(broker_proc):
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    broker = broker_proc.address
+    pend_many(broker, "aged", 1)
+    st = json.loads(out(ok(run(broker, "stats", "-o", "json"))))
+    assert st["gauges"]["oldest_pending_age_s"]["aged"] >= 0
+    text = urllib.request.urlopen(f"http://127.0.0.1:{broker_proc.metrics_port}/metrics", timeout=5).read().decode()
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for fam in text_string_to_metric_families(text) for s in fam.samples}
+    assert samples[("txmq_oldest_pending_age_seconds", (("group", "aged"),))] >= 0
+
+
+def test_resolve_by_group_is_decided_by_the_broker_in_batches(broker):
+    old = pend_many(broker, "where", 1203, topic="t-where")
+    other = pend_many(broker, "where", 2, topic="t-where-other")
+    dry = run(broker, "resolve", "--rollback", "--group", "where", "--topic", "t-where", "--dry-run")
+    assert dry.returncode == OK, err(dry)
+    assert len(lines(dry)) == 1203 and {r["status"] for r in lines(dry)} == {"ok"}
+    assert "1203 would be rolled back, 0 already, 0 failed" in err(dry)
+    assert len(lines(ok(run(broker, "inspect", "half", "--group", "where")))) == 1205
+    # several transactions without --yes and no terminal: refused, nothing done
+    assert run(broker, "resolve", "--rollback", "--group", "where", "--topic", "t-where").returncode == 2
+    r = run(broker, "resolve", "--rollback", "--group", "where", "--topic", "t-where", "--yes")
+    assert r.returncode == OK, err(r)
+    rows = lines(r)
+    assert sorted(x["tx_id"] for x in rows) == sorted(s["tx_id"] for s in old)
+    assert all(x["status"] == "ok" and x["ref"] == x["tx_id"] for x in rows)
+    assert "1203 rolled back, 0 already, 0 failed" in err(r)
+    left = lines(ok(run(broker, "inspect", "half", "--group", "where")))
+    assert [x["tx_id"] for x in left] == [s["tx_id"] for s in other]
+    # the one a stale listing would name is decided the same way: already; the other way: conflict
+    c = run(broker, "resolve", "--commit", old[0]["tx_id"])
+    assert c.returncode == CONFLICT
+    nothing = ok(run(broker, "resolve", "--rollback", "--group", "where", "--topic", "t-where", "--yes"))
+    assert "nothing to resolve" in err(nothing)
+
+
+def test_resolve_by_group_refuses_refs_and_topic_without_group(broker):
+    assert run(broker, "resolve", "--rollback", "--group", "g", "1").returncode == 2
+    assert run(broker, "resolve", "--rollback", "--older-than", "1m").returncode == 2
+
+
+def test_bulk_resolve_ends_with_a_summary_line_on_stderr(broker):
+    sent = pend_many(broker, "summ", 3)
+    refs = "\n".join([sent[0]["tx_id"], sent[1]["tx_id"], "NO-SUCH-TX"]) + "\n"
+    r = run(broker, "resolve", "--rollback", "-", "--yes", input=refs)
+    assert r.returncode == PARTIAL
+    assert "2 rolled back, 0 already, 1 failed, 0 not attempted" in err(r)
+
+
+def _stop_a_bulk_resolve(tmp_path, stop):
+    """Start `resolve --rollback -` on 3000 REFs, call stop(broker, process) once rows come out; (exit, stderr, rows printed)."""
+    import signal  # noqa: F401
+    import subprocess
+    import threading
+    import time
+
+    from test_cli_support import cli_argv, cli_env
+
+    b = start_broker(tmp_path, "--check-interval", "1h")
+    try:
+        sent = pend_many(b.address, "stop", 3000)
+        p = subprocess.Popen(cli_argv("resolve", "--rollback", "-", "--yes", "-o", "jsonl"), stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=cli_env(b.address))
+        got: list[bytes] = []
+        th = threading.Thread(target=lambda: got.extend(p.stdout))
+        th.start()
+        p.stdin.write("".join(s["tx_id"] + "\n" for s in sent).encode())
+        p.stdin.close()
+        deadline = time.monotonic() + 20
+        while not got and time.monotonic() < deadline:
+            time.sleep(0.002)
+        stop(b, p)
+        code = p.wait(30)
+        th.join(5)
+        return code, p.stderr.read().decode(), len(got)
+    finally:
+        b.kill()
+
+
+def test_bulk_resolve_after_a_lost_broker_says_what_was_done_and_exits_3(tmp_path):
+    code, e, n = _stop_a_bulk_resolve(tmp_path, lambda b, p: b.kill())
+    if n == 3000:
+        pytest.skip("the broker finished before it was killed")
+    assert code == UNREACHABLE, e
+    assert "stopped (broker lost)" in e and "not attempted" in e and "to resume" in e
+    assert f"{n} rolled back" in e
+
+
+def test_bulk_resolve_after_ctrl_c_says_what_was_done(tmp_path):
+    import signal
+
+    code, e, n = _stop_a_bulk_resolve(tmp_path, lambda b, p: p.send_signal(signal.SIGINT))
+    if n == 3000:
+        pytest.skip("the command finished before Ctrl-C")
+    assert code == 130, e
+    assert "stopped (interrupted)" in e and f"{n} rolled back" in e and "to resume" in e
