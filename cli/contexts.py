@@ -97,7 +97,7 @@ def selected(flag: str | None) -> tuple[str | None, dict[str, Any] | None]:
     return name, ctx
 
 
-def default_map(command: Any, ctx: dict[str, Any]) -> dict[str, Any]:
+def default_map(command: Any, ctx: dict[str, Any], top: bool = True) -> dict[str, Any]:
     """click's default_map giving every command's --broker/--token the context's values.
 
     click reads the command line, then the environment variable, then the
@@ -106,8 +106,10 @@ def default_map(command: Any, ctx: dict[str, Any]) -> dict[str, Any]:
     values = {k: v for k, v in (("broker", ctx.get("broker")), ("token", ctx.get("token"))) if v}
     dm: dict[str, Any] = {}
     for name, sub in getattr(command, "commands", {}).items():
+        if top and name == "context":
+            continue  # `context add --broker/--token` define a context: nothing comes from one
         if getattr(sub, "commands", None):
-            inner = default_map(sub, ctx)
+            inner = default_map(sub, ctx, top=False)
             if inner:
                 dm[name] = inner
             continue

@@ -47,7 +47,7 @@ def root(
     _state["debug"] = debug
 
 
-_state: dict[str, bool] = {"debug": False}
+_state: dict[str, Any] = {"debug": False, "context": None}
 
 
 def _register() -> None:
@@ -147,6 +147,7 @@ def main() -> None:
         app(prog_name="txmq")
         return
     args, context_name, debug_flag = normalize_args(sys.argv[1:])
+    _state["context"] = context_name
     _state["debug"] = debug_flag or os.environ.get("TXMQ_DEBUG", "").lower() in ("1", "true", "yes", "on")
     try:
         command = typer.main.get_command(app)

@@ -66,3 +66,52 @@ def test_help_shows_bracketed_defaults():
     text = out(r)
     assert "Data directory [default: ~/.local/share/txmq]" in text, text
     assert "Check-back interval [default: 60s]" in text
+
+
+@pytest.fixture
+def config_home(tmp_path):
+    return {"XDG_CONFIG_HOME": str(tmp_path / "cfg")}
+
+
+def _topics(*args, env, broker_env=None):
+    r = txmq(*args, "topics", "-o", "json", broker=broker_env, env=env)
+    return r
+
+
+def test_context_supplies_broker_and_token(tmp_path, config_home):
+    b = start_broker(tmp_path, "--auth-token", "ctx-secret", name="authed")
+    try:
+        ok(txmq("send", "t-ctx", "x", broker=b.address, env={"TXMQ_AUTH_TOKEN": "ctx-secret"}))
+        ok(txmq("context", "add", "prod", "--broker", b.address, "--token", "ctx-secret", env=config_home))
+        ok(txmq("context", "add", "nowhere", "--broker", f"127.0.0.1:{free_port()}", env=config_home))
+        path = tmp_path / "cfg" / "txmq" / "contexts.json"
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        # the first context added is the current one
+        assert [t["topic"] for t in json.loads(out(ok(_topics(env=config_home))))] == ["t-ctx"]
+        # --context before or after the command, and TXMQ_CONTEXT
+        _one_line_error(_topics("--context", "nowhere", env=config_home), UNREACHABLE)
+        _one_line_error(txmq("topics", "--context", "nowhere", env=config_home), UNREACHABLE)
+        _one_line_error(_topics(env={**config_home, "TXMQ_CONTEXT": "nowhere"}), UNREACHABLE)
+        # the environment wins over the context, the option over both
+        _one_line_error(_topics(env=config_home, broker_env=f"127.0.0.1:{free_port()}"), UNREACHABLE)
+        ok(_topics("-b", b.address, env={**config_home, "TXMQ_CONTEXT": "nowhere", "TXMQ_AUTH_TOKEN": "ctx-secret"}))
+        _one_line_error(_topics(env={**config_home, "TXMQ_AUTH_TOKEN": "wrong"}), 4, "refused the auth token")
+        ok(txmq("context", "use", "nowhere", env=config_home))
+        _one_line_error(_topics(env=config_home), UNREACHABLE)
+        rows = json.loads(out(ok(txmq("context", "list", "-o", "json", env=config_home))))
+        assert {r["name"]: (r["current"], r["token"]) for r in rows} == {"prod": (False, "set"), "nowhere": (True, None)}
+        assert "ctx-secret" not in out(ok(txmq("context", "list", env=config_home)))
+        shown = json.loads(out(ok(txmq("context", "show", "prod", "--token", "-o", "json", env=config_home))))
+        assert shown["token"] == "ctx-secret" and shown["broker"] == b.address
+        ok(txmq("context", "remove", "nowhere", env=config_home))
+        _one_line_error(_topics("--context", "nowhere", env=config_home), USAGE, "no context named 'nowhere'")
+    finally:
+        b.stop()
+
+
+def test_context_commands_refuse_bad_input(config_home):
+    _one_line_error(txmq("context", "add", "x", "--broker", "nope", env=config_home), USAGE, "HOST:PORT")
+    _one_line_error(txmq("context", "add", "bad name", "--broker", "127.0.0.1:1", env=config_home), USAGE, "bad context name")
+    ok(txmq("context", "add", "a", "--broker", "127.0.0.1:1", env=config_home))
+    _one_line_error(txmq("context", "add", "a", "--broker", "127.0.0.1:2", env=config_home), USAGE, "--force")
+    _one_line_error(txmq("context", "use", "zzz", env=config_home), 5)

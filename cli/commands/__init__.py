@@ -37,6 +37,9 @@ def register_all(app: typer.Typer) -> None:
         spark.register(app)  # txmq spark-export (cli/commands/spark.py)
     with _panel(app, "Shell"):
         completion.register(app)
+        from . import context
+
+        app.add_typer(context.app, name="context")  # txmq context add|list|use|remove|show
 
 
 class _panel:
