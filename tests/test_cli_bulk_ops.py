@@ -176,3 +176,9 @@ def test_bulk_resolve_after_ctrl_c_says_what_was_done(tmp_path):
         pytest.skip("the command finished before Ctrl-C")
     assert code == 130, e
     assert "stopped (interrupted)" in e and f"{n} rolled back" in e and "to resume" in e
+
+
+def test_send_of_stdin_lines_ends_with_a_summary_line(broker):
+    r = run(broker, "send", "t-sum-send", "-", input="a\nb\n\nc\n")
+    assert r.returncode == OK, err(r)
+    assert len(lines(r)) == 3 and "3 sent, 0 failed, 0 not attempted" in err(r)

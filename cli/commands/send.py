@@ -234,6 +234,12 @@ async def _send_stream(broker: str, token: str | None, spec: _Spec, window: int,
         raise BrokenPipeError  # main() exits quietly
     if out_fmt is Output.json:
         emit_json(rows)
+    if line_no:  # the one-line summary of a bulk run (docs/cli.md, "Summary of a bulk run")
+        if lost:
+            err.print(f"[warn]stopped (broker lost): {sent} sent, {len(failures)} failed, input read up to line {line_no}; "
+                      f"to resume, resend the lines with no printed result and those after line {line_no}[/warn]")
+        else:
+            err.print(f"{sent} sent, {len(failures)} failed, 0 not attempted")
     if lost:
         raise CliError(f"{cli_error(lost[0], broker).message}; {sent} message(s) were acknowledged (printed above), "
                        f"the rest were not sent or not acknowledged", exitcodes.UNREACHABLE)
