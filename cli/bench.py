@@ -161,6 +161,8 @@ class Bench:
         self._queues: list[tuple[int, int]] = []  # consume: (queue id, next offset)
         self._qi = 0
         self._checker: Any = None
+        self._unknown: list[tuple[str, int, int]] = []  # tx: (tx_id, commit_log_offset, half_offset) ended unknown
+        self.rolled_back = 0
 
     # ---- unit accounting --------------------------------------------------
     def may_issue(self) -> bool:
@@ -213,6 +215,8 @@ class Bench:
             state = self._rng.choices(self._mix_states, self._mix_weights)[0] if len(self._mix_states) > 1 else self._mix_states[0]
             g.request("end_transaction", {"group": self.cfg.group, "tx_id": fields["tx_id"], "commit_log_offset": fields["commit_log_offset"],
                                           "half_offset": fields["half_offset"], "state": state}, ("end", t_unit, now, state))
+            if state == "unknown":  # left pending on purpose: rolled back at the end unless a check-back decided it
+                self._unknown.append((fields["tx_id"], fields["commit_log_offset"], fields["half_offset"]))
             return
         if kind == "end":
             st.lat["tx"].append(now - t_unit)
@@ -320,10 +324,48 @@ class Bench:
                 g.transport.close()
         if self._checker is not None:
             await self._checker.close()
+        if self._unknown:
+            await self._roll_back_unknown()
         return self.summary(elapsed)
 
+    async def _roll_back_unknown(self) -> None:
+        """Transactions the mix ended `unknown` would stay pending on the broker: roll back those still pending."""
+        from txmq.client.connection import Client
+        from txmq.wire import TxmqError
+
+        async def one(c: Any, tx_id: str, clo: int, ho: int) -> bool:
+            try:
+                await c.request("end_transaction", {"group": self.cfg.group, "tx_id": tx_id, "commit_log_offset": clo,
+                                                    "half_offset": ho, "state": "rollback"})
+                return True
+            except TxmqError:  # decided already (a check-back committed it), or a newer half copy: not pending from us
+                return False
+
+        try:
+            async with Client(self.cfg.address, token=self.cfg.token, reconnect=False) as c:
+                for i in range(0, len(self._unknown), 256):
+                    done = await asyncio.gather(*(one(c, *u) for u in self._unknown[i : i + 256]))
+                    self.rolled_back += sum(done)
+        except (OSError, TxmqError, TimeoutError) as e:
+            from .console import warn
+
+            warn(f"{len(self._unknown) - self.rolled_back} transactions ended 'unknown' may still be pending on "
+                 f"{self.cfg.address} (group {self.cfg.group}): {e}; `txmq checker --group {self.cfg.group} --answer rollback --now --idle-exit 5s` ends them")
+            return
+        if self.rolled_back:
+            from .console import note
+
+            note(f"rolled back {self.rolled_back} transactions the mix left pending ('unknown' and not yet checked back), "
+                 f"group {self.cfg.group}")
+
     def _check_done(self) -> None:
-        if self._finished is not None and not self._finished.done() and all(g.active == 0 for g in self.gens):
+        """End the run once nothing more may be issued (deadline passed, count reached) and nothing is in flight.
+
+        With --rate there are moments with nothing in flight between two
+        paced requests: those are not the end of the run.
+        """
+        if (self._finished is not None and not self._finished.done() and not self.may_issue_any()
+                and all(g.active == 0 for g in self.gens)):
             self._finished.set_result(None)
 
     async def _pace(self) -> None:
@@ -355,6 +397,7 @@ class Bench:
             "unit": {"tx": "transactions/s", "send": "messages/s", "consume": "messages/s"}[cfg.mode],
             "latency_ms": {op: percentiles(v) for op, v in st.lat.items()},
             "errors": st.errors, "outcomes": st.outcomes,
+            **({"unknown_rolled_back": self.rolled_back} if cfg.mode == "tx" and cfg.mix.get("unknown") else {}),
         }
 
 

@@ -75,3 +75,26 @@ def test_check_micro_runs_its_passes():
                        capture_output=True, text=True, timeout=120, cwd=REPO)
     assert p.returncode == 0, p.stderr[-2000:]
     assert p.stdout.startswith("check pass, 300 pending") and "min " in p.stdout
+
+
+def test_bench_with_rate_runs_until_the_deadline():
+    """A paced run has moments with nothing in flight; the run still ends on --duration, not at the first such moment."""
+    res = _json([*TXMQ, "bench", "send", "--embedded", "--rate", "20", "--duration", "1500ms", "-o", "json"])
+    assert res["elapsed_s"] >= 1.45, res
+    assert 20 <= res["completed"] <= 32 and res["errors"] == {}
+
+
+def test_bench_tx_rolls_back_what_the_mix_left_unknown(tmp_path):
+    from test_cli_support import lines, ok, start_broker, txmq
+
+    b = start_broker(tmp_path, "--check-interval", "60s", "--transaction-timeout", "60s")
+    try:
+        p = subprocess.run([*TXMQ, "bench", "tx", "-b", b.address, "-m", "200", "--mix", "commit=1,unknown=1", "-o", "json"],
+                           capture_output=True, text=True, timeout=120, cwd=REPO)
+        assert p.returncode == 0, p.stderr[-2000:]
+        res = json.loads(p.stdout)
+        assert res["outcomes"]["unknown"] == res["unknown_rolled_back"] > 0
+        assert "rolled back" in p.stderr
+        assert lines(ok(txmq("inspect", "half", "--group", "bench", broker=b.address))) == []
+    finally:
+        b.stop()
