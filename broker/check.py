@@ -94,8 +94,12 @@ class CheckProgress:
 
 
 class CheckService:
-    def __init__(self, core, tx: TransactionService, progress: CheckProgress, settings_path: Path, settings: CheckSettings) -> None:
+    def __init__(self, core, tx: TransactionService, progress: CheckProgress, settings_path: Path, settings: CheckSettings,
+                 stored: dict[str, Any] | None = None) -> None:
         self.core = core
+        # What config.json holds (`config set` changes): start options are in
+        # `settings` for this run only and are never written there.
+        self.stored: dict[str, Any] = dict(stored if stored is not None else settings.to_dict())
         self.tx = tx
         self.progress = progress
         self.settings_path = settings_path
@@ -115,7 +119,9 @@ class CheckService:
     def set(self, key: str, value: Any) -> tuple[Any, Any]:
         new_settings = self.settings.with_value(key, value)  # KeyError / ValueError first
         old = getattr(self.settings, key)
-        atomic_write_json(self.settings_path, new_settings.to_dict())  # persisted first: a refused change changes nothing
+        stored = {**self.stored, key: getattr(new_settings, key)}
+        atomic_write_json(self.settings_path, stored)  # persisted first: a refused change changes nothing
+        self.stored = stored
         self.settings = new_settings
         log.info("event=config_set key=%s old=%s new=%s", key, old, getattr(self.settings, key))
         self._wake.set()  # a shorter interval takes effect now

@@ -20,7 +20,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 from txmq.constants import DISCARD_TOPIC, HALF_TOPIC, OP_TOPIC
-from txmq.store import atomic_write_json
 from txmq.store.damage import Damage
 from txmq.store.files import fsync_dir
 from txmq.wire import ErrorCode, TxmqError
@@ -135,22 +134,21 @@ class Broker:
         self._flush_failing: str | bool = False  # "disk" (full) or "error" while index flushes fail
 
     def _settings(self, stored: dict) -> CheckSettings:
-        """Defaults < config.json (set live; stored, as read) < explicit start options.
+        """Defaults < config.json (what `txmq config set` stored) < explicit start options.
 
-        config.json is written only when that changes what it holds, and a
-        failed write (a full disk) is a warning: the settings apply to this
-        run all the same, and a broker must start on a full disk to serve reads.
+        A start option applies to this run only: config.json is not written
+        at start, so a later plain `broker start` runs on what `config set`
+        stored (or the defaults), never on an earlier start's options. The
+        settings in effect, and which came from options, are logged
+        (event=check_settings) and shown by `txmq broker status`.
         """
-        path = self.core.data_dir / "config.json"
         settings = CheckSettings.from_dict(stored)
         for key in self.config.check_overrides:
             settings = settings.with_value(key, getattr(self.config.check, key))
-        if settings.to_dict() != stored:
-            try:
-                atomic_write_json(path, settings.to_dict())
-            except OSError as exc:
-                log.warning("event=config_write_failed file=%s error=%r msg=%s", path, exc,
-                            "'the settings apply to this run; config.json keeps what it held'")
+        log.info("event=check_settings check_interval_s=%s transaction_timeout_s=%s max_checks=%s retention_s=%s "
+                 "from_options=%s stored=%s", settings.check_interval_s, settings.transaction_timeout_s, settings.max_checks,
+                 settings.retention_s, ",".join(self.config.check_overrides) or "-",
+                 ",".join(k for k in stored if k in settings.to_dict()) or "-")
         return settings
 
     async def start(self) -> None:
@@ -162,7 +160,8 @@ class Broker:
         settings = self._settings(stored)
         progress = CheckProgress(core.data_dir / "txcheck.json", repair=True)
         core.tx = TransactionService(core, TxIndex())
-        core.check = CheckService(core, core.tx, progress, core.data_dir / "config.json", settings)
+        core.check = CheckService(core, core.tx, progress, core.data_dir / "config.json", settings,
+                                  stored={k: v for k, v in stored.items() if k in settings.to_dict()})
         core.store.config = replace(core.store.config, retention_s=settings.retention_s)
         await core.start()
         loop = asyncio.get_running_loop()

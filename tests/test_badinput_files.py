@@ -75,26 +75,37 @@ def test_a_start_option_replaces_a_bad_stored_setting_and_unknown_keys_are_ignor
 
     s = arun(go())
     assert (s.max_checks, s.check_interval_s) == (7, 5.0)
-    stored = json.loads((data / "config.json").read_text())
-    assert stored["max_checks"] == 7 and "colour" not in stored
+    # a start option is for that run: the file keeps what it held
+    assert (data / "config.json").read_text() == '{"max_checks": "many", "check_interval_s": 5, "colour": "blue"}'
     assert any("event=config_unknown_key" in r.getMessage() and "colour" in r.getMessage() for r in caplog.records)
 
 
-def test_config_json_is_written_only_when_it_changes(tmp_path):
+def test_start_options_apply_to_one_start_and_are_not_stored(tmp_path):
     data = tmp_path / "data"
     data.mkdir()
 
-    async def go(**kw):
-        async with running_broker(data, **kw):
-            pass
+    async def go(live: dict | None = None, **kw):
+        async with running_broker(data, **kw) as b:
+            for k, v in (live or {}).items():
+                b.core.check.set(k, v)
+            return b.core.check.settings, None
 
-    arun(go())
     path = data / "config.json"
-    first = path.stat().st_mtime_ns, path.stat().st_ino
     arun(go())
-    assert (path.stat().st_mtime_ns, path.stat().st_ino) == first  # an unchanged file is not rewritten
-    arun(go(max_checks=3))
-    assert json.loads(path.read_text())["max_checks"] == 3
+    assert not path.exists()  # a start writes nothing
+    s, _ = arun(go(max_checks=3))
+    assert s.max_checks == 3 and not path.exists()
+    s, _ = arun(go())
+    assert s.max_checks == 15  # the next plain start is back on the defaults
+    path.write_text('{"max_checks": 4}')
+    before = path.stat().st_mtime_ns, path.stat().st_ino
+    s, _ = arun(go(max_checks=2, retention_s=3600))
+    assert (s.max_checks, s.retention_s) == (2, 3600) and (path.stat().st_mtime_ns, path.stat().st_ino) == before
+    s, _ = arun(go())
+    assert s.max_checks == 4
+    # a live change (`config set`) is stored, without the start options beside it
+    s, _ = arun(go({"check_interval_s": 9}, max_checks=2))
+    assert (s.max_checks, s.check_interval_s) == (2, 9) and json.loads(path.read_text()) == {"max_checks": 4, "check_interval_s": 9}
 
 
 @pytest.mark.parametrize("content", ["{", "[1,2]", "null"])

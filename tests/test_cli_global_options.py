@@ -115,3 +115,11 @@ def test_context_commands_refuse_bad_input(config_home):
     ok(txmq("context", "add", "a", "--broker", "127.0.0.1:1", env=config_home))
     _one_line_error(txmq("context", "add", "a", "--broker", "127.0.0.1:2", env=config_home), USAGE, "--force")
     _one_line_error(txmq("context", "use", "zzz", env=config_home), 5)
+
+
+def test_broker_status_shows_the_check_settings_in_effect_and_one_round_trip(broker):
+    st = json.loads(out(ok(txmq("broker", "status", "-o", "json", broker=broker.address))))
+    # start_broker passes --check-interval 1s --transaction-timeout 0s: options for this start
+    assert (st["check_interval_s"], st["transaction_timeout_s"], st["max_checks"], st["retention_s"]) == (1, 0, 15, 72 * 3600)
+    assert 0 < st["rtt_ms"] < 40
+    assert not (broker.data_dir / "config.json").exists()  # the start options were not stored

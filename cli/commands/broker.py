@@ -141,11 +141,18 @@ def start(
 @app.command(epilog="Examples:\n\n  txmq broker status\n\n  txmq broker status -o json | jq .uptime_s")
 def status(broker: BrokerOpt = "127.0.0.1:10911", token: TokenOpt = None, output: OutputOpt = None) -> None:
     """Whether a broker answers at --broker, and its basic figures."""
-    from ..client_ops import call
+    from ..client_ops import connect
+    from ..common import run
 
-    t0 = time.perf_counter()
-    info = call(broker, token, "broker_info", {})
-    rtt_ms = (time.perf_counter() - t0) * 1000
+    async def go() -> tuple[dict, dict, float]:
+        async with connect(broker, token) as c:
+            info = await c.request("broker_info", {})
+            # one request's round trip on the open connection (not connecting, importing or printing)
+            t0 = time.perf_counter()
+            check = await c.request("config_get", {})
+            return info, check, (time.perf_counter() - t0) * 1000
+
+    info, check, rtt_ms = run(go())
     output = output or default_output()
     counters = info.pop("counters", {})
     row = {
@@ -154,6 +161,8 @@ def status(broker: BrokerOpt = "127.0.0.1:10911", token: TokenOpt = None, output
         "topics": info["topics"], "max_offset": info["max_offset"], "durable_offset": info["durable_offset"],
         "producer_groups": info["producer_groups"], "auth": info["auth"], "speedups": info.get("speedups", "unknown"),
         "damaged_records": info.get("damaged_records", 0),
+        # the check settings in effect (start options, else config.json, else the defaults)
+        **{k: check.get(k) for k in ("check_interval_s", "transaction_timeout_s", "max_checks", "retention_s")},
         "rtt_ms": round(rtt_ms, 2),
         "messages_sent": counters.get("messages_sent", 0), "half_stored": counters.get("half_stored", 0),
     }
