@@ -57,6 +57,7 @@ class ClientBench:
         body = b"x" * cfg.size
         wait_end = self.end == "wait"
         loop = asyncio.get_running_loop()
+        cpu0 = time.process_time()
         t0 = time.perf_counter()
         deadline = t0 + cfg.duration if cfg.duration else None
         budget = [cfg.messages or 0]
@@ -98,6 +99,7 @@ class ClientBench:
         for tp in producers:
             await tp.flush()
         elapsed = time.perf_counter() - t0
+        client_cpu = time.process_time() - cpu0
         if reporter is not None:
             reporter.cancel()
         for tp in producers:
@@ -109,6 +111,7 @@ class ClientBench:
             "throughput": round(st.done / elapsed, 1) if elapsed > 0 else 0.0, "unit": "transactions/s",
             "latency_ms": {op: percentiles(v) for op, v in st.lat.items()},
             "errors": st.errors, "outcomes": st.outcomes,
+            "client_cpu_s": round(client_cpu, 3),  # this process: the producers, listener and event loop
         }
 
     async def _report(self) -> None:
