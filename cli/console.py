@@ -183,11 +183,19 @@ def render(rows: Sequence[dict[str, Any]], output: Output, columns: Sequence[tup
     columns = columns or [(k, k) for k in (rows[0].keys() if rows else [])]
     formatters = formatters or {}
     table = new_table(title)
-    for _, label in columns:
-        table.add_column(label, overflow="fold")
+    for key, label in columns:
+        if is_exact(key):  # ids and offsets are copied: never wrapped or cut, the free-text columns give way
+            table.add_column(label, no_wrap=True, overflow="ignore", min_width=len(label))
+        else:
+            table.add_column(label, overflow="fold")
     for r in rows:
         table.add_row(*[_cell(r.get(k), formatters.get(k)) for k, _ in columns])
     print_table(table)
+
+
+def is_exact(key: str) -> bool:
+    """A column whose values are copied whole (ids, offsets, times): never wrapped in a table."""
+    return key in ("tx_id", "msg_id", "ref") or key.endswith(("_id", "offset", "_at"))
 
 
 def _cell(v: Any, f: Any) -> str:
