@@ -177,3 +177,13 @@ def test_send_tx_stdin_lines_pipeline_their_ends_and_report_each_outcome(broker)
     assert {x["state"] for x in rows} == {"committed"}  # printed once the end's reply arrived
     got = lines(ok(run(broker, "consume", "m-tx-lines", "--group", "g-tx")))
     assert sorted(m["body"] for m in got) == sorted(f"order {i}" for i in range(1, 201))
+
+
+def test_stats_table_shows_levels_as_gauges_times_as_times_and_no_none(broker):
+    text = out(ok(run(broker, "stats", "-o", "table")))
+    rows = {line.split()[1]: line.split()[0] for line in text.splitlines()[1:] if len(line.split()) >= 3}
+    assert rows.get("flush_seconds_avg") == "gauge" and rows.get("flush_seconds_max") == "gauge"
+    assert "None" not in text and "[]" not in text
+    assert sum(1 for line in text.splitlines() if line.split()[1:2] == ["check_passes"]) <= 1
+    if "last_check_pass.at" in text:
+        assert "Z" in next(line for line in text.splitlines() if "last_check_pass.at" in line)

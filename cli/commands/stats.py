@@ -106,32 +106,56 @@ def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
+_NOT_RATES = ("_avg", "_max", "_min", "_mean")  # in `counters` on the wire, but levels, not running totals
+
+
 def _table(doc: dict[str, Any], prev: dict[str, Any] | None, dt: float, title: str | None = None, compact: bool = False) -> Any:
-    """Counters (with per-second rates once there is a previous sample) and gauges; `compact` drops nested gauges."""
+    """Counters (with per-second rates once there is a previous sample) and gauges.
+
+    Averages and maxima the broker reports among its counters are shown as
+    gauges, without a rate; a gauge that repeats a counter's name is shown
+    once; times (keys ending in ``_at`` or ``_ms`` holding epoch
+    milliseconds) are shown as UTC times; lists as their length. ``compact``
+    (the live view) drops the lists of places only.
+    """
     t = new_table(title)
     t.add_column("KIND", style="dim")
-    t.add_column("NAME", style="key")
-    t.add_column("VALUE", justify="right")
+    t.add_column("NAME", style="key", no_wrap=True)
+    t.add_column("VALUE", justify="right", no_wrap=True)
     if prev is not None:
         t.add_column("PER SECOND", justify="right")
     before = _flat(prev["counters"]) if prev else {}
-    for kind in ("counters", "gauges"):
-        for name, v in sorted(_flat(doc[kind]).items()):
-            if compact and kind == "gauges" and "." in name:
-                continue
-            cells = ["counter" if kind == "counters" else "gauge", name, _num(v)]
-            if prev is not None:
-                rate = ""
-                if kind == "counters" and isinstance(v, (int, float)) and name in before and dt > 0:
-                    rate = f"{(v - before[name]) / dt:,.1f}"
-                cells.append(rate)
-            t.add_row(*cells)
+    counters = _flat(doc["counters"])
+    rows: list[tuple[str, str, Any]] = []
+    for name, v in sorted(counters.items()):
+        rows.append(("gauge" if name.endswith(_NOT_RATES) else "counter", name, v))
+    for name, v in sorted(_flat(doc["gauges"]).items()):
+        if name in counters or (compact and isinstance(v, list)):
+            continue
+        rows.append(("gauge", name, v))
+    for kind, name, v in rows:
+        cells = [kind, name, _num(v, name)]
+        if prev is not None:
+            rate = ""
+            if kind == "counter" and isinstance(v, (int, float)) and name in before and dt > 0:
+                r = (v - before[name]) / dt
+                rate = f"{0.0 if abs(r) < 0.05 else r:,.1f}"
+            cells.append(rate)
+        t.add_row(*cells)
     return t
 
 
-def _num(v: Any) -> str:
-    if isinstance(v, bool) or v is None:
-        return str(v)
+def _num(v: Any, name: str = "") -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return str(v).lower()
+    if isinstance(v, list):
+        return f"{len(v)} (see -o json)" if v else "0"
+    if isinstance(v, int) and name.endswith(("_at", ".at", "_ms")) and v > 10**11:  # epoch ms
+        import datetime as dt
+
+        return dt.datetime.fromtimestamp(v / 1000, dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3] + "Z"
     if isinstance(v, int):
         return f"{v:,}"
     if isinstance(v, float):
