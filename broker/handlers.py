@@ -245,7 +245,39 @@ def tx_pending(core, conn, f: dict) -> Reply:
 
 
 def tx_offsets(core, conn, f: dict) -> Reply:
-    return core.check.offsets()
+    from .txhistory import held_by
+
+    doc = core.check.offsets()
+    doc["held_by"] = held_by(core.tx.index, doc["half"]["progress"], doc["half"]["max"], int(core.clock() * 1000),
+                             core.check.settings.transaction_timeout_s, core.registry.online)
+    return doc
+
+
+def tx_history(core, conn, f: dict) -> Reply:
+    import asyncio
+
+    from .txhistory import DEFAULT_MAX_SCAN, History, find_tx_id
+
+    refs = [k for k in ("tx_id", "half_offset", "commit_log_offset") if f.get(k) is not None]
+    if len(refs) != 1:
+        raise _bad("give one of tx_id, half_offset, commit_log_offset")
+    tx_id = find_tx_id(core.store, opt_str(f, "tx_id"), opt_int(f, "half_offset", None), opt_int(f, "commit_log_offset", None))
+    h = None
+    if tx_id is not None:
+        h = History(core.store, core.tx.index, tx_id, int(core.clock() * 1000), opt_int(f, "max_scan", DEFAULT_MAX_SCAN, 1, 10_000_000),
+                    core.check.next_check_at, opt_bool(f, "summary"))
+
+    async def run() -> dict:
+        if h is not None:
+            for _ in h.steps():
+                await asyncio.sleep(0)  # other requests are served between batches of the bounded scan
+        if h is None or h.doc is None:
+            what = f"{refs[0]} {f[refs[0]]}"
+            raise TxmqError(f"no transaction at {what} (never stored, not a transactional record, or deleted by retention)",
+                            ErrorCode.TX_NOT_FOUND)
+        return h.doc
+
+    return run()
 
 
 def tx_resolve(core, conn, f: dict) -> Reply:
@@ -359,6 +391,7 @@ HANDLERS: dict[str, Handler] = {
     "tx_resolve": _needs_index(tx_resolve),
     "tx_resolve_where": _needs_index(tx_resolve_where),
     "tx_check_now": _needs_index(tx_check_now),
+    "tx_history": _needs_index(tx_history),
     "discard_list": _needs_index(discard_list),
     "discard_replay": _needs_index(discard_replay),
     "config_get": config_get,

@@ -22,6 +22,7 @@
 #   txmq inspect half
 #   txmq inspect offsets
 #   txmq inspect op
+#   txmq inspect tx
 #   txmq message find
 #   txmq message get
 #   txmq read

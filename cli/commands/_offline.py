@@ -76,6 +76,7 @@ class DataDir:
         return [p.as_dict(now_ms, None) for p in rows[:limit]], len(rows)
 
     def offsets(self) -> dict[str, Any]:
+        from txmq.broker.txhistory import held_by
         from txmq.constants import HALF_TOPIC, OP_TOPIC
 
         idx = self.index
@@ -84,7 +85,30 @@ class DataDir:
             "op": {"progress": self.progress.op, "max": self.reader.queue_max_offset(OP_TOPIC, 0)},
             "pending": len(idx.pending),
             "discarded": idx.discarded,
+            "held_by": held_by(idx, self.progress.half, self.reader.queue_max_offset(HALF_TOPIC, 0), int(time.time() * 1000),
+                               self._timeout_s()),
         }
+
+    def _timeout_s(self) -> float:
+        """The transaction timeout the broker last stored (config.json), else the default."""
+        import json
+
+        from txmq.broker.config import CheckSettings
+
+        try:
+            v = json.loads((self.path / "config.json").read_text()).get("transaction_timeout_s")
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                return float(v)
+        except (OSError, ValueError, AttributeError):
+            pass
+        return CheckSettings().transaction_timeout_s
+
+    def history(self, ref: dict[str, Any]) -> dict[str, Any] | None:
+        """One transaction's history (txmq.broker.txhistory), or None when the reference names none."""
+        from txmq.broker.txhistory import find_tx_id, history
+
+        tx_id = find_tx_id(self.reader, ref.get("tx_id"), ref.get("half_offset"), ref.get("commit_log_offset"))
+        return None if tx_id is None else history(self.reader, self.index, tx_id, int(time.time() * 1000))
 
     def queue_bounds(self, topic: str, queue_id: int) -> tuple[int, int]:
         return self.reader.queue_min_offset(topic, queue_id), self.reader.queue_max_offset(topic, queue_id)

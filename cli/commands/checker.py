@@ -23,10 +23,17 @@ EPILOG = """Examples:
 
 One line per check answered; keys: tx_id, group, topic, queue_id, half_offset, commit_log_offset,
 checks, answer (commit | rollback | unknown), status (ok | already | noop | conflict | not_found | error),
-outcome (committed | rolled_back | pending | null), message.
+outcome (committed | rolled_back | pending | null), message, event (checked).
+A transaction answered unknown that the broker later discards (max checks reached) gets one more line:
+event discarded, status and outcome discarded, answer unknown (the checker asks the broker every few
+seconds about the transactions it answered unknown, at most 10000 of them).
 --exec gets the message as JSON on stdin (the consume keys plus group, half_offset and checks) and
 TXMQ_TX_ID, TXMQ_GROUP, TXMQ_TOPIC in its environment; any other output than commit, rollback or
 unknown, a non-zero exit or a timeout answers unknown, with a warning."""
+
+
+FOLLOW_INTERVAL_S = 2.0  # how often the outcomes of transactions answered unknown are asked for
+FOLLOW_MAX = 10_000  # transactions answered unknown followed at once (the oldest are let go)
 
 
 class Answer(str, Enum):
@@ -75,6 +82,9 @@ class _Checker:
         self.idle_s, self.exec_timeout_s, self.now, self.out_fmt = idle_s, exec_timeout_s, now, out_fmt
         self.rows: list[dict[str, Any]] = []
         self.answered = 0
+        # transactions answered unknown and still pending, followed until decided: tx id -> its check line
+        self.unknown: dict[str, dict[str, Any]] = {}
+        self.follow = True
 
     async def run(self, broker: str, token: str | None) -> None:
         import asyncio
@@ -93,7 +103,12 @@ class _Checker:
             note(f"checker for group {self.group} on {broker}: {how}; Ctrl-C to stop")
             if self.now:
                 await self._check_now(client)
-            why = await self._loop(client, pushes, stop)
+            follower = asyncio.ensure_future(self._follow_loop(client))
+            try:
+                why = await self._loop(client, pushes, stop)
+            finally:
+                follower.cancel()
+            await self._follow_unknown(client)
         if self.out_fmt is Output.json:
             emit_json(self.rows)
         note(f"checker stopped ({why}): {self.answered} check-back(s) answered")
@@ -121,6 +136,49 @@ class _Checker:
                     return "signal"
         finally:
             stop_wait.cancel()
+
+    async def _follow_loop(self, client: Any) -> None:
+        import asyncio
+
+        while True:
+            await asyncio.sleep(FOLLOW_INTERVAL_S)
+            await self._follow_unknown(client)
+
+    async def _follow_unknown(self, client: Any) -> None:
+        """Ask the broker what became of the transactions answered unknown; a line for each one discarded."""
+        import asyncio
+
+        from txmq.wire import ErrorCode, TxmqError
+
+        ids = list(self.unknown)
+        for i in range(0, len(ids), 256):
+            if not self.follow:
+                return
+            chunk = ids[i:i + 256]
+            got = await asyncio.gather(*(client.request("tx_history", {"tx_id": t, "summary": True}) for t in chunk),
+                                       return_exceptions=True)
+            for tx_id, r in zip(chunk, got):
+                if isinstance(r, TxmqError):
+                    if r.code is ErrorCode.UNKNOWN_OPERATION:
+                        if self.follow:
+                            warn("the broker runs an older txmq (no tx_history): discards of transactions answered "
+                                 "unknown are not reported; see `txmq discard list`")
+                        self.follow = False
+                        self.unknown.clear()
+                        return
+                    if r.code is ErrorCode.TX_NOT_FOUND:
+                        self.unknown.pop(tx_id, None)
+                    continue
+                if isinstance(r, BaseException):
+                    return  # connection lost (reconnecting): try again next time
+                if r.get("state") == "pending":
+                    continue
+                row = self.unknown.pop(tx_id, None)
+                if row is not None and r.get("state") == "discarded":
+                    self._show({**row, "event": "discarded", "checks": r.get("checks", row["checks"]), "answer": "unknown",
+                                "status": "discarded", "outcome": "discarded",
+                                "message": f"discarded by the broker ({r.get('decided_by')}) after {r.get('checks')} check(s); "
+                                           f"`txmq discard replay {tx_id}` puts it back"})
 
     async def _check_now(self, client: Any) -> None:
         from txmq.wire import TxmqError
@@ -164,6 +222,14 @@ class _Checker:
             row.update(status=status, outcome=e.fields.get("outcome"), message=e.message)
             warn(f"answer to the check of {push['tx_id']} refused: {e.message}")
         self.answered += 1
+        row["event"] = "checked"
+        if self.follow and state == "unknown" and row.get("outcome") == "pending":
+            self.unknown.pop(row["tx_id"], None)
+            self.unknown[row["tx_id"]] = row
+            if len(self.unknown) > FOLLOW_MAX:
+                del self.unknown[next(iter(self.unknown))]
+        else:
+            self.unknown.pop(row["tx_id"], None)
         self._show(row)
 
     async def _run_exec(self, doc: dict[str, Any]) -> str:
@@ -223,6 +289,8 @@ class _Checker:
             emit_line(row)
         elif self.out_fmt is Output.json:
             self.rows.append(row)
+        elif row.get("event") == "discarded":
+            out.print(f"[warn]discarded[/warn] {row['tx_id']} [dim]{row['topic']} checks={row['checks']}[/dim]: {row['message']}")
         else:
             colour = {"commit": "ok", "rollback": "warn"}.get(row["answer"], "dim")
             out.print(f"checked {row['tx_id']} [dim]{row['topic']} half_offset={row['half_offset']} checks={row['checks']}[/dim] "

@@ -208,6 +208,88 @@ def _op_row(m: dict[str, Any], op_progress: int) -> dict[str, Any]:
     }
 
 
+@app.command("tx", epilog="""Examples:
+
+  txmq inspect tx 7F3AC0DE5E1B4A6D0000000000000012
+
+  txmq inspect tx 42                          # a half offset
+
+  txmq inspect tx 123456 --commit-log-offset  # any record of the transaction
+
+  txmq inspect tx 42 --data-dir /var/lib/txmq -o json
+
+Keys: tx_id, state, group, topic, queue_id, checks, decided_by, decided_at, origin_commit_log_offset,
+born_at, last_check_at, last_check_result, next_check_at, message ({topic, queue_id, queue_offset,
+commit_log_offset} of the committed message, or null), events (the timeline: event = half | check |
+replay | discard | commit | rollback | message, at, by, offsets, checks, answer, reason), scanned,
+scan_truncated. Unknown transaction: exit 5.""")
+def tx(
+    ref: Annotated[str, typer.Argument(help="A transaction id, a half offset, or (with --commit-log-offset) the commit-log offset of any of its records.", show_default=False)],
+    commit_log_offset: Annotated[bool, typer.Option("--commit-log-offset", help="A bare integer REF is a commit-log offset, not a half offset.")] = False,
+    data_dir: DataDirOpt = None,
+    broker: BrokerOpt = DEFAULT_BROKER,
+    token: TokenOpt = None,
+    output: OutputOpt = None,
+) -> None:
+    """One transaction's whole history: half copies, check-backs, decision, committed message, discard and replay."""
+    fields: dict[str, Any]
+    if ref.isdigit() and ref.isascii():
+        n = int(ref)
+        if n > WIRE_INT_MAX:
+            raise CliError(f"{ref} is out of range: offsets are 0 to {WIRE_INT_MAX}", exitcodes.USAGE)
+        fields = {"commit_log_offset" if commit_log_offset else "half_offset": n}
+    else:
+        fields = {"tx_id": ref}
+    if data_dir is not None:
+        from ._offline import DataDir
+
+        with DataDir(data_dir) as d:
+            doc = d.history(fields)
+        if doc is None:
+            raise CliError(f"no transaction at {' '.join(f'{k} {v}' for k, v in fields.items())} in {data_dir}", exitcodes.NOT_FOUND)
+    else:
+        from ..client_ops import call
+
+        doc = call(broker, token, "tx_history", fields)
+    out_fmt = resolve_output(output)
+    if out_fmt is Output.json:
+        emit_json(doc)
+        return
+    if out_fmt is Output.jsonl:
+        emit_line(doc)
+        return
+    now_ms = int(time.time() * 1000)
+    out.print(f"transaction {doc['tx_id']}: [bold]{doc['state']}[/bold]"
+              + (f" by {doc['decided_by']} {fmt_when(doc['decided_at'], now_ms)}" if doc.get("decided_by") else "")
+              + f"   group {doc['group']}   topic {doc['topic']} queue {doc.get('queue_id')}   checks {doc['checks']}")
+    if doc.get("message"):
+        m = doc["message"]
+        out.print(f"message: {m['topic']} queue {m['queue_id']} offset {m['queue_offset']} (commit-log offset {m['commit_log_offset']})")
+    if doc["state"] == "pending":
+        out.print(f"last check: {doc.get('last_check_result') or '-'} {fmt_when(doc.get('last_check_at'), now_ms) if doc.get('last_check_at') else ''}"
+                  f"   next check: {fmt_when(doc.get('next_check_at'), now_ms) if doc.get('next_check_at') else '-'}")
+
+    def detail(e: dict[str, Any]) -> str:
+        if e["event"] == "message":
+            return f"{e['topic']} queue {e['queue_id']} offset {e['queue_offset']}"
+        if e["event"] == "discard":
+            return f"{e.get('reason')} (discard offset {e.get('discard_offset')})"
+        if e["event"] in ("commit", "rollback"):
+            return f"op offset {e.get('op_offset')}" if e.get("op_offset") is not None else ""
+        return f"answer: {e['answer']}" if e.get("answer") else ""
+
+    rows = [{**e, "detail": detail(e)} for e in doc.get("events", [])]
+    render(rows, out_fmt,
+           columns=[("at", "AT"), ("event", "EVENT"), ("by", "BY"), ("half_offset", "HALF OFFSET"),
+                    ("commit_log_offset", "COMMIT-LOG OFFSET"), ("checks", "CHECKS"), ("detail", "DETAIL")],
+           formatters={"at": fmt_ts, "half_offset": lambda v: "-" if v is None else str(v), "checks": lambda v: "-" if v is None else str(v)},
+           empty="no records of it are left in the log")
+    if doc.get("scan_truncated"):
+        note(f"check copies: read {doc.get('scanned')} half records and stopped (the bound); later copies are not shown")
+    if doc.get("note"):
+        note(doc["note"])
+
+
 @app.command(epilog="""Examples:
 
   txmq inspect offsets
@@ -216,7 +298,9 @@ def _op_row(m: dict[str, Any], op_progress: int) -> dict[str, Any]:
 
   txmq inspect offsets --data-dir /var/lib/txmq
 
-Keys: {"half": {"progress", "max"}, "op": {"progress", "max"}, "pending", "discarded"}.""")
+Keys: {"half": {"progress", "max"}, "op": {"progress", "max"}, "pending", "discarded", "held_by"}.
+held_by (null unless the half progress is behind): the pending transaction it cannot pass, {tx_id, group,
+topic, half_offset, age_s, checks, last_check_result, reason}.""")
 def offsets(
     data_dir: DataDirOpt = None,
     broker: BrokerOpt = DEFAULT_BROKER,
@@ -235,7 +319,7 @@ def offsets(
         doc = call(broker, token, "tx_offsets", {})
     doc = {"half": {"progress": doc["half"]["progress"], "max": doc["half"]["max"]},
            "op": {"progress": doc["op"]["progress"], "max": doc["op"]["max"]},
-           "pending": doc["pending"], "discarded": doc.get("discarded", 0)}
+           "pending": doc["pending"], "discarded": doc.get("discarded", 0), "held_by": doc.get("held_by")}
     out_fmt = resolve_output(output)
     if out_fmt is Output.json:
         emit_json(doc)
@@ -251,4 +335,8 @@ def offsets(
         t.add_row(f"{name} ({topic})", str(q["progress"]), str(q["max"]), str(max(0, q["max"] - q["progress"])))
     print_table(t)
     out.print(f"pending: {doc['pending']}   discarded: {doc['discarded']}")
+    h = doc["held_by"]
+    if h is not None:
+        out.print(f"half progress held by {h['tx_id']} (group {h['group']}, topic {h['topic']}, half offset {h['half_offset']}, "
+                  f"age {fmt_age(h['age_s'])}, {h['checks']} checks): {h['reason']}")
 

@@ -1,0 +1,113 @@
+"""One transaction's history (inspect tx), what holds the half progress back (inspect offsets), and the checker's discard lines."""
+
+import json
+import subprocess
+
+import pytest
+
+from test_cli_support import NOT_FOUND, cli_argv, cli_env, err, lines, ok, one, out, start_broker, txmq, wait_for
+
+
+@pytest.fixture(scope="module")
+def broker_proc(tmp_path_factory):
+    b = start_broker(tmp_path_factory.mktemp("cli-txh"))
+    yield b
+    b.stop()
+
+
+@pytest.fixture(scope="module")
+def broker(broker_proc):
+    return broker_proc.address
+
+
+def run(broker, *args, **kw):
+    return txmq(*args, broker=broker, **kw)
+
+
+def pend(broker, group, body="x", topic="t-txh"):
+    return one(run(broker, "send", topic, body, "--tx", "--group", group, "-o", "json"))
+
+
+def test_inspect_tx_shows_check_backs_decision_by_check_and_the_committed_message(broker, broker_proc):
+    sent = pend(broker, "hist", "order-7", topic="t-hist")
+    ok(run(broker, "checker", "--group", "hist", "--answer", "unknown", "--limit", "1", "--idle-exit", "20s", timeout=40))
+    ok(run(broker, "checker", "--group", "hist", "--answer", "commit", "--limit", "1", "--idle-exit", "20s", timeout=40))
+    doc = one(run(broker, "inspect", "tx", sent["tx_id"], "-o", "json"))
+    assert doc["tx_id"] == sent["tx_id"] and doc["state"] == "committed" and doc["decided_by"] == "check"
+    assert doc["group"] == "hist" and doc["topic"] == "t-hist" and doc["origin_commit_log_offset"] == sent["commit_log_offset"]
+    kinds = [e["event"] for e in doc["events"]]
+    assert kinds == ["half", "check", "check", "commit", "message"], kinds
+    half, c1, c2, commit, message = doc["events"]
+    assert (half["half_offset"], half["commit_log_offset"], half["checks"]) == (sent["half_offset"], sent["commit_log_offset"], 0)
+    assert (c1["checks"], c2["checks"]) == (1, 2) and c2["answer"] == "commit"
+    assert commit["by"] == "check" and commit["half_offset"] == c2["half_offset"]
+    assert commit["half_commit_log_offset"] == c2["commit_log_offset"]
+    consumed = lines(ok(run(broker, "consume", "t-hist", "--group", "hist-audit")))
+    assert [m["tx_id"] for m in consumed] == [sent["tx_id"]]
+    assert doc["message"] == {"topic": "t-hist", "queue_id": consumed[0]["queue_id"], "queue_offset": consumed[0]["queue_offset"],
+                              "commit_log_offset": message["commit_log_offset"]}
+    assert 0 < doc["scanned"] and doc["scan_truncated"] is False
+    # the same transaction by a half offset, and by the commit-log offset of any of its records
+    assert one(run(broker, "inspect", "tx", str(c1["half_offset"]), "-o", "json"))["tx_id"] == sent["tx_id"]
+    for cl in (message["commit_log_offset"], commit["commit_log_offset"], c1["commit_log_offset"]):
+        assert one(run(broker, "inspect", "tx", str(cl), "--commit-log-offset", "-o", "json"))["tx_id"] == sent["tx_id"]
+    table = out(ok(run(broker, "inspect", "tx", sent["tx_id"], "-o", "table")))
+    assert "committed" in table and "answer: commit" in table and "EVENT" in table
+    # offline, read-only, beside the running broker: the same timeline
+    offline = wait_for(lambda: (d := one(run(broker, "inspect", "tx", sent["tx_id"], "--data-dir", str(broker_proc.data_dir), "-o", "json")))
+                       and [e["event"] for e in d["events"]] == kinds and d, what="the offline history")
+    assert offline["message"] == doc["message"] and offline["decided_by"] == "check"
+
+
+def test_inspect_tx_of_an_unknown_transaction_exits_5(broker, broker_proc):
+    r = run(broker, "inspect", "tx", "NO-SUCH-TX")
+    assert r.returncode == NOT_FOUND and "no transaction" in err(r)
+    r = run(broker, "inspect", "tx", "999999999")
+    assert r.returncode == NOT_FOUND
+    r = run(broker, "inspect", "tx", "NO-SUCH-TX", "--data-dir", str(broker_proc.data_dir))
+    assert r.returncode == NOT_FOUND and "no transaction" in err(r)
+
+
+def test_inspect_offsets_says_which_transaction_holds_the_half_progress(broker, broker_proc):
+    pend(broker, "held", "stuck", topic="t-held")
+    pend(broker, "held", "more", topic="t-held")
+
+    def held():
+        d = one(run(broker, "inspect", "offsets", "-o", "json"))
+        return d if d["held_by"] is not None and "online" in d["held_by"]["reason"] else None
+
+    doc = wait_for(held, what="held_by with no producer online")
+    first = lines(ok(run(broker, "inspect", "half")))[0]
+    h = doc["held_by"]
+    assert doc["half"]["progress"] < doc["half"]["max"]
+    assert h["tx_id"] == first["tx_id"] and h["half_offset"] == first["half_offset"]
+    assert set(h) == {"tx_id", "group", "topic", "half_offset", "age_s", "checks", "last_check_result", "reason"}
+    assert h["reason"] == f"no producer of group {first['group']} online"
+    assert "held by " + first["tx_id"] in out(ok(run(broker, "inspect", "offsets", "-o", "table")))
+    off = one(run(broker, "inspect", "offsets", "--data-dir", str(broker_proc.data_dir), "-o", "json"))
+    assert off["held_by"]["tx_id"] == first["tx_id"] and "online" not in off["held_by"]["reason"]
+
+
+def test_checker_reports_a_transaction_it_answered_unknown_when_it_is_discarded(tmp_path):
+    b = start_broker(tmp_path)
+    try:
+        ok(txmq("config", "set", "max-checks", "1", broker=b.address))
+        sent = pend(b.address, "gone", "maybe", topic="t-gone")
+        p = subprocess.run(cli_argv("checker", "--group", "gone", "--answer", "unknown", "--idle-exit", "8s", "-o", "jsonl"),
+                           capture_output=True, timeout=60, env=cli_env(b.address), stdin=subprocess.DEVNULL)
+        assert p.returncode == 0, p.stderr.decode()
+        rows = [json.loads(x) for x in p.stdout.decode().splitlines() if x.strip()]
+        assert [(r["event"], r["answer"], r["status"]) for r in rows] == [("checked", "unknown", "noop"),
+                                                                          ("discarded", "unknown", "discarded")], rows
+        assert rows[1]["tx_id"] == sent["tx_id"] and rows[1]["outcome"] == "discarded" and "discard replay" in rows[1]["message"]
+        # its history: the discard, then (after a replay) the replay copy
+        ok(txmq("config", "set", "max-checks", "15", broker=b.address))
+        ok(txmq("discard", "replay", sent["tx_id"], "--to", "half", broker=b.address))
+        doc = one(txmq("inspect", "tx", sent["tx_id"], "-o", "json", broker=b.address))
+        assert doc["state"] == "pending"
+        kinds = [e["event"] for e in doc["events"]]
+        assert kinds[:2] == ["half", "check"] and "discard" in kinds and kinds[-1] == "replay", kinds
+        disc = next(e for e in doc["events"] if e["event"] == "discard")
+        assert disc["reason"] == "max-checks" and disc["checks"] == 1
+    finally:
+        b.stop()
