@@ -140,6 +140,17 @@ def test_pipeline_without_jq_takes_json_lines(broker):
     assert r.returncode == USAGE and "tx_id" in err(r)
 
 
+def test_resolve_takes_the_json_document_of_a_listing_on_stdin(broker):
+    a, b = pend(broker, "pj", "a", topic="t-pj"), pend(broker, "pj", "b", topic="t-pj")
+    r = shell("txmq inspect half --group pj -o json | txmq resolve --rollback - --yes", broker)
+    assert r.returncode == OK, err(r)
+    assert sorted((x["ref"], x["status"]) for x in lines(r)) == sorted([(a["tx_id"], "ok"), (b["tx_id"], "ok")])
+    r = txmq("resolve", "--commit", "-", "--yes", broker=broker, input='[{"half": 1}]\n')
+    assert r.returncode == USAGE and "stdin element 1" in err(r)
+    r = txmq("resolve", "--commit", "-", "--yes", broker=broker, input='[1, 2\n')
+    assert r.returncode == USAGE and "not a valid JSON document" in err(r)
+
+
 def test_check_back_round_trip_driven_only_by_the_cli(broker):
     sent = pend(broker, "cb", "order-42", topic="t-cb")
     assert pending_ids(broker, "cb") == [sent["tx_id"]]

@@ -113,6 +113,33 @@ def _stdin_lines() -> Iterator[str]:
         yield line
 
 
+MAX_JSON_DOCUMENT = 256 << 20  # `-o json` of a listing on stdin: ~500 bytes a row, so about half a million rows
+
+
+def _json_document_refs(first: str, rest: Iterator[str], offset_key: str, object_keys: tuple[str, ...]) -> list[Ref]:
+    """The REFs of a JSON array on stdin (what `inspect half -o json` prints): each element as one line would be."""
+    parts, size = [first], len(first)
+    for line in rest:
+        size += len(line)
+        if size > MAX_JSON_DOCUMENT:
+            raise CliError(f"stdin: a JSON document larger than {MAX_JSON_DOCUMENT >> 20} MiB: use -o jsonl for long listings",
+                           exitcodes.USAGE)
+        parts.append(line)
+    try:
+        doc = json.loads("".join(parts))
+    except ValueError as e:
+        raise CliError(f"stdin: not a valid JSON document ({e})", exitcodes.USAGE) from None
+    if not isinstance(doc, list):
+        raise CliError("stdin: a JSON document must be an array of REFs or rows", exitcodes.USAGE)
+    out: list[Ref] = []
+    for i, el in enumerate(doc, 1):
+        ref = parse_ref(json.dumps(el), f"stdin element {i}", offset_key, object_keys)
+        if ref is None:
+            raise CliError(f"stdin element {i}: empty", exitcodes.USAGE)
+        out.append(ref)
+    return out
+
+
 def collect_refs(args: Sequence[str], offset_key: str, object_keys: tuple[str, ...] = ()) -> list[Ref]:
     """Arguments in order, with '-' replaced by the REFs read from stdin (once)."""
     refs: list[Ref] = []
@@ -124,7 +151,11 @@ def collect_refs(args: Sequence[str], offset_key: str, object_keys: tuple[str, .
             stdin_read = True
             if sys.stdin.isatty():
                 err.print("[dim]reading REFs from stdin, one per line; end with Ctrl-D[/dim]")
-            for n, line in enumerate(_stdin_lines(), 1):
+            lines = _stdin_lines()
+            for n, line in enumerate(lines, 1):
+                if not refs and line.lstrip().startswith("["):  # a JSON document (`-o json` of a listing)
+                    refs.extend(_json_document_refs(line, lines, offset_key, object_keys))
+                    break
                 ref = parse_ref(line, f"stdin line {n}", offset_key, object_keys)
                 if ref is not None:
                     refs.append(ref)
