@@ -59,3 +59,63 @@ def test_transaction_ids_are_never_wrapped_at_120_columns(broker):
     for s in sent:
         assert s["tx_id"] in screen, screen
         assert str(s["half_offset"]) in screen
+
+
+def _visible_lines(raw: str) -> list[str]:
+    """What each terminal line ends up showing: a carriage return or an erase-line starts the line over."""
+    shown = []
+    for physical in raw.replace("\r\n", "\n").split("\n"):
+        buf = ""
+        for tok in re.split(r"(\x1b\[[0-9;?]*[A-Za-z]|\r)", physical):
+            if tok in ("\r", "\x1b[2K"):
+                buf = ""
+            elif not tok.startswith("\x1b"):
+                buf += tok
+        shown.append(buf)
+    return shown
+
+
+def test_consume_follow_prints_messages_on_their_own_lines_not_onto_the_spinner(broker):
+    import signal
+
+    for i in range(3):
+        ok(txmq("send", "follow-t", f"early-{i}", broker=broker.address))
+    master, slave = pty.openpty()
+    env = {**cli_env(broker.address), "COLUMNS": "100", "TERM": "xterm"}
+    env.pop("NO_COLOR", None)
+    p = subprocess.Popen(cli_argv("consume", "follow-t", "--group", "g-follow", "--follow"), stdin=subprocess.DEVNULL,
+                         stdout=slave, stderr=slave, env=env, close_fds=True)
+    os.close(slave)
+    chunks = []
+    deadline = time.monotonic() + 4
+    sent_late = False
+    while time.monotonic() < deadline:
+        r, _, _ = select.select([master], [], [], 0.1)
+        if r:
+            try:
+                chunks.append(os.read(master, 65536))
+            except OSError:
+                break
+        if not sent_late and time.monotonic() > deadline - 2.5:
+            for i in range(3):
+                ok(txmq("send", "follow-t", f"late-{i}", broker=broker.address))
+            sent_late = True
+    p.send_signal(signal.SIGINT)
+    p.wait(10)
+    while True:
+        r, _, _ = select.select([master], [], [], 0.2)
+        if not r:
+            break
+        try:
+            data = os.read(master, 65536)
+        except OSError:
+            break
+        if not data:
+            break
+        chunks.append(data)
+    os.close(master)
+    shown = _visible_lines(b"".join(chunks).decode("utf-8", "replace"))
+    for body in [f"early-{i}" for i in range(3)] + [f"late-{i}" for i in range(3)]:
+        mine = [line for line in shown if body in line]
+        assert mine, (body, shown)
+        assert all("following" not in line for line in mine), mine

@@ -76,7 +76,9 @@ async def _consume(broker: str, token: str | None, topic: str, group: str, from_
                 if not any(t["topic"] == topic for t in topics):
                     raise CliError(f"no topic {topic!r} on the broker", exitcodes.NOT_FOUND)
             if follow and interactive() and out_fmt is Output.table:
-                status = err.status(f"following {topic} as {group}")
+                # On the console the messages are printed to: rich then prints them above the
+                # spinner's line instead of onto it (two consoles on one terminal would interleave).
+                status = out.status(f"following {topic} as {group}")
                 status.start()
             while not stop.is_set():
                 want = None if limit is None else limit - count
