@@ -15,7 +15,7 @@ import pytest
 
 from conftest import arun
 from faultload import PipeClient
-from test_cli_support import ERROR, NOT_FOUND, OK, USAGE, err, lines, out, start_broker, txmq
+from clihelpers import ERROR, NOT_FOUND, OK, USAGE, err, lines, out, start_broker, txmq
 
 WATCHED = ("connections_accepted", "records_appended", "bytes_appended", "messages_sent", "half_stored", "committed_operator",
            "rolled_back_operator", "replayed")

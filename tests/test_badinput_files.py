@@ -22,7 +22,7 @@ import pytest
 
 from brokerproc import free_port
 from conftest import arun
-from test_cli_support import ok, one, txmq
+from clihelpers import ok, one, txmq
 from txhelpers import G, half_fields
 from txmq.broker.clock import ManualClock
 from txmq.broker.testing import running_broker

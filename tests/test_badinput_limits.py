@@ -31,7 +31,7 @@ import pytest
 
 from brokerproc import BrokerProcess, free_port
 from conftest import arun
-from test_cli_support import USAGE, err, txmq
+from clihelpers import USAGE, err, txmq
 from txmq import wire
 from txmq.broker.prom import BrokerCollector
 from txmq.broker.testing import running_broker

@@ -85,7 +85,7 @@ def test_bench_with_rate_runs_until_the_deadline():
 
 
 def test_bench_tx_rolls_back_what_the_mix_left_unknown(tmp_path):
-    from test_cli_support import lines, ok, start_broker, txmq
+    from clihelpers import lines, ok, start_broker, txmq
 
     b = start_broker(tmp_path, "--check-interval", "60s", "--transaction-timeout", "60s")
     try:

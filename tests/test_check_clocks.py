@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 
 from conftest import arun
-from test_cli_support import lines, needs_jq, ok, shell, txmq
+from clihelpers import lines, needs_jq, ok, shell, txmq
 from txhelpers import G, half_fields
 from txmq.broker.clock import ManualClock
 from txmq.broker.testing import running_broker

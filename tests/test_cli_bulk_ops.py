@@ -8,7 +8,7 @@ import pytest
 from brokerproc import free_port
 from conftest import arun
 from faultload import PipeClient
-from test_cli_support import CONFLICT, OK, PARTIAL, UNREACHABLE, err, lines, ok, out, shell, start_broker, txmq
+from clihelpers import CONFLICT, OK, PARTIAL, UNREACHABLE, err, lines, ok, out, shell, start_broker, txmq
 
 PAGE = 1000
 
@@ -136,7 +136,7 @@ def _stop_a_bulk_resolve(tmp_path, stop):
     import threading
     import time
 
-    from test_cli_support import cli_argv, cli_env
+    from clihelpers import cli_argv, cli_env
 
     b = start_broker(tmp_path, "--check-interval", "1h")
     try:

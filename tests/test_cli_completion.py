@@ -11,7 +11,7 @@ import pytest
 from typer.main import get_command
 from typer.testing import CliRunner
 
-from test_cli_support import cli_argv, cli_env, out, txmq
+from clihelpers import cli_argv, cli_env, out, txmq
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -125,7 +125,7 @@ def test_shipped_bash_script_completes_in_bash():
     import os
     import shutil
 
-    from test_cli_support import TXMQ
+    from clihelpers import TXMQ
 
     bash = shutil.which("bash")
     if bash is None:

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from brokerproc import BrokerProcess, free_port
-from test_cli_support import (
+from clihelpers import (
     NOT_FOUND, OK, REFUSED, UNREACHABLE, USAGE, cli_argv, cli_env, err, lines, ok, one, start_broker, txmq,
 )
 

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from test_cli_support import CONFLICT, NOT_FOUND, USAGE, err, lines, ok, one, start_broker, txmq
+from clihelpers import CONFLICT, NOT_FOUND, USAGE, err, lines, ok, one, start_broker, txmq
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from test_cli_support import (
+from clihelpers import (
     NOT_FOUND, USAGE, cli_argv, cli_env, err, lines, ok, one, out, start_broker, txmq,
 )
 

@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from test_cli_support import NOT_FOUND, USAGE, txmq
+from clihelpers import NOT_FOUND, USAGE, txmq
 from test_store_damage import SMALL, flip, msg
 from txmq.store import Store
 

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from test_cli_support import cli_argv, cli_env, lines, ok, start_broker, txmq
+from clihelpers import cli_argv, cli_env, lines, ok, start_broker, txmq
 
 
 def run_in_pty(args, env, columns=120, timeout=20.0) -> str:

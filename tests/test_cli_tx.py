@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from test_cli_support import (
+from clihelpers import (
     CONFLICT, NOT_FOUND, OK, PARTIAL, USAGE, cli_argv, cli_env, err, lines, needs_jq, ok, one, out, shell,
     start_broker, txmq, wait_for,
 )

@@ -5,7 +5,7 @@ import subprocess
 
 import pytest
 
-from test_cli_support import NOT_FOUND, cli_argv, cli_env, err, lines, ok, one, out, start_broker, txmq, wait_for
+from clihelpers import NOT_FOUND, cli_argv, cli_env, err, lines, ok, one, out, start_broker, txmq, wait_for
 
 
 @pytest.fixture(scope="module")

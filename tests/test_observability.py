@@ -24,7 +24,7 @@ import pytest
 from brokerproc import BrokerProcess, free_port
 from conftest import arun
 from faultload import PipeClient
-from test_cli_support import txmq
+from clihelpers import txmq
 from txmq.cli.logs import JsonFormatter, KeyValueFormatter, _KV
 
 pytestmark = pytest.mark.slow

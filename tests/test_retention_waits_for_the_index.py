@@ -1,7 +1,10 @@
-"""Regression (review, now fixed): the retention janitor starts with the broker and reads core.tx.index.pending
-before the index is rebuilt; with an empty/partial index it protects nothing and can
-delete a segment holding an undecided half message before the rebuild reaches it
-(the message is lost instead of being moved to the discard topic)."""
+"""Retention never deletes an undecided half message, even while the index is still being built at start.
+
+The retention janitor protects the segments holding pending transactions
+(core.tx.index.pending). At start the index is read from txindex.db or
+rebuilt from the log; until it is ready the janitor deletes nothing, so a
+half message past retention is moved to the discard topic by the next
+check pass instead of being lost."""
 import asyncio
 
 import txmq.broker.server as server
@@ -17,7 +20,7 @@ import pytest
 
 @pytest.mark.parametrize("snap", [False, True], ids=["rebuild", "snapshot"])
 @pytest.mark.parametrize("slow", [False, True], ids=["control-index-ready", "index-still-building"])
-def test_janitor_runs_against_a_half_built_index(tmp_path, monkeypatch, slow, snap):
+def test_retention_keeps_a_pending_half_while_the_index_is_built(tmp_path, monkeypatch, slow, snap):
     data = tmp_path / "data"
     clock = ManualClock()
     kw = dict(clock=clock, check_interval_s=3600, retention_s=5, segment_size=4096)

@@ -1,6 +1,10 @@
-"""Regression (review, now fixed): half_copy() keeps TXMQ_REPLAYED on every check copy of a replayed transaction.
-A stale check copy written after a discard (check_now racing a pass) then re-opens the
-discarded transaction on rebuild, while the running broker has it discarded."""
+"""Check copies of a replayed transaction do not re-open a later discard on rebuild.
+
+Every copy of a replayed transaction keeps TXMQ_REPLAYED, whose value is the
+commit-log offset of the discard record the replay re-opened
+(tx.copy_properties): a stale check copy written after a later discard
+(`check_now` racing a pass) names the old discard, not the new one, so a
+rebuild from the log agrees with the running broker that it is discarded."""
 import asyncio
 
 from txhelpers import G, arun, half_fields
@@ -10,7 +14,7 @@ from txmq.broker.txindex import Outcome, rebuild
 from wireclient import RawClient
 
 
-def test_stale_check_copy_of_a_replayed_tx_reopens_it_on_rebuild(tmp_path):
+def test_a_stale_check_copy_of_a_replayed_tx_does_not_reopen_it_on_rebuild(tmp_path):
     clock = ManualClock()
 
     async def go():
@@ -26,7 +30,7 @@ def test_stale_check_copy_of_a_replayed_tx_reopens_it_on_rebuild(tmp_path):
             assert core.tx.index.outcome(tx) is Outcome.DISCARDED
             await c.ok("discard_replay", {"to": "half", "refs": [{"tx_id": tx}]})
             clock.advance(10)
-            assert (await core.check.run_pass())["checked"] == 1  # check copy, inherits TXMQ_REPLAYED=1
+            assert (await core.check.run_pass())["checked"] == 1  # check copy, keeps TXMQ_REPLAYED
             clock.advance(10)
             t_pass = asyncio.ensure_future(core.check.run_pass())      # collects + submits the discard
             t_now = asyncio.ensure_future(core.check.check_now(tx))    # operator "check now", same iteration

@@ -1,9 +1,10 @@
-"""Regression (review, now fixed): in sync mode a duplicate end_transaction is answered "already committed"
-before (and even though) the first outcome's records were never made durable.
+"""A repeated end_transaction is answered "already" only once the first outcome is durable.
 
 decide() enters the outcome in the index and releases the _deciding gate in
-`shape`, i.e. after the write but before the fsync; the duplicate waiting on
-the gate (or arriving later) gets `_already(d)` with no durability wait.
+`shape`, after the write but before the fsync. A duplicate waiting on the
+gate (or arriving later) must wait for the first outcome's records to be
+durable (sync flush: fsynced) before it is told "already committed"; when
+that fsync fails, the duplicate gets the error too, never "already".
 """
 import asyncio
 import errno
@@ -14,7 +15,7 @@ from txmq.wire import TxmqError
 from wireclient import RawClient
 
 
-def test_duplicate_commit_acknowledged_while_the_first_one_failed_to_fsync(tmp_path):
+def test_duplicate_commit_is_not_acknowledged_when_the_first_one_fails_to_fsync(tmp_path):
     data = tmp_path / "data"
 
     async def go():
@@ -38,5 +39,5 @@ def test_duplicate_commit_acknowledged_while_the_first_one_failed_to_fsync(tmp_p
 
     first, second = arun(go())
     assert isinstance(first, TxmqError), first  # the producer is told the commit failed to flush...
-    # ...while the duplicate is told it is committed, though nothing was fsynced:
+    # ...and so is the duplicate: nothing was fsynced, so it is not "already committed":
     assert isinstance(second, TxmqError), f"duplicate answered {second} although the outcome is not durable"

@@ -1,7 +1,10 @@
-"""Regression (review, now fixed): Appender._settle_written skips `shape` when the caller's future is already done
-(cancelled), but the batch is written anyway. CheckService.stop() cancels a pass that is
-awaiting its discard/check-copy append, so the record lands in the log and the index never
-hears of it - and the clean-shutdown snapshot then persists that index as matching the log."""
+"""A check pass cancelled while its append is in flight leaves the index matching the log.
+
+CheckService.stop() (at shutdown) cancels a pass that may be awaiting its
+discard or check-copy append. The batch is written anyway, so its `shape`
+must still run (Appender._settle_written) and enter the records in the
+index: otherwise the clean-shutdown snapshot would persist an index that
+does not match the log."""
 import asyncio
 
 from txhelpers import G, arun, half_fields
@@ -11,7 +14,7 @@ from txmq.broker.txindex import rebuild
 from wireclient import RawClient
 
 
-def test_cancelled_pass_writes_a_discard_the_index_never_applies(tmp_path):
+def test_a_cancelled_pass_still_enters_its_discard_in_the_index(tmp_path):
     clock = ManualClock()
     data = tmp_path / "data"
 

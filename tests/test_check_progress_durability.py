@@ -1,11 +1,12 @@
-"""Regression (review): the check progress must not be saved before the records it moves past are durable.
+"""The check progress is saved only once the records it moves past are durable.
 
-Sync flush mode. The pass appends the check copy with append_written (no fsync
-wait), advances half_progress past the old copy and atomic_write_json's it.
-A power cut before the next fsync loses the copy but keeps the progress: the
-restart's rebuild reads the half queue from the progress, so the transaction
-is neither pending nor decided - never checked again, and the producer's own
-end_transaction is refused with TX_NOT_FOUND.
+A pass appends check copies with append_written (no fsync wait) and moves
+the half progress past the old copies. A rebuild after a power cut reads
+the half queue from the progress, so saving it before the copies (or the
+decisions it passes) are fsynced would lose the transaction: neither
+pending nor decided, never checked again, the producer's own
+end_transaction refused with TX_NOT_FOUND. CheckService._pass waits for
+the flusher before saving txcheck.json.
 """
 import asyncio
 
@@ -15,7 +16,7 @@ from txmq.broker.testing import running_broker
 from wireclient import RawClient
 
 
-def test_power_cut_after_a_check_pass_loses_the_pending_transaction(tmp_path):
+def test_a_power_cut_after_a_check_pass_keeps_the_pending_transaction(tmp_path):
     data = tmp_path / "data"
     clock = ManualClock()
     kw = dict(clock=clock, check_interval_s=3600, flush="sync", flush_interval_s=3600)
@@ -50,8 +51,11 @@ def test_power_cut_after_a_check_pass_loses_the_pending_transaction(tmp_path):
     assert offs["pending"] == 1, f"the undecided transaction vanished: {offs}; producer's commit got {f}"
 
 
-def test_async_power_cut_after_a_pass_loses_a_torn_decision_instead_of_reopening_it(tmp_path):
-    """The repo's own contract (test_fault_torn: a torn op leaves the tx pending) breaks once a pass ran."""
+def test_an_async_power_cut_after_a_pass_keeps_the_decision_it_moved_past(tmp_path):
+    """Async flush: a decision the progress moves past is fsynced first, so it survives a power cut.
+
+    (A torn op record with no pass behind it leaves the transaction pending:
+    test_fault_torn.)"""
     data = tmp_path / "data"
     clock = ManualClock()
     kw = dict(clock=clock, check_interval_s=3600, flush="async", flush_interval_s=3600)

@@ -1,7 +1,10 @@
-"""Regression (review, now fixed): send_half's "transaction id already in use" check misses a concurrent send
-with the same UNIQ_KEY (the index is updated only in `shape`, after the batch is written).
-Both are stored; the second silently replaces the first in the index, and ending one
-answers the other "already"."""
+"""A half message whose UNIQ_KEY is already in use is refused, even by a send still being written.
+
+The index learns of a half only in `shape`, after the batch is written;
+send_half also checks the transaction ids submitted but not yet written
+(TransactionService._sending), so two concurrent halves with the same
+UNIQ_KEY cannot both be stored (one would replace the other in the index,
+and ending one would answer the other "already")."""
 import asyncio
 
 from txhelpers import G, T, arun, pull_all
@@ -10,7 +13,7 @@ from txmq.wire import TxmqError
 from wireclient import RawClient
 
 
-def test_two_concurrent_halves_with_the_same_uniq_key(tmp_path):
+def test_a_concurrent_half_with_the_same_uniq_key_is_refused(tmp_path):
     async def go():
         async with running_broker(tmp_path / "data", check_interval_s=3600) as b:
             core = b.core

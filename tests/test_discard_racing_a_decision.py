@@ -1,8 +1,12 @@
-"""Regression (review): a check-pass discard and a commit submitted in the same Appender batch.
+"""A check pass's discard racing a commit of the same transaction.
 
-decide() enters the op; the discard's shape skips (tx no longer pending) but the
-discard record is already in the log *after* the op. rebuild() applies both in
-log order and ends at DISCARDED; a replay then commits the transaction again.
+The producer's answer to a check-back arrives in the same loop iteration as
+the pass step that collects discards. The pass leaves a transaction alone
+while its outcome is being written (TransactionService._deciding), so no
+discard record follows the op record in the log: the running index and a
+rebuild from the log agree on "committed", and after a restart the
+transaction is not listed as discarded nor committed a second time by a
+replay.
 """
 import asyncio
 
@@ -14,7 +18,7 @@ from txmq.broker.txindex import Outcome, rebuild
 from wireclient import RawClient
 
 
-def test_commit_and_discard_in_one_batch_disagree_with_rebuild_and_replay_duplicates(tmp_path):
+def test_commit_racing_a_discard_agrees_with_a_rebuild(tmp_path):
     data = tmp_path / "data"
     clock = ManualClock()
 
@@ -50,7 +54,7 @@ def test_commit_and_discard_in_one_batch_disagree_with_rebuild_and_replay_duplic
     assert rebuilt is live, f"runtime index says {live.name}, rebuild from the log says {rebuilt.name}"
 
 
-def test_after_restart_replay_commits_a_second_time(tmp_path):
+def test_after_restart_a_replay_does_not_commit_a_second_time(tmp_path):
     data = tmp_path / "data"
     clock = ManualClock()
 
