@@ -127,6 +127,30 @@ class CheckService:
         self._wake.set()  # a shorter interval takes effect now
         return old, getattr(self.settings, key)
 
+    def preview(self, key: str, value: Any) -> dict[str, Any]:
+        """What `set(key, value)` would do to pending transactions, without doing it (config_set dry_run).
+
+        would_discard: pending transactions the next check pass discards
+        under the new value but not under the current one (checked at least
+        max_checks times; or stored longer ago than the retention, whose log
+        segments retention then deletes: would_delete_pending counts those).
+        """
+        new_settings = self.settings.with_value(key, value)  # KeyError / ValueError as set() raises them
+        old = getattr(self.settings, key)
+        s, n = self.settings, new_settings
+        now_ms = int(self.core.clock() * 1000)
+        pending = self.tx.index.pending.values()
+        by_checks = by_age = 0
+        if key == "max_checks" and n.max_checks < s.max_checks:
+            by_checks = sum(1 for p in pending if n.max_checks <= p.checks < s.max_checks)
+        elif key == "retention_s" and n.retention_s < s.retention_s:
+            new_ms, old_ms = n.retention_s * 1000, s.retention_s * 1000
+            by_age = sum(1 for p in pending
+                         if new_ms < now_ms - p.first_stored_ts <= old_ms and p.checks < s.max_checks)
+        return {"key": key, "old": old, "new": getattr(n, key), "dry_run": True, "applied": False,
+                "pending": len(self.tx.index.pending), "would_discard": by_checks + by_age,
+                "would_delete_pending": by_age}
+
     @property
     def passing(self) -> bool:
         """A pass is running now."""

@@ -18,6 +18,10 @@ from txmq.wire import PROTOCOL_VERSION, ErrorCode, TxmqError
 from .core import msg_id
 from .topics import check_topic_name
 
+# What this broker supports beyond protocol 1's first requests (additive, in `hello`):
+# "config_set_dry_run": config_set takes dry_run and answers what the change would discard.
+FEATURES = ["config_set_dry_run"]
+
 Reply = dict[str, Any] | Awaitable[dict[str, Any]]
 Handler = Callable[["Any", "Any", dict[str, Any]], Reply]
 
@@ -125,7 +129,8 @@ def hello(core, conn, f: dict) -> Reply:
     for g in f.get("consumer_groups") or []:
         core.consumer_registry.register(g, conn)
     conn.client_id = opt_str(f, "client_id") or conn.client_id
-    return {"version": __version__, "protocol": PROTOCOL_VERSION, "broker_id": core.broker_id, "flush": core.config.flush}
+    return {"version": __version__, "protocol": PROTOCOL_VERSION, "broker_id": core.broker_id, "flush": core.config.flush,
+            "features": FEATURES}
 
 
 def heartbeat(core, conn, f: dict) -> Reply:
@@ -340,13 +345,23 @@ def config_set(core, conn, f: dict) -> Reply:
     value = f.get("value")
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TxmqError("field 'value' must be a number", ErrorCode.INVALID_CONFIG)
+    if opt_bool(f, "dry_run"):  # additive: what the change would discard or delete, nothing applied
+        if core.tx_error is not None:
+            raise core.tx_error
+        if not core.tx_ready.is_set():  # the counts come from the index
+            return _when_ready(core, lambda: _setting(core.check.preview, key, value))
+        return _setting(core.check.preview, key, value)
+    old, new = _setting(core.check.set, key, value)
+    return {"key": key, "old": old, "new": new}
+
+
+def _setting(fn: Callable[[str, Any], Any], key: str, value: Any) -> Any:
     try:
-        old, new = core.check.set(key, value)
+        return fn(key, value)
     except KeyError:
         raise TxmqError(f"unknown setting {key!r}: one of check_interval_s, transaction_timeout_s, max_checks, retention_s", ErrorCode.INVALID_CONFIG) from None
     except ValueError as e:
         raise TxmqError(str(e), ErrorCode.INVALID_CONFIG) from None
-    return {"key": key, "old": old, "new": new}
 
 
 def stats(core, conn, f: dict) -> Reply:

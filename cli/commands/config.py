@@ -103,18 +103,34 @@ def get(
 
   txmq config set retention 72h
 
+  txmq config set retention 1h --dry-run
+
 Durations: 500ms, 30s, 10m, 72h, 2d, or a bare number of seconds. Prints the old and new values
-(keys: key, old, new; durations in seconds).""")
+(keys: key, old, new; durations in seconds).
+
+retention applies to the commit log's segments: a segment whose records are
+all older than it is deleted, and with it the pending halves and the known
+outcomes older than it (pending transactions stored longer ago are discarded
+first). A change that would discard pending transactions (a shorter
+retention, or max-checks below their check count) says how many and asks on
+a terminal; without one it is refused unless --yes (exit 2). --dry-run shows
+the effect and changes nothing (keys: key, old, new, dry_run, pending,
+would_discard, would_delete_pending).""")
 def set_(
     key: Annotated[str, typer.Argument(metavar="KEY", help="check-interval, transaction-timeout (alias timeout), max-checks or retention.",
                                        show_default=False, autocompletion=_complete_key)],
     value: Annotated[str, typer.Argument(metavar="VALUE", help="The new value: a duration, or a count for max-checks.", show_default=False)],
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Apply a change that discards pending transactions without asking.")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", "-n", help="Show what the change would discard; change nothing.")] = False,
     broker: BrokerOpt = DEFAULT_BROKER,
     token: TokenOpt = None,
     output: OutputOpt = None,
 ) -> None:
-    """Change one check setting; effective at once and persisted."""
-    from ..client_ops import call
+    """Change one check setting; effective at once and persisted.
+
+    retention applies to the commit log's segments: older ones are deleted,
+    and with them the pending halves and known outcomes older than it.
+    """
 
     wk = wire_key(key)
     if wk in READ_ONLY:
@@ -128,12 +144,67 @@ def set_(
         number = int(value)
     else:
         number = parse_duration(value)
-    r = call(broker, token, "config_set", {"key": wk, "value": number})
-    doc = {"key": r.get("key", wk), "old": r.get("old"), "new": r.get("new")}
+    r = _preview_then_set(broker, token, wk, number, yes, dry_run)
     out_fmt = resolve_output(output)
+    if dry_run:
+        doc = {k: r.get(k) for k in ("key", "old", "new", "dry_run", "pending", "would_discard", "would_delete_pending")}
+        if out_fmt is Output.json:
+            emit_json(doc)
+        elif out_fmt is Output.jsonl:
+            emit_line(doc)
+        else:
+            out.print(f"{CLI_NAME.get(wk, wk)}: {human(wk, doc['old'])} -> {human(wk, doc['new'])} (dry run: nothing changed)")
+            out.print(_effect(wk, r))
+        return
+    doc = {"key": r.get("key", wk), "old": r.get("old"), "new": r.get("new")}
     if out_fmt is Output.json:
         emit_json(doc)
     elif out_fmt is Output.jsonl:
         emit_line(doc)
     else:
         out.print(f"{CLI_NAME.get(wk, wk)}: {human(wk, doc['old'])} -> [ok]{human(wk, doc['new'])}[/ok]")
+
+
+def _effect(wk: str, r: dict[str, Any]) -> str:
+    n, deleted = r.get("would_discard") or 0, r.get("would_delete_pending") or 0
+    if not n:
+        return f"discards no pending transaction ({r.get('pending', 0)} pending)"
+    why = (f"stored longer ago than {human(wk, r.get('new'))}: their log segments are then deleted with them" if deleted
+           else f"checked {r.get('new')} times or more")
+    return f"the next check pass discards {n:,} of {r.get('pending', 0):,} pending transaction{'s' if n != 1 else ''} ({why})"
+
+
+def _preview_then_set(broker: str, token: str | None, wk: str, number: float | int, yes: bool, dry_run: bool) -> dict[str, Any]:
+    """Preview the change (config_set dry_run); confirm when it discards pending transactions; apply it."""
+    import asyncio
+    import sys
+
+    from ..client_ops import connect
+    from ..common import run
+    from ..console import err
+
+    async def go() -> dict[str, Any]:
+        async with connect(broker, token) as c:
+            features = c.hello.get("features") or []
+            if "config_set_dry_run" not in features:  # an older broker would apply a dry_run request
+                if dry_run:
+                    raise CliError(f"broker at {broker} cannot preview a change (it runs an older txmq): nothing was changed",
+                                   exitcodes.ERROR)
+                if wk in ("max_checks", "retention_s"):
+                    err.print("[warn]warning: the broker runs an older txmq and cannot say what this change discards[/warn]")
+                return await c.request("config_set", {"key": wk, "value": number})
+            preview = await c.request("config_set", {"key": wk, "value": number, "dry_run": True})
+            if dry_run:
+                return preview
+            n = preview.get("would_discard") or 0
+            if n and not yes:
+                effect = _effect(wk, preview)
+                if not (sys.stdin.isatty() and err.is_terminal):
+                    raise CliError(f"refusing to set {CLI_NAME.get(wk, wk)}: {effect}; no terminal to confirm on: pass --yes"
+                                   " (or --dry-run to preview)", exitcodes.USAGE)
+                err.print(f"[warn]{CLI_NAME.get(wk, wk)} {human(wk, preview.get('old'))} -> {human(wk, preview.get('new'))}: {effect}[/warn]")
+                if not await asyncio.to_thread(typer.confirm, "Apply it?", default=False, err=True):
+                    raise CliError("aborted: nothing was changed", exitcodes.ERROR)
+            return await c.request("config_set", {"key": wk, "value": number})
+
+    return run(go())
