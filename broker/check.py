@@ -1,4 +1,4 @@
-"""The check-back service (SPEC step 4).
+"""The check-back service (docs/transactions.md, "The check service").
 
 Every check interval it walks the pending transactions in half-queue order
 from its progress offset (the index keeps them in that order, so a pass

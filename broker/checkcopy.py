@@ -1,8 +1,8 @@
 """The check service's hot path at the byte level: check-copy properties and check-back pushes.
 
 One check pass re-appends every pending transaction's half message with its
-check count + 1 and pushes a ``check_transaction`` for the copy (SPEC step
-4); with a million pending transactions that is a million of each. Decoding
+check count + 1 and pushes a ``check_transaction`` for the copy
+(docs/transactions.md); with a million pending transactions that is a million of each. Decoding
 the properties into a dict, editing it, packing it for the record and again
 for the push cost more than everything else a check does, so the common case
 works on the packed bytes instead:

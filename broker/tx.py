@@ -1,6 +1,7 @@
 """Transactional messages: half sends, end transaction, operator resolve and replay.
 
-The SPEC's steps 1 and 3, plus txmq's "one outcome per transaction". All
+The half message, the end transaction and "one outcome per transaction"
+(docs/transactions.md). All
 state changes go through the TxIndex right after the records are written
 (before waiting for durability), so the index always matches the log.
 """

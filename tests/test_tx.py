@@ -1,4 +1,4 @@
-"""Every path of the SPEC's transaction protocol, against a real in-process broker.
+"""Every path of the transaction protocol (docs/transactions.md), against a real in-process broker.
 
 The check service is driven by an injected clock: the background loop is
 given a long interval and tests call ``core.check.run_pass()`` after moving
