@@ -1,6 +1,7 @@
 """Transactions through the CLI only: inspect, resolve (and the README pipelines), checker, discard."""
 
 import json
+import re
 import signal
 import subprocess
 import time
@@ -70,6 +71,15 @@ def test_inspect_offsets_and_op(broker):
     newest = lines(ok(run(broker, "inspect", "op", "--limit", "1")))
     assert [o["tx_id"] for o in newest] == [r["tx_id"]]
     assert "pending:" in out(ok(run(broker, "inspect", "offsets", "-o", "table")))
+
+
+def test_inspect_op_table_shows_relative_ages(broker):
+    one(run(broker, "send", "t-io-age", "c", "--tx", "--group", "io-age", "--state", "commit", "-o", "json"))
+    table = out(ok(run(broker, "inspect", "op", "--limit", "1", "-o", "table", subprocess_=True)))
+    assert "DECIDED" in table and (" ago" in table or " now" in table), table
+    assert not re.search(r"\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2}", table), table  # no absolute time
+    (row,) = lines(ok(run(broker, "inspect", "op", "--limit", "1", "-o", "jsonl")))
+    assert isinstance(row["decided_at"], int)  # JSON keeps the epoch milliseconds
 
 
 def test_resolve_each_kind_of_ref(broker):

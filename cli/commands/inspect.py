@@ -138,11 +138,12 @@ def op(
         start, lo, hi = run(_pull_ops(broker, token, from_, eff, sink, progress_box))
     sink.close()
     if out_fmt is Output.table:
+        now_ms = int(time.time() * 1000)  # relative ages, as inspect half shows them
         render(
             sink.kept, out_fmt,
             columns=[("op_offset", "OP OFFSET"), ("half_offset", "HALF OFFSET"), ("tx_id", "TX ID"), ("action", "ACTION"),
-                     ("decided_by", "BY"), ("decided_at", "AT"), ("group", "GROUP"), ("topic", "TOPIC"), ("processed", "PROCESSED")],
-            formatters={"decided_at": fmt_ts, "action": lambda a: f"[{'ok' if a == 'commit' else 'warn'}]{a}[/]"},
+                     ("decided_by", "BY"), ("decided_at", "DECIDED"), ("group", "GROUP"), ("topic", "TOPIC"), ("processed", "PROCESSED")],
+            formatters={"decided_at": lambda v: fmt_when(v, now_ms), "action": lambda a: f"[{'ok' if a == 'commit' else 'warn'}]{a}[/]"},
             empty="no op records",
         )
     total = hi - max(lo, from_ if from_ is not None else lo)
