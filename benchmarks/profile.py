@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import BrokerProc, data_disk_dir, txmq_bench  # noqa: E402
 
 
-_PLUMBING = ("(typer/", "(<frozen runpy>)", "(asyncio/runners.py)", "(txmq/__main__.py)", "(cli/", "(threading.py)", "_worker (concurrent")
+_PLUMBING = ("(typer/", "(<frozen runpy>)", "(asyncio/runners.py)", "(core/__main__.py)", "(txmq/__main__.py)", "(cli/", "(threading.py)", "_worker (concurrent")
 
 
 def summarise(raw: Path, top: int) -> str:

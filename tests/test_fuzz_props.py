@@ -1,6 +1,6 @@
 """Property-based tests (hypothesis) of the frame codec and of every operation's fields.
 
-Codec (txmq/wire.py, no I/O): any bytes, split anywhere, either give the
+Codec (txmq.wire in core/wire.py, no I/O): any bytes, split anywhere, either give the
 payloads that were framed or FRAME_TOO_LARGE; any payload either parses to a
 well-formed frame or raises FrameError -- never another exception.
 

@@ -4,12 +4,14 @@ import os
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-MAPPED = {"store": "store", "broker": "broker", "client": "client", "cli": "cli", "spark": "spark"}
+# pyproject's package-dir: import name -> folder (txmq -> core/, txmq.store -> store/, ...)
+PACKAGE_DIR = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
 
 
 def _namespace_tree(root: Path) -> Path:
@@ -17,10 +19,11 @@ def _namespace_tree(root: Path) -> Path:
     installed `txmq` namespace out as it is in a wheel (with symlinks)."""
     pkg = root / "txmq"
     pkg.mkdir()
-    for f in (REPO / "txmq").glob("*.py"):
+    for f in (REPO / PACKAGE_DIR["txmq"]).glob("*.py"):
         (pkg / f.name).symlink_to(f)
-    for name, folder in MAPPED.items():
-        (pkg / name).symlink_to(REPO / folder, target_is_directory=True)
+    for name, folder in PACKAGE_DIR.items():
+        if name.count(".") == 1:  # txmq.cli.commands comes with cli/
+            (pkg / name.split(".")[1]).symlink_to(REPO / folder, target_is_directory=True)
     return root
 
 
