@@ -1,7 +1,7 @@
 """Names shared by the broker, the client, the CLI and the Spark reader.
 
 Topic and property names follow RocketMQ's so that operators who know it
-recognise them (see SPEC.md, "Names and defaults").
+recognise them (docs/transactions.md, "The system topics").
 """
 
 from __future__ import annotations
