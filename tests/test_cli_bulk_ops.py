@@ -182,3 +182,27 @@ def test_send_of_stdin_lines_ends_with_a_summary_line(broker):
     r = run(broker, "send", "t-sum-send", "-", input="a\nb\n\nc\n")
     assert r.returncode == OK, err(r)
     assert len(lines(r)) == 3 and "3 sent, 0 failed, 0 not attempted" in err(r)
+
+
+def test_send_of_stdin_lines_after_ctrl_c_says_what_was_sent_and_exits_130(broker):
+    import signal
+    import subprocess
+
+    from clihelpers import cli_argv, cli_env
+
+    p = subprocess.Popen(cli_argv("send", "t-sum-int", "-", "-o", "jsonl"), stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=cli_env(broker))
+    try:
+        p.stdin.write(b"a\nb\nc\n")
+        p.stdin.flush()  # stdin stays open: the command waits for more lines
+        got = [json.loads(p.stdout.readline()) for _ in range(3)]
+        assert sorted(r["line"] for r in got) == [1, 2, 3]
+        p.send_signal(signal.SIGINT)
+        code = p.wait(15)
+        e = p.stderr.read().decode()
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert code == 130, e
+    assert "stopped (interrupted): 3 sent, 0 failed" in e and "input read up to line 3" in e and "to resume" in e, e
+    assert "Traceback" not in e

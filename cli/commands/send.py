@@ -90,7 +90,15 @@ def send(
     spec = _Spec(topic, props, queue, group if tx else None, (state or TxState.unknown).value)
     out_fmt = resolve_output(output)
     if stream:
-        run(_send_stream(broker, token, spec, window, out_fmt))
+        st = _Tally()
+        try:
+            run(_send_stream(broker, token, spec, window, out_fmt, st))
+        except KeyboardInterrupt:  # the summary line, as resolve and discard replay print it; exit 130
+            if out_fmt is Output.json:
+                emit_json(st.rows)
+            if st.line:
+                err.print(f"[warn]{st.stopped('interrupted')}[/warn]")
+            raise
     else:
         row = run(_send_one(broker, token, spec, (body or "").encode()))
         if out_fmt is Output.table:
@@ -99,6 +107,23 @@ def send(
             emit_json(row)
         else:
             emit_line(row)
+
+
+class _Tally:
+    """What `send` of stdin lines did so far, for its summary line (also after Ctrl-C)."""
+
+    def __init__(self) -> None:
+        self.sent = 0
+        self.failed = 0
+        self.line = 0  # the last input line read
+        self.rows: list[dict[str, Any]] = []  # -o json: printed at the end
+        self.unconfirmed = 0  # lines in flight when it stopped
+
+    def stopped(self, why: str) -> str:
+        return (f"stopped ({why}): {self.sent} sent, {self.failed} failed"
+                + (f", up to {self.unconfirmed} unconfirmed (in flight when it stopped: stored or not)" if self.unconfirmed else "")
+                + f", input read up to line {self.line}; to resume, resend the lines with no printed result"
+                f" and those after line {self.line}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,12 +180,12 @@ async def _send_one(broker: str, token: str | None, spec: _Spec, body: bytes) ->
         return await _deliver(client, spec, body)
 
 
-async def _send_stream(broker: str, token: str | None, spec: _Spec, window: int, out_fmt: Output) -> None:
+async def _send_stream(broker: str, token: str | None, spec: _Spec, window: int, out_fmt: Output, st: _Tally) -> None:
     import asyncio
 
     from ..client_ops import cli_error, connect, exit_code_of
 
-    rows: list[dict[str, Any]] = []
+    rows = st.rows
     failures: list[tuple[int, BaseException]] = []
     sent = 0
     lost: list[BaseException] = []
@@ -198,14 +223,19 @@ async def _send_stream(broker: str, token: str | None, spec: _Spec, window: int,
                     await ends.acquire()
                     end_slot = True
                 row = await _deliver(client, spec, body, end_queued if end_slot else None)
+            except asyncio.CancelledError:  # Ctrl-C: in flight, answer unknown
+                st.unconfirmed += 1
+                raise
             except Exception as exc:
                 if exit_code_of(exc) == exitcodes.UNREACHABLE:
                     lost.append(exc)  # reported once, at the end
                 else:
                     failures.append((line_no, exc))
+                    st.failed += 1
                     err.print(f"[err]error:[/err] line {line_no}: {_msg(exc)}")
             else:
                 sent += 1
+                st.sent = sent
                 try:
                     show({"line": line_no, **row})
                 except BrokenPipeError:  # the reader went away (`| head`): stop sending
@@ -219,6 +249,7 @@ async def _send_stream(broker: str, token: str | None, spec: _Spec, window: int,
         line_no = 0
         async for line in _stdin_lines():
             line_no += 1
+            st.line = line_no
             if not line.strip():
                 continue
             await sem.acquire()
