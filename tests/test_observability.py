@@ -1,7 +1,7 @@
 """Observability: the Prometheus endpoint (--metrics-port) and structured logs (--log-format json).
 
-One broker subprocess is driven through every kind of event the issue
-lists -- plain sends; commits and rollbacks by the producer, by check-back
+One broker subprocess is driven through every kind of event the metrics
+and logs report -- plain sends; commits and rollbacks by the producer, by check-back
 answers and by the operator; an UNKNOW answer; a discard after max checks;
 a replay; config changes -- with the check service paced by the test
 (``tx_check_now`` for check-backs, a short interval only while a discard is
