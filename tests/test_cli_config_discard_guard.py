@@ -65,3 +65,34 @@ def test_lower_max_checks_counts_checked_pending_and_needs_yes(broker):
     ok(run(broker, "config", "set", "max-checks", "15"))
     for tx in (x["tx_id"] for x in lines(ok(run(broker, "inspect", "half", "--group", "mg")))):
         ok(run(broker, "resolve", "--rollback", tx))
+
+
+def test_discard_replay_all_fetches_the_discard_list_in_pages(broker, monkeypatch):
+    from txmq.cli.commands import _paging
+    from txmq.client.connection import Client
+
+    ids = pend(broker, "rp", 3)
+    time.sleep(1.5)
+    ok(run(broker, "config", "set", "retention", "1s", "--yes"))
+    try:
+        wait_for(lambda: {x["tx_id"] for x in lines(ok(run(broker, "discard", "list")))} >= set(ids),
+                 what="the pending transactions discarded by retention")
+    finally:
+        ok(run(broker, "config", "set", "retention", "72h"))
+    discarded = {x["tx_id"] for x in lines(ok(run(broker, "discard", "list")))}
+    assert len(discarded) >= 3
+
+    asked: list[dict] = []
+    real = Client.request
+
+    async def spy(self, op, fields=None, *a, **kw):
+        if op == "discard_list":
+            asked.append(dict(fields or {}))
+        return await real(self, op, fields, *a, **kw)
+
+    monkeypatch.setattr(Client, "request", spy)
+    monkeypatch.setattr(_paging, "PAGE", 2)
+    rows = lines(ok(run(broker, "discard", "replay", "--all", "--yes", "--dry-run")))
+    assert {r["tx_id"] for r in rows} == discarded and all(r["status"] == "ok" for r in rows)
+    assert len(asked) >= 2 and all(a["limit"] <= 2 for a in asked), asked  # pages, never one unbounded request
+    assert "after_discard_offset" in asked[-1]

@@ -88,9 +88,13 @@ def replay(
     verb = "replay" if to is ReplayTo.half else "replay and commit"
     if all_:
         from ..client_ops import call
+        from ._paging import stream_pages
 
-        listed = call(broker, token, "discard_list", {"limit": 10_000_000})["discarded"]
-        refs_: list[_bulk.Ref] = [(r["tx_id"], {"tx_id": r["tx_id"]}) for r in listed]
+        listed = _Collect()  # in pages of 1000, with the cursor: memory and request size stay bounded on the broker
+        _, _, paged = stream_pages(broker, token, "discard_list", {}, "discarded", "after_discard_offset", None, listed)
+        if not paged:  # an older broker answers one page: ask it for everything, as before
+            listed.rows = call(broker, token, "discard_list", {"limit": 10_000_000})["discarded"]
+        refs_: list[_bulk.Ref] = [(r["tx_id"], {"tx_id": r["tx_id"]}) for r in listed.rows]
     else:
         refs_ = _bulk.collect_refs(refs or [], "discard_offset")
     if not refs_:
@@ -111,3 +115,17 @@ def replay(
     rows = _bulk.run_bulk(broker, token, "discard_replay", build, items, texts, out_fmt,
                           f"replaying to {to.value}" + (" (dry run)" if dry_run else ""), tally=tally)
     _bulk.finish(rows, out_fmt, verb_done, tally)
+
+
+class _Collect:
+    """A stream_pages sink that keeps the raw rows."""
+
+    def __init__(self) -> None:
+        self.rows: list[dict[str, Any]] = []
+
+    @property
+    def count(self) -> int:
+        return len(self.rows)
+
+    def add(self, row: dict[str, Any]) -> None:
+        self.rows.append(row)
