@@ -7,7 +7,8 @@ PY      = $(VENV)/bin/python
 PIP     = $(VENV)/bin/pip
 ARGS   ?=
 
-.PHONY: run test test-fast fault-long binary bench completions clean
+.PHONY: help run test test-fast lint format fault-long binary bench completions clean
+.DEFAULT_GOAL := help
 
 # The compiled speed-ups (setup.py) are rebuilt when their sources change.
 SPEEDUPS_SRC = setup.py store/_speedups.pyx broker/_speedups.pyx
@@ -22,16 +23,32 @@ $(VENV)/.installed-test: $(VENV)/.installed pyproject.toml $(SPEEDUPS_SRC)
 	$(PIP) install -q -e '.[test,spark]'
 	touch $@
 
+## help: list these targets
+help:
+	@awk '/^## /{ l = substr($$0, 4); i = index(l, ": "); printf "  %-12s %s\n", substr(l, 1, i - 1), substr(l, i + 2) }' $(MAKEFILE_LIST)
+
 ## run: install into .venv and run the broker on the default data directory (~/.local/share/txmq)
 run: $(VENV)/.installed
 	$(VENV)/bin/txmq broker start $(ARGS)
 
-## test: install (with the test and spark extras) and run the whole suite
+## test: install (with the test and spark extras), lint (ruff check) and run the whole suite
 test: $(VENV)/.installed-test
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q $(ARGS)
 
+## test-fast: lint and run the suite without the Spark and slow tests
 test-fast: $(VENV)/.installed-test
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q -m "not spark and not slow" $(ARGS)
+
+## lint: ruff check (rules in pyproject.toml); `make lint ARGS=--fix` applies the safe fixes
+lint: $(VENV)/.installed-test
+	$(VENV)/bin/ruff check . $(ARGS)
+
+## format: ruff format FILES=... (the formatter for new files; the existing code is not reformatted in one sweep)
+format: $(VENV)/.installed-test
+	@test -n "$(FILES)" || { echo "make format FILES='path/new_module.py ...': name the files to format" >&2; exit 2; }
+	$(VENV)/bin/ruff format $(FILES)
 
 ## fault-long: the long fault-injection run (many kill/restart cycles)
 fault-long: $(VENV)/.installed-test
@@ -47,9 +64,11 @@ binary: $(VENV)/.installed-test
 bench: $(VENV)/.installed-test
 	$(PY) benchmarks/compare.py --write docs/benchmarks.md
 
+## completions: regenerate the shell completion scripts in completions/
 completions: $(VENV)/.installed
 	PYTHON=$(PY) sh scripts/gen-completions.sh
 
+## clean: remove build output, compiled speed-ups and the install stamps (keeps .venv)
 clean:
 	rm -rf build dist *.egg-info .pytest_cache store/_speedups.c broker/_speedups.c store/_speedups.*.so broker/_speedups.*.so \
 		$(VENV)/.installed $(VENV)/.installed-test

@@ -323,7 +323,7 @@ def history_md(res: dict[str, Any]) -> str:
                 + ".", ""]
     detail = []
     for s in steps:
-        for name, st in s["starts"].items():
+        for st in s["starts"].values():
             cp = st.get("check_pass") or {}
             detail.append([f"{s['decided']:,}", st["case"], num(st.get("serving_s")), num(st["tx_s"]), num(st["rss_mb"]),
                            num(st.get("rss_peak_mb")), count(cp.get("walked")), count(cp.get("no_producer")), secs(cp.get("took_s")),

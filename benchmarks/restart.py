@@ -165,7 +165,7 @@ def _probe(port: int, deadline: float) -> tuple[float, float, float]:
             break
         except OSError:
             if time.perf_counter() > deadline:
-                raise TimeoutError("the broker's port never accepted")
+                raise TimeoutError("the broker's port never accepted") from None
             time.sleep(0.005)
     accepted = time.perf_counter()
     answered: dict[int, float] = {}

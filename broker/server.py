@@ -19,7 +19,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
-from txmq.constants import DISCARD_TOPIC, HALF_TOPIC, OP_TOPIC
 from txmq.store.damage import Damage
 from txmq.store.files import fsync_dir
 from txmq.wire import ErrorCode, TxmqError
@@ -203,7 +202,7 @@ class Broker:
                 if core.store.damage.report(Damage(offset, "transaction index", why)) and len(damaged) < 10_000:
                     damaged.append(offset)
 
-            for replayed in replay_steps(core.store, index, starts, on_damage=on_damage):
+            for _ in replay_steps(core.store, index, starts, on_damage=on_damage):
                 if len(index.dirty or ()) >= INDEX_FLUSH_ROWS:
                     await self._flush_index()  # a long replay or a whole rebuild: memory stays bounded
                 await asyncio.sleep(0)

@@ -40,7 +40,7 @@ class Store:
     def __init__(
         self,
         data_dir: str | os.PathLike,
-        config: StoreConfig = StoreConfig(),
+        config: StoreConfig = StoreConfig(),  # noqa: B008 (a frozen dataclass)
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.data_dir = os.fspath(data_dir)
@@ -421,7 +421,7 @@ class Store:
             return GetResult(status, [], hi, lo, hi)
         entries = pick_entries(ENTRY.iter_unpack(raw), max_bytes)
         records, bad = log.read_queue(topic, queue_id, queue_offset, entries)
-        for q, off, why in bad:
+        for _q, off, why in bad:
             self.damage.report(Damage(off, f"queue {topic}/{queue_id}", why))
         return GetResult(GetStatus.FOUND, records, queue_offset + len(entries), lo, hi, bad)
 

@@ -214,7 +214,7 @@ def test_long_poll_is_not_woken_by_other_queues(tmp_path):
             b.core.store.get_messages = spy
             poll = asyncio.create_task(p.req("pull", {"topic": "lp", "queue_id": 0, "offset": 0, "wait_ms": 400}))
             await asyncio.sleep(0.05)
-            for i in range(20):
+            for _ in range(20):
                 await c.ok("send", {"topic": "other", "body": b"x"})
             code, r = await poll
             assert code == 0 and r["status"] == "no_message"

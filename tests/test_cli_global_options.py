@@ -7,7 +7,7 @@ import stat
 import pytest
 
 from brokerproc import free_port
-from clihelpers import OK, UNREACHABLE, USAGE, err, lines, ok, out, start_broker, txmq
+from clihelpers import UNREACHABLE, USAGE, err, ok, out, start_broker, txmq
 
 
 def _one_line_error(r, code, *needles):

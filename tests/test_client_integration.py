@@ -58,7 +58,7 @@ class Proxy:
 
     async def start(self) -> "Proxy":
         self.server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
-        self.address = "127.0.0.1:%d" % self.server.sockets[0].getsockname()[1]
+        self.address = f"127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
         return self
 
     async def _accept(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
@@ -120,7 +120,7 @@ def test_ten_thousand_pipelined_messages_come_back_in_queue_order_once(data_dir)
             async with Client(b.address) as admin:
                 await admin.request("create_topic", {"topic": "bulk", "queues": 4})
             async with Producer(b.address) as p:
-                msgs = [Message("bulk", b"%d" % i, keys="k%d" % i) for i in range(n)]
+                msgs = [Message("bulk", str(i).encode(), keys=f"k{i}") for i in range(n)]
                 half = n // 2
                 results = await p.send_many(msgs[:half])  # round robin
                 results += await asyncio.gather(*(p.send("bulk", m.body, keys=m.keys) for m in msgs[half:]))
@@ -135,7 +135,7 @@ def test_ten_thousand_pipelined_messages_come_back_in_queue_order_once(data_dir)
                 assert m.keys == "k" + m.body.decode() and m.tx_id is None
             assert len(got) == n
             assert received == sent
-            for q, msgs_q in defaultdict(list, {q: [m.queue_offset for m in got if m.queue_id == q] for q in range(4)}).items():
+            for msgs_q in defaultdict(list, {q: [m.queue_offset for m in got if m.queue_id == q] for q in range(4)}).values():
                 assert msgs_q == list(range(len(msgs_q)))
 
     run(main())

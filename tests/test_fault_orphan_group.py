@@ -79,7 +79,7 @@ def test_orphaned_group_spends_no_checks_and_resumes_when_a_producer_returns(tmp
                 assert stats["counters"].get("checks_sent", 0) == 1
 
             back = Answer(LocalTransactionState.UNKNOW, LocalTransactionState.COMMIT_MESSAGE)
-            async with TransactionProducer(G, back, b.address) as p2:
+            async with TransactionProducer(G, back, b.address):
                 async def decided():
                     return (await admin.ok("tx_pending", {"group": G}))["total"] == 0
                 await wait_until(decided, 5.0, "the returning producer's check-back")

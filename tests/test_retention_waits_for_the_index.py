@@ -30,12 +30,12 @@ def test_retention_keeps_a_pending_half_while_the_index_is_built(tmp_path, monke
             c = await RawClient.open(b.address)
             h = await c.ok("send", half_fields())  # no producer online: it stays pending
             clock.advance(1)
-            for i in range(40):  # roll a few segments
+            for _ in range(40):  # roll a few segments
                 await c.ok("send", {"topic": T, "body": b"x" * 400})
             await c.close()
             return h
 
-    h = arun(first())
+    arun(first())
     if not snap:
         remove_db(data)  # the index rebuilt from the log alone
     clock.advance(3600)  # the first segment is past retention; the half in it is still undecided
