@@ -33,8 +33,6 @@ PACKAGES: list[str] = PYPROJECT["tool"]["setuptools"]["packages"]
 IGNORED = (".git", ".venv", "venv", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache", ".hypothesis",
            ".ruff_cache", "*.so", "*.c", "results", "spark-warehouse", "metastore_db", "data")
 
-pytestmark = [pytest.mark.slow]
-
 
 def _have_build_tools() -> str | None:
     for mod in ("setuptools", "wheel"):
@@ -104,6 +102,7 @@ def test_every_package_imports_from_the_repository_root(installed):
 
 
 @pytest.mark.spark
+@pytest.mark.slow  # a Spark session: ~10-20 s
 def test_spark_export_from_the_repository_root(installed, tmp_path):
     from txmq.spark.session import missing_dependency, missing_java
 
