@@ -4,14 +4,19 @@
 it prints nothing. Each table goes to its own folder under ``out``. Both
 tables read the log up to the same offset (its end when the export began),
 so they describe one moment of a live broker.
+
+A local ``out`` is never left half written (``--mode append`` excepted):
+the tables are written to a sibling ``OUT.tmp-<pid>`` and renamed into
+place once every one is complete; a failure or an interruption removes it.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from txmq.constants import canonical_topic
 from txmq.store import StoreReader
@@ -163,6 +168,52 @@ def export(spark, opts: ExportOptions, on_table: Callable[[str], None] | None = 
         res.bytes_read += res.log_bytes
         return spark.read.format("txmq").options(**options).load(opts.data_dir)
 
+    staging = staging_path(opts)
+    if staging:
+        shutil.rmtree(staging, ignore_errors=True)  # left by a process killed with SIGKILL that had our pid
+        os.makedirs(os.path.dirname(staging), exist_ok=True)
+    write_opts = replace(opts, out=staging, mode="error") if staging else opts
+    try:
+        _export_tables(opts, write_opts, load, topics, res, on_table)
+        if staging:
+            _publish(staging, opts)
+    except BaseException:  # a failure or Ctrl-C leaves no partial output behind
+        if staging:
+            try:
+                spark.sparkContext.cancelAllJobs()  # tasks still writing would recreate it
+            except BaseException:
+                pass
+        raise
+    finally:
+        if staging:
+            shutil.rmtree(staging, ignore_errors=True)
+    res.seconds = time.perf_counter() - t0
+    return res
+
+
+def staging_path(opts: ExportOptions) -> str | None:
+    """Where a local export writes before it is complete: OUT.tmp-<pid> beside OUT (None: written in place)."""
+    if "://" in opts.out or opts.mode == "append":
+        return None
+    return f"{os.path.abspath(opts.out).rstrip(os.sep)}.tmp-{os.getpid()}"
+
+
+def _publish(staging: str, opts: ExportOptions) -> None:
+    """Rename the complete tables into place (OUT itself when it does not exist yet)."""
+    if not os.path.exists(opts.out):
+        os.rename(staging, opts.out)
+        return
+    for table in opts.tables:
+        src, dst = os.path.join(staging, table), table_path(opts.out, table)
+        if os.path.exists(dst):
+            if opts.mode == "error":
+                raise FileExistsError(f"{dst} already exists: use --mode overwrite or --mode append")
+            os.rename(dst, src + ".old")  # removed with the staging folder
+        os.rename(src, dst)
+
+
+def _export_tables(opts: ExportOptions, write_opts: ExportOptions, load, topics: tuple[str, ...], res: ExportResult,
+                   on_table: Callable[[str], None] | None) -> None:
     for table in opts.tables:
         if on_table:
             on_table(table)
@@ -176,10 +227,8 @@ def export(spark, opts: ExportOptions, on_table: Callable[[str], None] | None = 
             df = load(**filters)
         else:
             df = _filter_transactions(transactions(load(kinds=",".join(TX_KINDS))), opts, topics)
-        path, rows = _write(df, table, opts)
-        res.tables.append(TableResult(table, path, rows, time.perf_counter() - t1))
-    res.seconds = time.perf_counter() - t0
-    return res
+        _, rows = _write(df, table, write_opts)
+        res.tables.append(TableResult(table, table_path(opts.out, table), rows, time.perf_counter() - t1))
 
 
 def _filter_transactions(df, opts: ExportOptions, topics: tuple[str, ...]):

@@ -93,3 +93,75 @@ def test_a_directory_without_a_commit_log_is_not_found(tmp_path):
         pytest.skip("no Java")
     r = run_cli(["spark-export", "--data-dir", str(tmp_path), "--out", str(tmp_path / "out")])
     assert r.returncode == 5 and "not a txmq data directory" in r.stderr, r.stderr
+
+
+# ---- a real (small) export: complete or absent, never partial ------------------------
+def _spark_ready() -> str | None:
+    from txmq.spark.session import missing_dependency, missing_java
+
+    return missing_dependency() or missing_java()
+
+
+def small_data_dir(tmp_path, n: int = 200) -> str:
+    from txmq.store import Message, Store, StoreConfig, TxType
+
+    d = tmp_path / "data"
+    s = Store(d, StoreConfig(segment_size=64 << 10))
+    s.open()
+    try:
+        msgs = [Message("orders", i % 2, TxType.NORMAL, 1_700_000_000_000 + i, {"KEYS": f"k{i}"}, b"body-%d" % i, -1)
+                for i in range(n)]
+        for i in range(0, n, 1000):
+            s.append(msgs[i:i + 1000])
+        s.sync()
+    finally:
+        s.close()
+    return str(d)
+
+
+def test_an_export_is_renamed_into_place_once_complete(tmp_path):
+    problem = _spark_ready()
+    if problem:
+        pytest.skip(problem)
+    out = tmp_path / "out"
+    r = run_cli(["spark-export", "--data-dir", small_data_dir(tmp_path), "--out", str(out), "--master", "local[1]", "-o", "json"])
+    assert r.returncode == 0, r.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["messages", "transactions"]
+    assert any(p.suffix == ".parquet" for p in (out / "messages").iterdir())
+    assert [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name] == []
+
+
+def test_ctrl_c_during_an_export_exits_130_and_leaves_no_output(tmp_path):
+    import signal
+    import time
+
+    problem = _spark_ready()
+    if problem:
+        pytest.skip(problem)
+    data = small_data_dir(tmp_path, n=20000)
+    out = tmp_path / "out"
+    code = (
+        "import sys\n"
+        f"sys.argv = ['txmq', 'spark-export', '--data-dir', {data!r}, '--out', {str(out)!r}, '--master', 'local[1]',"
+        " '--partition-bytes', '64KiB']\n"
+        "from txmq.cli.main import main\n"
+        "main()\n"
+    )
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        staging = tmp_path / f"out.tmp-{p.pid}"
+        deadline = time.monotonic() + 120
+        while not staging.exists() and p.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if p.poll() is not None:
+            pytest.fail(f"the export ended before its temporary output appeared: {p.stderr.read()}")
+        p.send_signal(signal.SIGINT)
+        rc = p.wait(120)
+        stderr = p.stderr.read()
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert rc == 130, stderr
+    assert "Traceback" not in stderr and "py4j" not in stderr, stderr
+    assert [ln for ln in stderr.splitlines() if ln.strip()] == [f"interrupted: nothing written to {out}"], stderr
+    assert not out.exists() and not staging.exists()

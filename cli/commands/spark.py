@@ -145,6 +145,7 @@ def spark_export(
     t0 = time.perf_counter()
     progress = _Progress(enabled=err.is_terminal)
     progress.begin("starting Spark")
+    _quiet_py4j()
     try:
         try:
             session = sess.start(master, spark_conf)
@@ -161,18 +162,48 @@ def spark_export(
             ok = True
         except FileExistsError as e:  # created by someone else since the check
             raise CliError(str(e), exitcodes.USAGE) from None
+        except KeyboardInterrupt:
+            raise
         except Exception as e:
             hint = f" (Spark's log: {session.log_path})" if session.log_path else ""
             raise CliError(f"spark-export failed: {spark_error(e)}{hint}") from None
         finally:
             progress.stop()
-            session.stop()
+            try:
+                session.stop()
+            except (Exception, KeyboardInterrupt):  # the JVM got the Ctrl-C too and is gone
+                if ok:
+                    raise
             if ok:
                 sess.cleanup(session)
+    except KeyboardInterrupt:  # one line, no py4j traceback, no temporary output left (exit 130)
+        progress.stop()
+        from txmq.spark.export import staging_path
+
+        staging = staging_path(opts)
+        if staging:  # again, now that Spark is stopped: a task may have written after the first removal
+            import shutil
+
+            shutil.rmtree(staging, ignore_errors=True)
+        err.print(f"[warn]interrupted: nothing written to {opts.out}[/warn]" if opts.mode != "append"
+                  else f"[warn]interrupted: {opts.out} may hold part of the appended rows[/warn]")
+        raise
     finally:
         progress.stop()
     total = time.perf_counter() - t0
     _report(_summary(opts, master, result, session.startup_s, total), output)
+
+
+def _quiet_py4j() -> None:
+    """py4j logs a traceback when Ctrl-C cuts a call to the JVM: the CLI says it in one line instead."""
+    import logging
+
+    for name in ("py4j", "py4j.java_gateway", "py4j.clientserver"):
+        lg = logging.getLogger(name)
+        lg.addHandler(logging.NullHandler())
+        lg.propagate = False
+    # py4j also logs through the root logger (logging.exception): drop what comes from its files
+    logging.getLogger().addFilter(lambda rec: "py4j" not in (rec.pathname or ""))
 
 
 def _first_line(e: BaseException) -> str:
