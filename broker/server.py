@@ -202,7 +202,7 @@ class Broker:
                 if core.store.damage.report(Damage(offset, "transaction index", why)) and len(damaged) < 10_000:
                     damaged.append(offset)
 
-            for _ in replay_steps(core.store, index, starts, on_damage=on_damage):
+            for replayed in replay_steps(core.store, index, starts, on_damage=on_damage):  # noqa: B007 (its last value is logged below)
                 if len(index.dirty or ()) >= INDEX_FLUSH_ROWS:
                     await self._flush_index()  # a long replay or a whole rebuild: memory stays bounded
                 await asyncio.sleep(0)
