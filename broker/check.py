@@ -43,7 +43,7 @@ import msgpack
 from txmq.constants import HALF_TOPIC, OP_TOPIC, PROP_CHECK_TIMES
 from txmq.store import RawCopy, StoreError, atomic_write_json, read_json
 from txmq.store.files import move_aside
-from txmq.store.codec import HEADER_SIZE, TAGS_PROPERTY
+from txmq.store.codec import H_BORN_TS, H_PREPARED_OFFSET, H_PROPS_LEN, H_TOPIC_LEN, HEADER_SIZE, TAGS_PROPERTY
 from txmq.wire import TxmqError
 
 from .checkcopy import check_push, pack_group, patch_properties
@@ -414,8 +414,8 @@ class CheckService:
         todo: list[tuple[PendingTx, Any, int, bytes, memoryview, tuple, int]] = []
         copies: list[RawCopy] = []
         for (p, conn), (raw, head) in self._read(items, raw=True):
-            ps = HEADER_SIZE + head[6]  # topic_len
-            pe = ps + head[12]  # props_len
+            ps = HEADER_SIZE + head[H_TOPIC_LEN]
+            pe = ps + head[H_PROPS_LEN]
             checks = p.checks + 1
             pb = patch_properties(raw[ps:pe], p.cl_offset, p.origin_cl_offset, p.checks, checks)
             if pb is None:  # the dict path: what patch_properties does not handle
@@ -453,7 +453,7 @@ class CheckService:
                 gp = group_packed.get(p.group)
                 if gp is None:
                     gp = group_packed[p.group] = pack_group(p.group)
-                out.append(check_push(gp, p.tx_id, cl, qoff, res.size, head[9], res.store_ts, head[11], pb, raw[pe:]))
+                out.append(check_push(gp, p.tx_id, cl, qoff, res.size, head[H_BORN_TS], res.store_ts, head[H_PREPARED_OFFSET], pb, raw[pe:]))
                 sent += 1
             for conn, out in frames.items():
                 conn.send_frame(b"".join(out))

@@ -38,7 +38,7 @@ from txmq.store import (
     StoreError,
     StoreFullError,
 )
-from txmq.store.codec import HEADER
+from txmq.store.codec import H_QUEUE_ID, H_TOPIC_LEN, HEADER
 from txmq.wire import ErrorCode, TxmqError
 
 from .clock import Clock
@@ -325,7 +325,7 @@ class BrokerCore:
         for m in msgs:
             if type(m) is RawCopy:
                 h = m.header or HEADER.unpack_from(m.source)
-                keys.add((str(m.source[HEADER_SIZE : HEADER_SIZE + h[6]], "utf-8"), h[7]))
+                keys.add((str(m.source[HEADER_SIZE : HEADER_SIZE + h[H_TOPIC_LEN]], "utf-8"), h[H_QUEUE_ID]))
             else:
                 keys.add((m.topic, m.queue_id))
         for key in keys:

@@ -51,6 +51,7 @@ import msgpack
 
 from txmq.store import CorruptRecordError, Record, TxType, decode_record, record_problem
 from txmq.store.bulk import raw_queue_runs
+from txmq.store.codec import H_CRC, H_OFFSET, H_SIZE
 
 if TYPE_CHECKING:
     from .txdb import TxDatabase
@@ -457,7 +458,7 @@ def log_position(store) -> dict[str, Any]:
                 boundary = [cl, 0]
     if boundary is not None:
         _raw, head = store.read_many([boundary[0]], raw=True)[0]
-        boundary[1] = head[2]  # its CRC
+        boundary[1] = head[H_CRC]
     return {"applied_to": store.max_offset, "queues": queues, "boundary": boundary}
 
 
@@ -479,7 +480,7 @@ def agrees(store, meta: dict[str, Any]) -> str | None:
             _raw, head = store.read_many([boundary[0]], raw=True)[0]
         except Exception:  # cut away, or no record starts there any more
             return f"no record at its boundary offset {boundary[0]}"
-        if head[2] != boundary[1] or head[3] + head[0] > meta["applied_to"]:
+        if head[H_CRC] != boundary[1] or head[H_OFFSET] + head[H_SIZE] > meta["applied_to"]:
             return f"the record at its boundary offset {boundary[0]} is another one"
         return None
     except (KeyError, TypeError, IndexError, ValueError) as exc:
@@ -517,12 +518,13 @@ def replay_steps(reader, idx: TxIndex, starts: dict[str, int] | None = None, bat
     next_yield = batch
     for buf, _mv, first, headers in raw_queue_runs(reader, queues, on_damage=on_damage):
         for h in headers:
-            rec = decode_record(buf, h[3] - first, h[3])
+            at = h[H_OFFSET]
+            rec = decode_record(buf, at - first, at)
             if rec is None:
-                why = record_problem(buf, h[3] - first, h[3]) or f"invalid record at {h[3]}"
+                why = record_problem(buf, at - first, at) or f"invalid record at {at}"
                 if on_damage is None:
                     raise CorruptRecordError(why)
-                on_damage(h[3], why)
+                on_damage(at, why)
                 continue
             apply(rec)
         n += len(headers)

@@ -96,7 +96,7 @@ def raw_record_runs(reader, entries: Sequence[Entry], on_damage: Callable[[int, 
     commit-log offset ``first`` on, ``mv`` is a memoryview of it (for slices
     without copies) and ``headers`` has each record's header fields as
     ``codec.HEADER`` unpacks them, in order; record ``h`` is
-    ``buf[h[3] - first : h[3] - first + h[0]]``. Neighbouring records (holes
+    ``buf[h[H_OFFSET] - first : h[H_OFFSET] - first + h[H_SIZE]]`` (``codec.H_*``). Neighbouring records (holes
     up to ``GAP``, runs up to ``SPAN``) are read together, as
     ``_read_sized`` reads them for ``get_messages``. Headers come in a list
     per run rather than one yield per record: the caller's loop over two

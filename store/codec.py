@@ -62,6 +62,9 @@ HEADER = struct.Struct(
     "I"  # 60 props_len
     "I"  # 64 body_len
 )
+# Positions of the fields in a tuple HEADER.unpack_from returns (a record's "header"):
+H_SIZE, H_MAGIC, H_CRC, H_OFFSET, H_TX_TYPE, H_FLAGS, H_TOPIC_LEN, H_QUEUE_ID, H_QUEUE_OFFSET, H_BORN_TS, \
+    H_STORE_TS, H_PREPARED_OFFSET, H_PROPS_LEN, H_BODY_LEN = range(14)
 # The same header in the two pieces the encoder packs: the CRC-covered part
 # [12, 68) is packed first, then [0, 12) once its CRC is known.
 _HEAD = struct.Struct("<III")  # total_size, magic, crc32
@@ -250,7 +253,7 @@ def check_record(buf, pos: int, expected_offset: int, mv: memoryview | None = No
     complete record reads as "crc mismatch".
     """
     h = valid_header(buf, pos, expected_offset, mv)
-    return h[0] if h is not None else _check_record_slow(buf, pos, expected_offset, mv)
+    return h[H_SIZE] if h is not None else _check_record_slow(buf, pos, expected_offset, mv)
 
 
 def valid_header(buf, pos: int, expected_offset: int, mv: memoryview | None) -> tuple | None:

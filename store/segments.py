@@ -13,7 +13,7 @@ import struct
 from bisect import bisect_right
 from collections.abc import Callable, Iterator, Sequence
 
-from .codec import HEADER_SIZE, MAGIC, Record, check_header, check_record, decode, valid_header
+from .codec import H_SIZE, HEADER_SIZE, MAGIC, Record, check_header, check_record, decode, valid_header
 from .errors import CorruptRecordError
 
 CHUNK = 1 << 20  # bytes per sequential read
@@ -168,7 +168,7 @@ class LogView:
             if h is None:
                 problem = check_record(data, 0, offset)
                 raise CorruptRecordError(problem if type(problem) is str else f"bad record at {offset}")
-            return memoryview(data)[: h[0]], h
+            return memoryview(data)[: h[H_SIZE]], h
         rec = decode(data, 0, offset)
         if type(rec) is str:
             raise CorruptRecordError(rec)
@@ -205,7 +205,7 @@ class LogView:
                 pos = o - first
                 if raw:
                     h = valid_header(chunk, pos, o, mv)
-                    rec = (mv[pos : pos + h[0]], h) if h is not None else self._read_one(seg, o, None, True)
+                    rec = (mv[pos : pos + h[H_SIZE]], h) if h is not None else self._read_one(seg, o, None, True)
                 else:
                     rec = decode(chunk, pos, o, mv)
                     if type(rec) is str:  # cut by the chunk (a big record) or really bad

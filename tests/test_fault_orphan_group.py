@@ -55,7 +55,7 @@ def test_orphaned_group_spends_no_checks_and_resumes_when_a_producer_returns(tmp
             gone = Answer(LocalTransactionState.UNKNOW, LocalTransactionState.UNKNOW)
             async with TransactionProducer(G, gone, b.address) as p:
                 r = await p.send_in_transaction(Message("orders", b"orphaned order"))
-                assert r.outcome == "pending"
+                assert await r.end == "pending"
             # every producer of G is gone now; a producer of another group stays
             other = Answer(LocalTransactionState.UNKNOW, LocalTransactionState.ROLLBACK_MESSAGE)
             async with TransactionProducer(H, other, b.address) as ph:

@@ -78,6 +78,8 @@ FIELD = {
     "min_age_ms": ints, "limit": ints, "action": st.sampled_from(["commit", "rollback", "delete"]), "refs": refs,
     "dry_run": st.booleans(), "to": st.sampled_from(["half", "commit", "topic"]), "all": st.booleans(),
     "key": st.sampled_from(["check_interval_s", "transaction_timeout_s", "max_checks", "retention_s", "nope"]),
+    "after_half_offset": ints, "after_discard_offset": ints, "max_scan": ints, "summary": st.booleans(), "force": st.booleans(),
+    "time_ms": ints, "since_ms": ints, "until_ms": ints, "msg_id": texts, "queue_ids": st.one_of(ints, st.lists(ints, max_size=3)),
     "value": st.one_of(ints, floats), "token": texts, "client_id": texts, "producer_groups": groups, "consumer_groups": groups,
 }
 # Values that pass validation, so a request with one field broken reaches deep into the handler.
@@ -97,6 +99,9 @@ VALID = {
                      min_size=1, max_size=3),
     "dry_run": st.booleans(), "to": st.sampled_from(["half", "commit"]), "all": st.booleans(),
     "key": st.sampled_from(["check_interval_s", "transaction_timeout_s", "max_checks", "retention_s"]),
+    "after_half_offset": small, "after_discard_offset": small, "max_scan": st.integers(1, 1000), "summary": st.booleans(),
+    "force": st.booleans(), "time_ms": st.integers(0, 1 << 41), "since_ms": st.integers(0, 1 << 41), "until_ms": st.integers(0, 1 << 41),
+    "msg_id": st.sampled_from(["0000000000000000", "nope"]), "queue_ids": st.sampled_from([[0], [0, 1]]),
     "value": st.sampled_from([1, 2, 5, 60, 0.5, 3600]), "token": texts, "client_id": texts,
     "producer_groups": st.sampled_from([[], ["g"], ["fz"]]), "consumer_groups": st.sampled_from([[], ["c"]]),
 }
@@ -112,15 +117,23 @@ OPS = {
     "fetch_offsets": ["group", "topic"],
     "create_topic": ["topic", "queues"],
     "list_topics": ["system"],
-    "tx_pending": ["group", "topic", "min_age_ms", "limit"],
+    "tx_pending": ["group", "topic", "min_age_ms", "limit", "after_half_offset"],
     "tx_offsets": [],
     "tx_resolve": ["action", "refs", "dry_run"],
     "tx_check_now": ["tx_id"],
-    "discard_list": ["limit"],
+    "discard_list": ["limit", "after_discard_offset"],
     "discard_replay": ["to", "refs", "all", "dry_run"],
     "config_get": [],
-    "config_set": ["key", "value"],
+    "config_set": ["key", "value", "dry_run"],
     "stats": [],
+    "tx_resolve_where": ["action", "group", "topic", "min_age_ms", "limit", "after_half_offset", "dry_run"],
+    "tx_history": ["tx_id", "half_offset", "commit_log_offset", "max_scan", "summary"],
+    "list_groups": [],
+    "describe_group": ["group", "topic"],
+    "reset_offsets": ["group", "topic", "to", "offset", "time_ms", "queue_ids", "dry_run", "force"],
+    "offsets_for_time": ["topic", "time_ms", "queue_ids"],
+    "get_message": ["msg_id", "commit_log_offset"],
+    "find_messages": ["key", "topic", "since_ms", "until_ms", "limit", "max_scan"],
 }
 
 

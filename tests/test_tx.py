@@ -330,7 +330,11 @@ def test_index_and_progress_survive_restart(tmp_path):
         assert before["half"]["progress"] == 2  # past the decided one and the superseded copy
         async with broker(tmp_path, clock) as b:
             c = await RawClient.open(b.address)
-            assert await c.ok("tx_offsets") == before
+            after = await c.ok("tx_offsets")
+            # held_by names the same transaction; its age and the reason's timing move with the clock
+            held_keys = ("tx_id", "group", "topic", "half_offset", "checks")
+            assert {k: after["held_by"][k] for k in held_keys} == {k: before["held_by"][k] for k in held_keys}
+            assert {k: v for k, v in after.items() if k != "held_by"} == {k: v for k, v in before.items() if k != "held_by"}
             row = (await c.ok("tx_pending"))["transactions"][0]
             assert row["tx_id"] == pending["tx_id"] and row["checks"] == 1
             assert (await c.ok("end_transaction", end(done, "commit")))["status"] == "already"
