@@ -56,7 +56,7 @@ import report  # noqa: E402
 from benchlib import BrokerProc, command_line, data_disk_dir, machine_info, proc_status, save_result  # noqa: E402
 
 from txmq import wire  # noqa: E402
-from txmq.broker.txdb import DB_FILE, remove_db  # noqa: E402
+from txmq.broker.transactions.indexfile import DB_FILE, remove_db  # noqa: E402
 from txmq.constants import (  # noqa: E402
     HALF_TOPIC, OP_TAG, OP_TOPIC, PROP_CHECK_TIMES, PROP_DECIDED_BY, PROP_HALF_CL_OFFSET, PROP_PGROUP, PROP_PREPARED_QUEUE_OFFSET,
     PROP_REAL_QID, PROP_REAL_TOPIC, PROP_TAGS, PROP_TRAN_MSG, PROP_UNIQ_KEY,

@@ -18,6 +18,7 @@ import logging
 import os
 import time
 from collections import defaultdict
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -33,6 +34,7 @@ from txmq.store import (
     RawCopy,
     Record,
     RecordTooLargeError,
+    RecoveryReport,
     Store,
     StoreConfig,
     StoreError,
@@ -42,11 +44,15 @@ from txmq.store.codec import H_QUEUE_ID, H_TOPIC_LEN, HEADER
 from txmq.wire import ErrorCode, TxmqError
 
 from .clock import Clock
-from .config import BrokerConfig
+from .config import BrokerConfig, CheckSettings
 from .flush import DiskState, Flusher
 from .metrics import Metrics
 from .registry import ProducerRegistry
 from .topics import TopicTable
+from .transactions.admin import TransactionAdmin
+from .transactions.check import CheckProgress, CheckService
+from .transactions.index import TxIndex
+from .transactions.service import TransactionService
 
 log = logging.getLogger("txmq.broker")
 
@@ -83,7 +89,7 @@ def speedups_in_use() -> str:
     """"native" when both compiled speed-ups are loaded (setup.py), else "python"."""
     from txmq.store import codec
 
-    from . import checkcopy
+    from .transactions import checkcopy
 
     return "native" if codec.speedups is not None and checkcopy.speedups is not None else "python"
 
@@ -204,12 +210,21 @@ def _settle_durable(wait: list[tuple[asyncio.Future, Any]], waiter: asyncio.Futu
 
 
 class BrokerCore:
+    """The broker without its network: the store, the appends, consuming, and the transaction subsystem.
+
+    Every collaborator is declared here. Those that read the data directory
+    are built by ``open`` once the store holds it (the store's open takes
+    the directory's lock and runs recovery): the topic table, consumer
+    offsets, the flusher and the Appender, and the transaction subsystem
+    (broker/transactions/: ``tx``, ``check``, ``admin``).
+    """
+
     def __init__(self, config: BrokerConfig, clock: Clock | None = None) -> None:
-        self.config = config
-        self.clock = clock or Clock()
-        self.data_dir = Path(config.data_dir)
+        self.config: BrokerConfig = config
+        self.clock: Clock = clock or Clock()
+        self.data_dir: Path = Path(config.data_dir)
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        self.store = Store(
+        self.store: Store = Store(
             self.data_dir,
             StoreConfig(
                 segment_size=config.segment_size,
@@ -218,26 +233,40 @@ class BrokerCore:
             ),
             clock=self.clock,
         )
-        self.metrics = Metrics()
-        self.registry = ProducerRegistry()
-        self.consumer_registry = ProducerRegistry()  # live consumer connections by group (hello consumer_groups)
-        self.broker_id = f"txmq-{os.getpid()}"
-        self.started_at = time.time()
-        self.recovery = None
+        self.metrics: Metrics = Metrics()
+        self.registry: ProducerRegistry = ProducerRegistry()  # live producer connections by group (check-backs go to them)
+        self.consumer_registry: ProducerRegistry = ProducerRegistry()  # live consumer connections by group (hello consumer_groups)
+        self.broker_id: str = f"txmq-{os.getpid()}"
+        self.started_at: float = time.time()
+        self.recovery: RecoveryReport | None = None
         self._rr = itertools.count()
         self._pollers: dict[tuple[str, int], list[asyncio.Future]] = defaultdict(list)
-        self.connections = 0
-        self.busy_connections = 0  # connections with requests in flight
-        self.partial_frame_bytes = 0  # held by all connections in frames not yet complete
-        self.tx_ready = asyncio.Event()  # set once the transaction index is rebuilt (or failed to be)
+        self.connections: int = 0
+        self.busy_connections: int = 0  # connections with requests in flight
+        self.partial_frame_bytes: int = 0  # held by all connections in frames not yet complete
+        self.tx_ready: asyncio.Event = asyncio.Event()  # set once the transaction index is rebuilt (or failed to be)
         self.tx_error: TxmqError | None = None  # why it failed
-        self.draining = False  # refuse new requests; in-flight ones finish
-        self.shutting_down = False  # refuse appends
-        self.disk = DiskState()  # a full disk, logged once per change of state
+        self.draining: bool = False  # refuse new requests; in-flight ones finish
+        self.shutting_down: bool = False  # refuse appends
+        self.disk: DiskState = DiskState()  # a full disk, logged once per change of state
+        # Built by open() (they read the data directory):
+        self.topics: TopicTable  # topics.json: queue counts
+        self.offsets: ConsumerOffsets  # offsets.json: consumer groups' offsets
+        self.flusher: Flusher  # fsyncs and group commit (its thread starts in start())
+        self.appender: Appender  # every write to the log
+        self.tx: TransactionService  # half messages, end transaction, decide, discard
+        self.check: CheckService  # check-backs and discards, a pass every check interval
+        self.admin: TransactionAdmin  # the operator's transaction operations
 
     # ---- lifecycle -------------------------------------------------------
-    def open(self) -> None:
-        """Open the store (recovery). Synchronous: call before serving."""
+    def open(self, stored: dict[str, Any] | None = None) -> None:
+        """Open the store (recovery), then build every collaborator on it. Synchronous: call on the loop before serving.
+
+        ``stored``: the check settings config.json holds (``txmq config
+        set``), read before the store is opened so that a damaged file
+        refuses the start with nothing locked.
+        """
+        stored = {} if stored is None else stored
         self.recovery = self.store.open()
         r = self.recovery
         if r.dropped_bytes:
@@ -250,8 +279,12 @@ class BrokerCore:
         except BaseException:  # e.g. a damaged offsets.json: the start is refused, the directory released
             self.store.close()
             raise
-
-    async def start(self) -> None:
+        settings = self._settings(stored)
+        self.tx = TransactionService(self, TxIndex())  # the index file's index replaces it once built (Broker._build_index)
+        self.check = CheckService(self, self.tx, CheckProgress(self.data_dir / "txcheck.json", repair=True), self.data_dir / "config.json",
+                                  settings, stored={k: v for k, v in stored.items() if k in settings.to_dict()})
+        self.admin = TransactionAdmin(self, self.tx, self.check)
+        self.store.config = replace(self.store.config, retention_s=settings.retention_s)
         self.appender = Appender(self)
         self.flusher = Flusher(
             self.store,
@@ -262,6 +295,27 @@ class BrokerCore:
             disk=self.disk,
         )
         self.flusher.lone_client = lambda: self.busy_connections <= 1
+
+    def _settings(self, stored: dict) -> CheckSettings:
+        """Defaults < config.json (what `txmq config set` stored) < explicit start options.
+
+        A start option applies to this run only: config.json is not written
+        at start, so a later plain `broker start` runs on what `config set`
+        stored (or the defaults), never on an earlier start's options. The
+        settings in effect, and which came from options, are logged
+        (event=check_settings) and shown by `txmq broker status`.
+        """
+        settings = CheckSettings.from_dict(stored)
+        for key in self.config.check_overrides:
+            settings = settings.with_value(key, getattr(self.config.check, key))
+        log.info("event=check_settings check_interval_s=%s transaction_timeout_s=%s max_checks=%s retention_s=%s "
+                 "from_options=%s stored=%s", settings.check_interval_s, settings.transaction_timeout_s, settings.max_checks,
+                 settings.retention_s, ",".join(self.config.check_overrides) or "-",
+                 ",".join(k for k in stored if k in settings.to_dict()) or "-")
+        return settings
+
+    async def start(self) -> None:
+        """Start the flusher's thread (after open)."""
         self.flusher.start()
 
     async def stop(self) -> None:

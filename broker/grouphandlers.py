@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from txmq.constants import canonical_topic
 
 from . import groups
 from .handlers import Reply, _bad, opt_bool, opt_int, opt_str, req_int, req_str
+
+if TYPE_CHECKING:
+    from .connection import BrokerConnection
+    from .core import BrokerCore
 
 
 def _queue_ids(f: dict) -> list[int] | None:
@@ -23,16 +27,16 @@ def _topic(f: dict, key: str = "topic") -> str:
     return canonical_topic(req_str(f, key))
 
 
-def list_groups(core, conn, f: dict) -> Reply:
+def list_groups(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
     return groups.list_groups(core)
 
 
-def describe_group(core, conn, f: dict) -> Reply:
+def describe_group(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
     topic = opt_str(f, "topic")
     return groups.describe_group(core, req_str(f, "group"), canonical_topic(topic) if topic else None)
 
 
-def reset_offsets(core, conn, f: dict) -> Reply:
+def reset_offsets(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
     group, topic, to = req_str(f, "group"), _topic(f), req_str(f, "to")
     if to not in ("earliest", "latest", "offset", "time"):
         raise _bad("field 'to' must be earliest, latest, offset or time")
@@ -42,18 +46,18 @@ def reset_offsets(core, conn, f: dict) -> Reply:
                                 opt_bool(f, "force"))
 
 
-def offsets_for_time(core, conn, f: dict) -> Reply:
+def offsets_for_time(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
     return groups.offsets_for_time(core, _topic(f), req_int(f, "time_ms"), _queue_ids(f))
 
 
-def get_message(core, conn, f: dict) -> Reply:
+def get_message(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
     msg_id, off = opt_str(f, "msg_id"), opt_int(f, "commit_log_offset", None)
     if msg_id is None and off is None:
         raise _bad("one of the fields 'msg_id' and 'commit_log_offset' is required")
     return groups.get_message(core, msg_id, off)
 
 
-def find_messages(core, conn, f: dict) -> Reply:
+def find_messages(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
     topic = opt_str(f, "topic")
     return groups.find_messages(
         core, req_str(f, "key"), canonical_topic(topic) if topic else None, req_int(f, "since_ms"),

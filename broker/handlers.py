@@ -8,22 +8,25 @@ See docs/protocol.md for the operations.
 from __future__ import annotations
 
 import time
-from typing import Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from txmq import __version__
 from txmq.constants import PROP_TRAN_MSG, canonical_topic, is_system_topic
 from txmq.store import Message, TxType
 from txmq.wire import PROTOCOL_VERSION, ErrorCode, TxmqError
 
-from .core import msg_id
+from .core import BrokerCore, msg_id
 from .topics import check_topic_name
+
+if TYPE_CHECKING:
+    from .connection import BrokerConnection
 
 # What this broker supports beyond protocol 1's first requests (additive, in `hello`):
 # "config_set_dry_run": config_set takes dry_run and answers what the change would discard.
 FEATURES = ["config_set_dry_run"]
 
 Reply = dict[str, Any] | Awaitable[dict[str, Any]]
-Handler = Callable[["Any", "Any", dict[str, Any]], Reply]
+Handler = Callable[["BrokerCore", "BrokerConnection", dict[str, Any]], Reply]
 
 
 # ---- field helpers ---------------------------------------------------------
@@ -119,7 +122,7 @@ def refs_of(f: dict, keys: tuple[str, ...]) -> list[dict[str, Any]]:
 
 
 # ---- session ---------------------------------------------------------------
-def hello(core, conn, f: dict) -> Reply:
+def hello(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
     for key in ("producer_groups", "consumer_groups"):
         groups = f.get(key) or []
         if not isinstance(groups, list) or not all(isinstance(g, str) and g for g in groups) or len(groups) > 64:
@@ -133,16 +136,16 @@ def hello(core, conn, f: dict) -> Reply:
             "features": FEATURES}
 
 
-def heartbeat(core, conn, f: dict) -> Reply:
+def heartbeat(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
     return {"time_ms": int(time.time() * 1000)}
 
 
-def broker_info(core, conn, f: dict) -> Reply:
+def broker_info(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
     return core.info()
 
 
 # ---- sending ---------------------------------------------------------------
-def send(core, conn, f: dict) -> Reply:
+def send(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
     topic = user_topic(f)
     body = body_of(f, core.config.max_body)
     props = props_of(f, core.config.max_properties)
@@ -158,7 +161,7 @@ def send(core, conn, f: dict) -> Reply:
     return _send_plain(core, [Message(topic, qid, TxType.NORMAL, born, props, body)], single=True)
 
 
-def send_batch(core, conn, f: dict) -> Reply:
+def send_batch(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
     topic = user_topic(f)
     items = f.get("messages")
     if not isinstance(items, list) or not items or len(items) > 10_000:
@@ -176,7 +179,7 @@ def send_batch(core, conn, f: dict) -> Reply:
     return _send_plain(core, msgs, single=False)
 
 
-def _send_plain(core, msgs: list[Message], single: bool) -> Reply:
+def _send_plain(core: BrokerCore, msgs: list[Message], single: bool) -> Reply:
     def shape(results) -> dict[str, Any]:
         core.metrics.counters["messages_sent"] += len(results)
         rows = [
@@ -190,7 +193,7 @@ def _send_plain(core, msgs: list[Message], single: bool) -> Reply:
 
 
 # ---- transactions ----------------------------------------------------------
-def end_transaction(core, conn, f: dict) -> Reply:
+def end_transaction(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
     state = req_str(f, "state")
     if state not in ("commit", "rollback", "unknown"):
         raise _bad("field 'state' must be commit, rollback or unknown")
@@ -201,7 +204,7 @@ def end_transaction(core, conn, f: dict) -> Reply:
 
 
 # ---- consuming -------------------------------------------------------------
-def pull(core, conn, f: dict) -> Reply:
+def pull(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
     topic = canonical_topic(req_str(f, "topic"))
     return core.pull(
         topic,
@@ -213,35 +216,35 @@ def pull(core, conn, f: dict) -> Reply:
     )
 
 
-async def _commit_offset(core, f: dict) -> dict:
+async def _commit_offset(core: BrokerCore, f: dict) -> dict:
     await core.commit_offset(req_str(f, "group"), canonical_topic(req_str(f, "topic")), req_int(f, "queue_id", 0, 1023), req_int(f, "offset"))
     return {}
 
 
-def commit_offset(core, conn, f: dict) -> Reply:
+def commit_offset(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
     req_str(f, "group"), req_str(f, "topic"), req_int(f, "queue_id", 0, 1023), req_int(f, "offset")
     return _commit_offset(core, f)
 
 
-def fetch_offsets(core, conn, f: dict) -> Reply:
+def fetch_offsets(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
     offsets = core.fetch_offsets(req_str(f, "group"), canonical_topic(req_str(f, "topic")))
     return {"offsets": {str(q): off for q, off in offsets.items()}}  # msgpack map keys are strings
 
 
-def create_topic(core, conn, f: dict) -> Reply:
+def create_topic(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
     topic = user_topic(f)
     n, created = core.topics.ensure(topic, opt_int(f, "queues", None, 1, 1024))
     return {"topic": topic, "queues": n, "created": created}
 
 
-def list_topics(core, conn, f: dict) -> Reply:
+def list_topics(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
     return {"topics": core.list_topics(opt_bool(f, "system"))}
 
 
 # ---- administration --------------------------------------------------------
-def tx_pending(core, conn, f: dict) -> Reply:
+def tx_pending(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
     topic = opt_str(f, "topic")
-    rows, total, cursor = core.tx.pending_rows(
+    rows, total, cursor = core.admin.pending_rows(
         opt_str(f, "group"), canonical_topic(topic) if topic else None,
         opt_int(f, "min_age_ms", 0), opt_int(f, "limit", 1000, 1, 10_000_000), core.check.next_check_at,
         opt_int(f, "after_half_offset", -1, -1),
@@ -249,28 +252,20 @@ def tx_pending(core, conn, f: dict) -> Reply:
     return {"transactions": rows, "total": total, "cursor": cursor}
 
 
-def tx_offsets(core, conn, f: dict) -> Reply:
-    from .txhistory import held_by
-
-    doc = core.check.offsets()
-    doc["held_by"] = held_by(core.tx.index, doc["half"]["progress"], doc["half"]["max"], int(core.clock() * 1000),
-                             core.check.settings.transaction_timeout_s, core.registry.online)
-    return doc
+def tx_offsets(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
+    return core.admin.offsets()
 
 
-def tx_history(core, conn, f: dict) -> Reply:
+def tx_history(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
     import asyncio
 
-    from .txhistory import DEFAULT_MAX_SCAN, History, find_tx_id
+    from .transactions.history import DEFAULT_MAX_SCAN
 
     refs = [k for k in ("tx_id", "half_offset", "commit_log_offset") if f.get(k) is not None]
     if len(refs) != 1:
         raise _bad("give one of tx_id, half_offset, commit_log_offset")
-    tx_id = find_tx_id(core.store, opt_str(f, "tx_id"), opt_int(f, "half_offset", None), opt_int(f, "commit_log_offset", None))
-    h = None
-    if tx_id is not None:
-        h = History(core.store, core.tx.index, tx_id, int(core.clock() * 1000), opt_int(f, "max_scan", DEFAULT_MAX_SCAN, 1, 10_000_000),
-                    core.check.next_check_at, opt_bool(f, "summary"))
+    h = core.admin.history(opt_str(f, "tx_id"), opt_int(f, "half_offset", None), opt_int(f, "commit_log_offset", None),
+                           opt_int(f, "max_scan", DEFAULT_MAX_SCAN, 1, 10_000_000), opt_bool(f, "summary"))
 
     async def run() -> dict:
         if h is not None:
@@ -285,19 +280,19 @@ def tx_history(core, conn, f: dict) -> Reply:
     return run()
 
 
-def tx_resolve(core, conn, f: dict) -> Reply:
+def tx_resolve(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
     action = req_str(f, "action")
     if action not in ("commit", "rollback"):
         raise _bad("field 'action' must be commit or rollback")
     refs = refs_of(f, ("tx_id", "half_offset", "commit_log_offset"))
 
     async def run() -> dict:
-        return {"results": await core.tx.resolve(action, refs, opt_bool(f, "dry_run"))}
+        return {"results": await core.admin.resolve(action, refs, opt_bool(f, "dry_run"))}
 
     return run()
 
 
-def tx_resolve_where(core, conn, f: dict) -> Reply:
+def tx_resolve_where(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
     action = req_str(f, "action")
     if action not in ("commit", "rollback"):
         raise _bad("field 'action' must be commit or rollback")
@@ -307,23 +302,23 @@ def tx_resolve_where(core, conn, f: dict) -> Reply:
             opt_int(f, "after_half_offset", -1, -1), opt_int(f, "limit", 500, 1, 1000), opt_bool(f, "dry_run"))
 
     async def run() -> dict:
-        results, cursor = await core.tx.resolve_where(action, *args)
+        results, cursor = await core.admin.resolve_where(action, *args)
         return {"results": results, "cursor": cursor}
 
     return run()
 
 
-def tx_check_now(core, conn, f: dict) -> Reply:
+def tx_check_now(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
     return core.check.check_now(req_str(f, "tx_id"))
 
 
-def discard_list(core, conn, f: dict) -> Reply:
+def discard_list(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
     limit = opt_int(f, "limit", 1000, 1, 10_000_000)
-    rows = core.tx.discarded(limit + 1, opt_int(f, "after_discard_offset", -1, -1))
+    rows = core.admin.discarded(limit + 1, opt_int(f, "after_discard_offset", -1, -1))
     return {"discarded": rows[:limit], "cursor": rows[limit - 1]["discard_offset"] if len(rows) > limit else None}
 
 
-def discard_replay(core, conn, f: dict) -> Reply:
+def discard_replay(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
     to = req_str(f, "to")
     if to not in ("half", "commit"):
         raise _bad("field 'to' must be half or commit")
@@ -331,16 +326,16 @@ def discard_replay(core, conn, f: dict) -> Reply:
     refs = None if all_ else refs_of(f, ("tx_id", "discard_offset"))
 
     async def run() -> dict:
-        return {"results": await core.tx.replay(to, refs, all_, opt_bool(f, "dry_run"))}
+        return {"results": await core.admin.replay(to, refs, all_, opt_bool(f, "dry_run"))}
 
     return run()
 
 
-def config_get(core, conn, f: dict) -> Reply:
-    return {**core.check.settings.to_dict(), "outcomes_known_since": core.tx.outcomes_known_since()}
+def config_get(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
+    return {**core.check.settings.to_dict(), "outcomes_known_since": core.admin.outcomes_known_since()}
 
 
-def config_set(core, conn, f: dict) -> Reply:
+def config_set(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
     key = req_str(f, "key")
     value = f.get("value")
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -364,11 +359,11 @@ def _setting(fn: Callable[[str, Any], Any], key: str, value: Any) -> Any:
         raise TxmqError(str(e), ErrorCode.INVALID_CONFIG) from None
 
 
-def stats(core, conn, f: dict) -> Reply:
+def stats(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
     return core.stats()
 
 
-async def _when_ready(core, call: Callable[[], Reply]) -> dict[str, Any]:
+async def _when_ready(core: BrokerCore, call: Callable[[], Reply]) -> dict[str, Any]:
     """Run a transactional operation once the index is rebuilt (only right after a start)."""
     await core.tx_ready.wait()
     if core.tx_error is not None:
@@ -378,7 +373,7 @@ async def _when_ready(core, call: Callable[[], Reply]) -> dict[str, Any]:
 
 
 def _needs_index(handler: Handler) -> Handler:
-    def gated(core, conn, f: dict) -> Reply:
+    def gated(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
         if core.tx_error is not None:
             raise core.tx_error
         if core.tx_ready.is_set():

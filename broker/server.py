@@ -23,14 +23,12 @@ from txmq.store.damage import Damage
 from txmq.store.files import fsync_dir
 from txmq.wire import ErrorCode, TxmqError
 
-from .check import CheckProgress, CheckService
 from .clock import Clock
-from .config import BrokerConfig, CheckSettings, read_settings_file
+from .config import BrokerConfig, read_settings_file
 from .connection import BrokerConnection
 from .core import BrokerCore, speedups_in_use
-from .tx import TransactionService
-from .txdb import DB_FILE, IndexFileError, TxDatabase, remove_db
-from .txindex import TxIndex, agrees, log_position, replay_steps
+from .transactions.indexfile import DB_FILE, IndexFileError, TxDatabase, remove_db
+from .transactions.index import TxIndex, agrees, log_position, replay_steps
 
 log = logging.getLogger("txmq.broker")
 
@@ -132,43 +130,19 @@ class Broker:
         self._index_pool = ThreadPoolExecutor(1, "txmq-index", initializer=_lower_priority)
         self._flush_failing: str | bool = False  # "disk" (full) or "error" while index flushes fail
 
-    def _settings(self, stored: dict) -> CheckSettings:
-        """Defaults < config.json (what `txmq config set` stored) < explicit start options.
-
-        A start option applies to this run only: config.json is not written
-        at start, so a later plain `broker start` runs on what `config set`
-        stored (or the defaults), never on an earlier start's options. The
-        settings in effect, and which came from options, are logged
-        (event=check_settings) and shown by `txmq broker status`.
-        """
-        settings = CheckSettings.from_dict(stored)
-        for key in self.config.check_overrides:
-            settings = settings.with_value(key, getattr(self.config.check, key))
-        log.info("event=check_settings check_interval_s=%s transaction_timeout_s=%s max_checks=%s retention_s=%s "
-                 "from_options=%s stored=%s", settings.check_interval_s, settings.transaction_timeout_s, settings.max_checks,
-                 settings.retention_s, ",".join(self.config.check_overrides) or "-",
-                 ",".join(k for k in stored if k in settings.to_dict()) or "-")
-        return settings
-
     async def start(self) -> None:
         core = self.core
         t0 = time.perf_counter()
         # Read before the store is opened: a damaged config.json refuses the start with nothing locked.
         stored = read_settings_file(core.data_dir / "config.json", self.config.check_overrides)
-        core.open()
-        settings = self._settings(stored)
-        progress = CheckProgress(core.data_dir / "txcheck.json", repair=True)
-        core.tx = TransactionService(core, TxIndex())
-        core.check = CheckService(core, core.tx, progress, core.data_dir / "config.json", settings,
-                                  stored={k: v for k, v in stored.items() if k in settings.to_dict()})
-        core.store.config = replace(core.store.config, retention_s=settings.retention_s)
+        core.open(stored)  # the store, then every collaborator: topics, offsets, flusher, appender, tx, check, admin
         await core.start()
         loop = asyncio.get_running_loop()
-        self._indexer = loop.create_task(self._build_index(progress, t0), name="txmq-txindex")
+        self._indexer = loop.create_task(self._build_index(t0), name="txmq-txindex")
         self._janitor = loop.create_task(self._janitor_loop(), name="txmq-janitor")
         log.info("event=store_ready took_s=%.3f", time.perf_counter() - t0)
 
-    async def _build_index(self, progress: CheckProgress, t0: float) -> None:
+    async def _build_index(self, t0: float) -> None:
         """Load the transaction index while plain traffic is served.
 
         The pending rows come from the index file and only the op, discard

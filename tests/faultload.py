@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from txmq import wire
-from txmq.broker.txindex import Outcome, rebuild
+from txmq.broker.transactions.index import Outcome, rebuild
 from txmq.constants import DISCARD_TOPIC, HALF_TOPIC, OP_TOPIC
 from txmq.store import ConsumerOffsets, Store, StoreReader
 

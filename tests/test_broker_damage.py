@@ -6,7 +6,7 @@ import os
 
 from txhelpers import T, arun, end, half_fields
 from txmq.broker.testing import running_broker
-from txmq.broker.txdb import remove_db
+from txmq.broker.transactions.indexfile import remove_db
 from txmq.constants import OP_TOPIC
 from txmq.store import StoreReader
 from wireclient import RawClient

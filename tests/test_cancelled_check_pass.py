@@ -10,7 +10,7 @@ import asyncio
 from txhelpers import G, arun, half_fields
 from txmq.broker.clock import ManualClock
 from txmq.broker.testing import running_broker
-from txmq.broker.txindex import rebuild
+from txmq.broker.transactions.index import rebuild
 from wireclient import RawClient
 
 

@@ -18,7 +18,7 @@ from clihelpers import lines, needs_jq, ok, shell, txmq
 from txhelpers import G, half_fields
 from txmq.broker.clock import ManualClock
 from txmq.broker.testing import running_broker
-from txmq.broker.txindex import Outcome
+from txmq.broker.transactions.index import Outcome
 from wireclient import RawClient
 
 HOUR_MS = 3600_000

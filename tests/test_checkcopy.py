@@ -13,10 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from txmq import wire
-from txmq.broker.checkcopy import check_push, pack_group, patch_properties
+from txmq.broker.transactions.checkcopy import check_push, pack_group, patch_properties
 from txmq.broker.core import record_to_map
-from txmq.broker.tx import half_copy
-from txmq.broker.txindex import _int
+from txmq.broker.transactions.service import half_copy
+from txmq.broker.transactions.index import _int
 from txmq.constants import (
     HALF_TOPIC,
     PROP_CHECK_TIMES,

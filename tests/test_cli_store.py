@@ -53,7 +53,7 @@ def kinds(doc) -> list[str]:
 
 def test_verify_on_a_clean_directory_exits_0_and_lists_nothing(data):
     d, _ = data
-    from txmq.broker.txdb import TxDatabase
+    from txmq.broker.transactions.indexfile import TxDatabase
 
     TxDatabase(d / "txindex.db").close()  # an index that fits the log, read without -wal/-shm files
     before = snapshot(d)

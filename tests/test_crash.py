@@ -9,7 +9,7 @@ import pytest
 
 from brokerproc import BrokerProcess
 from conftest import arun
-from txmq.broker.txindex import Outcome, rebuild
+from txmq.broker.transactions.index import Outcome, rebuild
 from txmq.store import StoreReader
 from wireclient import RawClient
 

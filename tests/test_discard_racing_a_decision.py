@@ -11,10 +11,10 @@ replay.
 import asyncio
 
 from txhelpers import G, arun, half_fields, pull_all
-from txmq.broker.txdb import remove_db
+from txmq.broker.transactions.indexfile import remove_db
 from txmq.broker.clock import ManualClock
 from txmq.broker.testing import running_broker
-from txmq.broker.txindex import Outcome, rebuild
+from txmq.broker.transactions.index import Outcome, rebuild
 from wireclient import RawClient
 
 

@@ -32,7 +32,7 @@ from brokerproc import BrokerProcess
 from conftest import arun
 from faultload import PipeClient, queue_records, record
 from txmq import wire
-from txmq.broker.txindex import rebuild
+from txmq.broker.transactions.index import rebuild
 from txmq.store import Store, StoreReader
 
 pytestmark = [pytest.mark.fault, pytest.mark.slow]

@@ -9,7 +9,7 @@ import asyncio
 
 import txmq.broker.server as server
 from txhelpers import T, arun, half_fields
-from txmq.broker.txdb import remove_db
+from txmq.broker.transactions.indexfile import remove_db
 from txmq.broker.clock import ManualClock
 from txmq.broker.testing import running_broker
 from wireclient import RawClient
@@ -40,9 +40,9 @@ def test_retention_keeps_a_pending_half_while_the_index_is_built(tmp_path, monke
         remove_db(data)  # the index rebuilt from the log alone
     clock.advance(3600)  # the first segment is past retention; the half in it is still undecided
 
-    async def slow_build(self, progress, t0, _orig=server.Broker._build_index):
+    async def slow_build(self, t0, _orig=server.Broker._build_index):
         await asyncio.sleep(0.5)  # a big log: the rebuild takes a while
-        return await _orig(self, progress, t0)
+        return await _orig(self, t0)
 
     monkeypatch.setattr(server, "JANITOR_INTERVAL_S", 0.1)
     if slow:

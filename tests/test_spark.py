@@ -298,8 +298,8 @@ def test_transactions_match_what_happened(spark, broker_dir):
 
 
 def test_transaction_outcomes_agree_with_the_broker_index(spark, broker_dir):
-    from txmq.broker.check import CheckProgress
-    from txmq.broker.txindex import rebuild
+    from txmq.broker.transactions.check import CheckProgress
+    from txmq.broker.transactions.index import rebuild
     from txmq.spark.transactions import transactions
     from txmq.store import StoreReader
 

@@ -25,7 +25,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from txmq.broker import checkcopy
+from txmq.broker.transactions import checkcopy
 from txmq.constants import PROP_CHECK_TIMES, PROP_DISCARD_REASON, PROP_ORIGIN_CL_OFFSET, PROP_REPLAYED
 from txmq.store import codec
 

@@ -63,7 +63,7 @@ def _index_view(idx, tx_ids):
 
 def _full_view(data):
     """The index a rebuild from the log alone gives."""
-    from txmq.broker.txindex import rebuild
+    from txmq.broker.transactions.index import rebuild
 
     reader = StoreReader(data)
     try:
@@ -95,7 +95,7 @@ def test_the_index_file_loads_the_index_a_rebuild_gives_and_one_that_does_not_fi
     import sqlite3
 
     from txmq.broker.clock import ManualClock
-    from txmq.broker.txdb import DB_FILE
+    from txmq.broker.transactions.indexfile import DB_FILE
 
     data = tmp_path / "data"
     clock = ManualClock()
@@ -186,7 +186,7 @@ def test_the_index_file_loads_the_index_a_rebuild_gives_and_one_that_does_not_fi
         assert arun(restart()) == full
     assert "index=rebuilt" in caplog.text
     # Lost altogether: rebuilt from the log alone.
-    from txmq.broker.txdb import remove_db
+    from txmq.broker.transactions.indexfile import remove_db
 
     remove_db(data)
     assert arun(restart()) == full

@@ -4,7 +4,7 @@ The transaction index is read as the broker reads it at start: the pending
 rows of the index file (``txindex.db``, opened read-only) plus the
 transactional records written after its last flush; decided transactions
 are looked up in the file. With no usable index file, every transactional
-record is read into memory instead (txmq.broker.txindex.rebuild).
+record is read into memory instead (txmq.broker.transactions.index.rebuild).
 What only a running broker knows (when the last check was sent and what it
 got back, when the next pass runs) is null here.
 """
@@ -23,7 +23,7 @@ class DataDir:
     def __init__(self, path: Path) -> None:
         if not (path / "commitlog").is_dir():
             raise CliError(f"{path} is not a txmq data directory (no commitlog/ in it)", exitcodes.NOT_FOUND)
-        from txmq.broker.check import CheckProgress
+        from txmq.broker.transactions.check import CheckProgress
         from txmq.store import StoreReader
 
         self.path = path
@@ -76,7 +76,7 @@ class DataDir:
         return [p.as_dict(now_ms, None) for p in rows[:limit]], len(rows)
 
     def offsets(self) -> dict[str, Any]:
-        from txmq.broker.txhistory import held_by
+        from txmq.broker.transactions.history import held_by
         from txmq.constants import HALF_TOPIC, OP_TOPIC
 
         idx = self.index
@@ -104,8 +104,8 @@ class DataDir:
         return CheckSettings().transaction_timeout_s
 
     def history(self, ref: dict[str, Any]) -> dict[str, Any] | None:
-        """One transaction's history (txmq.broker.txhistory), or None when the reference names none."""
-        from txmq.broker.txhistory import find_tx_id, history
+        """One transaction's history (txmq.broker.transactions.history), or None when the reference names none."""
+        from txmq.broker.transactions.history import find_tx_id, history
 
         tx_id = find_tx_id(self.reader, ref.get("tx_id"), ref.get("half_offset"), ref.get("commit_log_offset"))
         return None if tx_id is None else history(self.reader, self.index, tx_id, int(time.time() * 1000))
@@ -123,8 +123,8 @@ class DataDir:
 
 def load_index(path: Path, reader: Any) -> Any:
     """The transaction index of a data directory, from its index file when that fits the log, else from the log alone."""
-    from txmq.broker.txdb import DB_FILE, IndexFileError, TxDatabase
-    from txmq.broker.txindex import TxIndex, agrees, rebuild, replay_steps
+    from txmq.broker.transactions.indexfile import DB_FILE, IndexFileError, TxDatabase
+    from txmq.broker.transactions.index import TxIndex, agrees, rebuild, replay_steps
 
     if (path / DB_FILE).exists():
         try:

@@ -301,8 +301,8 @@ def _reason_kind(reason: str) -> str:
 
 def _index_problems(path: Path, reader: Any) -> list[dict[str, Any]]:
     """Whether txindex.db fits the log (opened read-only, as `inspect --data-dir` opens it)."""
-    from txmq.broker.txdb import DB_FILE, IndexFileError, TxDatabase
-    from txmq.broker.txindex import agrees
+    from txmq.broker.transactions.indexfile import DB_FILE, IndexFileError, TxDatabase
+    from txmq.broker.transactions.index import agrees
 
     if not (path / DB_FILE).exists():
         return []
@@ -472,7 +472,7 @@ def repair(
 
 
 def _run_repair(path: Path, found: dict[str, Any]) -> dict[str, Any]:
-    from txmq.broker.txdb import DB_FILE, remove_db
+    from txmq.broker.transactions.indexfile import DB_FILE, remove_db
     from txmq.store import Store, StoreLockedError, StoreReader
 
     before = {f["name"]: f["bytes"] for f in found["quarantine"]}
@@ -492,7 +492,7 @@ def _run_repair(path: Path, found: dict[str, Any]) -> dict[str, Any]:
                 index_removed = True
         moved_aside = []
         if any(p["kind"] == "file" and p["detail"].startswith("txcheck.json") for p in found["problems"]):
-            from txmq.broker.check import CheckProgress
+            from txmq.broker.transactions.check import CheckProgress
 
             CheckProgress(path / "txcheck.json", repair=True)
             moved_aside.append("txcheck.json")

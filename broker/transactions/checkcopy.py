@@ -163,11 +163,11 @@ _FIXED = len(_PREFIX) + len(_K_TX_ID) + _INTS.size + len(_CONST_TAIL) + len(_K_P
 
 
 # ---- compiled speed-ups ---------------------------------------------------------------
-# broker/_speedups.pyx holds compiled versions of patch_properties and
+# broker/_speedups.pyx (txmq.broker._speedups) holds compiled versions of patch_properties and
 # check_push; they take every byte constant from here and give the same
 # bytes (tests/test_speedups.py).
 patch_properties_py, check_push_py = patch_properties, check_push
-speedups = optional_speedups(__package__ + "._speedups", _K_TAGS, _K_CHECK, _K_ORIGIN, _FIRST_COPY_SLOW, _PREFIX, _K_TX_ID,
+speedups = optional_speedups("txmq.broker._speedups", _K_TAGS, _K_CHECK, _K_ORIGIN, _FIRST_COPY_SLOW, _PREFIX, _K_TX_ID,
                              _KEY_BYTES, _INT_KEYS.index("message"), _CONST_TAIL, _K_PROPS, _K_BODY)
 if speedups is not None:
     patch_properties = speedups.patch_properties  # noqa: F811

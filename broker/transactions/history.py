@@ -32,7 +32,7 @@ from txmq.constants import (
 )
 from txmq.store import CorruptRecordError, Record, StoreError
 
-from .txindex import Outcome, PendingTx, TxIndex, _int
+from .index import Outcome, PendingTx, TxIndex, _int
 
 SCAN_BATCH = 512
 DEFAULT_MAX_SCAN = 100_000

@@ -54,7 +54,7 @@ from txmq.store.bulk import raw_queue_runs
 from txmq.store.codec import H_CRC, H_OFFSET, H_SIZE
 
 if TYPE_CHECKING:
-    from .txdb import TxDatabase
+    from .indexfile import TxDatabase
 
 
 class Outcome(IntEnum):

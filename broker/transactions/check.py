@@ -47,9 +47,9 @@ from txmq.store.codec import H_BORN_TS, H_PREPARED_OFFSET, H_PROPS_LEN, H_TOPIC_
 from txmq.wire import TxmqError
 
 from .checkcopy import check_push, pack_group, patch_properties
-from .config import CheckSettings
-from .tx import TransactionService, as_record, copy_properties
-from .txindex import PendingTx
+from ..config import CheckSettings
+from .service import TransactionService, copy_properties
+from .index import PendingTx
 
 log = logging.getLogger("txmq.check")
 
@@ -463,22 +463,9 @@ class CheckService:
             await core.append_written(copies, shape)
 
     async def _discard(self, items: list[tuple[PendingTx, str]]) -> None:
-        core, idx = self.core, self.tx.index
         pairs = self._read(items)
-        msgs = [self.tx.discard_message(r, reason) for (_, reason), r in pairs]
-
-        def shape(results) -> None:
-            n = 0
-            for ((p, reason), _), msg, res in zip(pairs, msgs, results):
-                was_pending = idx.pending.get(p.tx_id) is p
-                idx.apply_discard(as_record(msg, res))  # a no-op if it was decided meanwhile
-                if was_pending:
-                    n += 1
-                    log.warning("event=discard tx_id=%s group=%s topic=%s checks=%d reason=%s", p.tx_id, p.group, p.topic, p.checks, reason)
-            core.metrics.counters["discarded"] += n
-
-        if msgs:
-            await core.append(msgs, shape)
+        if pairs:
+            await self.tx.discard([(p, reason, rec) for (p, reason), rec in pairs])
 
     # ---- for listings ------------------------------------------------------
     @property

@@ -37,9 +37,10 @@ from txmq.constants import (
 from txmq.store import AppendResult, CorruptRecordError, Message, Record, StoreError, TxType
 from txmq.wire import ErrorCode, TxmqError
 
-from .txindex import Decided, Outcome, PendingTx, TxIndex
+from .index import Decided, Outcome, PendingTx, TxIndex
 
 log = logging.getLogger("txmq.tx")
+check_log = logging.getLogger("txmq.check")  # the discard event is the check service's
 
 class TxIds:
     """Transaction ids: 16 random hex digits per broker run + a 16-digit counter.
@@ -119,20 +120,6 @@ class TransactionService:
     def _forget_half(self, cl_offset: int) -> None:
         self._half_young.pop(cl_offset, None)
         self._half_old.pop(cl_offset, None)
-
-    def outcomes_known_since(self) -> int | None:
-        """When the oldest record still in the log was stored (ms): outcomes are on record for transactions since then.
-
-        Retention deletes a transaction's records and its row in the index
-        file together (never while it is pending).
-        """
-        store = self.core.store
-        if store.min_offset >= store.max_offset:
-            return None
-        try:
-            return store.read(store.min_offset).store_ts
-        except (CorruptRecordError, StoreError, ValueError):
-            return None
 
     # ---- step 1: half messages --------------------------------------------
     def send_half(self, topic: str, queue_id: int | None, body: bytes, props: dict[str, str], born_ts: int) -> asyncio.Future:
@@ -366,203 +353,50 @@ class TransactionService:
         kind = TxType.COMMIT if commit else TxType.ROLLBACK
         return Message(OP_TOPIC, 0, kind, int(self.core.clock() * 1000), props, body, prepared_offset=rec.commit_log_offset)
 
-    # ---- discard (used by the check service) ------------------------------
-    def discard_message(self, rec: Record, reason: str) -> Message:
+    # ---- discard and replay -------------------------------------------------
+    def discard(self, items: list[tuple[PendingTx, str, Record]]) -> asyncio.Future:
+        """Move transactions to the discard topic: (pending transaction, reason, its half record) each.
+
+        The check service calls this for what it found checked ``max_checks``
+        times or older than the retention. Each gets a discard record (a copy
+        of its half record with ``TXMQ_DISCARD_REASON``), entered in the
+        index as soon as it is written (``apply_discard``: a no-op for a
+        transaction decided meanwhile, the first outcome wins).
+        """
+        index = self.index
+        msgs = [self._discard_record(rec, reason) for _, reason, rec in items]
+
+        def shape(results: list[AppendResult]) -> None:
+            n = 0
+            for (p, reason, _), msg, res in zip(items, msgs, results):
+                was_pending = index.pending.get(p.tx_id) is p
+                index.apply_discard(as_record(msg, res))  # a no-op if it was decided meanwhile
+                if was_pending:
+                    n += 1
+                    check_log.warning("event=discard tx_id=%s group=%s topic=%s checks=%d reason=%s", p.tx_id, p.group, p.topic, p.checks, reason)
+            self.core.metrics.counters["discarded"] += n
+
+        return self.core.append(msgs, shape)
+
+    @staticmethod
+    def _discard_record(rec: Record, reason: str) -> Message:
         p = dict(rec.properties)
         p.setdefault(PROP_ORIGIN_CL_OFFSET, str(rec.commit_log_offset))
         p[PROP_DISCARD_REASON] = reason
         return Message(DISCARD_TOPIC, 0, TxType.PREPARED, rec.born_ts, p, rec.body)
 
-    # ---- operator: resolve -------------------------------------------------
-    def find(self, ref: dict[str, Any]) -> Record:
-        """The half record a REF names: tx_id, half_offset, or commit_log_offset."""
-        idx = self.index
-        if ref.get("tx_id") is not None:
-            tx_id = str(ref["tx_id"])
-            p = idx.pending.get(tx_id)
-            if p is not None:
-                return self.read_half(p.cl_offset)
-            d = idx.lookup(tx_id)
-            if d is None:
-                raise TxmqError(f"no transaction with id {tx_id} (never stored, or deleted by retention)", ErrorCode.TX_NOT_FOUND)
-            if d.outcome is Outcome.DISCARDED:
-                raise TxmqError(f"transaction {tx_id} was discarded; use `txmq discard replay`", ErrorCode.TX_CONFLICT, outcome=d.outcome.label)
-            return self._decided_half(tx_id, d)
-        if ref.get("commit_log_offset") is not None:
-            return self.read_half(int(ref["commit_log_offset"]))
-        if ref.get("half_offset") is not None:
-            ho = int(ref["half_offset"])
-            entries = self.core.store.cq_entries(HALF_TOPIC, 0, ho, 1)
-            if not entries:
-                raise TxmqError(f"no half message at half offset {ho}", ErrorCode.TX_NOT_FOUND)
-            return self.read_half(entries[0][0])
-        raise TxmqError("a ref needs tx_id, half_offset or commit_log_offset", ErrorCode.INVALID_FIELD)
+    def replay_half(self, discard: Record, discard_cl_offset: int) -> asyncio.Future:
+        """Re-open a discarded transaction (``txmq discard replay --to half``): a new half copy of its discard record.
 
-    def _decided_half(self, tx_id: str, d: Decided) -> Record:
-        entries = self.core.store.cq_entries(HALF_TOPIC, 0, d.half_offset, 1)
-        if entries:
-            try:
-                rec = self.read_half(entries[0][0])
-                if rec.properties.get(PROP_UNIQ_KEY) == tx_id:
-                    return rec
-            except TxmqError:
-                pass
-        raise _AlreadyDecided(d)
-
-    async def resolve(self, action: str, refs: list[dict[str, Any]], dry_run: bool) -> list[dict[str, Any]]:
-        commit = action == "commit"
-        out = []
-        for ref in refs:
-            row: dict[str, Any] = {"ref": ref, "tx_id": ref.get("tx_id")}
-            try:
-                rec = self.find(ref)
-                row["tx_id"] = tx_id = rec.properties[PROP_UNIQ_KEY]
-                d = None if tx_id in self.index.pending else self.index.lookup(tx_id)
-                if dry_run:
-                    row.update(self._dry(d, commit, tx_id))
-                else:
-                    r = await self.decide(rec, commit, "operator")
-                    row.update(status="ok" if r["status"] == "ok" else "already",
-                               message=f"{'committed' if commit else 'rolled back'}" if r["status"] == "ok" else f"already {r['outcome'].replace('_', ' ')}")
-            except _AlreadyDecided as e:
-                same = e.d.outcome is (Outcome.COMMITTED if commit else Outcome.ROLLED_BACK)
-                row.update(status="already" if same else "conflict", message=f"already {e.d.outcome.label.replace('_', ' ')}")
-            except TxmqError as e:
-                row.update(status={ErrorCode.TX_CONFLICT: "conflict", ErrorCode.TX_NOT_FOUND: "not_found"}.get(e.code, "error"), message=e.message)
-            out.append(row)
-        return out
-
-    async def resolve_where(self, action: str, group: str, topic: str | None, min_age_ms: int, after: int, limit: int,
-                            dry_run: bool) -> tuple[list[dict[str, Any]], int | None]:
-        """Decide up to `limit` pending transactions of `group` (by half offset above `after`) as they are now.
-
-        Returns their results (as ``resolve``'s, each ``ref`` its tx id) once
-        every decision is durable, and the cursor for the next batch (None
-        when this batch was the last). The decisions of one batch go to the
-        log together (group commit), not one fsync each.
+        The copy has check count 0 and ``TXMQ_REPLAYED`` naming the discard
+        record, so the index takes the transaction as pending again
+        (``index.reopens``), now and in any later rebuild.
         """
-        page = self.matching(group, topic, min_age_ms, after, limit)
-        cursor = page[-1].half_offset if len(page) >= limit else None
-        results = await asyncio.gather(*(self.resolve(action, [{"tx_id": p.tx_id}], dry_run) for p in page))
-        return [dict(r[0], ref=r[0]["tx_id"]) for r in results], cursor
+        msg = half_copy(discard, **{PROP_CHECK_TIMES: "0", PROP_REPLAYED: str(discard_cl_offset)})
 
-    @staticmethod
-    def _dry(d: Decided | None, commit: bool, tx_id: str) -> dict[str, Any]:
-        if d is None:
-            return {"status": "ok", "message": f"would {'commit' if commit else 'roll back'} (dry run)"}
-        same = d.outcome is (Outcome.COMMITTED if commit else Outcome.ROLLED_BACK)
-        return {"status": "already" if same else "conflict", "message": f"already {d.outcome.label.replace('_', ' ')}"}
+        def shape(results: list[AppendResult]) -> None:
+            rec = as_record(msg, results[0])
+            self.index.apply_half(rec)
+            self.remember(rec)
 
-    # ---- operator: the discard topic ---------------------------------------
-    def discarded(self, limit: int, after: int = -1) -> list[dict[str, Any]]:
-        return [{"tx_id": tx_id, "topic": d.topic, "group": d.group, "checks": d.checks,
-                 "discarded_at": d.decided_at, "discard_offset": d.half_offset,
-                 "reason": d.decided_by, "commit_log_offset": d.cl_offset}
-                for tx_id, d in self.index.discarded_rows(limit, after)]
-
-    async def replay(self, to: str, refs: list[dict[str, Any]] | None, all_: bool, dry_run: bool) -> list[dict[str, Any]]:
-        if all_:
-            refs = [{"tx_id": r["tx_id"]} for r in self.discarded(10**9)]
-        out = []
-        for ref in refs or []:
-            row: dict[str, Any] = {"ref": ref, "tx_id": ref.get("tx_id")}
-            try:
-                tx_id, d = self._find_discarded(ref)
-                row["tx_id"] = tx_id
-                if d is None or d.outcome is not Outcome.DISCARDED:
-                    state = self.index.outcome(tx_id)
-                    row.update(status="conflict", message=f"not in the discard topic (it is {state.label if state is not None else 'unknown'})")
-                elif dry_run:
-                    row.update(status="ok", message=f"would replay to {to} (dry run)")
-                else:
-                    try:
-                        rec = self.core.store.read(d.cl_offset)
-                    except (CorruptRecordError, StoreError, ValueError):
-                        raise TxmqError(f"the discard record of {tx_id} at {d.cl_offset} is gone (retention)", ErrorCode.TX_NOT_FOUND) from None
-                    if to == "half":
-                        msg = half_copy(rec, **{PROP_CHECK_TIMES: "0", PROP_REPLAYED: str(d.cl_offset)})
-                        await self.core.append([msg], partial(self._replayed, msg))
-                    else:
-                        await self.decide(self._half_of_discard(rec), True, "operator", allow_discarded=True)
-                    self.core.metrics.inc("replayed")
-                    log.info("event=discard_replay tx_id=%s to=%s", tx_id, to)
-                    row.update(status="ok", message=f"replayed to {to}")
-            except TxmqError as e:
-                row.update(status={ErrorCode.TX_CONFLICT: "conflict", ErrorCode.TX_NOT_FOUND: "not_found"}.get(e.code, "error"), message=e.message)
-            out.append(row)
-        return out
-
-    def _half_of_discard(self, rec: Record) -> Record:
-        """The half record a discard record was copied from (so the op names a half offset)."""
-        origin = rec.properties.get(PROP_ORIGIN_CL_OFFSET)
-        if origin is not None:
-            try:
-                half = self.read_half(int(origin))
-                if half.properties.get(PROP_UNIQ_KEY) == rec.properties.get(PROP_UNIQ_KEY):
-                    return half
-            except (TxmqError, ValueError):
-                pass  # deleted by retention: commit from the discard copy itself
-        return rec
-
-    def _replayed(self, msg: Message, results: list[AppendResult]) -> None:
-        rec = as_record(msg, results[0])
-        self.index.apply_half(rec)
-        self.remember(rec)
-
-    def _find_discarded(self, ref: dict[str, Any]) -> tuple[str, Decided | None]:
-        if ref.get("tx_id") is not None:
-            tx_id = str(ref["tx_id"])
-            if tx_id in self.index.pending:
-                return tx_id, None
-            d = self.index.lookup(tx_id)
-            if d is None:
-                raise TxmqError(f"no transaction with id {tx_id}", ErrorCode.TX_NOT_FOUND)
-            return tx_id, d
-        if ref.get("discard_offset") is not None:
-            off = int(ref["discard_offset"])
-            found = self.index.discarded_at(off)
-            if found is not None:
-                return found
-            raise TxmqError(f"no discarded transaction at discard offset {off}", ErrorCode.TX_NOT_FOUND)
-        raise TxmqError("a ref needs tx_id or discard_offset", ErrorCode.INVALID_FIELD)
-
-    # ---- listing -----------------------------------------------------------
-    def pending_rows(self, group: str | None, topic: str | None, min_age_ms: int, limit: int, next_check,
-                     after: int = -1) -> tuple[list[dict[str, Any]], int, int | None]:
-        """A page of pending transactions by half offset above ``after``: (rows, total matching, cursor or None at the end)."""
-        now_ms = int(self.core.clock() * 1000)
-        page = self.matching(group, topic, min_age_ms, after, limit + 1)
-        rows = [p.as_dict(now_ms, next_check(p)) for p in page[:limit]]
-        total = sum(1 for _ in self._matching_iter(group, topic, min_age_ms, -1, now_ms))
-        return rows, total, (page[limit - 1].half_offset if len(page) > limit else None)
-
-    def matching(self, group: str | None, topic: str | None, min_age_ms: int, after: int, limit: int) -> list[PendingTx]:
-        """At most limit pending transactions matching, by half offset above ``after`` (the index keeps them in that order)."""
-        now_ms = int(self.core.clock() * 1000)
-        out: list[PendingTx] = []
-        for p in self._matching_iter(group, topic, min_age_ms, after, now_ms):
-            out.append(p)
-            if len(out) >= limit:
-                break
-        return out
-
-    def _matching_iter(self, group: str | None, topic: str | None, min_age_ms: int, after: int, now_ms: int):
-        pending = self.index.pending
-        for half_offset, tx_id in self.index.by_half.items():
-            if half_offset <= after:
-                continue
-            p = pending.get(tx_id)
-            if p is None:
-                continue
-            if group and p.group != group:
-                continue
-            if topic and p.topic != topic:
-                continue
-            if min_age_ms and p.age_ms(now_ms) < min_age_ms:  # the broker's store time, not the producer's clock
-                continue
-            yield p
-
-
-class _AlreadyDecided(Exception):
-    def __init__(self, d: Decided) -> None:
-        self.d = d
+        return self.core.append([msg], shape)
