@@ -45,3 +45,18 @@ def test_packages_import_from_outside_the_repo(tmp_path):
     r = subprocess.run([sys.executable, "-c", "import txmq.store, txmq.broker, txmq.cli, txmq.client; print('ok')"],
                        cwd=tmp_path, capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+
+
+def test_the_old_module_paths_still_import():
+    """broker/transactions/ holds the transaction subsystem; the modules' earlier names re-export it."""
+    from txmq.broker import check, checkcopy, tx, txdb, txhistory, txindex
+    from txmq.broker.transactions import check as new_check
+    from txmq.broker.transactions import checkcopy as new_checkcopy
+    from txmq.broker.transactions import history, index, indexfile, service
+
+    assert tx.TransactionService is service.TransactionService and tx.half_copy is service.half_copy
+    assert check.CheckProgress is new_check.CheckProgress and check.CheckService is new_check.CheckService
+    assert checkcopy.speedups is new_checkcopy.speedups and checkcopy.patch_properties_py is new_checkcopy.patch_properties_py
+    assert txindex.rebuild is index.rebuild and txindex.Outcome is index.Outcome and txindex._int is index._int
+    assert txdb.TxDatabase is indexfile.TxDatabase and txdb.remove_db is indexfile.remove_db and txdb.DB_FILE == indexfile.DB_FILE
+    assert txhistory.History is history.History and txhistory.held_by is history.held_by
