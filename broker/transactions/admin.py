@@ -137,7 +137,7 @@ class TransactionAdmin:
     # ---- operator: the discard topic ---------------------------------------
     def discarded(self, limit: int, after: int = -1) -> list[dict[str, Any]]:
         return [{"tx_id": tx_id, "topic": d.topic, "group": d.group, "checks": d.checks,
-                 "discarded_at": d.decided_at, "discard_offset": d.half_offset,
+                 "discarded_at": d.decided_at, "discard_offset": d.discard_offset,
                  "reason": d.decided_by, "commit_log_offset": d.cl_offset}
                 for tx_id, d in self.index.discarded_rows(limit, after)]
 

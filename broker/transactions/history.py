@@ -152,7 +152,7 @@ class History:
             disc = _read(store, d.cl_offset)
             events.append(self._discard_event(disc) if disc is not None else
                           {"event": "discard", "at": d.decided_at, "by": "check", "reason": d.decided_by, "checks": d.checks,
-                           "discard_offset": d.half_offset, "commit_log_offset": d.cl_offset, "half_offset": None})
+                           "discard_offset": d.discard_offset, "commit_log_offset": d.cl_offset, "half_offset": None})
         elif d is not None:
             op = _read(store, d.cl_offset)
             if op is not None and op.topic == OP_TOPIC:

@@ -142,15 +142,25 @@ class Decided:
     outcome: Outcome
     decided_at: int  # ms
     decided_by: str  # producer | check | operator | recovery | max-checks | retention
-    half_offset: int  # the decided half copy's; for a discard, the discard queue offset
+    queue_offset: int  # the index file's half_offset column: see half_offset and discard_offset
     cl_offset: int  # of the op / discard record
     group: str
     topic: str
     checks: int = 0
     origin: int = -1  # commit-log offset of the transaction's first half copy (its row's key)
 
+    @property
+    def half_offset(self) -> int:
+        """The half offset of the copy that was committed or rolled back (the op record's body); -1 for a discard."""
+        return -1 if self.outcome is Outcome.DISCARDED else self.queue_offset
+
+    @property
+    def discard_offset(self) -> int:
+        """A discarded transaction's discard record's offset in the discard queue (``txmq discard list``); -1 otherwise."""
+        return self.queue_offset if self.outcome is Outcome.DISCARDED else -1
+
     def db_row(self, tx_id: str) -> tuple:
-        return (self.origin, tx_id, int(self.outcome), self.decided_at, self.decided_by, self.half_offset, self.cl_offset,
+        return (self.origin, tx_id, int(self.outcome), self.decided_at, self.decided_by, self.queue_offset, self.cl_offset,
                 self.group, self.topic, self.checks, None)
 
     @classmethod
@@ -269,7 +279,7 @@ class TxIndex:
         the index file's partial index of discarded rows: the cost is that of
         the rows returned, whatever the history.
         """
-        mem = [(t, d) for t, d in self.decided.items() if d.outcome is Outcome.DISCARDED and d.half_offset > after]
+        mem = [(t, d) for t, d in self.decided.items() if d.outcome is Outcome.DISCARDED and d.discard_offset > after]
         out = list(mem)
         if self.db is not None:
             shadow = self.decided.keys() | self.pending.keys()  # changed since the last flush: memory wins
@@ -279,12 +289,12 @@ class TxIndex:
                     break
                 out += [(r[1], Decided.from_db_row(r)) for r in rows if r[1] not in shadow]
                 after = rows[-1][5]
-        out.sort(key=lambda x: x[1].half_offset)
+        out.sort(key=lambda x: x[1].discard_offset)
         return out[:limit]
 
     def discarded_at(self, discard_offset: int) -> tuple[str, Decided] | None:
         for t, d in self.decided.items():
-            if d.outcome is Outcome.DISCARDED and d.half_offset == discard_offset:
+            if d.outcome is Outcome.DISCARDED and d.discard_offset == discard_offset:
                 return t, d
         if self.db is not None:
             row = self.db.discarded_at(discard_offset)
@@ -353,7 +363,8 @@ class TxIndex:
                 return  # first outcome wins: a discard written after the decision (same batch) changes nothing
         self._decide(tx_id, Outcome.DISCARDED, rec, rec.properties.get(PROP_DISCARD_REASON, "max-checks"), rec.queue_offset)
 
-    def _decide(self, tx_id: str, outcome: Outcome, rec: Record, by: str, half_offset: int) -> None:
+    def _decide(self, tx_id: str, outcome: Outcome, rec: Record, by: str, queue_offset: int) -> None:
+        """Enter the outcome; queue_offset is the decided copy's half offset, or for a discard the discard record's queue offset."""
         props = rec.properties
         p = self.pending.pop(tx_id, None)
         if p is not None:
@@ -374,7 +385,7 @@ class TxIndex:
         if outcome is Outcome.DISCARDED:
             self.discarded += 1
         d = self.decided[tx_id] = Decided(
-            outcome, rec.store_ts, intern(by), half_offset, rec.commit_log_offset,
+            outcome, rec.store_ts, intern(by), queue_offset, rec.commit_log_offset,
             intern(props.get(PROP_PGROUP, group)), intern(props.get(PROP_REAL_TOPIC, topic)), checks, origin,
         )
         if self.dirty is not None:
