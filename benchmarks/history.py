@@ -22,7 +22,7 @@ For each cumulative step of ``--steps`` (default 1,000,000, 3,000,000 and
 1. Bulk write (no broker running): the transactions still missing to reach
    the step (the probes and bursts of earlier steps count) are appended
    with txmq.store.Store directly, in large batches, as the broker writes a
-   committed transaction (broker/tx.py; the builder is
+   committed transaction (broker/transactions/service.py; the builder is
    ``restart._transactions``): a half message in the half topic, then the
    committed message in its real topic and the op record in the op topic.
    256-byte bodies, none left pending (but the stale one, written first).

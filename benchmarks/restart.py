@@ -3,7 +3,7 @@
 1. Builds a data directory with txmq.store.Store directly, fast: plain
    messages with large bodies (``--plain-body``, 64 KiB) in large batches,
    interleaved with transactions (``--transactions``, default 1,000,000)
-   written as the broker writes them (broker/tx.py): a half message in the
+   written as the broker writes them (broker/transactions/service.py): a half message in the
    half topic, then the committed message in its real topic and the op
    record in the op topic; ``--pending`` of them (1%) are left without an
    end, so the index keeps some pending. The store is closed cleanly

@@ -1,7 +1,7 @@
 """The `transactions` table, built from `messages` rows with Spark (one groupBy/agg).
 
 One row per transaction id. The outcome follows the commit-log order exactly
-as ``broker/txindex.py`` applies records (so it agrees with `txmq inspect`):
+as ``broker/transactions/index.py`` applies records (so it agrees with `txmq inspect`):
 
 - an op record (kind ``op`` / ``rollback-op``) or a discard decides the
   transaction; a later one overrides an earlier one;

@@ -1,7 +1,7 @@
 """The check service's byte-level fast path gives exactly what the dict path gives.
 
-broker/checkcopy.py edits packed properties and builds push frames by
-concatenation; these tests hold it to tx.half_copy (the dict path) and to
+broker/transactions/checkcopy.py edits packed properties and builds push frames by
+concatenation; these tests hold it to service.half_copy (the dict path) and to
 wire.push(..., record_to_map(record)) over arbitrary property maps and
 chains of check copies.
 """

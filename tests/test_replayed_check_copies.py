@@ -2,7 +2,7 @@
 
 Every copy of a replayed transaction keeps TXMQ_REPLAYED, whose value is the
 commit-log offset of the discard record the replay re-opened
-(tx.copy_properties): a stale check copy written after a later discard
+(service.copy_properties): a stale check copy written after a later discard
 (`check_now` racing a pass) names the old discard, not the new one, so a
 rebuild from the log agrees with the running broker that it is discarded."""
 import asyncio

@@ -3,7 +3,7 @@
 Every decision goes through ``TransactionService.decide`` and every record
 through the service's appends, so the index is changed in one place
 (broker/transactions/service.py); this module finds transactions and shapes
-the operator's rows (docs/transactions.md, "Operator decisions").
+the operator's rows (docs/transactions.md, "Deciding" and "The discard topic and replay").
 """
 
 from __future__ import annotations

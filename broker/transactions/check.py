@@ -36,7 +36,7 @@ import asyncio
 import logging
 from bisect import bisect_left
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 
@@ -50,6 +50,9 @@ from .checkcopy import check_push, pack_group, patch_properties
 from ..config import CheckSettings
 from .service import TransactionService, copy_properties
 from .index import PendingTx
+
+if TYPE_CHECKING:
+    from ..core import BrokerCore
 
 log = logging.getLogger("txmq.check")
 
@@ -94,7 +97,7 @@ class CheckProgress:
 
 
 class CheckService:
-    def __init__(self, core, tx: TransactionService, progress: CheckProgress, settings_path: Path, settings: CheckSettings,
+    def __init__(self, core: BrokerCore, tx: TransactionService, progress: CheckProgress, settings_path: Path, settings: CheckSettings,
                  stored: dict[str, Any] | None = None) -> None:
         self.core = core
         # What config.json holds (`config set` changes): start options are in

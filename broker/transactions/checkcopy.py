@@ -8,7 +8,7 @@ for the push cost more than everything else a check does, so the common case
 works on the packed bytes instead:
 
 - ``patch_properties`` turns a half record's packed properties into its
-  check copy's (what ``tx.half_copy`` does to the dict) by editing the
+  check copy's (what ``service.half_copy`` does to the dict) by editing the
   msgpack map: on a first copy append the origin offset and the count; on a
   check copy (which ends with exactly those two entries) replace the count,
   the last entry. Anything else (a discard reason, a replay mark, TAGS, a

@@ -4,7 +4,7 @@ It is what gives txmq "one outcome per transaction": a decided transaction
 answers every later end transaction, check answer or operator decision
 with its first outcome. Memory holds only what is pending (what the check
 service walks) plus the decisions of the last second or so; every decision
-is persisted in ``txindex.db`` (``broker/txdb.py``) by periodic flushes, and
+is persisted in ``txindex.db`` (``broker/transactions/indexfile.py``) by periodic flushes, and
 looked up there by transaction id when a late request asks. A start loads
 the pending rows and reads only the transactional records written after
 the last flush (``replay_steps``); with no usable index file it reads them
@@ -101,7 +101,7 @@ class PendingTx:
         self.immunity_s = _float(imm) if imm else None
 
     def db_row(self) -> tuple:
-        """This transaction's row of ``txindex.db`` (``txdb.COLUMNS``)."""
+        """This transaction's row of ``txindex.db`` (``indexfile.COLUMNS``)."""
         return (self.origin_cl_offset, self.tx_id, 0, None, None, self.half_offset, self.cl_offset, self.group, self.topic,
                 self.checks, _pack([self.queue_id, self.born_ts, self.first_stored_ts, self.stored_ts, self.immunity_s]))
 
@@ -172,7 +172,7 @@ def reopens(d: Decided, mark: str | None) -> bool:
     """Does a half copy carrying this replay mark re-open the transaction decided as d?
 
     Only a discard, and only the one the replay undid: the mark is that
-    discard record's offset (copies inherit it; see ``tx.copy_properties``).
+    discard record's offset (copies inherit it; see ``service.copy_properties``).
     "1" is the mark older versions of txmq put on a replay's own copy.
     """
     return d.outcome is Outcome.DISCARDED and mark is not None and (mark == str(d.cl_offset) or mark == "1")

@@ -1,4 +1,4 @@
-"""Transactional messages: half sends, end transaction, operator resolve and replay.
+"""Transactional messages (RocketMQ's TransactionalMessageService): half sends, end transaction, decide, discard.
 
 The half message, the end transaction and "one outcome per transaction"
 (docs/transactions.md). All
@@ -12,7 +12,7 @@ import asyncio
 import logging
 import os
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from txmq.constants import (
     DISCARD_TOPIC,
@@ -38,6 +38,9 @@ from txmq.store import AppendResult, CorruptRecordError, Message, Record, StoreE
 from txmq.wire import ErrorCode, TxmqError
 
 from .index import Decided, Outcome, PendingTx, TxIndex
+
+if TYPE_CHECKING:
+    from ..core import BrokerCore
 
 log = logging.getLogger("txmq.tx")
 check_log = logging.getLogger("txmq.check")  # the discard event is the check service's
@@ -92,7 +95,7 @@ def copy_properties(props: dict[str, str], cl_offset: int) -> None:
 
 
 class TransactionService:
-    def __init__(self, core, index: TxIndex) -> None:
+    def __init__(self, core: BrokerCore, index: TxIndex) -> None:
         self.core = core
         self.index = index
         self.new_tx_id = TxIds()
