@@ -162,7 +162,7 @@ def machine_line(m: dict[str, Any]) -> str:
 
 def percentiles_ms(values) -> dict[str, float | int]:
     """Percentiles of latencies given in seconds, in milliseconds (the same summary as `txmq bench`)."""
-    from txmq.cli.bench import percentiles
+    from txmq.client.bench import percentiles
 
     return percentiles(values)
 

@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 import typer
 
 from .. import exitcodes
-from ..common import BrokerOpt, CliError, OutputOpt, TokenOpt, parse_address, parse_duration, run
+from ..common import DEFAULT_BROKER, BrokerOpt, CliError, OutputOpt, TokenOpt, parse_address, parse_duration, run
 from ..console import Output, default_output, emit_json, err, out
 
 EPILOG = (
@@ -37,7 +37,7 @@ def _mix(text: str) -> dict[str, float]:
 
 def bench(
     mode: Annotated[str, typer.Argument(help="tx (half + end transaction, wire level), tx-client (transactions through the client library's TransactionProducer), send (plain sends), or consume (pulls).")],
-    broker: BrokerOpt = "127.0.0.1:10911",
+    broker: BrokerOpt = DEFAULT_BROKER,
     token: TokenOpt = None,
     embedded: Annotated[bool, typer.Option(help="Start a broker in a subprocess on a temporary data directory.")] = False,
     flush: Annotated[str, typer.Option(help="Flush mode of the --embedded broker: sync or async.")] = "async",
@@ -54,7 +54,9 @@ def bench(
     output: OutputOpt = None,
 ) -> None:
     """Measure throughput and latency percentiles (p50, p90, p99, p99.9, max) per operation."""
-    from ..bench import Bench, BenchConfig, EmbeddedBroker
+    from txmq.client.bench import Bench, BenchConfig, EmbeddedBroker
+
+    from ..console import note, warn
 
     if mode not in ("tx", "tx-client", "send", "consume"):
         raise CliError(f"mode must be tx, tx-client, send or consume, not {mode!r}", exitcodes.USAGE)
@@ -76,10 +78,10 @@ def bench(
     def go(progress) -> dict:
         async def main() -> dict:
             if mode == "tx-client":
-                from ..bench_client import ClientBench
+                from txmq.client.bench_client import ClientBench
 
                 return await ClientBench(cfg, end, progress).run()
-            return await Bench(cfg, progress).run()
+            return await Bench(cfg, progress, warn=warn, note=note).run()
 
         if embedded:
             with EmbeddedBroker(flush) as eb:
