@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Iterable
 
+from txmq import defaults
 from txmq.constants import DEFAULT_HOST, DEFAULT_PORT, DEFAULT_QUEUES
 from txmq.store import StoreError, read_json
 from txmq.store.errors import DataFileError
@@ -25,10 +26,10 @@ def default_data_dir() -> Path:
 class CheckSettings:
     """What `txmq config set` changes while the broker runs; persisted in config.json."""
 
-    check_interval_s: float = 60.0
-    transaction_timeout_s: float = 6.0
-    max_checks: int = 15
-    retention_s: float = 72 * 3600.0
+    check_interval_s: float = defaults.CHECK_INTERVAL_S
+    transaction_timeout_s: float = defaults.TRANSACTION_TIMEOUT_S
+    max_checks: int = defaults.MAX_CHECKS
+    retention_s: float = defaults.RETENTION_S
 
     def validated(self) -> "CheckSettings":
         if not (0.01 <= self.check_interval_s <= 86400 * 7):
@@ -111,14 +112,15 @@ class BrokerConfig:
     data_dir: Path = field(default_factory=default_data_dir)
     host: str = DEFAULT_HOST
     port: int = DEFAULT_PORT
-    flush: str = "async"  # "sync" | "async"
-    flush_interval_s: float = 0.5
-    max_frame: int = 8 << 20
-    max_body: int = 4 << 20
+    # The defaults are in txmq.defaults (core/defaults.py), which `txmq broker start` reads too.
+    flush: str = defaults.FLUSH  # "sync" | "async"
+    flush_interval_s: float = defaults.FLUSH_INTERVAL_S
+    max_frame: int = defaults.MAX_FRAME
+    max_body: int = defaults.MAX_BODY
     max_inflight_per_conn: int = 1024
     default_queues: int = DEFAULT_QUEUES
     auth_token: str | None = None
-    segment_size: int = 1 << 30
+    segment_size: int = defaults.SEGMENT_SIZE
     cq_entries_per_file: int = 300_000
     # Check settings given on the command line; config.json (set live) wins
     # over defaults but an explicit start option wins over config.json.
@@ -130,13 +132,13 @@ class BrokerConfig:
     metrics_port: int | None = None
     shutdown_timeout_s: float = 10.0
     # Limits against clients that would exhaust the broker (docs/protocol.md, "Limits").
-    max_properties: int = 64 << 10  # UTF-8 bytes of one message's property keys and values
-    max_preauth_frame: int = 64 << 10  # largest frame before a successful hello, with auth_token
-    auth_timeout_s: float = 10.0  # connect -> first request (a successful hello with auth_token); 0 = none
-    frame_timeout_s: float = 60.0  # first byte of a frame -> its last; 0 = none
+    max_properties: int = defaults.MAX_PROPERTIES  # UTF-8 bytes of one message's property keys and values
+    max_preauth_frame: int = defaults.MAX_PREAUTH_FRAME  # largest frame before a successful hello, with auth_token
+    auth_timeout_s: float = defaults.AUTH_TIMEOUT_S  # connect -> first request (a successful hello with auth_token); 0 = none
+    frame_timeout_s: float = defaults.FRAME_TIMEOUT_S  # first byte of a frame -> its last; 0 = none
     max_connections: int | None = None  # None: derived from RLIMIT_NOFILE (server.default_max_connections)
-    max_connections_per_ip: int = 0  # 0 = unlimited
-    partial_frame_budget: int = 256 << 20  # bytes all connections together may hold in partly received frames
+    max_connections_per_ip: int = defaults.MAX_CONNECTIONS_PER_IP  # 0 = unlimited
+    partial_frame_budget: int = defaults.PARTIAL_FRAME_BUDGET  # bytes all connections together may hold in partly received frames
 
     def validated(self) -> "BrokerConfig":
         """Raise ValueError, naming the start option, for limits the broker could not serve with."""

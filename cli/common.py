@@ -7,14 +7,14 @@ from typing import Annotated, Any, Awaitable, Callable, TypeVar
 
 import typer
 
-from txmq.constants import DEFAULT_HOST, DEFAULT_PORT
+from txmq.constants import DEFAULT_ADDRESS
 
 from . import exitcodes
 from .console import Output
 
 T = TypeVar("T")
 
-DEFAULT_BROKER = f"{DEFAULT_HOST}:{DEFAULT_PORT}"
+DEFAULT_BROKER = DEFAULT_ADDRESS  # the --broker default of every command
 
 BrokerOpt = Annotated[
     str,

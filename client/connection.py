@@ -32,14 +32,13 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from txmq import wire
-from txmq.constants import DEFAULT_HOST, DEFAULT_PORT
+from txmq.constants import DEFAULT_ADDRESS, DEFAULT_HOST, DEFAULT_PORT
 from txmq.wire import ErrorCode, TxmqError
 
 log = logging.getLogger("txmq.client")
 
 PushHandler = Callable[[str, dict[str, Any]], None]
 
-DEFAULT_ADDRESS = f"{DEFAULT_HOST}:{DEFAULT_PORT}"
 # Replies can hold a whole pull batch; the broker is trusted more than a peer.
 CLIENT_MAX_FRAME = 64 << 20
 

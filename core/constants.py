@@ -41,6 +41,8 @@ TOPIC_RE = re.compile(r"^[%|a-zA-Z0-9_-]{1,127}$")
 DEFAULT_PORT = 10911
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_QUEUES = 4
+# Where the broker listens, and the client and the CLI connect, when no address is given.
+DEFAULT_ADDRESS = f"{DEFAULT_HOST}:{DEFAULT_PORT}"
 
 
 def canonical_topic(name: str) -> str:
