@@ -60,3 +60,42 @@ def test_the_old_module_paths_still_import():
     assert txindex.rebuild is index.rebuild and txindex.Outcome is index.Outcome and txindex._int is index._int
     assert txdb.TxDatabase is indexfile.TxDatabase and txdb.remove_db is indexfile.remove_db and txdb.DB_FILE == indexfile.DB_FILE
     assert txhistory.History is history.History and txhistory.held_by is history.held_by
+
+
+def test_the_cli_modules_that_moved_still_import():
+    """The log formatter moved to broker/logs.py, the load generator to client/bench.py and client/bench_client.py."""
+    from txmq.broker import logs
+    from txmq.cli import bench as old_bench
+    from txmq.cli import bench_client as old_bench_client
+    from txmq.cli import logs as old_logs
+    from txmq.client import bench, bench_client
+
+    assert old_logs.KeyValueFormatter is logs.KeyValueFormatter and old_logs.JsonFormatter is logs.JsonFormatter
+    assert old_logs.setup is logs.setup and old_logs._KV is logs._KV
+    assert old_bench.percentiles is bench.percentiles and old_bench.Bench is bench.Bench and old_bench.EmbeddedBroker is bench.EmbeddedBroker
+    assert old_bench_client.ClientBench is bench_client.ClientBench
+
+
+def test_broker_start_option_defaults_are_the_broker_configs():
+    """`txmq broker start` shows and uses BrokerConfig's and CheckSettings' defaults (both read txmq.defaults)."""
+    from typer.main import get_command
+
+    from txmq.broker.config import BrokerConfig, CheckSettings
+    from txmq.cli.commands.broker import app
+    from txmq.cli.common import DEFAULT_BROKER, parse_duration
+    from txmq.client.connection import DEFAULT_ADDRESS
+
+    start = get_command(app).commands["start"]
+    opt = {p.name: p for p in start.params}
+    cfg, check = BrokerConfig(), CheckSettings()
+    for name in ("port", "flush", "segment_size", "max_frame", "max_body", "max_properties", "max_preauth_frame",
+                 "max_connections_per_ip", "partial_frame_budget"):
+        assert opt[name].default == getattr(cfg, name), name
+    for name in ("flush_interval", "auth_timeout", "frame_timeout"):
+        assert parse_duration(opt[name].default) == getattr(cfg, name + "_s"), name
+    assert f"[default: {cfg.host}]" in opt["host"].help
+    for name, shown in (("check_interval", "60s"), ("transaction_timeout", "6s"), ("max_checks", "15"), ("retention", "72h")):
+        assert f"[default: {shown}]" in opt[name].help, name
+        value = check.max_checks if name == "max_checks" else getattr(check, name + "_s")
+        assert (int(shown) if name == "max_checks" else parse_duration(shown)) == value, name
+    assert DEFAULT_BROKER == DEFAULT_ADDRESS == f"{cfg.host}:{cfg.port}"
