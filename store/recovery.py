@@ -206,7 +206,8 @@ def _dispatch(
     while True:
         for offset, rec in log._walk(pos, _FAR):
             if type(rec) is str:
-                nxt = log.next_valid(offset + 1, _FAR) if offset < resync_below else None
+                # resync only onto a record at or below the fsynced offset: past it, a hole is a torn tail
+                nxt = log.next_valid(offset + 1, resync_below + 1) if offset < resync_below else None
                 if nxt is None:
                     return offset, rec
                 if not any(d[0] == offset for d in out.damaged[-64:]):

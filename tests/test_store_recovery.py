@@ -386,3 +386,27 @@ def test_a_wrong_entry_is_replaced_from_the_log(tmp_path):
         assert [e[0] for e in s.cq_entries("T", 0, 4, 10)] == [r.commit_log_offset for r in results]
     finally:
         s.close()
+
+
+def test_damage_just_below_the_checkpoint_never_resyncs_into_a_torn_tail(tmp_path, crashed):
+    """The last fsynced record is damaged and the first unsynced one torn: the later unsynced ones are cut too."""
+    copy, tail = crashed
+    synced_end = tail[0].commit_log_offset  # the checkpoint's log offset
+    seg = last_segment(copy)
+    start = int(seg.name)
+    with open(seg, "r+b") as f:
+        f.seek(synced_end - start - 10)  # a flipped byte in the last record below the checkpoint
+        b = f.read(1)
+        f.seek(synced_end - start - 10)
+        f.write(bytes([b[0] ^ 0x10]))
+        f.seek(synced_end - start)  # the first record after it never reached the disk
+        f.write(bytes(tail[0].size))
+    shutil.rmtree(copy / "consumequeue")  # the queues are rebuilt: the whole log is read
+    s = Store(copy, SMALL)
+    report = s.open()
+    try:
+        assert report.truncated_at is not None and report.truncated_at <= synced_end
+        assert s.max_offset < tail[1].commit_log_offset
+        assert [r.commit_log_offset for r in s.scan() if r.commit_log_offset >= synced_end] == []
+    finally:
+        s.close()
