@@ -37,6 +37,7 @@ class StoreReader(LogView):
         self._segs: list[Segment] = []
         self._starts: list[int] = []
         self._valid_end: int | None = None
+        self._dead_tail: tuple[int, int, int] | None = None  # (offset, last segment's start, end) with nothing valid after
         self._cqs: dict[tuple[str, int], ConsumeQueue] = {}
         self._overlay: dict[tuple[str, int], tuple[int, bytearray]] = {}
         self._overlay_pos: int | None = None
@@ -74,7 +75,10 @@ class StoreReader(LogView):
                 if type(res) is str:
                     # Damage inside the log (a valid record follows) is skipped;
                     # nothing valid after it is the tail a writer is still writing.
-                    nxt = self.next_valid(offset + 1, _FAR)
+                    tail = (offset, segs[-1].start, segs[-1].end)
+                    nxt = None if tail == self._dead_tail else self.next_valid(offset + 1, _FAR)
+                    if nxt is None:  # searched once; again only when the files change
+                        self._dead_tail = tail
                     pos = nxt if nxt is not None else -1
                     break
                 end = offset + res  # type: ignore[operator]

@@ -164,3 +164,34 @@ def test_reader_of_an_empty_or_missing_directory(tmp_path):
     assert (r.max_offset, r.min_offset, r.segments(), r.queues(), list(r.scan())) == (0, 0, [], {}, [])
     assert r.get_messages("T", 0, 0).status is GetStatus.NO_QUEUE
     r.close()
+
+
+def test_a_long_torn_tail_is_searched_once_not_on_every_call(tmp_path, monkeypatch):
+    """A crashed directory whose last segment ends in a long unwritten range: each call costs the new bytes only."""
+    from txmq.store import segments
+
+    d = tmp_path / "d"
+    with Store(d, StoreConfig()) as s:
+        results = s.append([msg() for _ in range(10)])
+    with open(last_segment(d), "ab") as f:
+        f.write(bytes(3 << 20))  # pages the crash never wrote
+    searched = []
+    real = segments.resync
+
+    def counting(seg, pos):
+        searched.append(seg.end - pos)
+        return real(seg, pos)
+
+    monkeypatch.setattr(segments, "resync", counting)
+    with StoreReader(d) as r:
+        assert r.max_offset == results[-1].end_offset
+        first = sum(searched)
+        assert first >= (3 << 20) - 1
+        for _ in range(5):
+            assert r.max_offset == results[-1].end_offset
+            assert r.get_messages("T", 0, 0).records
+        assert sum(searched) == first
+        with open(last_segment(d), "ab") as f:  # the file grows: only then is it looked at again
+            f.write(bytes(100))
+        assert r.max_offset == results[-1].end_offset
+        assert sum(searched) > first
