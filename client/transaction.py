@@ -48,7 +48,7 @@ from typing import Any
 from txmq.constants import PROP_PGROUP, PROP_TRAN_MSG, PROP_UNIQ_KEY
 from txmq.wire import ErrorCode, TxmqError
 
-from .connection import DEFAULT_ADDRESS, Client
+from .connection import DEFAULT_ADDRESS, Client, ConnectionLost
 from .message import TX_HALF, Message, ReceivedMessage
 
 log = logging.getLogger("txmq.client")
@@ -165,6 +165,7 @@ class TransactionProducer:
         self.group = group
         self.wait_end = wait_end  # default of send_in_transaction(wait_end=...)
         self._ends: set[asyncio.Future[str | None]] = set()  # pipelined ends not answered yet
+        self._end_retries: set[asyncio.Task[dict[str, Any]]] = set()  # ends sent again, waiting for a reconnect
         self.ends_sent = 0
         self.ends_confirmed = 0
         # pipelined ends that failed, by reason: conflict, not_found, refused, lost (the broker checks back)
@@ -212,6 +213,8 @@ class TransactionProducer:
         if self._check_tasks:
             await asyncio.gather(*self._check_tasks, return_exceptions=True)
         await self._client.close()
+        if self._end_retries:  # they fail at once now: settle their ends before returning
+            await asyncio.gather(*self._end_retries, return_exceptions=True)
 
     async def __aenter__(self) -> "TransactionProducer":
         return await self.start()
@@ -368,10 +371,13 @@ class TransactionProducer:
                     exc: BaseException, retried: bool) -> None:
         end = result.end
         assert end is not None
-        lost = isinstance(exc, TimeoutError) or (isinstance(exc, TxmqError) and exc.retriable)
+        # not delivered (the broker checks back): a timeout, a lost connection, or the client closed meanwhile
+        lost = isinstance(exc, (TimeoutError, ConnectionLost)) or (isinstance(exc, TxmqError) and exc.retriable)
         if lost and not retried and not self._client._closed:
             # The retrying path waits for a reconnect; the result's end stays open meanwhile.
             task = asyncio.get_running_loop().create_task(self._client.request("end_transaction", fields, timeout))
+            self._end_retries.add(task)
+            task.add_done_callback(self._end_retries.discard)
             task.add_done_callback(partial(self._end_replied, result, fields, timeout, True))
             return
         if lost:

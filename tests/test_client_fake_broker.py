@@ -569,6 +569,21 @@ def test_check_concurrency_is_bounded():
     run(main())
 
 
+def test_an_end_still_waiting_for_a_reconnect_when_the_producer_closes_is_lost_not_refused():
+    async def main():
+        b = await FakeBroker().start()
+        b.op_end_transaction = lambda conn, f: asyncio.get_running_loop().create_future()  # the broker dies first
+        tp = await TransactionProducer("g", Listener(C), b.address, backoff_initial=0.01, request_timeout=0.3).start()
+        r = await tp.send_in_transaction(Message("t", b"x"), timeout=30)  # the end may wait 30 s for the broker
+        await wait_until(lambda: any(op == "end_transaction" for op, _ in b.log))
+        await b.stop()
+        await tp.close()  # flushes for the request timeout, then gives up on the end
+        assert r.end.done() and await r.end is None
+        assert r.end_error is None and tp.end_failures == {"lost": 1}
+
+    run(main())
+
+
 # ---- reconnect -------------------------------------------------------------------
 
 def test_reconnect_resends_hello_and_check_backs_reach_the_producer():
