@@ -208,6 +208,12 @@ def _dispatch(
             if type(rec) is str:
                 # resync only onto a record at or below the fsynced offset: past it, a hole is a torn tail
                 nxt = log.next_valid(offset + 1, resync_below + 1) if offset < resync_below else None
+                if nxt is None and offset < resync_below <= log.end:
+                    # Damage in the fsynced part with nothing valid after it up to the checkpoint's
+                    # offset (a record boundary): never cut what was acknowledged. The range is
+                    # skipped and the log goes on at the checkpoint's offset, so no later record
+                    # reuses a log offset or a queue offset that readers may already have passed.
+                    nxt = resync_below
                 if nxt is None:
                     return offset, rec
                 if not any(d[0] == offset for d in out.damaged[-64:]):

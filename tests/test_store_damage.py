@@ -192,3 +192,24 @@ def test_removing_the_first_segment_by_hand_is_reported(tmp_path):
         assert dmg.offset == 0 and "first segment files were removed" in dmg.reason
     finally:
         s.close()
+
+
+def test_damage_in_the_last_fsynced_records_is_skipped_never_cut_and_no_queue_offset_is_reused(tmp_path):
+    d = tmp_path / "d"
+    with Store(d, SMALL) as s:
+        results = s.append([msg(i) for i in range(20)])
+    last = results[-1]
+    flip(d, last.commit_log_offset + 90)  # the last acknowledged, fsynced record rots
+    s = Store(d, SMALL)
+    report = s.open(rebuild=True)  # what `txmq store repair` does: the whole log re-read
+    try:
+        assert report.truncated_at is None and report.dropped_bytes == 0 and report.damaged == 1
+        assert s.max_offset == last.end_offset  # the damaged record's bytes stay, skipped
+        got, res = all_bodies(s)
+        assert got == [b"m%04d" % i for i in range(19)] and res.next_offset == 20
+        new = s.append([msg(20)])[0]
+        assert new.queue_offset == 20 and new.commit_log_offset == last.end_offset
+        got, _ = all_bodies(s)
+        assert got[-1] == b"m0020"
+    finally:
+        s.close()
