@@ -24,7 +24,7 @@ from txmq.store.files import fsync_dir
 from txmq.wire import ErrorCode, TxmqError
 
 from .clock import Clock
-from .config import BrokerConfig, read_settings_file
+from .config import FRAME_OVERHEAD, BrokerConfig, read_settings_file
 from .connection import BrokerConnection
 from .core import BrokerCore, speedups_in_use
 from .transactions.indexfile import DB_FILE, IndexFileError, TxDatabase, remove_db
@@ -39,6 +39,7 @@ JANITOR_INTERVAL_S = 60.0
 INDEX_FLUSH_S = 1.0
 INDEX_FLUSH_POLL_S = 0.1
 INDEX_FLUSH_ROWS = 100_000
+MAX_COMMIT_REPAIRS = 1000  # damaged transactional records whose committed message is looked for at start
 INDEX_WRITER_NICE = 10
 
 
@@ -172,8 +173,10 @@ class Broker:
             damaged: list[int] = []
 
             def on_damage(offset: int, why: str) -> None:
-                # The index is built around a damaged record; the service stays up.
-                if core.store.damage.report(Damage(offset, "transaction index", why)) and len(damaged) < 10_000:
+                # The index is built around a damaged record; the service stays up. Whether or not
+                # recovery already reported the place, its commit may need repairing (below).
+                core.store.damage.report(Damage(offset, "transaction index", why))
+                if len(damaged) < MAX_COMMIT_REPAIRS:
                     damaged.append(offset)
 
             for replayed in replay_steps(core.store, index, starts, on_damage=on_damage):  # noqa: B007 (its last value is logged below)
@@ -183,11 +186,13 @@ class Broker:
             report = core.recovery
             if report is not None and report.scanned_from < core.store.max_offset:
                 await core.tx.repair_commits(core.store.scan(report.scanned_from))
+            # A commit writes its message and then its op record in one write: if the op record
+            # is the damaged one, its message ends right before it, within the largest message a
+            # client may send. Finding it keeps the transaction committed instead of re-checking it
+            # into a second delivery.
+            window = core.config.max_body + core.config.max_properties + FRAME_OVERHEAD
             for offset in damaged:
-                # A commit writes its message and then its op record in one write: if the op
-                # record is the damaged one, its message ends right before it. Finding it keeps
-                # the transaction committed instead of re-checking it into a second delivery.
-                await core.tx.repair_commits(core.store.scan_range(offset - core.store.config.max_record_size, offset))
+                await core.tx.repair_commits(core.store.scan_range(offset - window, offset))
             await self._flush_index()
         except asyncio.CancelledError:
             raise

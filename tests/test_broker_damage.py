@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from txhelpers import T, arun, end, half_fields
 from txmq.broker.testing import running_broker
 from txmq.broker.transactions.indexfile import remove_db
@@ -70,7 +72,8 @@ def _damage_op_record(data):
     flip(data, op.commit_log_offset + op.size - 1)
 
 
-def test_a_damaged_op_record_leaves_transactions_available_and_its_commit_stays_single(tmp_path):
+@pytest.mark.parametrize("recovery_sees_it_first", [False, True])
+def test_a_damaged_op_record_leaves_transactions_available_and_its_commit_stays_single(tmp_path, recovery_sees_it_first):
     data = tmp_path / "data"
 
     async def first():
@@ -86,6 +89,8 @@ def test_a_damaged_op_record_leaves_transactions_available_and_its_commit_stays_
 
     h, h2 = arun(first())
     _damage_op_record(data)
+    if recovery_sees_it_first:  # no checkpoint: recovery reads the whole log and reports the place before the index does
+        os.unlink(data / "checkpoint")
 
     async def second():
         async with running_broker(data, check_interval_s=3600) as b:

@@ -161,9 +161,11 @@ async def _deliver(client: Any, spec: _Spec, body: bytes, end_queued: Any = None
         if end_queued is None:
             e = await client.request("end_transaction", fields)
         else:
+            from txmq.wire import TxmqError
+
             try:
                 reply = client.send_request("end_transaction", fields)
-            except Exception:  # no live connection: the retrying path
+            except TxmqError:  # no live connection: the retrying path
                 end_queued()
                 e = await client.request("end_transaction", fields)
             else:
