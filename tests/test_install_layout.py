@@ -30,7 +30,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
 PACKAGES: list[str] = PYPROJECT["tool"]["setuptools"]["packages"]
-IGNORED = (".git", ".venv", "venv", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache", ".hypothesis",
+IGNORED = (".git", ".venv", ".cache", "venv", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache", ".hypothesis",
            ".ruff_cache", "*.so", "*.c", "results", "spark-warehouse", "metastore_db", "data")
 
 

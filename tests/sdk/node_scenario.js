@@ -1,0 +1,200 @@
+// Scenarios run with Apache RocketMQ's official Node.js SDK (rocketmq-client-nodejs) against txmq's gRPC front end.
+//
+// tests/sdkenv.py installs the pinned SDK into a cached directory and runs
+//     node node_scenario.js SCENARIO --sdk DIR --endpoint 127.0.0.1:PORT --topic T [--group G] ...
+// The last stdout line is one JSON object; the tests assert on it. Every scenario has a deadline and the
+// process exits even if an SDK timer or stream would keep it alive.
+//
+// Scenarios: transactions (commit, rollback, an orphan resolved by the checker through a check-back, then a
+// SimpleConsumer receives exactly the committed ones), send, receive.
+'use strict';
+
+const path = require('node:path');
+
+const RESULT = { errors: [] };
+const COMMIT = 1; // apache.rocketmq.v2.TransactionResolution
+const ROLLBACK = 2;
+const UNKNOWN = 0;
+
+function finish(code) {
+  process.stdout.write(JSON.stringify(RESULT) + '\n', () => process.exit(code));
+}
+
+function parseArgs(argv) {
+  const args = {
+    scenario: argv[0], group: 'sdk-consumers', count: 3, expect: 1, awaitDuration: 3000, requestTimeout: 5000,
+    checkWait: 30000, receiveWait: 30000, settle: 2000, deadline: 120000,
+  };
+  const numeric = new Set([ 'count', 'expect', 'awaitDuration', 'requestTimeout', 'checkWait', 'receiveWait', 'settle', 'deadline' ]);
+  for (let i = 1; i < argv.length; i += 2) {
+    const key = argv[i].replace(/^--/, '').replace(/-([a-z])/g, (_, c) => c.toUpperCase());
+    args[key] = numeric.has(key) ? Number(argv[i + 1]) : argv[i + 1];
+  }
+  return args;
+}
+
+const sleep = ms => new Promise(resolve => setTimeout(resolve, ms));
+
+async function waitUntil(pred, ms) {
+  const end = Date.now() + ms;
+  while (Date.now() < end) {
+    if (pred()) return true;
+    await sleep(100);
+  }
+  return pred();
+}
+
+function receipt(r) {
+  return { message_id: r.messageId, transaction_id: r.transactionId, offset: r.offset };
+}
+
+function view(m) {
+  return {
+    topic: m.topic, body: m.body.toString('utf8'), message_id: m.messageId, tag: m.tag || null,
+    keys: [ ...(m.keys || []) ].sort(), properties: Object.fromEntries(m.properties || new Map()),
+    delivery_attempt: m.deliveryAttempt ?? null, corrupted: !!m.corrupted, has_receipt_handle: !!m.receiptHandle,
+  };
+}
+
+function checker(decisions, checks) {
+  return {
+    async check(messageView) {
+      const body = messageView.body.toString('utf8');
+      const answer = decisions[body] ?? UNKNOWN;
+      checks.push({ body, message_id: messageView.messageId, topic: messageView.topic, answer });
+      return answer;
+    },
+  };
+}
+
+async function receiveUntil(consumer, want, ms, settleMs) {
+  const got = [];
+  const end = Date.now() + ms;
+  let settleEnd = null;
+  for (;;) {
+    const now = Date.now();
+    const bodies = new Set(got.map(m => m.body.toString('utf8')));
+    if (settleEnd === null && (want.every(b => bodies.has(b)) || now >= end)) settleEnd = now + settleMs;
+    if (settleEnd !== null && now >= settleEnd) return got;
+    const messages = await consumer.receive(16, 15000);
+    for (const m of messages) {
+      got.push(m);
+      await consumer.ack(m);
+    }
+  }
+}
+
+async function transactions(sdk, args) {
+  const t = args.topic;
+  const commitBody = `commit-${t}`;
+  const rollbackBody = `rollback-${t}`;
+  const orphanBody = `orphan-${t}`;
+  const checks = [];
+  const producer = new sdk.Producer({
+    endpoints: args.endpoint, namespace: '', topics: [ t ], requestTimeout: args.requestTimeout,
+    checker: checker({ [commitBody]: COMMIT, [rollbackBody]: ROLLBACK, [orphanBody]: COMMIT }, checks),
+  });
+  await producer.startup();
+  RESULT.producer_started = true;
+  const sent = {};
+  let tx = producer.beginTransaction();
+  let r = await producer.send({
+    topic: t, tag: 'sdk', keys: [ 'k-commit' ], body: Buffer.from(commitBody), properties: new Map([[ 'origin', 'node-sdk' ]]),
+  }, tx);
+  await tx.commit();
+  sent.commit = receipt(r);
+  tx = producer.beginTransaction();
+  r = await producer.send({ topic: t, tag: 'sdk', body: Buffer.from(rollbackBody) }, tx);
+  await tx.rollback();
+  sent.rollback = receipt(r);
+  tx = producer.beginTransaction();
+  r = await producer.send({ topic: t, tag: 'sdk', body: Buffer.from(orphanBody) }, tx); // never ended: UNKNOWN
+  sent.orphan = receipt(r);
+  RESULT.sent = sent;
+  RESULT.orphan_checked = await waitUntil(() => checks.some(c => c.body === orphanBody), args.checkWait);
+  await sleep(500); // the checker's EndTransaction(source=SOURCE_SERVER_CHECK) reaches the broker
+
+  const consumer = new sdk.SimpleConsumer({
+    endpoints: args.endpoint, namespace: '', consumerGroup: args.group, requestTimeout: args.requestTimeout,
+    subscriptions: new Map([[ t, '*' ]]), awaitDuration: args.awaitDuration,
+  });
+  await consumer.startup();
+  RESULT.consumer_started = true;
+  const got = await receiveUntil(consumer, [ commitBody, orphanBody ], args.receiveWait, args.settle);
+  RESULT.received = got.map(view);
+  RESULT.checks = checks;
+  await consumer.shutdown();
+  await producer.shutdown();
+  RESULT.shutdown = true;
+}
+
+async function send(sdk, args) {
+  const t = args.topic;
+  const producer = new sdk.Producer({ endpoints: args.endpoint, namespace: '', topics: [ t ], requestTimeout: args.requestTimeout });
+  await producer.startup();
+  const sent = [];
+  for (let i = 0; i < args.count; i++) {
+    const body = `${args.body || 'node-normal'}-${i}`;
+    const r = await producer.send({
+      topic: t, tag: 'sdk-tag', keys: [ `key-${i}` ], body: Buffer.from(body),
+      properties: new Map([[ 'origin', 'node-sdk' ], [ 'n', String(i) ]]),
+    });
+    sent.push({ ...receipt(r), body });
+  }
+  RESULT.sent = sent;
+  await producer.shutdown();
+  RESULT.shutdown = true;
+}
+
+async function receive(sdk, args) {
+  const consumer = new sdk.SimpleConsumer({
+    endpoints: args.endpoint, namespace: '', consumerGroup: args.group, requestTimeout: args.requestTimeout,
+    subscriptions: new Map([[ args.topic, '*' ]]), awaitDuration: args.awaitDuration,
+  });
+  await consumer.startup();
+  const got = [];
+  let end = Date.now() + args.receiveWait;
+  while (got.length < args.expect && Date.now() < end) {
+    for (const m of await consumer.receive(16, 15000)) {
+      got.push(m);
+      await consumer.ack(m);
+    }
+  }
+  end = Date.now() + args.settle;
+  while (Date.now() < end) {
+    for (const m of await consumer.receive(16, 15000)) {
+      got.push(m);
+      await consumer.ack(m);
+    }
+  }
+  RESULT.received = got.map(view);
+  await consumer.shutdown();
+  RESULT.shutdown = true;
+}
+
+async function main() {
+  const args = parseArgs(process.argv.slice(2));
+  RESULT.scenario = args.scenario;
+  setTimeout(() => {
+    RESULT.errors.push(`scenario deadline of ${args.deadline}ms passed`);
+    RESULT.timed_out = true;
+    finish(3);
+  }, args.deadline).unref();
+  const sdk = require(path.join(args.sdk, 'node_modules', 'rocketmq-client-nodejs'));
+  const scenarios = { transactions, send, receive };
+  if (!scenarios[args.scenario]) throw new Error(`unknown scenario ${args.scenario}`);
+  await scenarios[args.scenario](sdk, args);
+}
+
+process.on('unhandledRejection', err => {
+  RESULT.errors.push(`unhandled rejection: ${err && err.stack || err}`);
+});
+process.on('uncaughtException', err => {
+  RESULT.errors.push(`uncaught exception: ${err && err.stack || err}`);
+  finish(1);
+});
+
+main().then(() => finish(RESULT.errors.length ? 1 : 0), err => {
+  RESULT.errors.push(`${err && err.stack || err}`);
+  finish(1);
+});

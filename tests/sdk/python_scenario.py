@@ -1,0 +1,244 @@
+"""Scenarios run with Apache RocketMQ's official Python SDK (rocketmq-python-client) against txmq's gRPC front end.
+
+This script runs in the SDK's own virtual environment (tests/sdkenv.py builds it), never in txmq's:
+the SDK installs a top-level `rocketmq` package and its own protobuf modules for `apache.rocketmq.v2`,
+which cannot share a process with txmq's. It prints one JSON object on its last stdout line; the
+tests assert on it. Every scenario has a deadline and exits (os._exit) even if an SDK thread hangs.
+
+    python python_scenario.py transactions --endpoint 127.0.0.1:PORT --topic T --group G
+    python python_scenario.py half --endpoint ... --topic T [--checker unknown|none] [--wait-checks N]
+    python python_scenario.py send --endpoint ... --topic T --count N
+    python python_scenario.py receive --endpoint ... --topic T --group G --expect N [--settle S]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+import traceback
+
+from rocketmq import (ClientConfiguration, Credentials, FilterExpression, Message, Producer, SimpleConsumer,
+                      TransactionChecker, TransactionResolution)
+
+RESULT: dict = {"errors": []}
+
+
+def finish(code: int = 0) -> None:
+    print(json.dumps(RESULT, sort_keys=True), flush=True)
+    sys.stderr.flush()
+    os._exit(code)  # SDK threads (schedulers, executors) must not keep the process alive
+
+
+def watchdog(seconds: float) -> None:
+    def fire() -> None:
+        RESULT["errors"].append(f"scenario deadline of {seconds}s passed")
+        RESULT["timed_out"] = True
+        finish(3)
+
+    t = threading.Timer(seconds, fire)
+    t.daemon = True
+    t.start()
+
+
+def config(args) -> ClientConfiguration:
+    return ClientConfiguration(args.endpoint, Credentials(), request_timeout=args.request_timeout)
+
+
+def message(topic: str, body: str, tag: str | None = None, keys: list[str] | None = None,
+            props: dict[str, str] | None = None) -> Message:
+    m = Message()
+    m.topic = topic
+    m.body = body.encode()
+    if tag:
+        m.tag = tag
+    for k in keys or ():
+        m.keys = k  # the SDK's setter takes one key per assignment
+    for k, v in (props or {}).items():
+        m.add_property(k, v)
+    return m
+
+
+def receipt(r) -> dict:
+    return {"message_id": r.message_id, "transaction_id": r.transaction_id, "offset": r.offset}
+
+
+def view(m) -> dict:
+    return {
+        "topic": m.topic, "body": m.body.decode(errors="replace"), "message_id": m.message_id, "tag": m.tag,
+        "keys": sorted(m.keys or []), "properties": dict(m.properties or {}), "delivery_attempt": m.delivery_attempt,
+        "corrupted": m.corrupted, "born_timestamp": m.born_timestamp, "has_receipt_handle": bool(m.receipt_handle),
+    }
+
+
+class RecordingChecker(TransactionChecker):
+    """Answers a check-back from the local state of each transaction (keyed by body), as an application would."""
+
+    def __init__(self, decisions: dict[str, int]) -> None:
+        self.decisions = decisions
+        self.checks: list[dict] = []
+        self.lock = threading.Lock()
+
+    def check(self, m) -> int:
+        body = m.body.decode(errors="replace")
+        answer = self.decisions.get(body, TransactionResolution.TRANSACTION_RESOLUTION_UNSPECIFIED)
+        with self.lock:
+            self.checks.append({"body": body, "message_id": m.message_id, "topic": m.topic,
+                                "answer": TransactionResolution.Name(answer)})
+        return answer
+
+    def count(self, body: str) -> int:
+        with self.lock:
+            return sum(1 for c in self.checks if c["body"] == body)
+
+
+def wait_until(pred, seconds: float, step: float = 0.1) -> bool:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if pred():
+            return True
+        time.sleep(step)
+    return pred()
+
+
+def receive_bodies(consumer: SimpleConsumer, want: set[str], seconds: float, settle: float) -> list:
+    """Receive (and ack) until every body in `want` arrived or `seconds` pass, then keep receiving for
+    `settle` seconds more to catch anything that should not be there."""
+    got: list = []
+    end = time.monotonic() + seconds
+    settle_end = None
+    while True:
+        now = time.monotonic()
+        if settle_end is None and (want <= {m.body.decode(errors="replace") for m in got} or now >= end):
+            settle_end = now + settle
+        if settle_end is not None and now >= settle_end:
+            return got
+        for m in consumer.receive(16, 15):
+            got.append(m)
+            consumer.ack(m)
+
+
+def scenario_transactions(args) -> None:
+    """(1) committed, (2) rolled back, (3) orphaned (left UNKNOWN: no end sent) and resolved by the checker through
+    a check-back, (4) a SimpleConsumer receives and acks exactly the committed ones."""
+    t = args.topic
+    commit_body, rollback_body, orphan_body = f"commit-{t}", f"rollback-{t}", f"orphan-{t}"
+    checker = RecordingChecker({commit_body: TransactionResolution.COMMIT, rollback_body: TransactionResolution.ROLLBACK,
+                                orphan_body: TransactionResolution.COMMIT})
+    producer = Producer(config(args), (t,), checker)
+    producer.startup()
+    RESULT["producer_started"] = True
+    sent = {}
+    tx = producer.begin_transaction()
+    r = producer.send(message(t, commit_body, tag="sdk", keys=["k-commit"], props={"origin": "python-sdk"}), tx)
+    tx.commit()
+    sent["commit"] = receipt(r)
+    tx = producer.begin_transaction()
+    r = producer.send(message(t, rollback_body, tag="sdk"), tx)
+    tx.rollback()
+    sent["rollback"] = receipt(r)
+    tx = producer.begin_transaction()
+    r = producer.send(message(t, orphan_body, tag="sdk"), tx)  # no commit, no rollback: UNKNOWN
+    sent["orphan"] = receipt(r)
+    RESULT["sent"] = sent
+    RESULT["orphan_checked"] = wait_until(lambda: checker.count(orphan_body) > 0, args.check_wait)
+    time.sleep(0.5)  # let the checker's EndTransaction(source=SOURCE_SERVER_CHECK) reach the broker
+
+    consumer = SimpleConsumer(config(args), args.group, {t: FilterExpression()}, await_duration=args.await_duration)
+    consumer.startup()
+    RESULT["consumer_started"] = True
+    got = receive_bodies(consumer, {commit_body, orphan_body}, args.receive_wait, args.settle)
+    RESULT["received"] = [view(m) for m in got]
+    RESULT["checks"] = list(checker.checks)
+    consumer.shutdown()
+    producer.shutdown()
+    RESULT["shutdown"] = True
+
+
+def scenario_half(args) -> None:
+    """Send one transactional half message and never end it. With --wait-checks N, stay online (the checker answers
+    UNKNOWN) until the broker asked N times; then shut the producer down."""
+    t = args.topic
+    body = args.body or f"half-{t}"
+    checker = RecordingChecker({})  # every answer UNKNOWN (TRANSACTION_RESOLUTION_UNSPECIFIED)
+    producer = Producer(config(args), (t,), checker)
+    producer.startup()
+    tx = producer.begin_transaction()
+    r = producer.send(message(t, body, tag="sdk-half", keys=["k-half"], props={"origin": "python-sdk"}), tx)
+    RESULT["sent"] = receipt(r)
+    RESULT["body"] = body
+    if args.wait_checks:
+        RESULT["checked_enough"] = wait_until(lambda: checker.count(body) >= args.wait_checks, args.check_wait)
+    RESULT["checks"] = list(checker.checks)
+    producer.shutdown()
+    RESULT["shutdown"] = True
+
+
+def scenario_send(args) -> None:
+    t = args.topic
+    producer = Producer(config(args), (t,))
+    producer.startup()
+    sent = []
+    for i in range(args.count):
+        body = f"{args.body or 'sdk-normal'}-{i}"
+        r = producer.send(message(t, body, tag="sdk-tag", keys=[f"key-{i}"], props={"origin": "python-sdk", "n": str(i)}))
+        sent.append({**receipt(r), "body": body})
+    RESULT["sent"] = sent
+    producer.shutdown()
+    RESULT["shutdown"] = True
+
+
+def scenario_receive(args) -> None:
+    t = args.topic
+    consumer = SimpleConsumer(config(args), args.group, {t: FilterExpression()}, await_duration=args.await_duration)
+    consumer.startup()
+    got: list = []
+    end = time.monotonic() + args.receive_wait
+    while len(got) < args.expect and time.monotonic() < end:
+        for m in consumer.receive(16, 15):
+            got.append(m)
+            consumer.ack(m)
+    end = time.monotonic() + args.settle
+    while time.monotonic() < end:
+        for m in consumer.receive(16, 15):
+            got.append(m)
+            consumer.ack(m)
+    RESULT["received"] = [view(m) for m in got]
+    consumer.shutdown()
+    RESULT["shutdown"] = True
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("scenario", choices=["transactions", "half", "send", "receive"])
+    p.add_argument("--endpoint", required=True)
+    p.add_argument("--topic", required=True)
+    p.add_argument("--group", default="sdk-consumers")
+    p.add_argument("--body")
+    p.add_argument("--count", type=int, default=3)
+    p.add_argument("--expect", type=int, default=1)
+    p.add_argument("--wait-checks", type=int, default=0)
+    p.add_argument("--await-duration", type=int, default=3, help="SimpleConsumer long polling, seconds")
+    p.add_argument("--request-timeout", type=int, default=5, help="SDK request timeout, seconds")
+    p.add_argument("--check-wait", type=float, default=30.0, help="seconds to wait for check-backs")
+    p.add_argument("--receive-wait", type=float, default=30.0, help="seconds to wait for the expected messages")
+    p.add_argument("--settle", type=float, default=2.0, help="seconds to keep receiving after that")
+    p.add_argument("--deadline", type=float, default=120.0)
+    args = p.parse_args()
+    RESULT["scenario"] = args.scenario
+    watchdog(args.deadline)
+    try:
+        {"transactions": scenario_transactions, "half": scenario_half, "send": scenario_send,
+         "receive": scenario_receive}[args.scenario](args)
+    except BaseException as e:  # noqa: BLE001 - reported to the test, which fails on it
+        RESULT["errors"].append(f"{type(e).__name__}: {e}")
+        RESULT["traceback"] = traceback.format_exc()
+        finish(1)
+    finish(0)
+
+
+if __name__ == "__main__":
+    main()

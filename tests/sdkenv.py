@@ -1,0 +1,191 @@
+"""Cached environments with Apache RocketMQ's official 5.x SDKs, for the end-to-end tests of the gRPC front end.
+
+No tests here: tests/test_rocketmq_sdk_*.py and tests/test_rocketmq_mixed.py use these helpers.
+
+- The Python SDK (`rocketmq-python-client`, pinned) goes into a virtual environment of its own, built with
+  `python -m venv` + pip, never into txmq's .venv: it installs a top-level `rocketmq` package and protobuf
+  modules for `apache.rocketmq.v2` that cannot share a process with txmq's generated ones. SDK code only
+  ever runs in a subprocess (tests/sdk/python_scenario.py).
+- The Node.js SDK (`rocketmq-client-nodejs`, pinned exactly) is `npm install`ed into a directory of its own;
+  tests/sdk/node_scenario.js runs with `node`.
+
+Both are cached under `.cache/sdk-venvs/` in the repository (gitignored; TXMQ_SDK_CACHE moves it), one
+directory per pin, so only the first run pays for the download. A build that cannot download (offline, no
+`npm`) makes the tests SKIP with the reason; an SDK that installed but then misbehaves makes them FAIL.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SCENARIOS = Path(__file__).resolve().parent / "sdk"
+CACHE = Path(os.environ.get("TXMQ_SDK_CACHE") or REPO / ".cache" / "sdk-venvs")
+
+PYTHON_SDK = ("rocketmq-python-client", "5.1.2")
+NODE_SDK = ("rocketmq-client-nodejs", "1.0.8")
+_MARKER = ".complete"
+
+
+@contextmanager
+def _locked(name: str):
+    """One builder at a time per environment (parallel pytest workers, two checkouts sharing the cache)."""
+    CACHE.mkdir(parents=True, exist_ok=True)
+    with open(CACHE / f"{name}.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _tail(text: str | bytes, n: int = 1500) -> str:
+    if isinstance(text, bytes):
+        text = text.decode(errors="replace")
+    return text[-n:]
+
+
+def python_sdk_python() -> Path:
+    """The interpreter of a virtual environment holding the pinned Python SDK (built on first use).
+
+    Skips the calling test when the SDK cannot be installed (no network and no cached build)."""
+    name, version = PYTHON_SDK
+    pyver = f"py{sys.version_info.major}{sys.version_info.minor}"
+    env_dir = CACHE / f"python-{name}-{version}-{pyver}"
+    python = env_dir / "bin" / "python"
+    with _locked(env_dir.name):
+        if not (env_dir / _MARKER).exists():
+            shutil.rmtree(env_dir, ignore_errors=True)
+            r = subprocess.run([sys.executable, "-m", "venv", str(env_dir)], capture_output=True, timeout=300)
+            if r.returncode != 0:
+                shutil.rmtree(env_dir, ignore_errors=True)
+                pytest.skip(f"cannot create a virtual environment for {name}: {_tail(r.stderr)}")
+            pip_env = {**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+            pip_env.pop("PYTHONPATH", None)
+            r = subprocess.run([str(python), "-m", "pip", "install", "-q", f"{name}=={version}"],
+                               capture_output=True, timeout=900, env=pip_env)
+            if r.returncode != 0:
+                shutil.rmtree(env_dir, ignore_errors=True)
+                pytest.skip(f"cannot install {name}=={version} (offline?): {_tail(r.stderr)}")
+            # Installed: from here on a failure is the SDK's environment being broken, which must be seen.
+            r = subprocess.run([str(python), "-c", "import rocketmq, rocketmq.grpc_protocol"], capture_output=True, timeout=120)
+            assert r.returncode == 0, f"{name}=={version} installed but does not import: {_tail(r.stderr)}"
+            (env_dir / _MARKER).write_text(f"{name}=={version}\n")
+    return python
+
+
+def node_sdk_dir() -> Path:
+    """A directory whose node_modules holds the pinned Node.js SDK (installed on first use).
+
+    Skips the calling test when `node`/`npm` are missing or the package cannot be installed."""
+    name, version = NODE_SDK
+    node, npm = shutil.which("node"), shutil.which("npm")
+    if not node or not npm:
+        pytest.skip("node and npm are needed for the Node.js SDK tests")
+    r = subprocess.run([node, "-e", "process.stdout.write(process.versions.node)"], capture_output=True, timeout=60)
+    major = int((r.stdout.decode() or "0").split(".")[0] or 0)
+    if major < 18:
+        pytest.skip(f"{name} needs Node.js 18 or newer (found {r.stdout.decode() or 'none'})")
+    env_dir = CACHE / f"node-{name}-{version}"
+    with _locked(env_dir.name):
+        if not (env_dir / _MARKER).exists():
+            shutil.rmtree(env_dir, ignore_errors=True)
+            env_dir.mkdir(parents=True)
+            (env_dir / "package.json").write_text(json.dumps({"name": "txmq-sdk-tests", "private": True, "version": "0.0.0"}))
+            r = subprocess.run([npm, "install", "--no-audit", "--no-fund", "--save-exact", f"{name}@{version}"],
+                               cwd=env_dir, capture_output=True, timeout=900)
+            if r.returncode != 0:
+                shutil.rmtree(env_dir, ignore_errors=True)
+                pytest.skip(f"cannot install {name}@{version} (offline?): {_tail(r.stderr)}")
+            r = subprocess.run([node, "-e", f"require('{name}')"], cwd=env_dir, capture_output=True, timeout=120)
+            assert r.returncode == 0, f"{name}@{version} installed but does not load: {_tail(r.stderr)}"
+            (env_dir / _MARKER).write_text(f"{name}@{version}\n")
+    return env_dir
+
+
+def wait_for_port(port: int, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"nothing listens on 127.0.0.1:{port}") from None
+            time.sleep(0.05)
+
+
+def _sdk_logs(home: Path) -> str:
+    out = []
+    for log in sorted(home.glob("logs/**/*.log")):
+        out.append(f"--- {log.relative_to(home)} (last lines)\n{_tail(log.read_text(errors='replace'), 4000)}")
+    return "\n".join(out)
+
+
+def run_scenario(argv: list[str], home: Path, timeout: float, cwd: Path | None = None) -> dict:
+    """Run one scenario process (HOME is a temporary directory: both SDKs write their logs under ~/logs) and
+    return its JSON result. A scenario that reports errors, dies or prints no JSON fails the test, with the
+    SDK's own log attached."""
+    home.mkdir(parents=True, exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV", "NODE_"))}
+    env.update(HOME=str(home), PYTHONUNBUFFERED="1")
+    try:
+        r = subprocess.run(argv, capture_output=True, timeout=timeout, env=env, cwd=cwd or home)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"scenario {argv[1:3]} did not finish in {timeout}s\nstdout: {_tail(e.stdout or b'')}\n"
+                    f"stderr: {_tail(e.stderr or b'')}\n{_sdk_logs(home)}")
+    stdout = r.stdout.decode(errors="replace")
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("{")]
+    result = None
+    if lines:
+        try:
+            result = json.loads(lines[-1])
+        except ValueError:
+            result = None
+    if r.returncode != 0 or result is None or result.get("errors"):
+        pytest.fail(f"scenario {argv[1:3]} failed (exit {r.returncode}): "
+                    f"{json.dumps(result, indent=1) if result else _tail(stdout)}\n"
+                    f"stderr: {_tail(r.stderr, 3000)}\n{_sdk_logs(home)}")
+    result["_sdk_log"] = _sdk_logs(home)
+    return result
+
+
+def python_scenario(python: Path, scenario: str, home: Path, *args: str, timeout: float = 150) -> dict:
+    return run_scenario([str(python), str(SCENARIOS / "python_scenario.py"), scenario, *args], home, timeout)
+
+
+def node_scenario(sdk_dir: Path, scenario: str, home: Path, *args: str, timeout: float = 150) -> dict:
+    env_node = shutil.which("node") or "node"
+    return run_scenario([env_node, str(SCENARIOS / "node_scenario.js"), scenario, "--sdk", str(sdk_dir), *args], home, timeout)
+
+
+def start_rocketmq_broker(root: Path, *args: str, name: str = "broker"):
+    """A txmq broker subprocess (short check settings, tests/clihelpers.py) that also serves the RocketMQ gRPC front
+    end; returns (BrokerProcess, "127.0.0.1:GRPC_PORT"). Skips when txmq's `rocketmq` extra is not installed."""
+    import importlib.util
+
+    from brokerproc import free_port
+    from clihelpers import start_broker
+
+    missing = [m for m in ("grpc", "google.protobuf") if importlib.util.find_spec(m) is None]
+    if missing:
+        pytest.skip(f"txmq's rocketmq extra is not installed (no {', '.join(missing)}): pip install -e '.[rocketmq]'")
+    grpc_port = free_port()
+    broker = start_broker(root, "--rocketmq-port", str(grpc_port), *args, name=name)
+    try:
+        wait_for_port(grpc_port)
+    except TimeoutError:
+        broker.stop()
+        raise
+    return broker, f"127.0.0.1:{grpc_port}"
