@@ -15,12 +15,16 @@ Same body size (256 bytes) and the same concurrency everywhere:
    at half of the maximum rate;
 3. RabbitMQ AMQP transactions at 1 and 32 clients (rabbit.py), skipped with
    a message when it is not installed.
+4. with ``--rocketmq-sdk``: RocketMQ's official Python SDK producers through
+   txmq's gRPC front end next to the client library at 1 and 32 producers
+   (rocketmq_sdk.py; without the option the document keeps the last
+   result of ``benchmarks/rocketmq_sdk.py --write``).
 
 Prints the table (Markdown) and, with ``--write docs/benchmarks.md``,
 writes it into that file between its generated-section markers together
 with the check-pass and restart results found in benchmarks/results/.
 
-    .venv/bin/python benchmarks/compare.py [--quick] [--no-peer] [--write docs/benchmarks.md] [-o json]
+    .venv/bin/python benchmarks/compare.py [--quick] [--no-peer] [--rocketmq-sdk] [--write docs/benchmarks.md] [-o json]
 """
 
 from __future__ import annotations
@@ -121,6 +125,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="short runs (about a minute in all)")
     ap.add_argument("--smoke", action="store_true", help="tiny runs by message count, to test the script itself (CI)")
     ap.add_argument("--no-peer", action="store_true", help="skip RabbitMQ")
+    ap.add_argument("--rocketmq-sdk", action="store_true", help="also measure RocketMQ's Python SDK through the gRPC front end (rocketmq_sdk.py)")
     ap.add_argument("--write", type=Path, metavar="DOC", help="write the results into this Markdown file (docs/benchmarks.md)")
     ap.add_argument("-o", "--output", choices=["table", "json"], default="table")
     a = ap.parse_args()
@@ -140,6 +145,12 @@ def main() -> None:
     txmq = run_txmq(plan)
     say("peer")
     peer = {"skipped": "--no-peer given"} if a.no_peer else run_peer(plan)
+    sdk = None
+    if a.rocketmq_sdk:
+        import rocketmq_sdk
+
+        say("RocketMQ Python SDK through the gRPC front end, next to the client library")
+        sdk = rocketmq_sdk.run(plan.mode)
     say("machine limits again (a limit is the best of both probes)")
     probes.append(limits.disk_appends(data_disk_dir(), plan.probe_s))
     say("  appends/s per round: " + ", ".join(f"{k} {v}" for k, v in probes[1]["rounds"].items()))
@@ -156,12 +167,14 @@ def main() -> None:
     }
     if a.write:
         save_result("compare", result)
+        if sdk:
+            save_result("rocketmq_sdk", sdk)
         report.write_doc(a.write)
         say(f"wrote {a.write} (results in benchmarks/results/compare.json)")
     if a.output == "json":
-        print(json.dumps(result, indent=2))
+        print(json.dumps({**result, "rocketmq_sdk": sdk} if sdk else result, indent=2))
     else:
-        print(report.comparison_md(result))
+        print(report.comparison_md(result) + ("\n" + report.rocketmq_sdk_md(sdk) if sdk else ""))
 
 
 if __name__ == "__main__":

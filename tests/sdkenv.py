@@ -38,6 +38,10 @@ NODE_SDK = ("rocketmq-client-nodejs", "1.0.8")
 _MARKER = ".complete"
 
 
+class SdkUnavailable(Exception):
+    """The SDK cannot be installed here (no network and nothing cached, no node/npm): a reason to skip."""
+
+
 @contextmanager
 def _locked(name: str):
     """One builder at a time per environment (parallel pytest workers, two checkouts sharing the cache)."""
@@ -60,6 +64,15 @@ def python_sdk_python() -> Path:
     """The interpreter of a virtual environment holding the pinned Python SDK (built on first use).
 
     Skips the calling test when the SDK cannot be installed (no network and no cached build)."""
+    try:
+        return build_python_sdk()
+    except SdkUnavailable as e:
+        pytest.skip(str(e))
+
+
+def build_python_sdk() -> Path:
+    """Build (once) the Python SDK's virtual environment and return its interpreter; SdkUnavailable if it cannot be
+    installed. Used by the tests and by benchmarks/rocketmq_sdk.py."""
     name, version = PYTHON_SDK
     pyver = f"py{sys.version_info.major}{sys.version_info.minor}"
     env_dir = CACHE / f"python-{name}-{version}-{pyver}"
@@ -70,14 +83,14 @@ def python_sdk_python() -> Path:
             r = subprocess.run([sys.executable, "-m", "venv", str(env_dir)], capture_output=True, timeout=300)
             if r.returncode != 0:
                 shutil.rmtree(env_dir, ignore_errors=True)
-                pytest.skip(f"cannot create a virtual environment for {name}: {_tail(r.stderr)}")
+                raise SdkUnavailable(f"cannot create a virtual environment for {name}: {_tail(r.stderr)}")
             pip_env = {**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
             pip_env.pop("PYTHONPATH", None)
             r = subprocess.run([str(python), "-m", "pip", "install", "-q", f"{name}=={version}"],
                                capture_output=True, timeout=900, env=pip_env)
             if r.returncode != 0:
                 shutil.rmtree(env_dir, ignore_errors=True)
-                pytest.skip(f"cannot install {name}=={version} (offline?): {_tail(r.stderr)}")
+                raise SdkUnavailable(f"cannot install {name}=={version} (offline?): {_tail(r.stderr)}")
             # Installed: from here on a failure is the SDK's environment being broken, which must be seen.
             r = subprocess.run([str(python), "-c", "import rocketmq, rocketmq.grpc_protocol"], capture_output=True, timeout=120)
             assert r.returncode == 0, f"{name}=={version} installed but does not import: {_tail(r.stderr)}"
@@ -89,14 +102,22 @@ def node_sdk_dir() -> Path:
     """A directory whose node_modules holds the pinned Node.js SDK (installed on first use).
 
     Skips the calling test when `node`/`npm` are missing or the package cannot be installed."""
+    try:
+        return build_node_sdk()
+    except SdkUnavailable as e:
+        pytest.skip(str(e))
+
+
+def build_node_sdk() -> Path:
+    """Install (once) the Node.js SDK and return its directory; SdkUnavailable if it cannot be installed."""
     name, version = NODE_SDK
     node, npm = shutil.which("node"), shutil.which("npm")
     if not node or not npm:
-        pytest.skip("node and npm are needed for the Node.js SDK tests")
+        raise SdkUnavailable("node and npm are needed for the Node.js SDK")
     r = subprocess.run([node, "-e", "process.stdout.write(process.versions.node)"], capture_output=True, timeout=60)
     major = int((r.stdout.decode() or "0").split(".")[0] or 0)
     if major < 18:
-        pytest.skip(f"{name} needs Node.js 18 or newer (found {r.stdout.decode() or 'none'})")
+        raise SdkUnavailable(f"{name} needs Node.js 18 or newer (found {r.stdout.decode() or 'none'})")
     env_dir = CACHE / f"node-{name}-{version}"
     with _locked(env_dir.name):
         if not (env_dir / _MARKER).exists():
@@ -107,7 +128,7 @@ def node_sdk_dir() -> Path:
                                cwd=env_dir, capture_output=True, timeout=900)
             if r.returncode != 0:
                 shutil.rmtree(env_dir, ignore_errors=True)
-                pytest.skip(f"cannot install {name}@{version} (offline?): {_tail(r.stderr)}")
+                raise SdkUnavailable(f"cannot install {name}@{version} (offline?): {_tail(r.stderr)}")
             r = subprocess.run([node, "-e", f"require('{name}')"], cwd=env_dir, capture_output=True, timeout=120)
             assert r.returncode == 0, f"{name}@{version} installed but does not load: {_tail(r.stderr)}"
             (env_dir / _MARKER).write_text(f"{name}@{version}\n")

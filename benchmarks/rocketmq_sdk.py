@@ -1,0 +1,197 @@
+"""Transactions/s of Apache RocketMQ's official Python SDK through txmq's gRPC front end, next to txmq's own client library.
+
+One broker (`txmq broker start --flush sync --rocketmq-port P` on a fresh data directory in the temp dir, as
+`txmq bench --embedded` uses) serves both, one run after the other, at the same concurrency (1 and 32
+producers), the same 256-byte body and the same durability (sync flush: a half message and an end are
+acknowledged after fdatasync):
+
+- native: `txmq bench tx-client --broker ... -c N -n 1` (N TransactionProducers of txmq's client library,
+  each back to back with its pipelined end, the library's default);
+- SDK: N `rocketmq.Producer`s of rocketmq-python-client (pinned in tests/sdkenv.py, installed in a cached
+  virtual environment of its own), each back to back: begin_transaction, send the half message, commit
+  (the local transaction commits at once) -- benchmarks/rocketmq_sdk_load.py, in min(N, --procs)
+  processes with one thread per producer.
+
+Besides throughput and latency it reports the broker's CPU per transaction in each run: the gRPC front
+end's translation cost, which the SDK's own (client-side) cost does not blur. In full mode every
+measurement runs twice, interleaved (native, SDK, native, SDK), and the better run counts: other work on a
+shared machine only ever slows a run down.
+
+    .venv/bin/python benchmarks/rocketmq_sdk.py [--quick | --smoke] [--write docs/benchmarks.md] [-o json]
+
+With --write the result goes to benchmarks/results/rocketmq_sdk.json and its section into the document
+(benchmarks/report.py; `benchmarks/compare.py --write` keeps including the last result).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "tests"))
+
+import report  # noqa: E402
+from benchlib import BrokerProc, command_line, cpu_seconds, data_disk_dir, free_port, machine_info, percentiles_ms, save_result, txmq_bench, wait_port  # noqa: E402
+
+SIZE = 256
+CONCURRENCY = (1, 32)
+LOADER = HERE / "rocketmq_sdk_load.py"
+
+
+def say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def sdk_python() -> tuple[Path, str]:
+    """The SDK's interpreter (built once by tests/sdkenv.py) and its pin."""
+    import sdkenv
+
+    name, version = sdkenv.PYTHON_SDK
+    return sdkenv.build_python_sdk(), f"{name}=={version}"
+
+
+class Plan:
+    def __init__(self, mode: str, procs: int) -> None:
+        self.mode = mode
+        self.seconds = {"full": 5.0, "quick": 2.0, "smoke": 0.5}[mode]
+        self.rounds = 2 if mode == "full" else 1
+        self.procs = procs
+
+
+def native_run(broker: BrokerProc, clients: int, seconds: float, topic: str) -> dict[str, Any]:
+    cpu0 = cpu_seconds(broker.pid)
+    res = txmq_bench(["tx-client", "--broker", broker.address, "-c", str(clients), "-n", "1", "--size", str(SIZE),
+                      "-d", f"{seconds}s", "--topic", topic])
+    res["broker_cpu_s"] = round(cpu_seconds(broker.pid) - cpu0, 3)
+    res["broker_us_per_tx"] = round(res["broker_cpu_s"] / res["completed"] * 1e6, 1) if res["completed"] else None
+    return res
+
+
+def sdk_run(python: Path, broker: BrokerProc, endpoint: str, clients: int, seconds: float, topic: str, procs: int,
+            home: Path) -> dict[str, Any]:
+    nproc = max(1, min(clients, procs))
+    split = [clients // nproc + (1 if i < clients % nproc else 0) for i in range(nproc)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
+    env["HOME"] = str(home)  # the SDK logs under ~/logs
+    log = open(home / f"loader-{topic}.log", "ab")
+    loaders = [subprocess.Popen([str(python), str(LOADER), "--endpoint", endpoint, "--topic", topic, "--producers", str(n),
+                                 "--size", str(SIZE)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env,
+                                text=True, cwd=home) for n in split]
+    try:
+        for p in loaders:
+            line = p.stdout.readline()  # {"ready": true}: producers started and warmed up
+            if not line.startswith("{"):
+                raise RuntimeError(f"SDK loader did not start (exit {p.poll()}); see {log.name}")
+        start = time.time() + 0.3
+        end = start + seconds
+        for p in loaders:
+            p.stdin.write(json.dumps({"start": start, "end": end}) + "\n")
+            p.stdin.flush()
+        time.sleep(max(0.0, start - time.time()))
+        cpu0 = cpu_seconds(broker.pid)
+        time.sleep(max(0.0, end - time.time()))
+        cpu1 = cpu_seconds(broker.pid)
+        outs = []
+        for p in loaders:
+            line = p.stdout.readline()
+            if not line.startswith("{"):
+                raise RuntimeError(f"SDK loader gave no result (exit {p.poll()}); see {log.name}")
+            outs.append(json.loads(line))
+    finally:
+        for p in loaders:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        log.close()
+    completed = sum(o["completed"] for o in outs)
+    errors: dict[str, int] = {}
+    for o in outs:
+        for k, v in o["errors"].items():
+            errors[k] = errors.get(k, 0) + v
+    lat = [x / 1000.0 for o in outs for x in o["latency_ms"]]
+    broker_cpu = round(cpu1 - cpu0, 3)
+    return {
+        "mode": "rocketmq-sdk", "sdk_processes": nproc, "producers": clients, "size": SIZE, "completed": completed,
+        "elapsed_s": seconds, "throughput": round(completed / seconds, 1), "unit": "transactions/s",
+        "latency_ms": {"tx": percentiles_ms(lat) if lat else {}}, "errors": errors,
+        "client_cpu_s": round(sum(o["cpu_s"] for o in outs), 3), "broker_cpu_s": broker_cpu,
+        "broker_us_per_tx": round(broker_cpu / completed * 1e6, 1) if completed else None,
+    }
+
+
+def run(mode: str = "quick", procs: int | None = None) -> dict[str, Any]:
+    """Measure and return the result (also used by compare.py --rocketmq-sdk)."""
+    plan = Plan(mode, procs or max(2, os.cpu_count() or 2))
+    python, pin = sdk_python()
+    t0 = time.perf_counter()
+    machine = machine_info(data_disk_dir())
+    tmp = Path(tempfile.mkdtemp(prefix="txmq-rmq-sdk-bench-", dir=data_disk_dir()))
+    gport = free_port()
+    broker = BrokerProc(tmp / "data", "--flush", "sync", "--rocketmq-port", str(gport), log_path=tmp / "broker.log")
+    broker.start()
+    runs: dict[str, dict[str, Any]] = {}
+    try:
+        wait_port(gport, 30, broker.proc)
+        endpoint = f"127.0.0.1:{gport}"
+        home = tmp / "home"
+        home.mkdir()
+        for rnd in range(plan.rounds):
+            for c in CONCURRENCY:
+                say(f"  native client library, {c} producer(s), round {rnd + 1}")
+                r = native_run(broker, c, plan.seconds, f"bench_native_{c}_{rnd}")
+                say(f"    -> {r['throughput']:,.0f} tx/s, broker {r['broker_us_per_tx']} us/tx" + (f"  errors {r['errors']}" if r["errors"] else ""))
+                if f"native_{c}" not in runs or r["throughput"] > runs[f"native_{c}"]["throughput"]:
+                    runs[f"native_{c}"] = r
+                say(f"  Python SDK over gRPC, {c} producer(s), round {rnd + 1}")
+                r = sdk_run(python, broker, endpoint, c, plan.seconds, f"bench_sdk_{c}_{rnd}", plan.procs, home)
+                say(f"    -> {r['throughput']:,.0f} tx/s, broker {r['broker_us_per_tx']} us/tx, SDK CPU {r['client_cpu_s']} s"
+                    + (f"  errors {r['errors']}" if r["errors"] else ""))
+                if f"sdk_{c}" not in runs or r["throughput"] > runs[f"sdk_{c}"]["throughput"]:
+                    runs[f"sdk_{c}"] = r
+    except Exception:
+        say(f"broker log tail:\n{broker.log_tail()}")
+        raise
+    finally:
+        broker.stop()
+    return {
+        "kind": "rocketmq_sdk", "mode": mode, "date": dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "command": command_line(), "size": SIZE, "flush": "sync", "sdk": pin, "machine": machine, "runs": runs,
+        "load_avg_at_end": [round(x, 2) for x in os.getloadavg()], "took_s": round(time.perf_counter() - t0, 1),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="one round of 2 s runs")
+    ap.add_argument("--smoke", action="store_true", help="0.5 s runs, to test the script itself")
+    ap.add_argument("--procs", type=int, help="most SDK load processes (default: max(2, cores))")
+    ap.add_argument("--write", type=Path, metavar="DOC", help="save the result and write the document's generated section")
+    ap.add_argument("-o", "--output", choices=["table", "json"], default="table")
+    a = ap.parse_args()
+    load = os.getloadavg()[0]
+    if load > 0.5 * (os.cpu_count() or 1):
+        say(f"warning: load average {load:.2f} on {os.cpu_count()} cores: other work is running and will lower every figure")
+    result = run("smoke" if a.smoke else "quick" if a.quick else "full", a.procs)
+    if a.write:
+        save_result("rocketmq_sdk", result)
+        report.write_doc(a.write)
+        say(f"wrote {a.write} (results in benchmarks/results/rocketmq_sdk.json)")
+    if a.output == "json":
+        print(json.dumps(result, indent=2))
+    else:
+        print(report.rocketmq_sdk_md(result))
+
+
+if __name__ == "__main__":
+    main()
