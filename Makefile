@@ -12,15 +12,17 @@ ARGS   ?=
 
 # The compiled speed-ups (setup.py) are rebuilt when their sources change.
 SPEEDUPS_SRC = setup.py store/_speedups.pyx broker/_speedups.pyx
+# So are the RocketMQ front end's protobuf modules (setup.py, grpcio-tools).
+PROTO_SRC = broker/rocketmq/pb/definition.proto broker/rocketmq/pb/service.proto
 
-$(VENV)/.installed: pyproject.toml $(SPEEDUPS_SRC)
+$(VENV)/.installed: pyproject.toml $(SPEEDUPS_SRC) $(PROTO_SRC)
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -e .
 	touch $@
 
-$(VENV)/.installed-test: $(VENV)/.installed pyproject.toml $(SPEEDUPS_SRC)
-	$(PIP) install -q -e '.[test,spark]'
+$(VENV)/.installed-test: $(VENV)/.installed pyproject.toml $(SPEEDUPS_SRC) $(PROTO_SRC)
+	$(PIP) install -q -e '.[test,spark,rocketmq]'
 	touch $@
 
 ## help: list these targets
@@ -54,10 +56,10 @@ format: $(VENV)/.installed-test
 fault-long: $(VENV)/.installed-test
 	TXMQ_FAULT_LONG=1 TXMQ_FAULT_REPORT=$(or $(TXMQ_FAULT_REPORT),fault-report.jsonl) $(PY) -m pytest -q -s -m fault $(ARGS)
 
-## binary: a single-file zipapp, dist/txmq.pyz (`python3 dist/txmq.pyz broker start`)
+## binary: a single-file zipapp, dist/txmq.pyz (`python3 dist/txmq.pyz broker start`), with the RocketMQ front end's extra
 binary: $(VENV)/.installed-test
 	rm -rf build/shiv && mkdir -p dist
-	$(VENV)/bin/shiv --compressed -c txmq -o dist/txmq.pyz --reproducible . -q
+	$(VENV)/bin/shiv --compressed -c txmq -o dist/txmq.pyz --reproducible '.[rocketmq]' -q
 	@echo "built dist/txmq.pyz"
 
 ## bench: the side-by-side comparison (machine limits, txmq, RabbitMQ if installed) into docs/benchmarks.md
@@ -71,4 +73,5 @@ completions: $(VENV)/.installed
 ## clean: remove build output, compiled speed-ups and the install stamps (keeps .venv)
 clean:
 	rm -rf build dist *.egg-info .pytest_cache store/_speedups.c broker/_speedups.c store/_speedups.*.so broker/_speedups.*.so \
+		broker/rocketmq/pb/*_pb2.py broker/rocketmq/pb/*_pb2_grpc.py \
 		$(VENV)/.installed $(VENV)/.installed-test

@@ -139,6 +139,11 @@ class BrokerConfig:
     max_connections: int | None = None  # None: derived from RLIMIT_NOFILE (server.default_max_connections)
     max_connections_per_ip: int = defaults.MAX_CONNECTIONS_PER_IP  # 0 = unlimited
     partial_frame_budget: int = defaults.PARTIAL_FRAME_BUDGET  # bytes all connections together may hold in partly received frames
+    # RocketMQ 5's gRPC service on this port too (None: not served; docs/rocketmq.md), on the same host;
+    # TLS with both files given, plain text otherwise.
+    rocketmq_port: int | None = None
+    rocketmq_tls_cert: Path | None = None
+    rocketmq_tls_key: Path | None = None
 
     def validated(self) -> "BrokerConfig":
         """Raise ValueError, naming the start option, for limits the broker could not serve with."""
@@ -160,6 +165,15 @@ class BrokerConfig:
             raise ValueError(f"--max-connections must be at least 1, not {self.max_connections}")
         if self.max_connections_per_ip < 0:
             raise ValueError(f"--max-connections-per-ip must be 0 (unlimited) or more, not {self.max_connections_per_ip}")
+        if (self.rocketmq_tls_cert is None) != (self.rocketmq_tls_key is None):
+            raise ValueError("--rocketmq-tls-cert and --rocketmq-tls-key go together: give both for TLS, or neither")
+        if self.rocketmq_port is None and self.rocketmq_tls_cert is not None:
+            raise ValueError("--rocketmq-tls-cert and --rocketmq-tls-key need --rocketmq-port")
+        if self.rocketmq_port is not None:
+            if not (0 <= self.rocketmq_port <= 65535):
+                raise ValueError(f"--rocketmq-port must be between 0 (a free port) and 65535, not {self.rocketmq_port}")
+            if self.rocketmq_port and self.rocketmq_port in (self.port, self.metrics_port):
+                raise ValueError(f"--rocketmq-port {self.rocketmq_port} is already the broker's --port or --metrics-port")
         return self
 
 

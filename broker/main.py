@@ -3,7 +3,8 @@
 ``run(config)`` is what the CLI calls once it has parsed the options and
 built the BrokerConfig (as uvicorn.run does for a web server): it checks the
 config, raises the descriptor limit, installs uvloop, tunes the garbage
-collector, binds the socket, serves the metrics endpoint if asked, and runs
+collector, binds the socket (and RocketMQ's gRPC port with --rocketmq-port:
+broker/rocketmq/), serves the metrics endpoint if asked, and runs
 the broker until SIGINT or SIGTERM, then shuts it down cleanly
 (``Broker.stop``). Logging is set up by the caller (``txmq.broker.logs.setup``).
 
@@ -54,6 +55,10 @@ class DataDirDamaged(StartError):
     """A file of the data directory cannot be used as it is; the message names it and what to do."""
 
 
+class MissingDependency(StartError):
+    """An option needs a package that is not installed (--rocketmq-port without the ``rocketmq`` extra)."""
+
+
 def run(config: BrokerConfig) -> None:
     """Run a broker in the foreground until SIGINT/SIGTERM, then stop it cleanly."""
     if config.host not in LOOPBACK_HOSTS and not config.auth_token:
@@ -63,6 +68,12 @@ def run(config: BrokerConfig) -> None:
         config.validated()
     except ValueError as e:
         raise InvalidConfig(str(e)) from None
+    if config.rocketmq_port is not None:
+        from .rocketmq import missing_dependency
+
+        problem = missing_dependency()
+        if problem is not None:
+            raise MissingDependency(f"--rocketmq-port: {problem}")
     fds_before, fds = raise_fd_limit()
     if fds != fds_before:
         log.info("event=fd_limit_raised from=%d to=%d", fds_before, fds)
@@ -84,6 +95,13 @@ async def _serve(config: BrokerConfig, sock, loop_name: str) -> None:
     shutdown = _stop_event()
     broker = Broker(config)
     log.info("event=starting loop=%s data_dir=%s", loop_name, config.data_dir)
+    if config.rocketmq_port is not None:  # RocketMQ 5's gRPC service (docs/rocketmq.md): bound now, served once the broker is
+        from .rocketmq.server import BindError, attach
+
+        try:
+            await attach(broker, config)
+        except BindError as e:
+            raise ListenError(str(e)) from None
     metrics = None
     if config.metrics_port is not None:
         from .prom import serve_metrics

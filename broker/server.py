@@ -130,6 +130,9 @@ class Broker:
         # and the log's fsyncs go first, the index catches up in between.
         self._index_pool = ThreadPoolExecutor(1, "txmq-index", initializer=_lower_priority)
         self._flush_failing: str | bool = False  # "disk" (full) or "error" while index flushes fail
+        # Other front ends on the same core (the RocketMQ gRPC service, broker/rocketmq/): objects with
+        # async start() and stop(), started once this broker serves and stopped first at shutdown.
+        self.frontends: list = []
 
     async def start(self) -> None:
         core = self.core
@@ -302,6 +305,8 @@ class Broker:
         # descriptor) and asyncio drain or retry the backlog and keep accepting.
         self.server = await loop.create_server(lambda: BrokerConnection(self.core, self.state), sock=sock, backlog=2048)
         self._sweeper = loop.create_task(sweep_connections(self.state, self.config), name="txmq-sweeper")
+        for frontend in self.frontends:
+            await frontend.start()
         host, port = sock.getsockname()[:2]
         log.info("event=listening host=%s port=%d flush=%s data_dir=%s speedups=%s max_connections=%d", host, port, self.config.flush,
                  self.core.data_dir, speedups_in_use(), self.config.max_connections)
@@ -313,6 +318,11 @@ class Broker:
 
     async def stop(self) -> None:
         log.info("event=shutdown_begin connections=%d inflight=%d", len(self.state.connections), len(self.state.inflight))
+        for frontend in self.frontends:
+            try:
+                await frontend.stop()
+            except Exception:
+                log.exception("event=frontend_stop_failed")
         self.core.draining = True
         self.core.wake_all_pollers()  # long polls answer now
         if self.server is not None:

@@ -20,6 +20,10 @@ class RunningBroker:
         self.host = host
         self.port = port
         self.address = f"{host}:{port}"
+        # With rocketmq_port=... (0: a free one): where RocketMQ's gRPC service listens (broker/rocketmq/).
+        fe = next((f for f in broker.frontends if hasattr(f, "port")), None)
+        self.rocketmq_port: int | None = fe.port if fe is not None else None
+        self.rocketmq_address = f"{host}:{self.rocketmq_port}" if fe is not None else None
 
 
 @contextlib.asynccontextmanager
@@ -27,7 +31,9 @@ async def running_broker(data_dir: str | Path, clock: Clock | None = None, **ove
     """Start a broker on a pre-bound 127.0.0.1 port; stop it cleanly on exit.
 
     Check settings (check_interval_s, transaction_timeout_s, max_checks,
-    retention_s) may be passed directly as keyword arguments.
+    retention_s) may be passed directly as keyword arguments;
+    ``rocketmq_port=0`` serves RocketMQ's gRPC service on a free port too
+    (``RunningBroker.rocketmq_address``).
     """
     check_keys = [k for k in ("check_interval_s", "transaction_timeout_s", "max_checks", "retention_s") if k in overrides]
     check = CheckSettings()
@@ -39,6 +45,10 @@ async def running_broker(data_dir: str | Path, clock: Clock | None = None, **ove
     port = sock.getsockname()[1]
     config = replace(config, port=port)
     broker = Broker(config, clock)
+    if config.rocketmq_port is not None:
+        from .rocketmq.server import attach  # needs the rocketmq extra
+
+        await attach(broker, config)
     shutdown = asyncio.Event()
     task = asyncio.create_task(broker.serve(sock, shutdown))
     ready = asyncio.create_task(broker.ready.wait())

@@ -29,7 +29,8 @@ def _duration(seconds: float) -> str:
 
 @app.command(
     epilog="Examples:\n\n  txmq broker start\n\n  txmq broker start --data-dir /var/lib/txmq --flush sync\n\n"
-    "  txmq broker start --check-interval 30s --transaction-timeout 10s --max-checks 5"
+    "  txmq broker start --check-interval 30s --transaction-timeout 10s --max-checks 5\n\n"
+    "  txmq broker start --rocketmq-port 8081"
 )
 def start(
     data_dir: Annotated[Optional[Path], typer.Option("--data-dir", "-d", envvar="TXMQ_DATA_DIR", help="Data directory [default: ~/.local/share/txmq].", show_default=False)] = None,
@@ -62,6 +63,13 @@ def start(
     max_connections_per_ip: Annotated[int, typer.Option(help="Open connections at most from one remote address; 0 = no limit.")] = defaults.MAX_CONNECTIONS_PER_IP,
     partial_frame_budget: Annotated[int, typer.Option(help="Bytes all connections together may hold in frames still being received; "
                                                       "a connection whose frame would pass it is closed with a BUSY reply.")] = defaults.PARTIAL_FRAME_BUDGET,
+    rocketmq_port: Annotated[Optional[int], typer.Option(help="Also serve Apache RocketMQ 5's gRPC service (its official SDKs) on this port, "
+                                                         "same host as --host; needs the extra txmq[rocketmq] (docs/rocketmq.md).",
+                                                         show_default=False, min=1, max=65535)] = None,
+    rocketmq_tls_cert: Annotated[Optional[Path], typer.Option(help="With --rocketmq-port: serve it over TLS with this certificate "
+                                                              "chain (PEM); needs --rocketmq-tls-key.", show_default=False)] = None,
+    rocketmq_tls_key: Annotated[Optional[Path], typer.Option(help="With --rocketmq-port: the TLS private key (PEM) of "
+                                                             "--rocketmq-tls-cert.", show_default=False)] = None,
     index_snapshot_records: Annotated[Optional[int], typer.Option(min=0, hidden=True, help="Deprecated, no effect: the transaction index is flushed to txindex.db every second.", show_default=False)] = None,
 ) -> None:
     """Run a broker in the foreground until SIGINT/SIGTERM (logs on stderr)."""
@@ -69,7 +77,7 @@ def start(
 
     from txmq.broker import logs
     from txmq.broker.config import BrokerConfig, CheckSettings, default_data_dir
-    from txmq.broker.main import InvalidConfig, StartError, run
+    from txmq.broker.main import InvalidConfig, MissingDependency, StartError, run
 
     if flush not in ("sync", "async"):
         raise CliError(f"--flush must be sync or async, not {flush!r}", exitcodes.USAGE)
@@ -102,11 +110,14 @@ def start(
         max_frame=max_frame, max_body=max_body, max_properties=max_properties, max_preauth_frame=max_preauth_frame,
         auth_timeout_s=parse_duration(auth_timeout), frame_timeout_s=parse_duration(frame_timeout),
         max_connections=max_connections, max_connections_per_ip=max_connections_per_ip, partial_frame_budget=partial_frame_budget,
+        rocketmq_port=rocketmq_port, rocketmq_tls_cert=rocketmq_tls_cert, rocketmq_tls_key=rocketmq_tls_key,
     )
     try:
         run(config)  # txmq.broker.main: fd limit, uvloop, GC, bind, metrics, serve until a signal, clean shutdown
     except InvalidConfig as e:
         raise CliError(str(e), exitcodes.USAGE) from None
+    except MissingDependency as e:  # --rocketmq-port without the rocketmq extra
+        raise CliError(str(e), exitcodes.MISSING_DEPENDENCY) from None
     except StartError as e:  # cannot listen, the data directory in use, a damaged file of it
         raise CliError(str(e)) from None
 

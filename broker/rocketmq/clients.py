@@ -1,0 +1,312 @@
+"""SDK clients: their settings, and their Telemetry streams as check-back targets.
+
+A RocketMQ 5 client opens one Telemetry stream per endpoint and sends its
+``Settings`` first; the broker answers with its own view of them (RocketMQ's
+proxy does the same: ClientActivity), and later pushes commands over the
+stream. txmq pushes one: ``RecoverOrphanedTransactionCommand``, its
+check-back.
+
+The producer group: a RocketMQ 5 producer has none. RocketMQ's proxy uses
+the topic as the producer group (ClientActivity.registerProducer,
+SendMessageActivity), and so does txmq: a transactional message sent over
+gRPC gets ``PGROUP`` = its topic, and a Telemetry stream whose settings
+publish to topics T1..Tn is registered in the core's producer registry
+(broker/registry.py) under T1..Tn, as a native producer connection is under
+its groups. The check service then picks it as it picks a native producer,
+and the "no producer online" rule counts it while its stream is open. A
+consumer's stream is registered in the consumer registry under its group.
+
+Memory per stream is bounded: commands waiting to be written are held to
+``MAX_QUEUED_BYTES`` / ``MAX_QUEUED``; a stream is not offered check-backs
+(``writable``) beyond half of that, and one that still fills up (the client
+does not read) is closed and logged (event=rmq_telemetry_closed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from txmq.wire import PUSH, FrameDecoder, TxmqError, parse_payload
+
+from . import convert
+from .pb import definition_pb2 as d
+from .pb import service_pb2 as s
+
+if TYPE_CHECKING:
+    from txmq.broker.core import BrokerCore
+
+    from .settings import FrontendSettings
+
+log = logging.getLogger("txmq.rocketmq")
+
+# Telemetry streams get conn_ids of their own range: they share the producer registry with native connections.
+_ids = itertools.count(1 << 40)
+
+MAX_QUEUED = 4096  # commands waiting to be written on one stream
+MAX_QUEUED_BYTES = 64 << 20  # their bytes
+MAX_TOPICS = 1024  # topics one producer's settings may name
+MAX_CLIENTS = 100_000  # client entries kept (one per client id); idle ones are dropped beyond it
+CLIENT_IDLE_S = 300.0  # a client with no open stream and no request for this long may be dropped
+
+@dataclass
+class Client:
+    """One SDK client (by its ``x-mq-client-id`` header) and what its settings said."""
+
+    client_id: str
+    language: int = d.LANGUAGE_UNSPECIFIED
+    client_type: int = d.CLIENT_TYPE_UNSPECIFIED
+    topics: tuple[str, ...] = ()
+    group: str = ""
+    settings: Any = None  # the Settings the broker answered with (a d.Settings)
+    streams: set = field(default_factory=set)
+    last_seen: float = field(default_factory=time.monotonic)
+
+
+class ClientTable:
+    """Clients by id: their language (for body digests), type, topics or group, and open Telemetry streams."""
+
+    def __init__(self) -> None:
+        self.clients: dict[str, Client] = {}
+
+    def get(self, client_id: str) -> Client | None:
+        return self.clients.get(client_id)
+
+    def touch(self, client_id: str) -> Client:
+        c = self.clients.get(client_id)
+        if c is None:
+            if len(self.clients) >= MAX_CLIENTS:
+                self._prune()
+            c = self.clients[client_id] = Client(client_id)
+        c.last_seen = time.monotonic()
+        return c
+
+    def language(self, client_id: str) -> int:
+        c = self.clients.get(client_id)
+        return c.language if c is not None else d.LANGUAGE_UNSPECIFIED
+
+    def forget(self, client_id: str) -> Client | None:
+        """The client said it terminates (NotifyClientTermination): close its streams, forget it."""
+        c = self.clients.pop(client_id, None)
+        if c is not None:
+            for stream in list(c.streams):
+                stream.close("the client terminated")
+        return c
+
+    def _prune(self) -> None:
+        cutoff = time.monotonic() - CLIENT_IDLE_S
+        for cid in [cid for cid, c in self.clients.items() if not c.streams and c.last_seen < cutoff]:
+            del self.clients[cid]
+        if len(self.clients) >= MAX_CLIENTS:  # still full: the oldest idle ones go
+            idle = sorted((c.last_seen, cid) for cid, c in self.clients.items() if not c.streams)
+            for _, cid in idle[: max(1, len(idle) // 10)]:
+                del self.clients[cid]
+
+    def close_all(self, reason: str) -> None:
+        for c in list(self.clients.values()):
+            for stream in list(c.streams):
+                stream.close(reason)
+
+
+class TelemetryStream:
+    """One open Telemetry stream: a PushTarget (broker/registry.py) for check-backs, with a bounded outbound queue.
+
+    The check service hands a target either ``push(op, fields)`` or whole
+    msgpack frames (``send_frame``: its batched ``check_transaction``
+    pushes); both become ``RecoverOrphanedTransactionCommand``s for the
+    client, with the transaction id that names the check copy.
+    """
+
+    def __init__(self, core: BrokerCore, client: Client, peer: str) -> None:
+        self.core = core
+        self.client = client
+        self.peer = peer
+        self.conn_id = next(_ids)
+        self.client_id = client.client_id
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._queued_bytes = 0
+        self.closed = asyncio.Event()
+        self.close_reason = ""
+        self.pushed = 0
+
+    # ---- PushTarget ----------------------------------------------------------
+    def writable(self) -> bool:
+        return (not self.closed.is_set() and self._queue.qsize() < MAX_QUEUED // 2
+                and self._queued_bytes < MAX_QUEUED_BYTES // 2)
+
+    def push(self, op: str, fields: dict) -> None:
+        if op == "check_transaction":
+            self._check(fields)
+
+    def send_frame(self, frame: bytes) -> None:
+        """Frames the check service built for native producers (length-prefixed msgpack pushes)."""
+        try:
+            payloads = FrameDecoder(max(len(frame), 1)).feed(frame)
+            for payload in payloads:
+                f = parse_payload(payload)
+                if f.kind == PUSH:
+                    self.push(str(f.op), f.fields)
+        except (TxmqError, KeyError, TypeError, ValueError) as exc:
+            log.error("event=rmq_push_unreadable client_id=%s error=%r", self.client_id, exc)
+
+    # ---- outbound queue --------------------------------------------------------
+    def _check(self, fields: dict) -> None:
+        try:
+            tx_id = str(fields["tx_id"])
+            msg = convert.half_to_message(fields, language=self.client.language)
+            cmd = s.TelemetryCommand()
+            rec = cmd.recover_orphaned_transaction_command
+            rec.message.CopyFrom(msg)
+            rec.transaction_id = transaction_id(tx_id, int(fields["commit_log_offset"]), int(fields["half_offset"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            log.error("event=rmq_push_unreadable client_id=%s error=%r", self.client_id, exc)
+            return
+        self.offer(cmd)
+        self.pushed += 1
+
+    def offer(self, cmd: s.TelemetryCommand) -> bool:
+        """Queue a command for the client; a stream over its bounds is closed (the client does not read)."""
+        if self.closed.is_set():
+            return False
+        size = cmd.ByteSize()
+        if self._queue.qsize() >= MAX_QUEUED or self._queued_bytes + size > MAX_QUEUED_BYTES:
+            self.core.metrics.inc("rmq_telemetry_overflows")
+            self.close(f"more than {MAX_QUEUED} commands or {MAX_QUEUED_BYTES} bytes wait to be written: the client does not read")
+            return False
+        self._queued_bytes += size
+        self._queue.put_nowait((cmd, size))
+        return True
+
+    async def next_command(self) -> s.TelemetryCommand | None:
+        """The next command to write, or None once the stream is closed."""
+        if self._queue.empty():
+            getter = asyncio.ensure_future(self._queue.get())
+            closer = asyncio.ensure_future(self.closed.wait())
+            try:
+                await asyncio.wait((getter, closer), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                closer.cancel()
+                if not getter.done():
+                    getter.cancel()
+            if not getter.done() or getter.cancelled():
+                return None
+            cmd, size = getter.result()
+        elif self.closed.is_set():
+            return None
+        else:
+            cmd, size = self._queue.get_nowait()
+        self._queued_bytes -= size
+        return cmd
+
+    def close(self, reason: str) -> None:
+        if self.closed.is_set():
+            return
+        self.close_reason = reason
+        self.closed.set()
+        self.unregister()
+        dropped = self._queue.qsize()
+        while not self._queue.empty():
+            self._queue.get_nowait()
+        self._queued_bytes = 0
+        if reason:
+            log.warning("event=rmq_telemetry_closed client_id=%s peer=%s dropped=%d reason=%r", self.client_id, self.peer, dropped, reason)
+
+    # ---- registration ------------------------------------------------------------
+    def register(self) -> None:
+        """(Re-)enter this stream in the producer registry under its topics, or the consumer registry under its group."""
+        self.unregister()
+        if self.closed.is_set():
+            return
+        c = self.client
+        for topic in c.topics:
+            self.core.registry.register(topic, self)
+        if c.group:
+            self.core.consumer_registry.register(c.group, self)
+        c.streams.add(self)
+
+    def unregister(self) -> None:
+        self.core.registry.unregister_all(self)
+        self.core.consumer_registry.unregister_all(self)
+        self.client.streams.discard(self)
+
+
+def transaction_id(tx_id: str, cl_offset: int, half_offset: int) -> str:
+    """The transaction_id txmq gives SDK producers: the transaction id and the half copy's offsets.
+
+    RocketMQ's proxy, too, packs the half message's offsets into the
+    transaction id it hands out; EndTransaction passes them to the same
+    ``end_transaction`` the native protocol calls.
+    """
+    return f"{tx_id}:{cl_offset}:{half_offset}"
+
+
+def parse_transaction_id(text: str) -> tuple[str, int, int] | None:
+    """(tx_id, commit-log offset, half offset) of a transaction_id from ``transaction_id``, or None."""
+    parts = text.rsplit(":", 2)
+    if len(parts) != 3 or not parts[0]:
+        return None
+    try:
+        cl, half = int(parts[1]), int(parts[2])
+    except ValueError:
+        return None
+    if cl < 0 or half < 0 or cl >= 1 << 62 or half >= 1 << 62:
+        return None
+    return parts[0], cl, half
+
+
+def duration(seconds: float) -> Any:
+    from google.protobuf import duration_pb2
+
+    out = duration_pb2.Duration()
+    out.FromMilliseconds(int(seconds * 1000))
+    return out
+
+
+def answer_settings(client: Client, got: d.Settings, settings: FrontendSettings) -> d.Settings:
+    """The settings the broker answers a client's Telemetry settings with (as RocketMQ's proxy merges them).
+
+    The client's own, with the broker's retry policy (exponential backoff;
+    for the Python SDK's consumers a customized one, the only kind it reads),
+    for a producer ``publishing.max_body_size`` = --max-body, for a consumer
+    ``receive_batch_size`` and ``long_polling_timeout``; metrics off.
+    """
+    out = d.Settings()
+    out.CopyFrom(got)
+    out.metric.on = False  # txmq runs no metrics collector for clients
+    out.metric.ClearField("endpoints")
+    policy = out.backoff_policy
+    policy.Clear()
+    if got.WhichOneof("pub_sub") == "subscription":
+        policy.max_attempts = settings.consumer_max_attempts
+        initial, most, mult = settings.consumer_backoff_s
+        sub = out.subscription
+        sub.fifo = False
+        sub.receive_batch_size = settings.receive_batch_size
+        sub.long_polling_timeout.CopyFrom(duration(settings.long_polling_timeout_s))
+        if got.user_agent.language == d.PYTHON:
+            # The Python SDK's push consumer reads only a customized backoff (the other SDKs an exponential one).
+            policy.customized_backoff.next.extend(duration(x) for x in CUSTOMIZED_BACKOFF_S)
+            return _finish(out, got)
+    else:
+        policy.max_attempts = settings.producer_max_attempts
+        initial, most, mult = settings.producer_backoff_s
+        out.publishing.max_body_size = settings.max_body
+        out.publishing.validate_message_type = True
+    policy.exponential_backoff.initial.CopyFrom(duration(initial))
+    policy.exponential_backoff.max.CopyFrom(duration(most))
+    policy.exponential_backoff.multiplier = mult
+    return _finish(out, got)
+
+
+def _finish(out: d.Settings, got: d.Settings) -> d.Settings:
+    if not got.HasField("request_timeout"):
+        out.request_timeout.CopyFrom(duration(3))
+    return out
+
+
+# A consumer's redelivery delays when the SDK takes a list (RocketMQ's message delay levels from 1 s).
+CUSTOMIZED_BACKOFF_S = (1, 5, 10, 30, 60, 120, 180, 240, 300, 360, 420, 480, 540, 600, 1200, 1800, 3600, 7200)

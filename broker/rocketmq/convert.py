@@ -1,0 +1,277 @@
+"""Stored txmq messages <-> RocketMQ 5 ``Message`` protos (apache.rocketmq.v2, definition.proto).
+
+One place for the mapping, used by the producer side (SendMessage, the
+check-back push) and the receive side (ReceiveMessage):
+
+| RocketMQ ``Message``                        | txmq record                                          |
+| ------------------------------------------- | ---------------------------------------------------- |
+| ``topic.name``                              | topic (a transaction's real topic, ``REAL_TOPIC``)   |
+| ``system_properties.message_id``            | ``UNIQ_KEY`` (else ``msg_id``: the commit-log offset in 16 hex digits) |
+| ``system_properties.tag``                   | ``TAGS``                                             |
+| ``system_properties.keys``                  | ``KEYS`` (joined with a space, as RocketMQ does)     |
+| ``system_properties.born_timestamp``        | ``born_ts`` (ms)                                     |
+| ``system_properties.store_timestamp``       | ``store_ts`` (ms)                                    |
+| ``system_properties.queue_id`` / ``queue_offset`` | queue id / queue offset (``REAL_QID`` for a half) |
+| ``system_properties.message_type``          | TRANSACTION for a transactional message (half, or committed), else NORMAL |
+| ``system_properties.orphaned_transaction_recovery_duration`` | ``CHECK_IMMUNITY_TIME_IN_SECONDS`` |
+| ``system_properties.body_digest``           | CRC32 of the body (see ``body_digest``)              |
+| ``user_properties``                         | every other property; RocketMQ's and txmq's system property names are refused on send and left out on delivery |
+
+Delay and timed messages, message groups (FIFO), lite topics and
+priorities are refused on send with RocketMQ's UNSUPPORTED code; txmq has
+none of them.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from txmq.constants import (
+    PROP_CHECK_IMMUNITY,
+    PROP_CHECK_TIMES,
+    PROP_DELAY,
+    PROP_KEYS,
+    PROP_PGROUP,
+    PROP_PREPARED_QUEUE_OFFSET,
+    PROP_REAL_QID,
+    PROP_REAL_TOPIC,
+    PROP_TAGS,
+    PROP_TRAN_MSG,
+    PROP_UNIQ_KEY,
+)
+from txmq.store import Record
+
+from .pb import definition_pb2 as d
+from .status import Code, RmqError, unsupported
+
+KEY_SEPARATOR = " "  # RocketMQ joins a message's keys with a space in its KEYS property
+TXMQ_PREFIX = "TXMQ_"
+
+# Property names a client may not set as user properties: txmq's (docs/transactions.md)
+# and RocketMQ's own system properties (MessageConst), which the broker or the
+# SDK's system_properties own. They are not delivered as user properties either.
+SYSTEM_PROPERTIES = frozenset({
+    PROP_TRAN_MSG, PROP_PGROUP, PROP_REAL_TOPIC, PROP_REAL_QID, PROP_UNIQ_KEY, PROP_CHECK_TIMES, PROP_CHECK_IMMUNITY,
+    PROP_PREPARED_QUEUE_OFFSET, PROP_TAGS, PROP_KEYS, PROP_DELAY,
+    "WAIT", "MSG_REGION", "TRACE_ON", "RETRY_TOPIC", "ORIGIN_MESSAGE_ID", "RECONSUME_TIME", "MAX_RECONSUME_TIMES",
+    "MIN_OFFSET", "MAX_OFFSET", "BUYER_ID", "CORRECTION_FLAG", "MQ2_FLAG", "TRANSFER_FLAG", "CLUSTER",
+    "__SHARDINGKEY", "__STARTDELIVERTIME", "TIMER_DELIVER_MS", "TIMER_DELAY_SEC", "TIMER_DELAY_MS", "TIMER_OUT_MS",
+    "TIMER_ENQUEUE_MS", "TIMER_DEQUEUE_MS", "TIMER_ROLL_TIMES", "__BORNHOST", "INNER_NUM", "INNER_MULTI_DISPATCH",
+    "INNER_MULTI_QUEUE_OFFSET", "POP_CK", "POP_CK_OFFSET", "1ST_POP_TIME", "TRACE_CONTEXT", "__RECALL_HANDLE",
+    "__PRIORITY", "__LITE_TOPIC",
+})
+
+
+
+def is_system_property(name: str) -> bool:
+    return name in SYSTEM_PROPERTIES or name.startswith(TXMQ_PREFIX)
+
+
+# ---- delivery: stored record -> Message --------------------------------------------
+def body_digest(body: bytes, language: int = d.LANGUAGE_UNSPECIFIED) -> d.Digest:
+    """The CRC32 body digest in the form the client's SDK compares it in.
+
+    RocketMQ's SDKs check a delivered body against ``body_digest`` and
+    count a mismatch as a corrupted message, but they do not write the CRC32
+    the same way: the Java SDK (and RocketMQ's own tools) as upper-case hex
+    without leading zeros (``Long.toHexString``), the Python SDK as 8
+    upper-case hex digits, the Node.js SDK in decimal. The client's language
+    comes from its Telemetry settings (``user_agent.language``); unknown
+    clients get the Java form.
+    """
+    crc = zlib.crc32(body) & 0xFFFFFFFF
+    if language == d.PYTHON:
+        text = f"{crc:08X}"
+    elif language == d.NODE_JS:
+        text = str(crc)
+    else:
+        text = f"{crc:X}"
+    return d.Digest(type=d.CRC32, checksum=text)
+
+
+def user_properties(props: Mapping[str, str]) -> dict[str, str]:
+    return {k: v for k, v in props.items() if not is_system_property(k)}
+
+
+def message_type_of(props: Mapping[str, str], prepared_offset: int = -1) -> int:
+    """TRANSACTION for a half message or a committed transactional message (it keeps its half offset), else NORMAL."""
+    if props.get(PROP_TRAN_MSG) == "true" or PROP_PREPARED_QUEUE_OFFSET in props or prepared_offset >= 0:
+        return d.TRANSACTION
+    return d.NORMAL
+
+
+def to_message(
+    topic: str,
+    queue_id: int,
+    queue_offset: int | None,
+    message_id: str,
+    born_ts: int,
+    store_ts: int | None,
+    props: Mapping[str, str],
+    body: bytes,
+    *,
+    message_type: int | None = None,
+    language: int = d.LANGUAGE_UNSPECIFIED,
+    store_host: str = "",
+    delivery_attempt: int | None = None,
+    receipt_handle: str | None = None,
+    invisible_duration_ms: int | None = None,
+) -> d.Message:
+    """A RocketMQ ``Message`` for one stored message (its real topic and queue for a half message)."""
+    msg = d.Message(body=bytes(body))
+    msg.topic.name = topic
+    for k, v in props.items():
+        if not is_system_property(k):
+            msg.user_properties[k] = v
+    sp = msg.system_properties
+    sp.message_id = message_id
+    tag = props.get(PROP_TAGS)
+    if tag:
+        sp.tag = tag
+    keys = props.get(PROP_KEYS)
+    if keys:
+        sp.keys.extend(k for k in keys.split(KEY_SEPARATOR) if k)
+    sp.body_digest.CopyFrom(body_digest(msg.body, language))
+    sp.body_encoding = d.IDENTITY
+    sp.message_type = message_type_of(props) if message_type is None else message_type
+    sp.born_timestamp.FromMilliseconds(max(0, int(born_ts)))
+    if store_ts is not None:
+        sp.store_timestamp.FromMilliseconds(max(0, int(store_ts)))
+    if store_host:
+        sp.store_host = store_host
+    sp.queue_id = int(queue_id)
+    if queue_offset is not None:
+        sp.queue_offset = int(queue_offset)
+    immunity = props.get(PROP_CHECK_IMMUNITY)
+    if immunity:
+        try:
+            sp.orphaned_transaction_recovery_duration.seconds = int(immunity)
+        except ValueError:
+            pass
+    if delivery_attempt is not None:
+        sp.delivery_attempt = int(delivery_attempt)
+    if receipt_handle is not None:
+        sp.receipt_handle = receipt_handle
+    if invisible_duration_ms is not None:
+        sp.invisible_duration.FromMilliseconds(int(invisible_duration_ms))
+    return msg
+
+
+def record_to_message(rec: Record, **kw: Any) -> d.Message:
+    """A RocketMQ ``Message`` for a record read from a consume queue (what ReceiveMessage delivers).
+
+    ``kw``: ``language``, ``store_host``, ``delivery_attempt``,
+    ``receipt_handle``, ``invisible_duration_ms`` as for ``to_message``.
+    """
+    props = rec.properties
+    message_id = props.get(PROP_UNIQ_KEY) or f"{rec.commit_log_offset:016X}"
+    return to_message(rec.topic, rec.queue_id, rec.queue_offset, message_id, rec.born_ts, rec.store_ts, props, rec.body,
+                      message_type=message_type_of(props, rec.prepared_offset), **kw)
+
+
+def half_to_message(fields: Mapping[str, Any], **kw: Any) -> d.Message:
+    """The message of a check-back (``check_transaction`` push fields) as its producer sent it: real topic and queue.
+
+    ``fields`` holds ``tx_id`` and ``message`` (the half copy's map:
+    properties, body, born_ts, store_ts, ...), as the check service pushes
+    them to native producers (docs/protocol.md).
+    """
+    m = fields["message"]
+    props = m.get("properties") or {}
+    try:
+        qid = int(props.get(PROP_REAL_QID, 0))
+    except ValueError:
+        qid = 0
+    return to_message(props.get(PROP_REAL_TOPIC, m.get("topic", "")), qid, None, str(fields["tx_id"]), int(m.get("born_ts", 0)),
+                      m.get("store_ts"), props, m.get("body") or b"", message_type=d.TRANSACTION, **kw)
+
+
+# ---- sending: Message -> what the core stores ---------------------------------------
+@dataclass(slots=True)
+class Outgoing:
+    """One message of a SendMessage request, checked, as txmq's send handler takes it."""
+
+    topic: str
+    body: bytes
+    properties: dict[str, str]
+    born_ts: int | None
+    transactional: bool
+    message_id: str  # "" when the client gave none: txmq names the message
+
+
+def from_message(msg: d.Message, max_body: int, max_properties: int) -> Outgoing:
+    """Check one message of a SendMessage request and turn it into txmq's properties.
+
+    Raises RmqError with RocketMQ's code for what is wrong (the limits are
+    txmq's: --max-body, --max-properties).
+    """
+    sp = msg.system_properties
+    if sp.HasField("delivery_timestamp") or sp.message_type == d.DELAY:
+        raise unsupported("delay and timed messages (delivery_timestamp, message type DELAY)")
+    if sp.HasField("message_group") or sp.message_type == d.FIFO:
+        raise unsupported("FIFO messages (message_group)")
+    if sp.HasField("lite_topic") or sp.message_type == d.LITE:
+        raise unsupported("lite topics")
+    if sp.HasField("priority") or sp.message_type == d.PRIORITY:
+        raise unsupported("message priorities")
+    if sp.message_type not in (d.MESSAGE_TYPE_UNSPECIFIED, d.NORMAL, d.TRANSACTION):
+        raise unsupported(f"message type {sp.message_type}")
+    body = _body(msg, max_body)
+    if not body:
+        raise RmqError(Code.MESSAGE_BODY_EMPTY, "the message body is empty")
+    props: dict[str, str] = {}
+    for k, v in msg.user_properties.items():
+        if not k:
+            raise RmqError(Code.ILLEGAL_MESSAGE_PROPERTY_KEY, "a user property name is empty")
+        if is_system_property(k):
+            raise RmqError(Code.ILLEGAL_MESSAGE_PROPERTY_KEY, f"user property {k!r} is a reserved system property name")
+        props[k] = v
+    if sp.HasField("tag"):
+        tag = sp.tag
+        if not tag.strip() or "|" in tag or any(c in tag for c in "\r\n\t\0"):
+            raise RmqError(Code.ILLEGAL_MESSAGE_TAG, f"tag {tag!r} must be non-blank, without '|' or control characters")
+        props[PROP_TAGS] = tag
+    if sp.keys:
+        for k in sp.keys:
+            if not k.strip() or any(c.isspace() for c in k) or "\0" in k:
+                raise RmqError(Code.ILLEGAL_MESSAGE_KEY, f"key {k!r} must be non-blank and hold no white space")
+        props[PROP_KEYS] = KEY_SEPARATOR.join(sp.keys)
+    message_id = sp.message_id
+    if message_id:
+        if len(message_id) > 128 or any(c.isspace() or c == "\0" for c in message_id):
+            raise RmqError(Code.ILLEGAL_MESSAGE_ID, "message_id must be at most 128 characters, without white space")
+        props[PROP_UNIQ_KEY] = message_id
+    transactional = sp.message_type == d.TRANSACTION
+    if sp.HasField("orphaned_transaction_recovery_duration"):
+        seconds = sp.orphaned_transaction_recovery_duration.seconds
+        if transactional and seconds > 0:
+            props[PROP_CHECK_IMMUNITY] = str(seconds)
+    size = sum(len(k.encode()) + len(v.encode()) for k, v in props.items())
+    if size > max_properties:
+        raise RmqError(Code.MESSAGE_PROPERTIES_TOO_LARGE,
+                       f"properties of {size} bytes (keys and values, UTF-8) exceed the {max_properties}-byte limit")
+    if len(props) > 256:
+        raise RmqError(Code.MESSAGE_PROPERTIES_TOO_LARGE, "at most 256 properties")
+    born = sp.born_timestamp.ToMilliseconds() if sp.HasField("born_timestamp") else None
+    return Outgoing(msg.topic.name, body, props, born if born and born > 0 else None, transactional, message_id)
+
+
+def _body(msg: d.Message, max_body: int) -> bytes:
+    body = msg.body
+    enc = msg.system_properties.body_encoding
+    if enc == d.GZIP:
+        inflater = zlib.decompressobj(zlib.MAX_WBITS | 32)  # gzip or zlib header
+        try:
+            out = inflater.decompress(body, max_body + 1)
+        except zlib.error as exc:
+            raise RmqError(Code.BAD_REQUEST, f"the GZIP body cannot be inflated ({exc})") from None
+        if len(out) > max_body or inflater.unconsumed_tail:
+            raise RmqError(Code.MESSAGE_BODY_TOO_LARGE, f"the inflated body exceeds the {max_body}-byte limit")
+        return out
+    if enc not in (d.ENCODING_UNSPECIFIED, d.IDENTITY):
+        raise unsupported(f"body encoding {enc}")
+    if len(body) > max_body:
+        raise RmqError(Code.MESSAGE_BODY_TOO_LARGE, f"body of {len(body)} bytes exceeds the {max_body}-byte limit")
+    return body

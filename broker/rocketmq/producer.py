@@ -1,0 +1,178 @@
+"""SendMessage and EndTransaction, mapped onto the native protocol's handlers (broker/handlers.py).
+
+A send becomes the fields of txmq's ``send`` (one message) or
+``send_batch`` (several) and goes through the same handler a native
+producer's request does: the same checks and limits, the same core append,
+and for a transactional message the same ``TransactionService.send_half``.
+An end transaction becomes the fields of ``end_transaction``
+(``TransactionService.end_transaction`` and ``decide``), so one transaction
+has one outcome whichever protocol ended it.
+
+Ids (docs/rocketmq.md, "Ids"):
+
+- ``message_id``: the SDK's message id is stored as ``UNIQ_KEY``; for a
+  transactional message that is txmq's transaction id (``tx_id``), which
+  ``txmq inspect half`` and ``txmq resolve`` show and take.
+- ``transaction_id``: ``<tx_id>:<commit-log offset>:<half offset>`` of the
+  half copy (``clients.transaction_id``), what the native end transaction
+  names. A transaction_id that is only a transaction id is looked up in
+  the index.
+- The producer group is the topic (``PGROUP`` = topic; clients.py).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from txmq.constants import PROP_PGROUP, PROP_TRAN_MSG, is_system_topic
+from txmq.wire import ErrorCode, TxmqError
+
+from txmq.broker.handlers import HANDLERS
+from txmq.broker.topics import check_topic_name
+
+from . import convert
+from .clients import parse_transaction_id, transaction_id
+from .pb import definition_pb2 as d
+from .pb import service_pb2 as s
+from .status import Code, RmqError, of_error, ok
+
+if TYPE_CHECKING:
+    from txmq.broker.core import BrokerCore
+
+MAX_BATCH = 1024  # messages in one SendMessage (txmq's send_batch takes more; RocketMQ's SDKs send a few)
+
+
+def topic_of(resource: d.Resource, what: str = "topic") -> str:
+    """A user topic's name from a Resource, or RmqError(ILLEGAL_TOPIC)."""
+    name = resource.name
+    if resource.resource_namespace:
+        raise RmqError(Code.ILLEGAL_TOPIC, "namespaces (resource_namespace) are not supported by txmq: leave it empty")
+    try:
+        topic = check_topic_name(name)
+    except TxmqError as exc:
+        raise RmqError(Code.ILLEGAL_TOPIC, f"{what}: {exc.message}") from None
+    if is_system_topic(topic):
+        raise RmqError(Code.ILLEGAL_TOPIC, f"topic {topic} is a system topic and cannot be used by clients")
+    return topic
+
+
+async def _reply(result: Any) -> dict[str, Any]:
+    return result if isinstance(result, dict) else await result
+
+
+async def send_message(core: BrokerCore, req: s.SendMessageRequest) -> s.SendMessageResponse:
+    msgs = req.messages
+    if not msgs:
+        raise RmqError(Code.BAD_REQUEST, "no message to send")
+    if len(msgs) > MAX_BATCH:
+        raise RmqError(Code.BAD_REQUEST, f"at most {MAX_BATCH} messages in one SendMessage")
+    cfg = core.config
+    out = [convert.from_message(m, cfg.max_body, cfg.max_properties) for m in msgs]
+    topic = topic_of(msgs[0].topic)
+    if any(m.topic.name != msgs[0].topic.name for m in msgs):
+        raise RmqError(Code.BAD_REQUEST, "the messages of one SendMessage must have the same topic")
+    transactional = any(o.transactional for o in out)
+    if transactional and len(out) > 1:
+        raise RmqError(Code.BAD_REQUEST, "transactional messages cannot be sent in a batch")
+    resp = s.SendMessageResponse()
+    if len(out) == 1:
+        o = out[0]
+        props = dict(o.properties)
+        if o.transactional:
+            props[PROP_TRAN_MSG] = "true"
+            props[PROP_PGROUP] = topic  # RocketMQ 5 producers have no group: the topic is it (as RocketMQ's proxy does)
+        fields: dict[str, Any] = {"topic": topic, "body": o.body, "properties": props}
+        if o.born_ts is not None:
+            fields["born_ts"] = o.born_ts
+        rows = [await _reply(HANDLERS["send"](core, None, fields))]
+    else:
+        items = []
+        for o in out:
+            item: dict[str, Any] = {"body": o.body, "properties": o.properties}
+            if o.born_ts is not None:
+                item["born_ts"] = o.born_ts
+            items.append(item)
+        rows = (await _reply(HANDLERS["send_batch"](core, None, {"topic": topic, "messages": items})))["results"]
+    for o, row in zip(out, rows):
+        e = resp.entries.add()
+        e.status.CopyFrom(ok())
+        e.message_id = row["msg_id"]
+        if o.transactional:
+            e.transaction_id = transaction_id(row["tx_id"], row["commit_log_offset"], row["half_offset"])
+            e.offset = row["half_offset"]
+        else:
+            e.offset = row["queue_offset"]
+    resp.status.CopyFrom(ok())
+    return resp
+
+
+def send_failed(req: s.SendMessageRequest, exc: BaseException) -> s.SendMessageResponse:
+    """The answer when a send failed: the status in the response and in one entry per message."""
+    st = of_error(exc)
+    resp = s.SendMessageResponse(status=st)
+    for m in req.messages:
+        e = resp.entries.add()
+        e.status.CopyFrom(st)
+        e.message_id = m.system_properties.message_id
+    return resp
+
+
+_STATES = {d.COMMIT: "commit", d.ROLLBACK: "rollback"}
+
+
+async def end_transaction(core: BrokerCore, req: s.EndTransactionRequest) -> s.EndTransactionResponse:
+    topic = topic_of(req.topic)
+    state = _STATES.get(req.resolution, "unknown")  # RocketMQ: anything but COMMIT / ROLLBACK leaves it pending
+    source = "check" if req.source == d.SOURCE_SERVER_CHECK else "producer"
+    if core.tx_error is not None:
+        raise core.tx_error
+    if not core.tx_ready.is_set():  # right after a start: the index is being built
+        await core.tx_ready.wait()
+        if core.tx_error is not None:
+            raise core.tx_error
+    ref = parse_transaction_id(req.transaction_id)
+    if ref is None:
+        ref = _lookup(core, req.transaction_id or req.message_id)
+    tx_id, cl_offset, half_offset = ref
+    if req.message_id and req.message_id != tx_id:
+        raise RmqError(Code.INVALID_TRANSACTION_ID,
+                       f"message_id {req.message_id!r} is not the message of transaction_id {req.transaction_id!r}")
+    fields = {"group": topic, "tx_id": tx_id, "commit_log_offset": cl_offset, "half_offset": half_offset, "state": state,
+              "from_check": source == "check"}
+    try:
+        reply = await _reply(HANDLERS["end_transaction"](core, None, fields))
+    except TxmqError as exc:
+        if exc.code == ErrorCode.TX_GROUP_MISMATCH:
+            raise RmqError(Code.INVALID_TRANSACTION_ID, f"transaction {tx_id} was not sent to topic {topic} by a RocketMQ "
+                           f"client (its producer group is not the topic): {exc.message}") from None
+        if exc.code == ErrorCode.TX_CONFLICT:
+            raise RmqError(Code.INVALID_TRANSACTION_ID, exc.message) from None
+        raise
+    status = reply.get("status")
+    if status == "noop":
+        msg = f"transaction {tx_id} stays {reply.get('outcome', 'pending')}: the resolution is neither COMMIT nor ROLLBACK"
+    elif status == "already":
+        msg = f"transaction {tx_id} was already {reply.get('outcome')} (by {reply.get('decided_by')})"
+    else:
+        msg = f"transaction {tx_id} {reply.get('outcome', 'decided')}"
+    return s.EndTransactionResponse(status=ok(msg))
+
+
+def _lookup(core: BrokerCore, tx_id: str) -> tuple[str, int, int]:
+    """The offsets of a transaction named by its id only: its latest half copy, or for a decided one its first."""
+    if not tx_id:
+        raise RmqError(Code.INVALID_TRANSACTION_ID, "transaction_id is empty")
+    index = core.tx.index
+    p = index.pending.get(tx_id)
+    if p is not None:
+        return tx_id, p.cl_offset, p.half_offset
+    dec = index.lookup(tx_id)
+    if dec is not None and dec.origin >= 0:
+        try:
+            rec = core.tx.read_half(dec.origin)
+        except TxmqError:
+            rec = None
+        if rec is not None:
+            return tx_id, rec.commit_log_offset, rec.queue_offset
+    raise RmqError(Code.INVALID_TRANSACTION_ID, f"no transaction {tx_id!r} is known to the broker")
+

@@ -1,0 +1,299 @@
+"""The gRPC server of the RocketMQ front end: grpc.aio on the broker's own event loop (uvloop).
+
+``RocketMQServer(core, config)`` is built by ``txmq.broker.main`` when
+``--rocketmq-port`` is given: ``bind()`` (before the store opens, so a port
+in use ends the start at once), ``start()`` once the broker serves,
+``stop()`` first thing at shutdown. Nothing else of the broker imports this
+package.
+
+Requests arrive as bytes and are parsed here, so a malformed request is an
+answer with RocketMQ's BAD_REQUEST in the response's ``status``, not a
+transport error; any error while serving becomes the response's status
+(status.py). Limits: the largest gRPC message is --max-body +
+--max-properties + 4 KiB (``grpc.max_receive_message_length``); RPCs at
+once are bounded (``MAX_CONCURRENT_RPCS``); a Telemetry stream's outbound
+queue is bounded (clients.py). Keepalive pings find dead clients, whose
+Telemetry streams then leave the producer registry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from hashlib import sha1
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
+
+import grpc
+from grpc import aio
+
+from txmq.wire import TxmqError
+
+from .clients import TelemetryStream
+from .pb import service_pb2 as s
+from .service import MessagingService, client_id_of, metadata
+from .settings import FrontendSettings
+from .status import Code, RmqError, of_error, status
+
+if TYPE_CHECKING:
+    from txmq.broker.config import BrokerConfig
+    from txmq.broker.core import BrokerCore
+
+log = logging.getLogger("txmq.rocketmq")
+
+SERVICE = "apache.rocketmq.v2.MessagingService"
+MAX_CONCURRENT_RPCS = 16384  # open RPCs (Telemetry streams and long polls included); more get RESOURCE_EXHAUSTED
+SHUTDOWN_GRACE_S = 2.0
+
+
+class BindError(Exception):
+    """The front end's port cannot be bound, or its TLS files cannot be read."""
+
+
+class RocketMQServer:
+    def __init__(self, core: BrokerCore, config: BrokerConfig) -> None:
+        self.core = core
+        self.config = config
+        self.settings = FrontendSettings.of(config, config.rocketmq_port or 0)
+        self.service: MessagingService | None = None
+        self.server: aio.Server | None = None
+        self.port = 0
+        self.tls = config.rocketmq_tls_cert is not None
+
+    async def bind(self) -> int:
+        """Create the server and bind its port (0 picks a free one); returns the port."""
+        cfg = self.config
+        limit = self.settings.max_receive_message
+        options = [
+            ("grpc.max_receive_message_length", limit),
+            ("grpc.max_send_message_length", limit + (1 << 20)),
+            ("grpc.so_reuseport", 0),  # a port another process holds is an error, not shared
+            ("grpc.keepalive_time_ms", 60_000),
+            ("grpc.keepalive_timeout_ms", 20_000),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+            ("grpc.http2.max_pings_without_data", 0),
+        ]
+        self.server = aio.server(options=options, maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS)
+        host = cfg.host
+        address = f"[{host}]:{cfg.rocketmq_port}" if ":" in host else f"{host}:{cfg.rocketmq_port}"
+        try:
+            if self.tls:
+                creds = grpc.ssl_server_credentials([(_read(cfg.rocketmq_tls_key, "--rocketmq-tls-key"),
+                                                      _read(cfg.rocketmq_tls_cert, "--rocketmq-tls-cert"))])
+                port = self.server.add_secure_port(address, creds)
+            else:
+                port = self.server.add_insecure_port(address)
+        except BindError:
+            raise
+        except Exception as exc:  # grpc raises RuntimeError("Failed to bind ...")
+            raise BindError(f"cannot listen on {address} (--rocketmq-port): {exc}") from None
+        if not port:
+            raise BindError(f"cannot listen on {address} (--rocketmq-port)")
+        self.port = port
+        self.settings.port = port
+        self.service = MessagingService(self.core, self.settings)
+        self.server.add_generic_rpc_handlers((self._handlers(),))
+        return port
+
+    async def start(self) -> None:
+        assert self.server is not None, "bind() first"
+        await self.server.start()
+        log.info("event=rocketmq_listening host=%s port=%d tls=%s max_message=%d", self.config.host, self.port,
+                 "on" if self.tls else "off", self.settings.max_receive_message)
+
+    async def stop(self) -> None:
+        if self.service is not None:
+            await self.service.close()  # Telemetry streams end: their producers leave the registry
+        if self.server is not None:
+            await self.server.stop(SHUTDOWN_GRACE_S)
+            self.server = None
+
+    # ---- the handler table -------------------------------------------------------------
+    def _handlers(self) -> grpc.GenericRpcHandler:
+        svc = self.service
+        desc = s.DESCRIPTOR.services_by_name["MessagingService"]
+        handlers: dict[str, grpc.RpcMethodHandler] = {}
+        for m in desc.methods:
+            req_cls = getattr(s, m.input_type.name)
+            resp_cls = getattr(s, m.output_type.name)
+            if m.name == "Telemetry":
+                handlers[m.name] = grpc.stream_stream_rpc_method_handler(
+                    self._telemetry, request_deserializer=None, response_serializer=s.TelemetryCommand.SerializeToString)
+            elif m.server_streaming:
+                handlers[m.name] = grpc.unary_stream_rpc_method_handler(
+                    self._server_stream(m.name, getattr(svc, m.name), req_cls, resp_cls), response_serializer=resp_cls.SerializeToString)
+            else:
+                handlers[m.name] = grpc.unary_unary_rpc_method_handler(
+                    self._unary(m.name, getattr(svc, m.name), req_cls, resp_cls), response_serializer=resp_cls.SerializeToString)
+        return grpc.method_handlers_generic_handler(SERVICE, handlers)
+
+    def _refusal(self, context: Any) -> RmqError | None:
+        """Why this request is not served (shutting down, a bad signature with --auth-token), or None."""
+        if self.core.draining:
+            return RmqError(Code.INTERNAL_ERROR, "the broker is shutting down")
+        token = self.settings.auth_token
+        if token and not signed(metadata(context), token):
+            return RmqError(Code.UNAUTHORIZED, "the request is not signed with the broker's --auth-token "
+                                               "(RocketMQ credentials: any access key, the token as secret key)")
+        return None
+
+    def _unary(self, name: str, impl: Callable, req_cls: Any, resp_cls: Any) -> Callable:
+        metrics = self.core.metrics
+
+        async def call(raw: bytes, context: Any) -> Any:
+            metrics.inc("rmq_requests")
+            try:
+                req = req_cls.FromString(raw)
+            except Exception:
+                metrics.inc("rmq_malformed_requests")
+                return resp_cls(status=status(Code.BAD_REQUEST, f"malformed request: not a valid {req_cls.DESCRIPTOR.full_name}"))
+            refusal = self._refusal(context)
+            if refusal is not None:
+                return resp_cls(status=of_error(refusal))
+            try:
+                return await impl(req, context)
+            except (RmqError, TxmqError) as exc:
+                return resp_cls(status=of_error(exc))
+            except Exception as exc:
+                log.exception("event=rmq_internal_error rpc=%s", name)
+                metrics.inc("rmq_internal_errors")
+                return resp_cls(status=of_error(exc))
+
+        call.__name__ = name
+        return call
+
+    def _server_stream(self, name: str, impl: Callable, req_cls: Any, resp_cls: Any) -> Callable:
+        metrics = self.core.metrics
+
+        async def call(raw: bytes, context: Any) -> AsyncIterator[Any]:
+            metrics.inc("rmq_requests")
+            try:
+                req = req_cls.FromString(raw)
+            except Exception:
+                metrics.inc("rmq_malformed_requests")
+                yield resp_cls(status=status(Code.BAD_REQUEST, f"malformed request: not a valid {req_cls.DESCRIPTOR.full_name}"))
+                return
+            refusal = self._refusal(context)
+            if refusal is not None:
+                yield resp_cls(status=of_error(refusal))
+                return
+            try:
+                async for resp in impl(req, context):
+                    yield resp
+            except (RmqError, TxmqError) as exc:
+                yield resp_cls(status=of_error(exc))
+            except Exception as exc:
+                log.exception("event=rmq_internal_error rpc=%s", name)
+                metrics.inc("rmq_internal_errors")
+                yield resp_cls(status=of_error(exc))
+
+        call.__name__ = name
+        return call
+
+    async def _telemetry(self, requests: AsyncIterator[bytes], context: Any) -> None:
+        """One Telemetry stream: read the client's commands (its settings), write the answers and check-backs.
+
+        The stream is a check-back target from its settings on until it
+        ends: the client closes it, it goes away (keepalive), the broker
+        stops, or it does not read what is written (clients.py).
+        """
+        svc = self.service
+        metrics = self.core.metrics
+        metrics.inc("rmq_requests")
+        refusal = self._refusal(context)
+        cid = client_id_of(context)
+        if refusal is None and not cid:
+            refusal = RmqError(Code.CLIENT_ID_REQUIRED, "the x-mq-client-id header is missing")
+        if refusal is not None:
+            await context.write(s.TelemetryCommand(status=of_error(refusal)))
+            return
+        client = svc.clients.touch(cid)
+        stream = TelemetryStream(self.core, client, context.peer() or "")
+        metrics.inc("rmq_telemetry_streams")
+
+        async def read() -> None:
+            try:
+                async for raw in requests:
+                    client.last_seen = time.monotonic()
+                    try:
+                        cmd = s.TelemetryCommand.FromString(raw)
+                    except Exception:
+                        metrics.inc("rmq_malformed_requests")
+                        stream.offer(s.TelemetryCommand(status=status(Code.BAD_REQUEST, "malformed TelemetryCommand")))
+                        continue
+                    try:
+                        await svc.on_telemetry_command(stream, cmd, client, stream.peer)
+                    except (RmqError, TxmqError) as exc:
+                        stream.offer(s.TelemetryCommand(status=of_error(exc)))
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the client went away mid-stream
+                log.debug("event=rmq_telemetry_read_ended client_id=%s error=%r", cid, exc)
+            finally:
+                stream.close("")
+
+        reader = asyncio.ensure_future(read())
+        try:
+            while True:
+                cmd = await stream.next_command()
+                if cmd is None:
+                    break
+                writer = asyncio.ensure_future(context.write(cmd))
+                closed = asyncio.ensure_future(stream.closed.wait())
+                try:
+                    await asyncio.wait((writer, closed), return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    closed.cancel()
+                if not writer.done():  # closed while the client does not read: give up on it
+                    writer.cancel()
+                    break
+                writer.result()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.debug("event=rmq_telemetry_write_ended client_id=%s error=%r", cid, exc)
+        finally:
+            stream.close("")
+            reader.cancel()
+        if stream.close_reason:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, stream.close_reason)
+
+
+def signed(md: dict[str, str], token: str) -> bool:
+    """Whether the request carries RocketMQ's signature made with ``token`` as the secret key.
+
+    RocketMQ's SDKs sign each request: ``authorization: MQv2-HMAC-SHA1
+    Credential=<access key>, SignedHeaders=x-mq-date-time,
+    Signature=<hex HMAC-SHA1 of the x-mq-date-time header>``. txmq takes
+    any access key and --auth-token as the secret key.
+    """
+    auth = md.get("authorization", "")
+    date_time = md.get("x-mq-date-time", "")
+    if not auth.startswith("MQv2-HMAC-SHA1 ") or not date_time:
+        return False
+    parts = dict(p.strip().split("=", 1) for p in auth[len("MQv2-HMAC-SHA1 "):].split(",") if "=" in p)
+    given = parts.get("Signature", "").lower()
+    want = hmac.new(token.encode(), date_time.encode(), sha1).hexdigest()
+    return hmac.compare_digest(given.encode(), want.encode())
+
+
+def _read(path: Path | None, option: str) -> bytes:
+    try:
+        return Path(path).read_bytes()  # type: ignore[arg-type]
+    except OSError as exc:
+        raise BindError(f"cannot read {option} {path}: {exc.strerror or exc}") from None
+
+
+async def attach(broker: Any, config: BrokerConfig) -> RocketMQServer:
+    """Bind the front end for ``config.rocketmq_port`` and hand it to the broker, which starts and stops it.
+
+    ``broker`` is a ``txmq.broker.server.Broker`` not yet serving; raises
+    BindError when the port cannot be bound or the TLS files read.
+    """
+    frontend = RocketMQServer(broker.core, config)
+    await frontend.bind()
+    broker.frontends.append(frontend)
+    return frontend

@@ -1,0 +1,227 @@
+"""apache.rocketmq.v2.MessagingService: one method per RPC, named as in service.proto.
+
+Each method takes the parsed request and the grpc.aio context and returns
+the response (server.py parses, catches errors and turns them into the
+response's ``status``). Every RPC txmq does not serve answers RocketMQ's
+UNSUPPORTED code in the status, never a transport error.
+
+The receive side (ReceiveMessage, AckMessage, ChangeInvisibleDuration,
+ForwardMessageToDeadLetterQueue) lives in consumer.py (``ReceiveFrontend``);
+until that module is there, they answer UNSUPPORTED too.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, AsyncIterator
+
+from . import producer
+from .clients import Client, TelemetryStream, answer_settings
+from .pb import definition_pb2 as d
+from .pb import service_pb2 as s
+from .settings import FrontendSettings
+from .status import Code, RmqError, of_error, ok, unsupported
+
+if TYPE_CHECKING:
+    from txmq.broker.core import BrokerCore
+
+log = logging.getLogger("txmq.rocketmq")
+
+BROKER_NAME = "txmq"  # the one broker of every route (RocketMQ's routes name brokers; txmq is one)
+ACCEPTED_TYPES = (d.NORMAL, d.TRANSACTION)
+MAX_GROUP_LEN = 255
+
+
+def metadata(context: Any) -> dict[str, str]:
+    try:
+        return {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
+    except Exception:  # a context without metadata (tests calling methods directly)
+        return {}
+
+
+def client_id_of(context: Any) -> str:
+    return metadata(context).get("x-mq-client-id", "")[:256]
+
+
+class MessagingService:
+    """The RPCs, on the broker's core; ``settings`` (settings.py) holds the front end's address, limits and clients."""
+
+    def __init__(self, core: BrokerCore, settings: FrontendSettings) -> None:
+        self.core = core
+        self.settings = settings
+        self.host = settings.host
+        self.port = settings.port
+        self.clients = settings.clients
+        self.receive: Any = None  # consumer.ReceiveFrontend when that module is there
+        try:
+            from .consumer import ReceiveFrontend  # the receive side (its own module)
+        except ImportError as exc:
+            if exc.name != f"{__package__}.consumer":
+                raise
+            ReceiveFrontend = None  # noqa: N806
+        if ReceiveFrontend is not None:
+            self.receive = ReceiveFrontend(core, settings.clients)
+
+    async def close(self) -> None:
+        self.clients.close_all("")
+        if self.receive is not None:
+            await self.receive.close()
+
+    # ---- routes and clients --------------------------------------------------------
+    def endpoints(self, asked: d.Endpoints | None = None) -> d.Endpoints:
+        """The endpoints of routes: the ones the client reached us by, else where we listen."""
+        if asked is not None and len(asked.addresses) > 0:
+            out = d.Endpoints()
+            out.CopyFrom(asked)
+            return out
+        host = self.host
+        scheme = d.IPv6 if ":" in host else d.IPv4 if host.replace(".", "").isdigit() else d.DOMAIN_NAME
+        return d.Endpoints(scheme=scheme, addresses=[d.Address(host=host, port=self.port)])
+
+    def queue(self, topic: str, qid: int, endpoints: d.Endpoints) -> d.MessageQueue:
+        mq = d.MessageQueue(id=qid, permission=d.READ_WRITE, accept_message_types=ACCEPTED_TYPES)
+        mq.topic.name = topic
+        mq.broker.name = BROKER_NAME
+        mq.broker.id = 0
+        mq.broker.endpoints.CopyFrom(endpoints)
+        return mq
+
+    async def QueryRoute(self, req: s.QueryRouteRequest, context: Any) -> s.QueryRouteResponse:  # noqa: N802
+        topic = producer.topic_of(req.topic)
+        n = self.core.topics.queues(topic) or self.core.config.default_queues  # a new topic is created by its first send
+        eps = self.endpoints(req.endpoints)
+        return s.QueryRouteResponse(status=ok(), message_queues=[self.queue(topic, q, eps) for q in range(n)])
+
+    async def QueryAssignment(self, req: s.QueryAssignmentRequest, context: Any) -> s.QueryAssignmentResponse:  # noqa: N802
+        topic = producer.topic_of(req.topic)
+        group_of(req.group)
+        # POP-style, as RocketMQ's proxy answers it: one queue with id -1 per broker, the broker picks the queues.
+        mq = self.queue(topic, -1, self.endpoints(req.endpoints))
+        return s.QueryAssignmentResponse(status=ok(), assignments=[d.Assignment(message_queue=mq)])
+
+    async def Heartbeat(self, req: s.HeartbeatRequest, context: Any) -> s.HeartbeatResponse:  # noqa: N802
+        cid = client_id_of(context)
+        if cid:
+            c = self.clients.touch(cid)
+            if req.client_type:
+                c.client_type = req.client_type
+        return s.HeartbeatResponse(status=ok())
+
+    async def NotifyClientTermination(self, req: s.NotifyClientTerminationRequest, context: Any) -> s.NotifyClientTerminationResponse:  # noqa: N802
+        cid = client_id_of(context)
+        if cid:
+            self.clients.forget(cid)
+            log.info("event=rmq_client_terminated client_id=%s", cid)
+        return s.NotifyClientTerminationResponse(status=ok())
+
+    # ---- producer --------------------------------------------------------------------
+    async def SendMessage(self, req: s.SendMessageRequest, context: Any) -> s.SendMessageResponse:  # noqa: N802
+        try:
+            resp = await producer.send_message(self.core, req)
+        except Exception as exc:
+            if not isinstance(exc, RmqError):
+                from txmq.wire import TxmqError
+
+                if not isinstance(exc, TxmqError):
+                    raise
+            return producer.send_failed(req, exc)
+        self.core.metrics.inc("rmq_messages_sent", len(resp.entries))
+        return resp
+
+    async def EndTransaction(self, req: s.EndTransactionRequest, context: Any) -> s.EndTransactionResponse:  # noqa: N802
+        return await producer.end_transaction(self.core, req)
+
+    # ---- Telemetry (server.py drives the stream) -----------------------------------------------
+    async def on_telemetry_command(self, stream: TelemetryStream, cmd: s.TelemetryCommand, client: Client, peer: str) -> None:
+        """One command from the client on its Telemetry stream: its settings are answered, and make the stream a target."""
+        kind = cmd.WhichOneof("command")
+        if kind != "settings":
+            # thread_stack_trace / verify_message_result answer commands txmq never sends; ignored.
+            return
+        got = cmd.settings
+        if not got.HasField("client_type") or got.client_type == d.CLIENT_TYPE_UNSPECIFIED:
+            raise RmqError(Code.UNRECOGNIZED_CLIENT_TYPE, "settings must name the client_type")
+        client.client_type = got.client_type
+        client.language = got.user_agent.language
+        if got.WhichOneof("pub_sub") == "subscription":
+            client.group = group_of(got.subscription.group)
+            client.topics = ()
+        else:
+            topics = []
+            for r in got.publishing.topics[: 1 + _MAX_TOPICS]:
+                topics.append(producer.topic_of(r, "publishing topic"))
+            if len(topics) > _MAX_TOPICS:
+                raise RmqError(Code.BAD_REQUEST, f"a producer may publish to at most {_MAX_TOPICS} topics")
+            client.topics = tuple(dict.fromkeys(topics))
+            client.group = ""
+        answer = answer_settings(client, got, self.settings)
+        client.settings = answer
+        stream.register()
+        reply = s.TelemetryCommand(status=ok(), settings=answer)
+        stream.offer(reply)
+        log.info("event=rmq_client_settings client_id=%s type=%s language=%s topics=%s group=%s peer=%s", client.client_id,
+                 d.ClientType.Name(client.client_type), _language(client.language), ",".join(client.topics) or "-",
+                 client.group or "-", peer)
+
+    # ---- the receive side (consumer.py) -----------------------------------------------------
+    async def ReceiveMessage(self, req: s.ReceiveMessageRequest, context: Any) -> AsyncIterator[s.ReceiveMessageResponse]:  # noqa: N802
+        if self.receive is None:
+            yield s.ReceiveMessageResponse(status=of_error(unsupported("ReceiveMessage")))
+            return
+        async for resp in self.receive.receive(req, context):
+            yield resp
+
+    async def AckMessage(self, req: s.AckMessageRequest, context: Any) -> s.AckMessageResponse:  # noqa: N802
+        if self.receive is None:
+            raise unsupported("AckMessage")
+        return await self.receive.ack(req, context)
+
+    async def ChangeInvisibleDuration(self, req: s.ChangeInvisibleDurationRequest, context: Any) -> s.ChangeInvisibleDurationResponse:  # noqa: N802
+        if self.receive is None:
+            raise unsupported("ChangeInvisibleDuration")
+        return await self.receive.change_invisible_duration(req, context)
+
+    async def ForwardMessageToDeadLetterQueue(self, req: s.ForwardMessageToDeadLetterQueueRequest,  # noqa: N802
+                                              context: Any) -> s.ForwardMessageToDeadLetterQueueResponse:
+        if self.receive is None:
+            raise unsupported("ForwardMessageToDeadLetterQueue")
+        return await self.receive.forward_to_dlq(req, context)
+
+    # ---- not served -----------------------------------------------------------------------
+    async def PullMessage(self, req: s.PullMessageRequest, context: Any) -> AsyncIterator[s.PullMessageResponse]:  # noqa: N802
+        yield s.PullMessageResponse(status=of_error(unsupported("PullMessage (the pull consumer)")))
+
+    async def UpdateOffset(self, req: s.UpdateOffsetRequest, context: Any) -> s.UpdateOffsetResponse:  # noqa: N802
+        raise unsupported("UpdateOffset (the pull consumer)")
+
+    async def GetOffset(self, req: s.GetOffsetRequest, context: Any) -> s.GetOffsetResponse:  # noqa: N802
+        raise unsupported("GetOffset (the pull consumer)")
+
+    async def QueryOffset(self, req: s.QueryOffsetRequest, context: Any) -> s.QueryOffsetResponse:  # noqa: N802
+        raise unsupported("QueryOffset (the pull consumer)")
+
+    async def RecallMessage(self, req: s.RecallMessageRequest, context: Any) -> s.RecallMessageResponse:  # noqa: N802
+        raise unsupported("RecallMessage (recalling delay messages)")
+
+    async def SyncLiteSubscription(self, req: s.SyncLiteSubscriptionRequest, context: Any) -> s.SyncLiteSubscriptionResponse:  # noqa: N802
+        raise unsupported("SyncLiteSubscription (lite topics)")
+
+
+_MAX_TOPICS = 1024
+
+
+def group_of(resource: d.Resource) -> str:
+    name = resource.name
+    if resource.resource_namespace:
+        raise RmqError(Code.ILLEGAL_CONSUMER_GROUP, "namespaces (resource_namespace) are not supported by txmq: leave it empty")
+    if not name or len(name) > MAX_GROUP_LEN or any(c.isspace() or c == "\0" for c in name):
+        raise RmqError(Code.ILLEGAL_CONSUMER_GROUP, f"consumer group {name!r} must be 1 to {MAX_GROUP_LEN} characters without white space")
+    return name
+
+
+def _language(lang: int) -> str:
+    try:
+        return d.Language.Name(lang)
+    except ValueError:
+        return str(lang)
+
