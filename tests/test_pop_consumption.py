@@ -482,3 +482,40 @@ def test_stale_heap_entries_are_compacted(tmp_path):
             await c.close()
 
     arun(go())
+
+
+def test_auto_renew_keeps_a_message_invisible_while_its_client_lives(tmp_path):
+    async def go():
+        async with running_broker(tmp_path / "d") as b:
+            c = await RawClient.open(b.address)
+            await send(c, 1)
+            clock = FakeTime()
+            alive = {"c1": True}
+            pop = PopService(b.core, PopConfig(max_renew_s=300), now=clock, client_alive=lambda cid: alive.get(cid, False))
+            (d,) = await pop.receive(G, T, -1, None, 1, None, 0, auto_renew=True, client_id="c1")
+            assert d.invisible_s == 60.0  # the default duration, renewed at its end
+            for _ in range(3):
+                clock.t += 61
+                assert await pop.receive(G, T, -1, None, 1, 5, 0) == []
+            pop.ack(G, T, d.receipt_handle)  # the handle stays valid across renewals
+            # a client that is gone renews nothing: the message comes back after one duration
+            await send(c, 1, prefix="n")
+            (d,) = await pop.receive(G, T, -1, None, 1, None, 0, auto_renew=True, client_id="c1")
+            alive["c1"] = False
+            clock.t += 61
+            (again,) = await pop.receive(G, T, -1, None, 1, 5, 0)
+            assert again.record.body == b"n0" and again.attempt == 2
+            # and renewal ends after max_renew_s even for a live client
+            alive["c1"] = True
+            pop.ack(G, T, again.receipt_handle)
+            await send(c, 1, prefix="r")
+            (d,) = await pop.receive(G, T, -1, None, 1, 30, 0, auto_renew=True, client_id="c1")
+            for _ in range(9):
+                clock.t += 31
+                assert await pop.receive(G, T, -1, None, 1, 5, 0) == []
+            clock.t += 31  # 310 s after the receive: past max_renew_s
+            (again,) = await pop.receive(G, T, -1, None, 1, 5, 0)
+            assert again.record.body == b"r0" and again.attempt == 2
+            await c.close()
+
+    arun(go())

@@ -1,0 +1,212 @@
+"""The receive side of the RocketMQ 5 front end: ReceiveMessage, AckMessage, ChangeInvisibleDuration, ForwardMessageToDeadLetterQueue.
+
+The RPCs are thin: they read the request, call ``PopService``
+(broker/rocketmq/pop.py, transport-independent) and answer with RocketMQ's
+status codes; the messages are built by ``convert.record_to_message``.
+ReceiveMessage answers as RocketMQ's proxy does: a ``status`` frame, one
+frame per message, then a ``delivery_timestamp`` frame; with no message
+after the long poll, only the status MESSAGE_NOT_FOUND (40401), which the
+SDKs take as an empty receive. docs/rocketmq.md, "Receiving".
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
+
+from . import convert
+from .pb import definition_pb2 as d
+from .pb import service_pb2 as s
+from .pop import PopConfig, PopError, PopService, check_group, parse_tags
+from .status import Code, RmqError, of_error
+
+if TYPE_CHECKING:
+    from txmq.broker.core import BrokerCore
+
+log = logging.getLogger("txmq.rocketmq")
+
+CLIENT_ID_HEADER = "x-mq-client-id"
+DEADLINE_MARGIN_S = 0.5  # a receive answers this long before the client's deadline
+DEFAULT_POLL_S = 20.0  # a receive that names no long polling timeout
+MAX_ACK_ENTRIES = 1024
+CLIENT_ALIVE_S = 45.0  # a client with no open stream and no request for this long no longer renews (heartbeats: every 10 s)
+
+
+def _code(name: str) -> int:
+    return Code.Value(name) if name in Code.keys() else Code.INTERNAL_ERROR
+
+
+def _seconds(duration: Any) -> float:
+    return duration.seconds + duration.nanos / 1e9
+
+
+def _client_id(context: Any) -> str:
+    try:
+        for key, value in context.invocation_metadata() or ():
+            if key == CLIENT_ID_HEADER:
+                return value if isinstance(value, str) else value.decode("utf-8", "replace")
+    except Exception:  # a context without metadata (tests)
+        pass
+    return ""
+
+
+class ReceiveFrontend:
+    """The consumer RPCs of apache.rocketmq.v2.MessagingService, over one ``PopService``.
+
+    ``clients``: the front end's client table (broker/rocketmq/clients.py),
+    for a client's language (the body digest's form) and whether a client
+    that asked for auto-renewal still lives, or the front end's settings
+    (settings.py: its ``clients`` and ``consumer_max_attempts``); None works
+    too (Java's digest form, no renewal). ``max_attempts(group)``: a group's
+    deliveries before the dead-letter topic (None: the settings', else 16).
+    """
+
+    def __init__(self, core: BrokerCore, clients: Any = None, config: PopConfig | None = None, *,
+                 max_attempts: Callable[[str], int | None] | None = None) -> None:
+        self.core = core
+        if clients is not None and hasattr(clients, "clients") and hasattr(clients, "consumer_max_attempts"):
+            settings, clients = clients, clients.clients
+            if max_attempts is None:
+                def max_attempts(group: str) -> int:
+                    return settings.consumer_max_attempts
+        self.clients = clients
+        self.pop = PopService(core, config, max_attempts=max_attempts,
+                              client_alive=self._alive if clients is not None else None)
+
+    def _alive(self, client_id: str) -> bool:
+        c = self.clients.get(client_id)
+        return c is not None and (bool(c.streams) or time.monotonic() - c.last_seen < CLIENT_ALIVE_S)
+
+    def _language(self, client_id: str) -> int:
+        if self.clients is None or not client_id:
+            return d.LANGUAGE_UNSPECIFIED
+        try:
+            return self.clients.language(client_id)
+        except Exception:
+            return d.LANGUAGE_UNSPECIFIED
+
+    # ---- ReceiveMessage --------------------------------------------------
+    async def receive(self, request: s.ReceiveMessageRequest, context: Any) -> AsyncIterator[s.ReceiveMessageResponse]:
+        """Stream: status, the messages, delivery_timestamp; or only a status (MESSAGE_NOT_FOUND or the refusal)."""
+        client_id = _client_id(context)
+        try:
+            group, topic, queue_id, tags, batch, invisible, poll = self._receive_args(request, context)
+            got = await self.pop.receive(group, topic, queue_id, tags, batch, invisible, poll,
+                                         auto_renew=request.auto_renew, client_id=client_id or None)
+        except PopError as exc:
+            yield s.ReceiveMessageResponse(status=d.Status(code=_code(exc.code), message=exc.message))
+            return
+        except RmqError as exc:
+            yield s.ReceiveMessageResponse(status=d.Status(code=exc.code, message=exc.message))
+            return
+        except Exception as exc:  # never a broken stream for the SDK: a status it can read
+            log.exception("event=rmq_receive_failed error=%r", exc)
+            yield s.ReceiveMessageResponse(status=of_error(exc))
+            return
+        if not got:
+            yield s.ReceiveMessageResponse(status=d.Status(code=Code.MESSAGE_NOT_FOUND, message="no new message"))
+            return
+        self.core.metrics.inc("rmq_messages_received", len(got))
+        yield s.ReceiveMessageResponse(status=d.Status(code=Code.OK, message="OK"))
+        language = self._language(client_id)
+        for m in got:
+            msg = convert.record_to_message(m.record, language=language, delivery_attempt=m.attempt,
+                                            receipt_handle=m.receipt_handle,
+                                            invisible_duration_ms=int(m.invisible_s * 1000))
+            yield s.ReceiveMessageResponse(message=msg)
+        ts = s.ReceiveMessageResponse()
+        ts.delivery_timestamp.FromMilliseconds(int(time.time() * 1000))
+        yield ts
+
+    def _receive_args(self, request: s.ReceiveMessageRequest, context: Any):
+        group = check_group(request.group.name)
+        mq = request.message_queue
+        topic = mq.topic.name
+        fe = request.filter_expression
+        if fe.type == d.SQL:
+            raise PopError("UNSUPPORTED", "SQL92 filter expressions are not supported by txmq: use a TAG expression")
+        if fe.type not in (d.FILTER_TYPE_UNSPECIFIED, d.TAG):
+            raise PopError("ILLEGAL_FILTER_EXPRESSION", f"filter type {fe.type} is not TAG")
+        tags = parse_tags(fe.expression)
+        invisible = None
+        if request.HasField("invisible_duration"):
+            invisible = _seconds(request.invisible_duration)
+        cfg = self.pop.config
+        if request.HasField("long_polling_timeout"):
+            poll = _seconds(request.long_polling_timeout)
+            if poll < 0:
+                raise PopError("ILLEGAL_POLLING_TIME", f"long polling timeout {poll:g} s is negative")
+        else:
+            poll = DEFAULT_POLL_S
+        poll = min(poll, cfg.max_poll_s)
+        remaining = None
+        try:
+            remaining = context.time_remaining()
+        except Exception:
+            pass
+        if remaining is not None:  # answer before the client's deadline (long polling + its request timeout)
+            poll = max(0.0, min(poll, remaining - DEADLINE_MARGIN_S))
+        return group, topic, mq.id, tags, request.batch_size, invisible, poll
+
+    # ---- AckMessage ------------------------------------------------------
+    async def ack(self, request: s.AckMessageRequest, context: Any) -> s.AckMessageResponse:
+        """Per-entry status; the top-level one is OK when all are, the one entry's, else MULTIPLE_RESULTS."""
+        out = s.AckMessageResponse()
+        try:
+            group = check_group(request.group.name)
+            if not request.entries:
+                raise PopError("BAD_REQUEST", "no entries to acknowledge")
+            if len(request.entries) > MAX_ACK_ENTRIES:
+                raise PopError("BAD_REQUEST", f"{len(request.entries)} entries: at most {MAX_ACK_ENTRIES} per request")
+        except PopError as exc:
+            out.status.code, out.status.message = _code(exc.code), exc.message
+            return out
+        topic = request.topic.name
+        failed = 0
+        for entry in request.entries:
+            r = out.entries.add(message_id=entry.message_id, receipt_handle=entry.receipt_handle)
+            try:
+                self.pop.ack(group, topic, entry.receipt_handle)
+                r.status.code, r.status.message = Code.OK, "OK"
+            except PopError as exc:
+                failed += 1
+                r.status.code, r.status.message = _code(exc.code), exc.message
+        self.core.metrics.inc("rmq_messages_acked", len(request.entries) - failed)
+        if not failed:
+            out.status.code, out.status.message = Code.OK, "OK"
+        elif len(out.entries) == 1:
+            out.status.CopyFrom(out.entries[0].status)
+        else:
+            out.status.code = Code.MULTIPLE_RESULTS
+            out.status.message = f"{failed} of {len(out.entries)} entries failed: see each entry's status"
+        return out
+
+    # ---- ChangeInvisibleDuration ----------------------------------------
+    async def change_invisible_duration(self, request: s.ChangeInvisibleDurationRequest, context: Any) -> s.ChangeInvisibleDurationResponse:
+        """The new receipt handle; on a refusal the request's handle comes back (the SDKs store whatever is returned)."""
+        out = s.ChangeInvisibleDurationResponse(receipt_handle=request.receipt_handle)
+        try:
+            group = check_group(request.group.name)
+            seconds = _seconds(request.invisible_duration)
+            out.receipt_handle = self.pop.change_invisible(group, request.topic.name, request.receipt_handle, seconds)
+        except PopError as exc:
+            out.status.code, out.status.message = _code(exc.code), exc.message
+            return out
+        out.status.code, out.status.message = Code.OK, "OK"
+        return out
+
+    # ---- ForwardMessageToDeadLetterQueue --------------------------------
+    async def forward_to_dlq(self, request: s.ForwardMessageToDeadLetterQueueRequest, context: Any) -> s.ForwardMessageToDeadLetterQueueResponse:
+        out = s.ForwardMessageToDeadLetterQueueResponse()
+        try:
+            group = check_group(request.group.name)
+            await self.pop.forward_to_dlq(group, request.topic.name, request.receipt_handle)
+        except PopError as exc:
+            out.status.code, out.status.message = _code(exc.code), exc.message
+            return out
+        out.status.code, out.status.message = Code.OK, "OK"
+        return out
+
+    async def close(self) -> None:
+        await self.pop.close()
