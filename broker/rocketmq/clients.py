@@ -90,11 +90,15 @@ class ClientTable:
         return c.language if c is not None else d.LANGUAGE_UNSPECIFIED
 
     def forget(self, client_id: str) -> Client | None:
-        """The client said it terminates (NotifyClientTermination): close its streams, forget it."""
+        """The client said it terminates (NotifyClientTermination): no check-back goes to it any more; forget it.
+
+        Its streams stay open (the client ends them right after; ending
+        them here would be an error on its side) but leave the registries.
+        """
         c = self.clients.pop(client_id, None)
         if c is not None:
             for stream in list(c.streams):
-                stream.close("the client terminated")
+                stream.unregister()
         return c
 
     def _prune(self) -> None:
@@ -130,7 +134,7 @@ class TelemetryStream:
         self._queue: asyncio.Queue = asyncio.Queue()
         self._queued_bytes = 0
         self.closed = asyncio.Event()
-        self.close_reason = ""
+        self.close_reason = ""  # why the broker ended the stream (an error for the client); "" when it just ended
         self.pushed = 0
 
     # ---- PushTarget ----------------------------------------------------------
