@@ -472,3 +472,54 @@ def test_shutdown_answers_a_waiting_receive(tmp_path):
         await r.close()
 
     arun(go())
+
+
+def test_a_cancelled_long_poll_leaves_no_waiter_behind(tmp_path):
+    async def go():
+        async with running(tmp_path) as b:
+            c = await RawClient.open(b.address)
+            await c.ok("create_topic", {"topic": T, "queues": 4})
+            r = Rmq(b)
+            for _ in range(20):
+                task = asyncio.ensure_future(r.receive(poll=10))
+                await asyncio.sleep(0.05)
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+            for _ in range(100):
+                if not any(b.core._pollers.values()) and not any(sub.waiters for sub in r.pop.subs.values()):
+                    break
+                await asyncio.sleep(0.02)
+            assert not any(b.core._pollers.values())
+            assert not any(sub.waiters for sub in r.pop.subs.values())
+            # and the group still receives
+            await native_send(c, 1)
+            st, msgs, _ = await r.receive()
+            assert [m.body for m in msgs] == [b"m0"]
+            await r.close()
+            await c.close()
+
+    arun(go())
+
+
+def test_after_a_restart_unacknowledged_messages_come_again_and_old_handles_are_refused(tmp_path):
+    async def go():
+        async with running(tmp_path) as b:
+            c = await RawClient.open(b.address)
+            await native_send(c, 3)
+            r = Rmq(b)
+            _, msgs, _ = await r.receive(invisible=3600)
+            assert (await r.ack(handles(msgs[:1]))).status.code == d.Code.OK
+            old = handles(msgs[1:2])
+            await r.close()
+            await c.close()
+        async with running(tmp_path) as b:
+            r = Rmq(b)
+            assert (await r.ack(old)).status.code == d.Code.INVALID_RECEIPT_HANDLE
+            st, msgs, _ = await r.receive()
+            assert [(m.body, m.system_properties.delivery_attempt) for m in msgs] == [(b"m1", 1), (b"m2", 1)]
+            assert (await r.ack(handles(msgs))).status.code == d.Code.OK
+            assert b.core.offsets.get(G, T, 0) == 3
+            await r.close()
+
+    arun(go())
