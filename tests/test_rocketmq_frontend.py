@@ -472,3 +472,25 @@ def test_tls_options_go_together_and_a_taken_port_ends_the_start(tmp_path):
         taken.listen(1)
         r = _start(tmp_path, "--rocketmq-port", str(taken.getsockname()[1]))
     assert r.returncode == 1 and "--rocketmq-port" in r.stderr
+
+
+def test_tls_serves_with_the_given_certificate(tmp_path):
+    import shutil
+
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert), "-days", "1",
+                    "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True, timeout=60)
+
+    async def go():
+        async with running_broker(tmp_path / "data", rocketmq_port=0, rocketmq_tls_cert=cert, rocketmq_tls_key=key) as b:
+            creds = grpc.ssl_channel_credentials(root_certificates=cert.read_bytes())
+            async with grpc.aio.secure_channel(b.rocketmq_address, creds) as ch:
+                r = await g.MessagingServiceStub(ch).QueryRoute(s.QueryRouteRequest(topic=d.Resource(name="orders")), metadata=MD)
+                assert r.status.code == OK
+            async with grpc.aio.insecure_channel(b.rocketmq_address) as ch:  # plain text is not served on a TLS port
+                with pytest.raises(grpc.aio.AioRpcError):
+                    await g.MessagingServiceStub(ch).QueryRoute(s.QueryRouteRequest(topic=d.Resource(name="orders")), metadata=MD, timeout=3)
+
+    arun(go())
