@@ -14,6 +14,8 @@ class StoreConfig:
     cq_entries_per_file: int = 300_000  # 20-byte entries per consume-queue file
     retention_s: float = 72 * 3600  # age after which whole segments may be deleted
     max_record_size: int = 16 << 20  # largest encoded record accepted by append()
+    # zeros kept allocated past the active segment's data, so an fdatasync rarely changes the file's size (0: none)
+    preallocate: int = 8 << 20
 
 
 @dataclass(slots=True)  # not frozen: a frozen init costs 5x, on the hot path (treat as read-only)
@@ -61,3 +63,4 @@ class RecoveryReport:
     duration_s: float
     damaged: int = 0  # damaged ranges inside the log, skipped (each reported in Store.damage)
     queues_rebuilt: list[str] = field(default_factory=list)  # why the consume queues were re-read from the log
+    preallocated: int = 0  # zero bytes after the last record (preallocated space a crash left), cut

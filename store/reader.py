@@ -10,6 +10,11 @@ Consume-queue files lag the log (the broker writes them at checkpoints), so
 the reader also indexes, in memory, the records after the checkpoint's
 consume-queue offset; consume-queue entries pointing at or past the
 validated end are ignored.
+
+The writer preallocates zeros after the data of the last segment
+(docs/store-format.md, "Preallocated space"): there, at or past the
+checkpoint's fsynced offset, a place where no record starts (size and magic
+zero) is the end of the data, not damage, and is not searched past.
 """
 
 from __future__ import annotations
@@ -17,14 +22,14 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator, Sequence
 
-from .checkpoint import Checkpoint, read_checkpoint
+from .checkpoint import CHECKPOINT, Checkpoint, decode_checkpoint, read_checkpoint
 from .codec import Record, tag_hash
 from .consumequeue import ENTRY, ENTRY_SIZE, ConsumeQueue, Entry, pick_entries
 from .damage import Damage, DamageLog
 from .errors import CorruptRecordError
 from .files import list_numbered, offset_name
 from .model import GetResult, GetStatus
-from .segments import LogView, Segment
+from .segments import LogView, Segment, nonzero_end, zero_at
 
 _FAR = 1 << 62
 
@@ -41,6 +46,7 @@ class StoreReader(LogView):
         self._cqs: dict[tuple[str, int], ConsumeQueue] = {}
         self._overlay: dict[tuple[str, int], tuple[int, bytearray]] = {}
         self._overlay_pos: int | None = None
+        self._files_end: tuple[tuple[int, int, int], int] | None = None  # ((start, length, from), data end) of the last segment
         self.damage = DamageLog()
         self._refresh()
 
@@ -73,6 +79,10 @@ class StoreReader(LogView):
         while True:
             for offset, res in self._walk(pos, _FAR, validate_only=True):
                 if type(res) is str:
+                    last = segs[-1]
+                    if offset >= last.start and zero_at(last.fd, offset - last.start, last.length) and offset >= self._fsynced():
+                        pos = -1  # preallocated space after the data: the end, with nothing to search
+                        break
                     # Damage inside the log (a valid record follows) is skipped;
                     # nothing valid after it is the tail a writer is still writing.
                     tail = (offset, segs[-1].start, segs[-1].end)
@@ -88,10 +98,20 @@ class StoreReader(LogView):
                 break
         self._valid_end = end
 
+    def _fsynced(self) -> int:
+        """The checkpoint's fsynced log offset now (0 without a valid checkpoint), read quietly."""
+        try:
+            with open(os.path.join(self.data_dir, "checkpoint"), "rb") as f:
+                ckpt = decode_checkpoint(f.read(CHECKPOINT.size + 1))
+        except OSError:
+            return 0
+        return ckpt.log_offset if ckpt is not None else 0
+
     def _refresh_segments(self) -> None:
         known = {seg.start: seg for seg in self._segs}
-        if self._segs:  # the old last segment may have grown before the writer rolled
-            self._segs[-1].length = os.fstat(self._segs[-1].fd).st_size
+        # The old last segment may have grown, or been cut back to its data, before the writer
+        # rolled: measured after the listing, since the writer cuts before it creates the next.
+        was_last = self._segs[-1] if self._segs else None
         segs: list[Segment] = []
         for start in list_numbered(self._cl_dir):
             seg = known.pop(start, None)
@@ -105,8 +125,14 @@ class StoreReader(LogView):
             segs.append(seg)
         for seg in known.values():
             os.close(seg.fd)
+        if was_last is not None and was_last.start not in known:
+            was_last.length = os.fstat(was_last.fd).st_size
         if segs:
             segs[-1].length = os.fstat(segs[-1].fd).st_size
+        for a, b in zip(segs, segs[1:]):
+            # a sealed segment whose preallocated zeros a crash left (the writer's next open cuts them)
+            if a.end > b.start and nonzero_end(a.fd, b.start - a.start, a.length) == b.start - a.start:
+                a.length = b.start - a.start
         self._segs = segs
         self._starts = [seg.start for seg in segs]
 
@@ -137,9 +163,27 @@ class StoreReader(LogView):
 
     @property
     def files_end(self) -> int:
-        """End of the last segment file: above max_offset when its tail is torn or damaged."""
-        self._refresh_segments()
-        return self._segs[-1].end if self._segs else 0
+        """End of the last segment's data: above max_offset when its tail is torn or damaged.
+
+        Zeros after the last non-zero byte past the valid end (the space a
+        writer preallocates) are not counted; they are read once per change
+        of the files.
+        """
+        self._refresh()
+        if not self._segs:
+            return 0
+        last = self._segs[-1]
+        lo = min(max((self._valid_end or 0) - last.start, 0), last.length)
+        key = (last.start, last.length, lo)
+        if self._files_end is None or self._files_end[0] != key:
+            self._files_end = (key, last.start + nonzero_end(last.fd, lo, last.length))
+        return self._files_end[1]
+
+    @property
+    def preallocated(self) -> int:
+        """Zero bytes after the data at the end of the last segment file (space a writer reserved)."""
+        end = self.files_end
+        return self._segs[-1].end - end if self._segs else 0
 
     def segments(self) -> list[tuple[int, str, int]]:
         """(start offset, path, length) of each segment; the last length stops at the valid end."""

@@ -34,6 +34,7 @@ class Recovered:
     reason: str | None = None
     truncated_at: int | None = None
     redispatched: int = 0
+    preallocated: int = 0  # zero bytes after the last record (space the writer had reserved), cut
     cq_entries_dropped: int = 0
     scanned_from: int = 0
     damaged: list[tuple[int, str, int]] = field(default_factory=list)  # (offset, reason, bytes skipped)
@@ -146,15 +147,17 @@ def recover(
     segs = log.segments
     resync_below = ckpt.log_offset if ckpt is not None else _FAR
     for a, b in zip(segs, segs[1:]):
+        if a.end > b.start and log.cut_zero_tail(a, b.start - a.start):
+            continue  # a crash before a sealed segment's preallocated zeros were cut off: cut them now
         if a.end > b.start:  # overlapping segments: the later ones cannot be placed
-            out.dropped_bytes = log.truncate(a.end, quarantine)
+            out.dropped_bytes, _ = log.truncate(a.end, quarantine)
             out.reason = f"segment overlap at {b.start}: previous segment ends at {a.end}"
             out.truncated_at = a.end
             break
         if a.end < b.start:
             why = f"segment gap at {a.end}: next segment starts at {b.start}"
             if a.end >= resync_below:  # a gap in the unsynced tail: the log ends there
-                out.dropped_bytes = log.truncate(a.end, quarantine)
+                out.dropped_bytes, _ = log.truncate(a.end, quarantine)
                 out.reason = why
                 out.truncated_at = a.end
                 break
@@ -174,9 +177,13 @@ def recover(
         out.scanned_from = log_min
         end, reason = _dispatch(log, queues, log_min, root, per_file, out, True, resync_below)
     if end < log.end:
-        out.dropped_bytes += log.truncate(end, quarantine)
-        out.reason = out.reason or reason
-        out.truncated_at = end
+        # Zeros from end to the file's end are preallocated space (docs/store-format.md): cut, not
+        # reported; anything else there is a torn tail, moved to quarantine (its trailing zeros are not).
+        dropped, out.preallocated = log.truncate(end, quarantine)
+        if dropped:
+            out.dropped_bytes += dropped
+            out.reason = out.reason or reason
+            out.truncated_at = end
     for cq in queues.values():
         out.cq_entries_dropped += cq.drop_bad_tail(end)
     return out

@@ -17,17 +17,43 @@ from .codec import H_SIZE, HEADER_SIZE, MAGIC, Record, check_header, check_recor
 from .errors import CorruptRecordError
 
 CHUNK = 1 << 20  # bytes per sequential read
+FIRST_READ = 64 << 10  # a walk's first read: a reader's walk from the end of the data often meets zeros
 GAP = 16 << 10  # read through holes up to this size rather than issue another pread
 SPAN = 1 << 20  # largest coalesced random read (one record may be larger)
 GUESS = 4096  # bytes read at an offset whose record size is unknown
 _MAGIC_BYTES = MAGIC.to_bytes(4, "little")
 _U32 = struct.Struct("<I")
+ZERO_HEADER = bytes(8)  # where a record would start: no size, no magic (preallocated space)
+
+
+def zero_at(fd: int, file_pos: int, file_len: int) -> bool:
+    """No record starts at file_pos: its size and magic (8 bytes, fewer at the file's end) are zero."""
+    head = os.pread(fd, min(8, file_len - file_pos), file_pos) if file_pos < file_len else b""
+    return head == ZERO_HEADER[: len(head)]
+
+
+def nonzero_end(fd: int, lo: int, hi: int) -> int:
+    """The end of the last byte that is not zero in file positions [lo, hi), or lo when they all are.
+
+    Reads backwards from hi in growing pieces, so a file that ends with data
+    costs one small read and a zero tail is read once.
+    """
+    piece = 4096
+    while hi > lo:
+        n = min(piece, hi - lo)
+        data = os.pread(fd, n, hi - n)  # short when the file is shorter than we were told: nothing there
+        stripped = data.rstrip(b"\0")
+        if stripped:
+            return hi - n + len(stripped)
+        hi -= n
+        piece = min(piece * 4, CHUNK)
+    return lo
 
 
 class Segment:
     """One commit-log file: its global start offset, open fd, and the length in use."""
 
-    __slots__ = ("start", "path", "fd", "length", "last_ts")
+    __slots__ = ("start", "path", "fd", "length", "last_ts", "alloc")
 
     def __init__(self, start: int, path: str, fd: int, length: int) -> None:
         self.start = start
@@ -35,6 +61,7 @@ class Segment:
         self.fd = fd
         self.length = length
         self.last_ts: int | None = None  # store_ts of its last record, once known
+        self.alloc = length  # the file's size: the writer preallocates zeros past length (docs/store-format.md)
 
     @property
     def end(self) -> int:
@@ -59,6 +86,7 @@ def walk_segment(
     mv = memoryview(buf)
     p = 0
     check = check_record if validate_only else decode
+    chunk = FIRST_READ
     while True:
         rpos = base + p
         offset = start + rpos
@@ -74,7 +102,8 @@ def walk_segment(
                     total = check_header(buf, p, offset)
                     need = total if type(total) is int else 0
             if avail < need:
-                want = min(max(CHUNK, need - avail), seg_len - base - len(buf))
+                want = min(max(chunk, need - avail), seg_len - base - len(buf))
+                chunk = CHUNK
                 data = os.pread(fd, want, base + len(buf))
                 if not data:  # the file is shorter than we were told
                     seg_len = base + len(buf)
@@ -91,11 +120,13 @@ def walk_segment(
         p += res if validate_only else res.size
 
 
-def resync(seg: Segment, pos: int) -> int | None:
+def resync(seg: Segment, pos: int, limit: int | None = None) -> int | None:
     """The first offset >= pos in seg where a valid record starts, or None.
 
     Looks for the magic, then checks the header (own offset == position) and
-    only then reads and CRC-checks the whole candidate.
+    only then reads and CRC-checks the whole candidate. With ``limit`` (a
+    global offset) the search stops once no candidate below it is left, so
+    it never reads on through a preallocated zero tail it was not asked about.
     """
     fd, start, seg_len = seg.fd, seg.start, seg.length
     base = pos - start
@@ -112,6 +143,8 @@ def resync(seg: Segment, pos: int) -> int | None:
             if base + len(buf) >= seg_len:
                 return None
             keep = max(cand, len(buf) - HEADER_SIZE)
+            if limit is not None and start + base + keep >= limit:
+                return None
             data = os.pread(fd, min(CHUNK, seg_len - base - len(buf)), base + len(buf))
             if not data:
                 return None
@@ -295,7 +328,7 @@ class LogView:
                 return None
             if seg.end <= pos:
                 continue
-            found = resync(seg, max(pos, seg.start))
+            found = resync(seg, max(pos, seg.start), stop)
             if found is not None:
                 return found if found < stop else None
         return None

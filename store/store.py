@@ -87,7 +87,7 @@ class Store:
         os.makedirs(self.data_dir, exist_ok=True)
         self._lock_fd = _take_lock(os.path.join(self.data_dir, "LOCK"))
         try:
-            log = CommitLog(os.path.join(self.data_dir, "commitlog"))
+            log = CommitLog(os.path.join(self.data_dir, "commitlog"), self.config.segment_size, self.config.preallocate)
             log.open_files()
             self._log = log
             queues, dropped = load_queues(self._cq_root)
@@ -118,6 +118,7 @@ class Store:
             scanned_from=min(rec.scanned_from, log.end),
             damaged=len(rec.damaged),
             queues_rebuilt=rec.queue_problems,
+            preallocated=rec.preallocated,
             duration_s=time.perf_counter() - t0,
         )
 
@@ -128,6 +129,11 @@ class Store:
         try:
             self.checkpoint()
             self._write_manifest()
+            with self._sync_lock:  # a closed log has no zero tail: older versions read it unchanged
+                try:
+                    self._log.release_space()
+                except OSError as exc:  # the zeros stay; the next open cuts them
+                    _log.warning("event=preallocation_kept error=%r", exc)
         finally:
             self._release()
 

@@ -164,10 +164,12 @@ def test_a_torn_tail_is_moved_to_quarantine_not_deleted(tmp_path):
     s.open()
     s.append([msg(i) for i in range(5)])
     s.checkpoint()
+    end = s.max_offset
     s._release()  # a crash: no close
     seg = d / "commitlog" / sorted(os.listdir(d / "commitlog"))[-1]
-    with open(seg, "ab") as f:
-        f.write(b"\x55" * 100)  # a torn write after the last record
+    with open(seg, "r+b") as f:  # a torn write after the last record, into the preallocated zeros
+        f.seek(end - int(seg.name))
+        f.write(b"\x55" * 100)
     s = Store(d, SMALL)
     report = s.open()
     try:

@@ -167,20 +167,20 @@ def test_reader_of_an_empty_or_missing_directory(tmp_path):
 
 
 def test_a_long_torn_tail_is_searched_once_not_on_every_call(tmp_path, monkeypatch):
-    """A crashed directory whose last segment ends in a long unwritten range: each call costs the new bytes only."""
+    """A crashed directory whose last segment ends in a long range of garbage: each call costs the new bytes only."""
     from txmq.store import segments
 
     d = tmp_path / "d"
     with Store(d, StoreConfig()) as s:
         results = s.append([msg() for _ in range(10)])
     with open(last_segment(d), "ab") as f:
-        f.write(bytes(3 << 20))  # pages the crash never wrote
+        f.write(b"\x55" * (3 << 20))  # no record starts in it (zeros would be preallocated space, not searched)
     searched = []
     real = segments.resync
 
-    def counting(seg, pos):
+    def counting(seg, pos, limit=None):
         searched.append(seg.end - pos)
-        return real(seg, pos)
+        return real(seg, pos, limit)
 
     monkeypatch.setattr(segments, "resync", counting)
     with StoreReader(d) as r:

@@ -120,8 +120,11 @@ def _verify(path: Path) -> dict[str, Any]:
     cut_at: int | None = None
     cut_why = ""
     gaps: dict[int, int] = {}
-    for (a, alen), (b, _) in zip(segs, segs[1:]):
+    for i, ((a, alen), (b, _)) in enumerate(zip(segs, segs[1:])):
         a_end = a + alen
+        if a_end > b and _zeros_from(cl_dir / offset_name(a), b - a):
+            segs[i] = (a, b - a)  # preallocated zeros a crash left in a sealed segment: the next start cuts them
+            continue
         if a_end > b:
             cut_at, cut_why = a_end, f"segment overlap at {b}: previous segment ends at {a_end}"
             break
@@ -138,6 +141,10 @@ def _verify(path: Path) -> dict[str, Any]:
         records = 0
         log_ends: dict[tuple[str, int], int] = {}  # per queue: 1 + the highest queue offset a record has
         valid_end = reader.max_offset
+        # zeros after the last segment's data are space the broker preallocated, not a torn tail
+        data_end, preallocated = reader.files_end, reader.preallocated
+        if segs and preallocated:
+            segs[-1] = (segs[-1][0], segs[-1][1] - preallocated)
         for rec in reader.scan():
             if cut_at is not None and rec.commit_log_offset >= cut_at:
                 break
@@ -153,7 +160,7 @@ def _verify(path: Path) -> dict[str, Any]:
                 cut_at, cut_why = d.offset, d.reason
                 continue
             damaged.append((d.offset, d.length or 0, d.reason))
-        if cut_at is None and valid_end < files_end:
+        if cut_at is None and valid_end < data_end:
             cut_at = valid_end
             cut_why = "the last segment ends inside a record (a torn write)"
         if reader.damage.count > len(reader.damage.places):
@@ -278,10 +285,21 @@ def _verify(path: Path) -> dict[str, Any]:
         "records": records,
         "segments": len(segs),
         "queues": len(keys),
-        "log": {"min_offset": segs[0][0] if segs else 0, "end": files_end, "valid_end": valid_end},
+        "log": {"min_offset": segs[0][0] if segs else 0, "end": data_end, "valid_end": valid_end, "preallocated": preallocated},
         "quarantine": quarantine,
         "broker_running": broker_running(path),
     }
+
+
+def _zeros_from(path: Path, pos: int) -> bool:
+    """Every byte of the file from pos on is zero."""
+    from txmq.store.segments import nonzero_end
+
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return nonzero_end(fd, pos, os.fstat(fd).st_size) == pos
+    finally:
+        os.close(fd)
 
 
 def _runs(bad: list[tuple[int, int, str]]) -> list[list[tuple[int, int, str]]]:
