@@ -42,9 +42,10 @@ class Rmq:
 
     async def receive(self, group: str = G, topic: str = T, queue_id: int = -1, batch: int = 32, invisible: float | None = 30,
                       poll: float | None = 0, expression: str = "*", ftype: int = d.TAG, timeout: float = 10,
-                      auto_renew: bool = False) -> tuple[d.Status, list[d.Message], list[s.ReceiveMessageResponse]]:
+                      auto_renew: bool = False, namespace: str = "") -> tuple[d.Status, list[d.Message], list[s.ReceiveMessageResponse]]:
         req = s.ReceiveMessageRequest(batch_size=batch, auto_renew=auto_renew)
         req.group.name = group
+        req.group.resource_namespace = namespace
         req.message_queue.topic.name = topic
         req.message_queue.id = queue_id
         req.filter_expression.type = ftype
@@ -417,6 +418,7 @@ BAD = [
     (dict(invisible=-1), d.Code.ILLEGAL_INVISIBLE_TIME),
     (dict(invisible=100 * 3600), d.Code.ILLEGAL_INVISIBLE_TIME),
     (dict(poll=-1), d.Code.ILLEGAL_POLLING_TIME),
+    (dict(namespace="ns"), d.Code.ILLEGAL_CONSUMER_GROUP),
 ]
 
 

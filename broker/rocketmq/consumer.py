@@ -41,6 +41,18 @@ def _seconds(duration: Any) -> float:
     return duration.seconds + duration.nanos / 1e9
 
 
+def _group(resource: Any) -> str:
+    if resource.resource_namespace:
+        raise PopError("ILLEGAL_CONSUMER_GROUP", "namespaces (resource_namespace) are not supported by txmq: leave it empty")
+    return check_group(resource.name)
+
+
+def _topic(resource: Any) -> str:
+    if resource.resource_namespace:
+        raise PopError("ILLEGAL_TOPIC", "namespaces (resource_namespace) are not supported by txmq: leave it empty")
+    return resource.name
+
+
 def _client_id(context: Any) -> str:
     try:
         for key, value in context.invocation_metadata() or ():
@@ -120,9 +132,9 @@ class ReceiveFrontend:
         yield ts
 
     def _receive_args(self, request: s.ReceiveMessageRequest, context: Any):
-        group = check_group(request.group.name)
+        group = _group(request.group)
         mq = request.message_queue
-        topic = mq.topic.name
+        topic = _topic(mq.topic)
         fe = request.filter_expression
         if fe.type == d.SQL:
             raise PopError("UNSUPPORTED", "SQL92 filter expressions are not supported by txmq: use a TAG expression")
@@ -154,7 +166,8 @@ class ReceiveFrontend:
         """Per-entry status; the top-level one is OK when all are, the one entry's, else MULTIPLE_RESULTS."""
         out = s.AckMessageResponse()
         try:
-            group = check_group(request.group.name)
+            group = _group(request.group)
+            topic = _topic(request.topic)
             if not request.entries:
                 raise PopError("BAD_REQUEST", "no entries to acknowledge")
             if len(request.entries) > MAX_ACK_ENTRIES:
@@ -162,7 +175,6 @@ class ReceiveFrontend:
         except PopError as exc:
             out.status.code, out.status.message = _code(exc.code), exc.message
             return out
-        topic = request.topic.name
         failed = 0
         for entry in request.entries:
             r = out.entries.add(message_id=entry.message_id, receipt_handle=entry.receipt_handle)
@@ -187,9 +199,9 @@ class ReceiveFrontend:
         """The new receipt handle; on a refusal the request's handle comes back (the SDKs store whatever is returned)."""
         out = s.ChangeInvisibleDurationResponse(receipt_handle=request.receipt_handle)
         try:
-            group = check_group(request.group.name)
+            group, topic = _group(request.group), _topic(request.topic)
             seconds = _seconds(request.invisible_duration)
-            out.receipt_handle = self.pop.change_invisible(group, request.topic.name, request.receipt_handle, seconds)
+            out.receipt_handle = self.pop.change_invisible(group, topic, request.receipt_handle, seconds)
         except PopError as exc:
             out.status.code, out.status.message = _code(exc.code), exc.message
             return out
@@ -200,8 +212,8 @@ class ReceiveFrontend:
     async def forward_to_dlq(self, request: s.ForwardMessageToDeadLetterQueueRequest, context: Any) -> s.ForwardMessageToDeadLetterQueueResponse:
         out = s.ForwardMessageToDeadLetterQueueResponse()
         try:
-            group = check_group(request.group.name)
-            await self.pop.forward_to_dlq(group, request.topic.name, request.receipt_handle)
+            group, topic = _group(request.group), _topic(request.topic)
+            await self.pop.forward_to_dlq(group, topic, request.receipt_handle)
         except PopError as exc:
             out.status.code, out.status.message = _code(exc.code), exc.message
             return out
