@@ -328,6 +328,20 @@ def test_a_transactional_send_is_pending_under_its_topic_as_group_then_committed
     with_frontend(tmp_path, body)
 
 
+def test_a_half_message_sent_again_with_its_id_gets_the_first_receipt_until_it_is_decided(tmp_path):
+    async def body(b, stub, ch):
+        first = await send_half(stub, "orders", b"once", "TX0000RS")
+        again = await send_half(stub, "orders", b"once", "TX0000RS")  # the SDK's retry after a lost answer
+        assert again.transaction_id == first.transaction_id and again.offset == first.offset
+        assert len(b.core.tx.index.pending) == 1
+        assert (await end(stub, "orders", again, d.COMMIT)).status.code == OK
+        r = await stub.SendMessage(s.SendMessageRequest(messages=[message("orders", b"once", "TX0000RS", d.TRANSACTION)]), metadata=MD)
+        assert r.status.code == d.BAD_REQUEST and "already in use" in r.status.message
+        assert [m.body for m in await native_read(b, "orders", 2, timeout=1.0)] == [b"once"]
+
+    with_frontend(tmp_path, body)
+
+
 def test_an_operator_resolves_an_sdk_transaction_and_the_sdk_end_then_agrees_or_is_refused(tmp_path):
     async def body(b, stub, ch):
         core = b.core

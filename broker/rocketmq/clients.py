@@ -49,7 +49,7 @@ _ids = itertools.count(1 << 40)
 
 MAX_QUEUED = 4096  # commands waiting to be written on one stream
 MAX_QUEUED_BYTES = 64 << 20  # their bytes
-MAX_TOPICS = 1024  # topics one producer's settings may name
+MAX_TOPICS = 128  # topics one producer's settings may name (each is a registry entry per stream)
 MAX_CLIENTS = 100_000  # client entries kept (one per client id); idle ones are dropped beyond it
 CLIENT_IDLE_S = 300.0  # a client with no open stream and no request for this long may be dropped
 

@@ -75,6 +75,12 @@ async def send_message(core: BrokerCore, req: s.SendMessageRequest) -> s.SendMes
     if transactional and len(out) > 1:
         raise RmqError(Code.BAD_REQUEST, "transactional messages cannot be sent in a batch")
     resp = s.SendMessageResponse()
+    if len(out) == 1 and out[0].transactional and out[0].message_id:
+        again = _sent_before(core, topic, out[0].message_id)
+        if again is not None:
+            resp.entries.append(again)
+            resp.status.CopyFrom(ok())
+            return resp
     if len(out) == 1:
         o = out[0]
         props = dict(o.properties)
@@ -104,6 +110,24 @@ async def send_message(core: BrokerCore, req: s.SendMessageRequest) -> s.SendMes
             e.offset = row["queue_offset"]
     resp.status.CopyFrom(ok())
     return resp
+
+
+def _sent_before(core: BrokerCore, topic: str, message_id: str) -> s.SendResultEntry | None:
+    """The receipt of a half message this client already stored under message_id, if it is still pending.
+
+    RocketMQ's SDKs send a half message again, with the same message id,
+    when its answer did not come in time; the first may have been stored.
+    Its transaction is then pending under that id in the same topic: the
+    second send gets the first's receipt instead of a refusal (an id in use
+    otherwise is refused, as for native producers).
+    """
+    if not core.tx_ready.is_set() or core.tx_error is not None:
+        return None
+    p = core.tx.index.pending.get(message_id)
+    if p is None or p.topic != topic or p.group != topic:
+        return None
+    return s.SendResultEntry(status=ok(), message_id=message_id, transaction_id=transaction_id(message_id, p.cl_offset, p.half_offset),
+                             offset=p.half_offset)
 
 
 def send_failed(req: s.SendMessageRequest, exc: BaseException) -> s.SendMessageResponse:

@@ -16,7 +16,7 @@ import logging
 from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from . import producer
-from .clients import Client, TelemetryStream, answer_settings
+from .clients import MAX_TOPICS, Client, TelemetryStream, answer_settings
 from .pb import definition_pb2 as d
 from .pb import service_pb2 as s
 from .settings import FrontendSettings
@@ -148,10 +148,10 @@ class MessagingService:
             client.topics = ()
         else:
             topics = []
-            for r in got.publishing.topics[: 1 + _MAX_TOPICS]:
+            for r in got.publishing.topics[: 1 + MAX_TOPICS]:
                 topics.append(producer.topic_of(r, "publishing topic"))
-            if len(topics) > _MAX_TOPICS:
-                raise RmqError(Code.BAD_REQUEST, f"a producer may publish to at most {_MAX_TOPICS} topics")
+            if len(topics) > MAX_TOPICS:
+                raise RmqError(Code.BAD_REQUEST, f"a producer may publish to at most {MAX_TOPICS} topics")
             client.topics = tuple(dict.fromkeys(topics))
             client.group = ""
         answer = answer_settings(client, got, self.settings)
@@ -206,8 +206,6 @@ class MessagingService:
     async def SyncLiteSubscription(self, req: s.SyncLiteSubscriptionRequest, context: Any) -> s.SyncLiteSubscriptionResponse:  # noqa: N802
         raise unsupported("SyncLiteSubscription (lite topics)")
 
-
-_MAX_TOPICS = 1024
 
 
 def group_of(resource: d.Resource) -> str:
