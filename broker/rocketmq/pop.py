@@ -245,6 +245,10 @@ class PopService:
         self.slots = 0  # over all subscriptions
         self._tasks: set[asyncio.Task] = set()
         self.closed = False
+        # Long polls: the receives waiting per topic, and one future per topic in the core's long-poll
+        # table (core.notify_appended wakes it) standing for all of them, whatever their number.
+        self._topic_waiters: dict[str, set[asyncio.Future]] = {}
+        self._armed: dict[str, tuple[asyncio.Future, int]] = {}
         self.counters: dict[str, int] = {"delivered": 0, "redelivered": 0, "acked": 0, "changed": 0, "expired": 0,
                                          "renewed": 0, "dead_lettered": 0, "filtered": 0}
 
@@ -517,27 +521,63 @@ class PopService:
         """Until a message is appended to the topic, one is settled or made ready, a deadline passes, or remaining."""
         if sub.heap:
             remaining = min(remaining, max(0.001, sub.heap[0][0] - self.now()))
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-        keys = [(sub.topic, q) for q in range(n)]
-        pollers = self.core._pollers  # woken by core.notify_appended, like the native long poll
-        for k in keys:
-            pollers[k].append(fut)
+        fut = asyncio.get_running_loop().create_future()
+        topic = sub.topic
+        self._topic_waiters.setdefault(topic, set()).add(fut)
         sub.waiters.add(fut)
+        self._arm(topic, n)
         try:
             await asyncio.wait((fut,), timeout=remaining)
         finally:
             sub.waiters.discard(fut)
-            pollers = self.core._pollers
-            for k in keys:
-                lst = pollers.get(k)
-                if lst:
-                    try:
-                        lst.remove(fut)
-                    except ValueError:
-                        pass
-                    if not lst:
-                        del pollers[k]
+            waiters = self._topic_waiters.get(topic)
+            if waiters is not None:
+                waiters.discard(fut)
+                if not waiters:
+                    del self._topic_waiters[topic]
+                    self._disarm(topic)
+
+    def _arm(self, topic: str, n: int) -> None:
+        """One future in the core's long-poll table for each queue of topic, woken by core.notify_appended."""
+        armed = self._armed.get(topic)
+        if armed is not None and not armed[0].done() and armed[1] >= n:
+            return
+        if armed is not None:
+            self._disarm(topic)
+        fut = asyncio.get_running_loop().create_future()
+        self._armed[topic] = (fut, n)
+        pollers = self.core._pollers
+        for q in range(n):
+            pollers[(topic, q)].append(fut)
+        fut.add_done_callback(lambda f: self._fired(topic, f, n))
+
+    def _fired(self, topic: str, fut: asyncio.Future, n: int) -> None:
+        armed = self._armed.get(topic)
+        if armed is not None and armed[0] is fut:
+            del self._armed[topic]
+        self._unlist(topic, fut, n)
+        for w in self._topic_waiters.get(topic, ()):
+            if not w.done():
+                w.set_result(None)
+
+    def _disarm(self, topic: str) -> None:
+        armed = self._armed.pop(topic, None)
+        if armed is not None:
+            self._unlist(topic, armed[0], armed[1])
+            if not armed[0].done():
+                armed[0].cancel()
+
+    def _unlist(self, topic: str, fut: asyncio.Future, n: int) -> None:
+        pollers = self.core._pollers
+        for q in range(n):
+            lst = pollers.get((topic, q))
+            if lst:
+                try:
+                    lst.remove(fut)
+                except ValueError:
+                    pass
+                if not lst:
+                    del pollers[(topic, q)]
 
     # ---- settling --------------------------------------------------------
     def _find(self, group: str, topic: str, handle: str) -> tuple[Subscription, QueueState, int, Slot]:
