@@ -443,6 +443,7 @@ def test_bad_receive_requests_are_refused_with_a_code(tmp_path):
             cases = [
                 (("bad group!", T, -1, None, 1, 30, 0), "ILLEGAL_CONSUMER_GROUP"),
                 (("", T, -1, None, 1, 30, 0), "ILLEGAL_CONSUMER_GROUP"),
+                (("g" * 123, T, -1, None, 1, 30, 0), "ILLEGAL_CONSUMER_GROUP"),  # %DLQ%<group> would be too long
                 ((G, "no-such-topic", -1, None, 1, 30, 0), "TOPIC_NOT_FOUND"),
                 ((G, "bad/topic", -1, None, 1, 30, 0), "ILLEGAL_TOPIC"),
                 ((G, T, 4, None, 1, 30, 0), "BAD_REQUEST"),
@@ -461,6 +462,8 @@ def test_bad_receive_requests_are_refused_with_a_code(tmp_path):
                 assert e.value.code == code, (args, e.value)
             (d,) = await pop.receive(G, T, -1, None, 1, 30, 0)  # still serving
             assert d.record.body == b"m0"
+            (d,) = await pop.receive("g" * 122, T, -1, None, 1, 30, 0)
+            await pop.forward_to_dlq("g" * 122, T, d.receipt_handle)
             await c.close()
 
     arun(go())

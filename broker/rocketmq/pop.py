@@ -58,8 +58,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("txmq.broker.rocketmq")
 
-GROUP_RE = re.compile(r"^[%a-zA-Z0-9_-]{1,255}$")
 DLQ_PREFIX = "%DLQ%"
+MAX_GROUP_LEN = 127 - len(DLQ_PREFIX)  # so that %DLQ%<group> is a topic name (at most 127 characters)
+GROUP_RE = re.compile(rf"^[%a-zA-Z0-9_-]{{1,{MAX_GROUP_LEN}}}$")
 PROP_DLQ_ORIGIN_TOPIC = "DLQ_ORIGIN_TOPIC"
 PROP_DLQ_ORIGIN_MESSAGE_ID = "DLQ_ORIGIN_MESSAGE_ID"
 PROP_DLQ_ORIGIN_QUEUE = "TXMQ_DLQ_ORIGIN_QUEUE"  # "<queue id>:<queue offset>" of the message given up
@@ -208,7 +209,8 @@ def parse_tags(expression: str | None) -> frozenset[str] | None:
 
 def check_group(group: str) -> str:
     if not GROUP_RE.match(group or ""):
-        raise PopError("ILLEGAL_CONSUMER_GROUP", f"consumer group {group!r} must match ^[%a-zA-Z0-9_-]{{1,255}}$")
+        raise PopError("ILLEGAL_CONSUMER_GROUP", f"consumer group {group[:200]!r} must be 1 to {MAX_GROUP_LEN} of the characters "
+                       "%a-zA-Z0-9_- (its dead-letter topic %DLQ%<group> is a topic name)")
     return group
 
 
