@@ -522,3 +522,28 @@ def test_auto_renew_keeps_a_message_invisible_while_its_client_lives(tmp_path):
             await c.close()
 
     arun(go())
+
+
+def test_messages_deleted_by_retention_are_skipped_and_their_handles_refused(tmp_path):
+    async def go():
+        async with running_broker(tmp_path / "d", segment_size=4096, cq_entries_per_file=8) as b:
+            c = await RawClient.open(b.address)
+            await send(c, 100)
+            pop = PopService(b.core)
+            held = await pop.receive(G, T, 0, None, 3, 300, 0)
+            assert [d.record.queue_offset for d in held] == [0, 1, 2]
+            await b.core.flusher.wait_persisted()
+            b.core.store.checkpoint()
+            deleted = b.core.store.delete_expired(time.time() + 10**7, b.core.store.max_offset)
+            assert deleted
+            lo = b.core.store.queue_min_offset(T, 0)
+            assert lo > 3
+            got = await pop.receive(G, T, 0, None, 2, 300, 0)
+            assert [d.record.queue_offset for d in got] == [lo, lo + 1]
+            assert codes(lambda: pop.ack(G, T, held[0].receipt_handle)) == "INVALID_RECEIPT_HANDLE"
+            for d in got:
+                pop.ack(G, T, d.receipt_handle)
+            assert b.core.offsets.get(G, T, 0) == lo + 2
+            await c.close()
+
+    arun(go())
