@@ -76,3 +76,24 @@ def test_node_sdk_messages_and_native_messages_cross_over(sdk_node, broker, tmp_
     assert received["native-plain"]["tag"] == "native"
     assert received["native-plain"]["properties"].get("origin") == "txmq"
     assert all(not m["corrupted"] for m in got["received"])
+
+
+def test_node_sdk_push_consumer_gets_a_failed_message_again(sdk_node, broker, tmp_path):
+    b, endpoint = broker
+    topic = "NodeSdkPush"
+    for body in ("push-0", "push-1", "retry-me"):
+        ok(txmq("send", topic, body, "--tag", "native", broker=b.address))
+    r = node_scenario(sdk_node, "push", tmp_path / "home", "--endpoint", endpoint, "--topic", topic, "--group", "node-push",
+                      "--expect", "3", "--fail-first", "retry-me")
+    assert r["all_consumed"], r["deliveries"]
+    by_body: dict[str, list] = {}
+    for d in r["deliveries"]:
+        by_body.setdefault(d["body"], []).append(d)
+    assert sorted(by_body) == ["push-0", "push-1", "retry-me"]
+    retry = by_body["retry-me"]
+    assert [d["result"] for d in retry] == ["FAILURE", "SUCCESS"]
+    assert retry[0]["delivery_attempt"] == 1 and retry[1]["delivery_attempt"] == 2
+    assert retry[0]["message_id"] == retry[1]["message_id"]
+    for body in ("push-0", "push-1"):
+        assert [(d["result"], d["delivery_attempt"]) for d in by_body[body]] == [("SUCCESS", 1)]
+    assert not any(d["corrupted"] for d in r["deliveries"])

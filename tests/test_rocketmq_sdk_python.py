@@ -64,3 +64,44 @@ def test_python_sdk_commit_rollback_and_check_back_deliver_exactly_the_committed
     assert [t for t in lines(ok(txmq("inspect", "half", "--topic", topic, "-o", "jsonl", broker=b.address)))] == []
     stored = lines(ok(txmq("read", topic, "-o", "jsonl", broker=b.address)))
     assert sorted(m["body"] for m in stored) == sorted([commit, orphan])
+
+
+def _send_native(b, topic: str, *bodies: str) -> None:
+    for body in bodies:
+        ok(txmq("send", topic, body, "--tag", "native", broker=b.address))
+
+
+def test_python_sdk_push_consumer_gets_a_failed_message_again_with_the_next_delivery_attempt(sdk_python, broker, tmp_path):
+    b, endpoint = broker
+    topic = "PySdkPush"
+    _send_native(b, topic, "push-0", "push-1", "retry-me")
+    r = python_scenario(sdk_python, "push", tmp_path / "home", "--endpoint", endpoint, "--topic", topic, "--group", "py-push",
+                        "--expect", "3", "--fail-first", "retry-me")
+    assert r["all_consumed"], r["deliveries"]
+    by_body: dict[str, list] = {}
+    for d in r["deliveries"]:
+        by_body.setdefault(d["body"], []).append(d)
+    assert sorted(by_body) == ["push-0", "push-1", "retry-me"]
+    assert [(d["result"], d["delivery_attempt"]) for d in by_body["retry-me"]] == [("FAILURE", 1), ("SUCCESS", 2)]
+    assert len({d["message_id"] for d in by_body["retry-me"]}) == 1
+    for body in ("push-0", "push-1"):
+        assert [(d["result"], d["delivery_attempt"]) for d in by_body[body]] == [("SUCCESS", 1)]
+    assert not any(d["corrupted"] for d in r["deliveries"])
+    # everything acked: the group is caught up
+    r2 = python_scenario(sdk_python, "receive", tmp_path / "home2", "--endpoint", endpoint, "--topic", topic, "--group", "py-push",
+                         "--expect", "0", "--settle", "1")
+    assert r2["received"] == []
+
+
+def test_python_sdk_change_invisible_duration_brings_a_message_back_under_a_new_receipt_handle(sdk_python, broker, tmp_path):
+    b, endpoint = broker
+    topic = "PySdkInvisible"
+    _send_native(b, topic, "come-back")
+    r = python_scenario(sdk_python, "invisible", tmp_path / "home", "--endpoint", endpoint, "--topic", topic, "--group", "py-inv")
+    (first,) = r["first"]
+    assert (first["body"], first["delivery_attempt"]) == ("come-back", 1)
+    assert r["handle_changed"]
+    (again,) = r["again"]
+    assert (again["body"], again["message_id"], again["delivery_attempt"]) == ("come-back", first["message_id"], 2)
+    assert r["again_after_s"] < 10, "the message was invisible for 30 s, not the 1 s it was changed to"
+    assert r["rest"] == []

@@ -6,7 +6,7 @@
 // process exits even if an SDK timer or stream would keep it alive.
 //
 // Scenarios: transactions (commit, rollback, an orphan resolved by the checker through a check-back, then a
-// SimpleConsumer receives exactly the committed ones), send, receive.
+// SimpleConsumer receives exactly the committed ones), send, receive, push (a PushConsumer, one failed delivery).
 'use strict';
 
 const path = require('node:path');
@@ -172,6 +172,33 @@ async function receive(sdk, args) {
   RESULT.shutdown = true;
 }
 
+// A PushConsumer (QueryAssignment, long-polling receives, ack; a FAILURE is a ChangeInvisibleDuration) consumes
+// --expect messages; the first delivery of --fail-first fails, so it must come again with a higher delivery attempt.
+async function push(sdk, args) {
+  const deliveries = [];
+  const consumer = new sdk.PushConsumer({
+    endpoints: args.endpoint, namespace: '', consumerGroup: args.group, requestTimeout: args.requestTimeout,
+    subscriptions: new Map([[ args.topic, '*' ]]),
+    messageListener: {
+      async consume(messageView) {
+        const v = view(messageView);
+        const first = !deliveries.some(d => d.body === v.body);
+        v.result = v.body === args.failFirst && first ? 'FAILURE' : 'SUCCESS';
+        deliveries.push(v);
+        return v.result === 'FAILURE' ? sdk.ConsumeResult.FAILURE : sdk.ConsumeResult.SUCCESS;
+      },
+    },
+  });
+  await consumer.startup();
+  RESULT.consumer_started = true;
+  const succeeded = () => new Set(deliveries.filter(d => d.result === 'SUCCESS').map(d => d.body)).size;
+  RESULT.all_consumed = await waitUntil(() => succeeded() >= args.expect, args.receiveWait);
+  await sleep(args.settle);
+  RESULT.deliveries = deliveries;
+  await consumer.shutdown();
+  RESULT.shutdown = true;
+}
+
 async function main() {
   const args = parseArgs(process.argv.slice(2));
   RESULT.scenario = args.scenario;
@@ -181,7 +208,7 @@ async function main() {
     finish(3);
   }, args.deadline).unref();
   const sdk = require(path.join(args.sdk, 'node_modules', 'rocketmq-client-nodejs'));
-  const scenarios = { transactions, send, receive };
+  const scenarios = { transactions, send, receive, push };
   if (!scenarios[args.scenario]) throw new Error(`unknown scenario ${args.scenario}`);
   await scenarios[args.scenario](sdk, args);
 }

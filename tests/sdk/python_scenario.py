@@ -9,6 +9,8 @@ tests assert on it. Every scenario has a deadline and exits (os._exit) even if a
     python python_scenario.py half --endpoint ... --topic T [--checker unknown|none] [--wait-checks N]
     python python_scenario.py send --endpoint ... --topic T --count N
     python python_scenario.py receive --endpoint ... --topic T --group G --expect N [--settle S]
+    python python_scenario.py push --endpoint ... --topic T --group G --expect N [--fail-first BODY]
+    python python_scenario.py invisible --endpoint ... --topic T --group G
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ import threading
 import time
 import traceback
 
-from rocketmq import (ClientConfiguration, Credentials, FilterExpression, Message, Producer, SimpleConsumer,
-                      TransactionChecker, TransactionResolution)
+from rocketmq import (ClientConfiguration, ConsumeResult, Credentials, FilterExpression, Message, MessageListener, Producer,
+                      PushConsumer, SimpleConsumer, TransactionChecker, TransactionResolution)
 
 RESULT: dict = {"errors": []}
 
@@ -211,9 +213,80 @@ def scenario_receive(args) -> None:
     RESULT["shutdown"] = True
 
 
+class RecordingListener(MessageListener):
+    """A PushConsumer listener that fails the first delivery of --fail-first and succeeds everything else."""
+
+    def __init__(self, fail_first: str | None) -> None:
+        self.fail_first = fail_first
+        self.deliveries: list[dict] = []
+        self.lock = threading.Lock()
+
+    def consume(self, m) -> ConsumeResult:
+        v = view(m)
+        with self.lock:
+            first = not any(d["body"] == v["body"] for d in self.deliveries)
+            v["result"] = "FAILURE" if v["body"] == self.fail_first and first else "SUCCESS"
+            self.deliveries.append(v)
+        return ConsumeResult.FAILURE if v["result"] == "FAILURE" else ConsumeResult.SUCCESS
+
+    def succeeded(self) -> int:
+        """How many different messages the listener consumed successfully."""
+        with self.lock:
+            return len({d["body"] for d in self.deliveries if d["result"] == "SUCCESS"})
+
+
+def scenario_push(args) -> None:
+    """A PushConsumer (QueryAssignment, long-polling receives, ack; a FAILURE is a ChangeInvisibleDuration) receives
+    --expect messages; the first delivery of --fail-first fails, so it must come again with delivery_attempt 2."""
+    listener = RecordingListener(args.fail_first)
+    consumer = PushConsumer(config(args), args.group, listener, {args.topic: FilterExpression()})
+    consumer.startup()
+    RESULT["consumer_started"] = True
+    RESULT["all_consumed"] = wait_until(lambda: listener.succeeded() >= args.expect, args.receive_wait)
+    time.sleep(args.settle)
+    with listener.lock:
+        RESULT["deliveries"] = list(listener.deliveries)
+    consumer.shutdown()
+    RESULT["shutdown"] = True
+
+
+def scenario_invisible(args) -> None:
+    """SimpleConsumer: receive one message (invisible for 30 s), make it visible again in 1 s with
+    ChangeInvisibleDuration (a new receipt handle), receive it again (delivery attempt 2), ack it with the new
+    handle; then nothing is left."""
+    consumer = SimpleConsumer(config(args), args.group, {args.topic: FilterExpression()}, await_duration=args.await_duration)
+    consumer.startup()
+    first: list = []
+    end = time.monotonic() + args.receive_wait
+    while not first and time.monotonic() < end:
+        first = consumer.receive(1, 30)
+    RESULT["first"] = [view(m) for m in first]
+    if not first:
+        raise RuntimeError("nothing to receive")
+    m = first[0]
+    old_handle = m.receipt_handle
+    consumer.change_invisible_duration(m, 1)
+    RESULT["handle_changed"] = bool(m.receipt_handle) and m.receipt_handle != old_handle
+    t0 = time.monotonic()
+    again: list = []
+    while not again and time.monotonic() - t0 < args.receive_wait:
+        again = consumer.receive(1, 30)
+    RESULT["again_after_s"] = round(time.monotonic() - t0, 2)
+    RESULT["again"] = [view(x) for x in again]
+    for x in again:
+        consumer.ack(x)
+    rest: list = []
+    end = time.monotonic() + args.settle
+    while time.monotonic() < end:
+        rest += consumer.receive(16, 30)
+    RESULT["rest"] = [view(x) for x in rest]
+    consumer.shutdown()
+    RESULT["shutdown"] = True
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("scenario", choices=["transactions", "half", "send", "receive"])
+    p.add_argument("scenario", choices=["transactions", "half", "send", "receive", "push", "invisible"])
     p.add_argument("--endpoint", required=True)
     p.add_argument("--topic", required=True)
     p.add_argument("--group", default="sdk-consumers")
@@ -221,6 +294,7 @@ def main() -> None:
     p.add_argument("--count", type=int, default=3)
     p.add_argument("--expect", type=int, default=1)
     p.add_argument("--wait-checks", type=int, default=0)
+    p.add_argument("--fail-first", help="push: the body whose first delivery the listener fails")
     p.add_argument("--await-duration", type=int, default=3, help="SimpleConsumer long polling, seconds")
     p.add_argument("--request-timeout", type=int, default=5, help="SDK request timeout, seconds")
     p.add_argument("--check-wait", type=float, default=30.0, help="seconds to wait for check-backs")
@@ -232,7 +306,7 @@ def main() -> None:
     watchdog(args.deadline)
     try:
         {"transactions": scenario_transactions, "half": scenario_half, "send": scenario_send,
-         "receive": scenario_receive}[args.scenario](args)
+         "receive": scenario_receive, "push": scenario_push, "invisible": scenario_invisible}[args.scenario](args)
     except BaseException as e:  # noqa: BLE001 - reported to the test, which fails on it
         RESULT["errors"].append(f"{type(e).__name__}: {e}")
         RESULT["traceback"] = traceback.format_exc()
