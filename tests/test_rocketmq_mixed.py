@@ -116,3 +116,19 @@ def test_native_client_messages_reach_the_sdk_simple_consumer(sdk_python, broker
     assert plain["keys"] == ["nk1"]
     assert plain["properties"].get("origin") == "txmq"
     assert all(not m["corrupted"] and m["message_id"] for m in got["received"])
+
+
+def test_orphan_of_a_crashed_sdk_producer_is_resolved_by_another_producer_of_its_topic(sdk_python, broker, tmp_path):
+    b, endpoint = broker
+    topic = "MixedCrashedProducer"
+    body = f"orphan-of-crash-{topic}"
+    r = python_scenario(sdk_python, "half", tmp_path / "home", "--endpoint", endpoint, "--topic", topic, "--body", body, "--crash")
+    (row,) = wait_for(lambda: _pending(b, topic), what="the crashed producer's half message in `txmq inspect half`")
+    assert lines(ok(txmq("read", topic, "-o", "jsonl", broker=b.address))) == []
+    # the topic is the SDK producers' group: a new producer of the topic is asked about the orphan and commits it
+    c = python_scenario(sdk_python, "checker", tmp_path / "home2", "--endpoint", endpoint, "--topic", topic, "--body", body)
+    assert c["checked"], c["checks"]
+    assert c["checks"][0]["message_id"] == r["sent"]["message_id"]
+    wait_for(lambda: _pending(b, topic) == [], what="the transaction to be decided")
+    (m,) = lines(ok(txmq("read", topic, "-o", "jsonl", broker=b.address)))
+    assert m["body"] == body and m["tx_id"] == row["tx_id"]

@@ -6,7 +6,8 @@ which cannot share a process with txmq's. It prints one JSON object on its last 
 tests assert on it. Every scenario has a deadline and exits (os._exit) even if an SDK thread hangs.
 
     python python_scenario.py transactions --endpoint 127.0.0.1:PORT --topic T --group G
-    python python_scenario.py half --endpoint ... --topic T [--checker unknown|none] [--wait-checks N]
+    python python_scenario.py half --endpoint ... --topic T [--wait-checks N] [--crash]
+    python python_scenario.py checker --endpoint ... --topic T --body BODY
     python python_scenario.py send --endpoint ... --topic T --count N
     python python_scenario.py receive --endpoint ... --topic T --group G --expect N [--settle S]
     python python_scenario.py push --endpoint ... --topic T --group G --expect N [--fail-first BODY]
@@ -175,6 +176,20 @@ def scenario_half(args) -> None:
     if args.wait_checks:
         RESULT["checked_enough"] = wait_until(lambda: checker.count(body) >= args.wait_checks, args.check_wait)
     RESULT["checks"] = list(checker.checks)
+    if args.crash:
+        finish(0)  # no shutdown, no NotifyClientTermination: the process just ends and its connections drop
+    producer.shutdown()
+    RESULT["shutdown"] = True
+
+
+def scenario_checker(args) -> None:
+    """A producer of --topic that sends nothing: its checker commits --body when the broker asks about it."""
+    checker = RecordingChecker({args.body: TransactionResolution.COMMIT})
+    producer = Producer(config(args), (args.topic,), checker)
+    producer.startup()
+    RESULT["checked"] = wait_until(lambda: checker.count(args.body) > 0, args.check_wait)
+    time.sleep(0.5)  # let the EndTransaction(source=SOURCE_SERVER_CHECK) reach the broker
+    RESULT["checks"] = list(checker.checks)
     producer.shutdown()
     RESULT["shutdown"] = True
 
@@ -286,7 +301,7 @@ def scenario_invisible(args) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("scenario", choices=["transactions", "half", "send", "receive", "push", "invisible"])
+    p.add_argument("scenario", choices=["transactions", "half", "checker", "send", "receive", "push", "invisible"])
     p.add_argument("--endpoint", required=True)
     p.add_argument("--topic", required=True)
     p.add_argument("--group", default="sdk-consumers")
@@ -294,6 +309,7 @@ def main() -> None:
     p.add_argument("--count", type=int, default=3)
     p.add_argument("--expect", type=int, default=1)
     p.add_argument("--wait-checks", type=int, default=0)
+    p.add_argument("--crash", action="store_true", help="half: end the process without shutting the producer down")
     p.add_argument("--fail-first", help="push: the body whose first delivery the listener fails")
     p.add_argument("--await-duration", type=int, default=3, help="SimpleConsumer long polling, seconds")
     p.add_argument("--request-timeout", type=int, default=5, help="SDK request timeout, seconds")
@@ -305,7 +321,7 @@ def main() -> None:
     RESULT["scenario"] = args.scenario
     watchdog(args.deadline)
     try:
-        {"transactions": scenario_transactions, "half": scenario_half, "send": scenario_send,
+        {"transactions": scenario_transactions, "half": scenario_half, "checker": scenario_checker, "send": scenario_send,
          "receive": scenario_receive, "push": scenario_push, "invisible": scenario_invisible}[args.scenario](args)
     except BaseException as e:  # noqa: BLE001 - reported to the test, which fails on it
         RESULT["errors"].append(f"{type(e).__name__}: {e}")
