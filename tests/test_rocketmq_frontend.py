@@ -508,3 +508,13 @@ def test_tls_serves_with_the_given_certificate(tmp_path):
                     await g.MessagingServiceStub(ch).QueryRoute(s.QueryRouteRequest(topic=d.Resource(name="orders")), metadata=MD, timeout=3)
 
     arun(go())
+
+
+@pytest.mark.parametrize("language, form", [(d.PYTHON, "{:08X}"), (d.NODE_JS, "{}"), (d.GOLANG, "{:x}"), (d.JAVA, "{:X}"),
+                                            (d.LANGUAGE_UNSPECIFIED, "{:X}")])
+def test_body_digest_is_written_as_each_sdk_compares_it(language, form):
+    body = b"\x00" * 13  # its CRC32 has a leading zero digit: where the forms differ
+    crc = zlib.crc32(body)
+    assert crc < 0x10000000
+    dg = body_digest(body, language)
+    assert dg.type == d.CRC32 and dg.checksum == form.format(crc)

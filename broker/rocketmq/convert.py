@@ -77,15 +77,18 @@ def body_digest(body: bytes, language: int = d.LANGUAGE_UNSPECIFIED) -> d.Digest
     count a mismatch as a corrupted message, but they do not write the CRC32
     the same way: the Java SDK (and RocketMQ's own tools) as upper-case hex
     without leading zeros (``Long.toHexString``), the Python SDK as 8
-    upper-case hex digits, the Node.js SDK in decimal. The client's language
-    comes from its Telemetry settings (``user_agent.language``); unknown
-    clients get the Java form.
+    upper-case hex digits, the Node.js SDK in decimal, the Go SDK as
+    lower-case hex without leading zeros. The client's language comes from
+    its Telemetry settings (``user_agent.language``); unknown clients get
+    the Java form.
     """
     crc = zlib.crc32(body) & 0xFFFFFFFF
     if language == d.PYTHON:
         text = f"{crc:08X}"
     elif language == d.NODE_JS:
         text = str(crc)
+    elif language == d.GOLANG:
+        text = f"{crc:x}"
     else:
         text = f"{crc:X}"
     return d.Digest(type=d.CRC32, checksum=text)
