@@ -398,6 +398,20 @@ def test_check_back_goes_over_telemetry_and_a_server_check_answer_decides_it(tmp
     with_frontend(tmp_path, body, check_interval_s=0.05, transaction_timeout_s=0)
 
 
+def test_a_producer_that_sends_a_half_to_a_topic_not_in_its_settings_gets_its_check_backs(tmp_path):
+    async def body(b, stub, ch):
+        t = Telemetry(stub)  # the same client id as the sends (MD)
+        await t.send(producer_settings("orders"))
+        await t.read()
+        await send_half(stub, "audit", b"elsewhere", "TX0000EW")
+        assert b.core.registry.online("audit") == 1
+        cmd = await t.read()
+        assert cmd.recover_orphaned_transaction_command.message.topic.name == "audit"
+        await t.close()
+
+    with_frontend(tmp_path, body, check_interval_s=0.05, transaction_timeout_s=0)
+
+
 def test_without_an_open_stream_no_check_is_spent_and_max_checks_discards_for_replay(tmp_path):
     async def body(b, stub, ch):
         core = b.core

@@ -15,6 +15,8 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, AsyncIterator
 
+from txmq.wire import TxmqError
+
 from . import producer
 from .clients import MAX_TOPICS, Client, TelemetryStream, answer_settings
 from .pb import definition_pb2 as d
@@ -118,15 +120,26 @@ class MessagingService:
     async def SendMessage(self, req: s.SendMessageRequest, context: Any) -> s.SendMessageResponse:  # noqa: N802
         try:
             resp = await producer.send_message(self.core, req)
-        except Exception as exc:
-            if not isinstance(exc, RmqError):
-                from txmq.wire import TxmqError
-
-                if not isinstance(exc, TxmqError):
-                    raise
+        except (RmqError, TxmqError) as exc:
             return producer.send_failed(req, exc)
         self.core.metrics.inc("rmq_messages_sent", len(resp.entries))
+        if req.messages[0].system_properties.message_type == d.TRANSACTION:
+            self._publishes(client_id_of(context), req.messages[0].topic.name)
         return resp
+
+    def _publishes(self, client_id: str, topic: str) -> None:
+        """A client sent a half message to topic: its Telemetry streams take that topic's check-backs from now on.
+
+        SDKs list their topics in their settings, but may send to another
+        before they send their settings again; the check-backs of what they
+        sent must still reach them.
+        """
+        c = self.clients.get(client_id) if client_id else None
+        if c is None or not c.streams or topic in c.topics or len(c.topics) >= MAX_TOPICS:
+            return
+        c.topics = (*c.topics, topic)
+        for stream in list(c.streams):
+            stream.register()
 
     async def EndTransaction(self, req: s.EndTransactionRequest, context: Any) -> s.EndTransactionResponse:  # noqa: N802
         return await producer.end_transaction(self.core, req)
