@@ -18,6 +18,7 @@ store knows no sync is in flight.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import struct
 from collections.abc import Sequence
@@ -27,6 +28,7 @@ from .errors import StoreFullError
 from .files import fsync_dir, list_numbered, offset_name
 from .segments import CHUNK, ZERO_HEADER, LogView, Segment, nonzero_end, resync, walk_segment
 
+_log = logging.getLogger("txmq.store")
 _FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 _SIZE_MAGIC = struct.Struct("<II")
 _TAIL_WINDOW = 64 << 10  # first guess at how far from a segment's end its last record starts
@@ -38,6 +40,7 @@ class CommitLog(LogView):
         self.segment_size = segment_size
         self.preallocate = preallocate  # bytes of zeros kept allocated past the data (0: none)
         self._no_prealloc_below = (-1, 0)  # (segment start, data length): after a failure, no new try before
+        self._prealloc_failing = False
         self._cut_back: list[Segment] = []  # segments cut back to their data since the last capture_sync
         self._segs: list[Segment] = []
         self._starts: list[int] = []
@@ -134,7 +137,12 @@ class CommitLog(LogView):
         try:
             os.posix_fallocate(seg.fd, seg.alloc, target - seg.alloc)
             seg.alloc = target
-        except OSError:
+            self._prealloc_failing = False
+        except OSError as exc:
+            if not self._prealloc_failing:  # once per spell
+                _log.warning("event=preallocation_failed segment=%s error=%r msg=%s", offset_name(seg.start), exc,
+                             "'writing without preallocated space (fdatasync is slower); tried again every preallocate bytes'")
+            self._prealloc_failing = True
             self._no_prealloc_below = (seg.start, need + self.preallocate)
             try:  # part of it may have been allocated (zeros all the same)
                 seg.alloc = max(seg.alloc, os.fstat(seg.fd).st_size)
