@@ -374,3 +374,38 @@ def test_a_killed_writer_loses_no_fsynced_record_and_leaves_no_torn_tail(tmp_pat
         assert starts[-1] + files[starts[-1]] == s.max_offset
     finally:
         s.close()
+
+
+def test_a_live_and_a_killed_sync_broker_leave_a_clean_directory(tmp_path):
+    """verify and readers on a running broker's preallocated log; SIGKILL; the restart reports no torn tail."""
+    from brokerproc import BrokerProcess
+
+    from txmq.client import SyncProducer
+
+    data = tmp_path / "data"
+    broker = BrokerProcess(data, "--flush", "sync").start()
+    try:
+        with SyncProducer(broker.address) as p:
+            for i in range(40):
+                p.send("T", str(i).encode(), queue_id=0)
+        doc = verify_dir(data)
+        assert doc["ok"], doc["problems"]
+        assert doc["log"]["preallocated"] > 0 and doc["log"]["end"] == doc["log"]["valid_end"]
+        with StoreReader(data) as r:
+            assert [rec.body for rec in r.get_messages("T", 0, 0, max_count=100).records] == [str(i).encode() for i in range(40)]
+        broker.kill()
+        doc = verify_dir(data)
+        assert doc["ok"], doc["problems"]
+        mark = broker.log.stat().st_size
+        broker.start()
+        with SyncProducer(broker.address) as p:
+            p.send("T", b"40", queue_id=0)
+        log = broker.log.read_text()[mark:]
+        assert "recovery_truncated" not in log and "record_damaged" not in log, log
+    finally:
+        broker.stop()
+    files = seg_files(data)
+    with StoreReader(data) as r:
+        assert r.preallocated == 0 and max(files) + files[max(files)] == r.max_offset
+        assert len(r.get_messages("T", 0, 0, max_count=100).records) == 41
+    assert not (data / "quarantine").exists()
