@@ -112,6 +112,8 @@ async def _serve(config: BrokerConfig, sock, loop_name: str) -> None:
     finally:
         if metrics is not None:
             metrics.shutdown()
+        for frontend in broker.frontends:  # a start that failed never reached Broker.stop (stopping twice is nothing)
+            await frontend.stop()
 
 
 def _stop_event() -> asyncio.Event:

@@ -55,6 +55,8 @@ async def running_broker(data_dir: str | Path, clock: Clock | None = None, **ove
     done, _ = await asyncio.wait({task, ready}, return_when=asyncio.FIRST_COMPLETED)
     if task in done:
         ready.cancel()
+        for frontend in broker.frontends:
+            await frontend.stop()
         task.result()  # raises the start-up error
     await broker.core.tx_ready.wait()  # tests start from a fully ready broker
     try:

@@ -1,10 +1,10 @@
 """The gRPC server of the RocketMQ front end: grpc.aio on the broker's own event loop (uvloop).
 
 ``RocketMQServer(core, config)`` is built by ``txmq.broker.main`` when
-``--rocketmq-port`` is given: ``bind()`` (before the store opens, so a port
-in use ends the start at once), ``start()`` once the broker serves,
-``stop()`` first thing at shutdown. Nothing else of the broker imports this
-package.
+``--rocketmq-port`` is given: ``bind()`` before the store opens (a port in
+use ends the start at once; from then on it listens, and requests wait),
+``start()`` once the broker serves (requests go through), ``stop()`` first
+thing at shutdown. Nothing else of the broker imports this package.
 
 Requests arrive as bytes and are parsed here, so a malformed request is an
 answer with RocketMQ's BAD_REQUEST in the response's ``status``, not a
@@ -61,6 +61,8 @@ class RocketMQServer:
         self.server: aio.Server | None = None
         self.port = 0
         self.tls = config.rocketmq_tls_cert is not None
+        self.ready = asyncio.Event()  # set once the broker serves: requests that come earlier wait for it
+        self.stopping = False
 
     async def bind(self) -> int:
         """Create the server and bind its port (0 picks a free one); returns the port."""
@@ -96,20 +98,27 @@ class RocketMQServer:
         self.settings.port = port
         self.service = MessagingService(self.core, self.settings)
         self.server.add_generic_rpc_handlers((self._handlers(),))
+        # Listening from now on, as the native port does once bound: requests wait until the broker serves (start()).
+        await self.server.start()
         return port
 
     async def start(self) -> None:
+        """The broker serves: let the requests through."""
         assert self.server is not None, "bind() first"
-        await self.server.start()
+        self.ready.set()
         log.info("event=rocketmq_listening host=%s port=%d tls=%s max_message=%d", self.config.host, self.port,
                  "on" if self.tls else "off", self.settings.max_receive_message)
 
     async def stop(self) -> None:
-        if self.service is not None:
-            await self.service.close()  # Telemetry streams end: their producers leave the registry
-        if self.server is not None:
-            await self.server.stop(SHUTDOWN_GRACE_S)
-            self.server = None
+        """Stop serving (at shutdown, or when the start failed after bind); once."""
+        service, server = self.service, self.server
+        self.service = self.server = None
+        self.stopping = True
+        self.ready.set()  # requests still waiting for the start get the shutdown answer
+        if service is not None:
+            await service.close()  # Telemetry streams end: their producers leave the registry
+        if server is not None:
+            await server.stop(SHUTDOWN_GRACE_S)
 
     # ---- the handler table -------------------------------------------------------------
     def _handlers(self) -> grpc.GenericRpcHandler:
@@ -130,9 +139,14 @@ class RocketMQServer:
                     self._unary(m.name, getattr(svc, m.name), req_cls, resp_cls), response_serializer=resp_cls.SerializeToString)
         return grpc.method_handlers_generic_handler(SERVICE, handlers)
 
-    def _refusal(self, context: Any) -> RmqError | None:
-        """Why this request is not served (shutting down, a bad signature with --auth-token), or None."""
-        if self.core.draining:
+    async def _refusal(self, context: Any) -> RmqError | None:
+        """Why this request is not served (shutting down, a bad signature with --auth-token), or None.
+
+        Waits first until the broker serves (its store open), within the request's deadline.
+        """
+        if not self.ready.is_set():
+            await self.ready.wait()
+        if self.stopping or self.core.draining:
             return RmqError(Code.INTERNAL_ERROR, "the broker is shutting down")
         token = self.settings.auth_token
         if token and not signed(metadata(context), token):
@@ -150,7 +164,7 @@ class RocketMQServer:
             except Exception:
                 metrics.inc("rmq_malformed_requests")
                 return resp_cls(status=status(Code.BAD_REQUEST, f"malformed request: not a valid {req_cls.DESCRIPTOR.full_name}"))
-            refusal = self._refusal(context)
+            refusal = await self._refusal(context)
             if refusal is not None:
                 return resp_cls(status=of_error(refusal))
             try:
@@ -176,7 +190,7 @@ class RocketMQServer:
                 metrics.inc("rmq_malformed_requests")
                 yield resp_cls(status=status(Code.BAD_REQUEST, f"malformed request: not a valid {req_cls.DESCRIPTOR.full_name}"))
                 return
-            refusal = self._refusal(context)
+            refusal = await self._refusal(context)
             if refusal is not None:
                 yield resp_cls(status=of_error(refusal))
                 return
@@ -203,7 +217,7 @@ class RocketMQServer:
         svc = self.service
         metrics = self.core.metrics
         metrics.inc("rmq_requests")
-        refusal = self._refusal(context)
+        refusal = await self._refusal(context)
         cid = client_id_of(context)
         if refusal is None and not cid:
             refusal = RmqError(Code.CLIENT_ID_REQUIRED, "the x-mq-client-id header is missing")
