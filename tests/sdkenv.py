@@ -54,6 +54,15 @@ def _locked(name: str):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+_UNAVAILABLE: dict[str, str] = {}  # a failed install is tried once per test process, not once per test module
+
+
+def _errors(text: bytes) -> str:
+    """The error lines of pip's or npm's output (not npm's warnings), shortened."""
+    lines = [ln for ln in text.decode(errors="replace").splitlines() if ln.strip() and not ln.startswith("npm warn")]
+    return " | ".join(lines[:6])[:800]
+
+
 def _tail(text: str | bytes, n: int = 1500) -> str:
     if isinstance(text, bytes):
         text = text.decode(errors="replace")
@@ -64,9 +73,12 @@ def python_sdk_python() -> Path:
     """The interpreter of a virtual environment holding the pinned Python SDK (built on first use).
 
     Skips the calling test when the SDK cannot be installed (no network and no cached build)."""
+    if "python" in _UNAVAILABLE:
+        pytest.skip(_UNAVAILABLE["python"])
     try:
         return build_python_sdk()
     except SdkUnavailable as e:
+        _UNAVAILABLE["python"] = str(e)
         pytest.skip(str(e))
 
 
@@ -83,14 +95,14 @@ def build_python_sdk() -> Path:
             r = subprocess.run([sys.executable, "-m", "venv", str(env_dir)], capture_output=True, timeout=300)
             if r.returncode != 0:
                 shutil.rmtree(env_dir, ignore_errors=True)
-                raise SdkUnavailable(f"cannot create a virtual environment for {name}: {_tail(r.stderr)}")
+                raise SdkUnavailable(f"cannot create a virtual environment for {name}: {_errors(r.stderr)}")
             pip_env = {**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
             pip_env.pop("PYTHONPATH", None)
             r = subprocess.run([str(python), "-m", "pip", "install", "-q", f"{name}=={version}"],
                                capture_output=True, timeout=900, env=pip_env)
             if r.returncode != 0:
                 shutil.rmtree(env_dir, ignore_errors=True)
-                raise SdkUnavailable(f"cannot install {name}=={version} (offline?): {_tail(r.stderr)}")
+                raise SdkUnavailable(f"cannot install {name}=={version} (offline?): {_errors(r.stderr)}")
             # Installed: from here on a failure is the SDK's environment being broken, which must be seen.
             r = subprocess.run([str(python), "-c", "import rocketmq, rocketmq.grpc_protocol"], capture_output=True, timeout=120)
             assert r.returncode == 0, f"{name}=={version} installed but does not import: {_tail(r.stderr)}"
@@ -102,9 +114,12 @@ def node_sdk_dir() -> Path:
     """A directory whose node_modules holds the pinned Node.js SDK (installed on first use).
 
     Skips the calling test when `node`/`npm` are missing or the package cannot be installed."""
+    if "node" in _UNAVAILABLE:
+        pytest.skip(_UNAVAILABLE["node"])
     try:
         return build_node_sdk()
     except SdkUnavailable as e:
+        _UNAVAILABLE["node"] = str(e)
         pytest.skip(str(e))
 
 
@@ -128,7 +143,7 @@ def build_node_sdk() -> Path:
                                cwd=env_dir, capture_output=True, timeout=900)
             if r.returncode != 0:
                 shutil.rmtree(env_dir, ignore_errors=True)
-                raise SdkUnavailable(f"cannot install {name}@{version} (offline?): {_tail(r.stderr)}")
+                raise SdkUnavailable(f"cannot install {name}@{version} (offline?): {_errors(r.stderr)}")
             r = subprocess.run([node, "-e", f"require('{name}')"], cwd=env_dir, capture_output=True, timeout=120)
             assert r.returncode == 0, f"{name}@{version} installed but does not load: {_tail(r.stderr)}"
             (env_dir / _MARKER).write_text(f"{name}@{version}\n")

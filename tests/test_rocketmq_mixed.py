@@ -13,7 +13,7 @@ import pytest
 from clihelpers import lines, ok, txmq, wait_for
 from sdkenv import python_scenario, python_sdk_python, start_rocketmq_broker
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # the first test may build the SDK environment
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import pytest
 from clihelpers import lines, ok, txmq
 from sdkenv import node_scenario, node_sdk_dir, start_rocketmq_broker
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # the first test may build the SDK environment
 
 
 @pytest.fixture(scope="module")
