@@ -98,3 +98,21 @@ def test_bench_tx_rolls_back_what_the_mix_left_unknown(tmp_path):
         assert lines(ok(txmq("inspect", "half", "--group", "bench", broker=b.address))) == []
     finally:
         b.stop()
+
+
+@pytest.mark.slow  # ~20 s: one broker, the RocketMQ Python SDK in its own environment (built once, tests/sdkenv.py)
+@pytest.mark.timeout(900)
+def test_rocketmq_sdk_benchmark_runs_the_sdk_and_the_client_library_on_one_broker():
+    import importlib.util
+
+    from sdkenv import python_sdk_python
+
+    python_sdk_python()  # skips when the SDK cannot be installed
+    if importlib.util.find_spec("grpc") is None:
+        pytest.skip("txmq's rocketmq extra is not installed")
+    res = _json([sys.executable, str(REPO / "benchmarks" / "rocketmq_sdk.py"), "--smoke", "-o", "json"], timeout=600)
+    assert res["kind"] == "rocketmq_sdk" and res["flush"] == "sync"
+    assert set(res["runs"]) == {"native_1", "sdk_1", "native_32", "sdk_32"}
+    for name, run in res["runs"].items():
+        assert run["completed"] > 0 and run["errors"] == {}, (name, run)
+        assert run["broker_us_per_tx"] > 0, name
