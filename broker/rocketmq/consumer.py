@@ -123,9 +123,14 @@ class ReceiveFrontend:
         yield s.ReceiveMessageResponse(status=d.Status(code=Code.OK, message="OK"))
         language = self._language(client_id)
         for m in got:
-            msg = convert.record_to_message(m.record, language=language, delivery_attempt=m.attempt,
-                                            receipt_handle=m.receipt_handle,
-                                            invisible_duration_ms=int(m.invisible_s * 1000))
+            try:
+                msg = convert.record_to_message(m.record, language=language, delivery_attempt=m.attempt,
+                                                receipt_handle=m.receipt_handle,
+                                                invisible_duration_ms=int(m.invisible_s * 1000))
+            except Exception as exc:  # it stays in flight: received again later, after max attempts dead-lettered
+                log.error("event=rmq_message_unconvertible topic=%s queue_id=%d queue_offset=%d error=%r",
+                          m.record.topic, m.record.queue_id, m.record.queue_offset, exc)
+                continue
             yield s.ReceiveMessageResponse(message=msg)
         ts = s.ReceiveMessageResponse()
         ts.delivery_timestamp.FromMilliseconds(int(time.time() * 1000))
