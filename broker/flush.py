@@ -269,11 +269,20 @@ class Flusher:
 
     def _full_cycle(self, checkpoint: bool) -> int:
         if checkpoint:
-            self.store.checkpoint()
+            # the sends waiting for the log are answered once it is fsynced, not after the queues and checkpoint file
+            self.store.checkpoint(self._synced_early)
         durable = self.store.sync()
         if self._on_persist is not None:
             self._on_persist()
         return durable
+
+    def _synced_early(self, durable: int) -> None:
+        """In the fsync thread: the log is fsynced up to durable; resolve its waiters on the loop now."""
+        if self._waiters:
+            try:
+                self._loop.call_soon_threadsafe(self._resolve, durable, ())
+            except RuntimeError:  # the loop is closed: nobody waits any more
+                pass
 
     def _fail_all(self, err: TxmqError, persist_waiters: list[asyncio.Future]) -> None:
         while self._waiters:

@@ -297,8 +297,13 @@ class Store:
                 log.dir_dirty = True
             raise
 
-    def checkpoint(self) -> None:
-        """sync(), write and fsync buffered consume-queue entries, then replace the checkpoint file."""
+    def checkpoint(self, on_synced: Callable[[int], None] | None = None) -> None:
+        """sync(), write and fsync buffered consume-queue entries, then replace the checkpoint file.
+
+        ``on_synced(durable)`` is called as soon as the log is fsynced, before
+        the consume queues and the checkpoint file are written: a caller
+        waiting only for the log need not wait for the rest.
+        """
         log = self._open_log()
         per_file = self.config.cq_entries_per_file
         with self._sync_lock:
@@ -310,7 +315,9 @@ class Store:
             try:
                 self._fsync_log(log, fds, dir_dirty)
                 with self._lock:
-                    log.synced(target)
+                    durable = log.synced(target)
+                if on_synced is not None:
+                    on_synced(durable)
                 for cq, plan in plans:
                     if plan is not None:
                         base, data, last = plan
