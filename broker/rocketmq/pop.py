@@ -300,7 +300,7 @@ class PopService:
             del self.subs[k]
 
     def _queue(self, sub: Subscription, qid: int) -> QueueState:
-        """The queue's state, (re)started from the consumer offsets when an operator moved them (txmq groups reset-offsets)."""
+        """The queue's state, (re)started from the consumer offsets when an operator moved them (txmq groups reset)."""
         q = sub.queues.get(qid)
         stored = self.core.offsets.get(sub.group, sub.topic, qid)
         if q is not None and stored == q.stored:
