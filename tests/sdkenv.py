@@ -169,15 +169,15 @@ def _sdk_logs(home: Path) -> str:
     return "\n".join(out)
 
 
-def run_scenario(argv: list[str], home: Path, timeout: float, cwd: Path | None = None) -> dict:
+def run_scenario(argv: list[str], home: Path, timeout: float, cwd: Path | None = None, env: dict[str, str] | None = None) -> dict:
     """Run one scenario process (HOME is a temporary directory: both SDKs write their logs under ~/logs) and
     return its JSON result. A scenario that reports errors, dies or prints no JSON fails the test, with the
     SDK's own log attached."""
     home.mkdir(parents=True, exist_ok=True)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV", "NODE_"))}
-    env.update(HOME=str(home), PYTHONUNBUFFERED="1")
+    penv = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV", "NODE_"))}
+    penv.update(HOME=str(home), PYTHONUNBUFFERED="1", **(env or {}))
     try:
-        r = subprocess.run(argv, capture_output=True, timeout=timeout, env=env, cwd=cwd or home)
+        r = subprocess.run(argv, capture_output=True, timeout=timeout, env=penv, cwd=cwd or home)
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"scenario {argv[1:3]} did not finish in {timeout}s\nstdout: {_tail(e.stdout or b'')}\n"
                     f"stderr: {_tail(e.stderr or b'')}\n{_sdk_logs(home)}")
@@ -197,13 +197,13 @@ def run_scenario(argv: list[str], home: Path, timeout: float, cwd: Path | None =
     return result
 
 
-def python_scenario(python: Path, scenario: str, home: Path, *args: str, timeout: float = 150) -> dict:
-    return run_scenario([str(python), str(SCENARIOS / "python_scenario.py"), scenario, *args], home, timeout)
+def python_scenario(python: Path, scenario: str, home: Path, *args: str, timeout: float = 150, env: dict[str, str] | None = None) -> dict:
+    return run_scenario([str(python), str(SCENARIOS / "python_scenario.py"), scenario, *args], home, timeout, env=env)
 
 
-def node_scenario(sdk_dir: Path, scenario: str, home: Path, *args: str, timeout: float = 150) -> dict:
+def node_scenario(sdk_dir: Path, scenario: str, home: Path, *args: str, timeout: float = 150, env: dict[str, str] | None = None) -> dict:
     env_node = shutil.which("node") or "node"
-    return run_scenario([env_node, str(SCENARIOS / "node_scenario.js"), scenario, "--sdk", str(sdk_dir), *args], home, timeout)
+    return run_scenario([env_node, str(SCENARIOS / "node_scenario.js"), scenario, "--sdk", str(sdk_dir), *args], home, timeout, env=env)
 
 
 def start_rocketmq_broker(root: Path, *args: str, name: str = "broker"):
@@ -225,3 +225,15 @@ def start_rocketmq_broker(root: Path, *args: str, name: str = "broker"):
         broker.stop()
         raise
     return broker, f"127.0.0.1:{grpc_port}"
+
+
+def self_signed_cert(directory: Path) -> tuple[Path, Path]:
+    """A certificate for 127.0.0.1 and its key (openssl), for --rocketmq-tls-cert/--rocketmq-tls-key; the SDKs
+    trust it through GRPC_DEFAULT_SSL_ROOTS_FILE_PATH (Python) or NODE_EXTRA_CA_CERTS (Node.js)."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    directory.mkdir(parents=True, exist_ok=True)
+    cert, key = directory / "cert.pem", directory / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert), "-days", "1",
+                    "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True, timeout=60)
+    return cert, key

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from clihelpers import lines, ok, txmq
-from sdkenv import node_scenario, node_sdk_dir, start_rocketmq_broker
+from sdkenv import node_scenario, node_sdk_dir, self_signed_cert, start_rocketmq_broker
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # the first test may build the SDK environment
 
@@ -97,3 +97,19 @@ def test_node_sdk_push_consumer_gets_a_failed_message_again(sdk_node, broker, tm
     for body in ("push-0", "push-1"):
         assert [(d["result"], d["delivery_attempt"]) for d in by_body[body]] == [("SUCCESS", 1)]
     assert not any(d["corrupted"] for d in r["deliveries"])
+
+
+def test_node_sdk_sends_and_receives_over_tls(sdk_node, tmp_path):
+    cert, key = self_signed_cert(tmp_path / "tls")
+    b, endpoint = start_rocketmq_broker(tmp_path / "broker", "--rocketmq-tls-cert", str(cert), "--rocketmq-tls-key", str(key))
+    try:
+        topic, roots = "NodeSdkTls", {"NODE_EXTRA_CA_CERTS": str(cert), "GRPC_DEFAULT_SSL_ROOTS_FILE_PATH": str(cert)}
+        r = node_scenario(sdk_node, "send", tmp_path / "home", "--endpoint", endpoint, "--topic", topic, "--count", "2",
+                          "--tls", "true", env=roots)
+        bodies = sorted(x["body"] for x in r["sent"])
+        assert sorted(m["body"] for m in lines(ok(txmq("read", topic, "-o", "jsonl", broker=b.address)))) == bodies
+        got = node_scenario(sdk_node, "receive", tmp_path / "home2", "--endpoint", endpoint, "--topic", topic,
+                            "--group", "node-tls", "--expect", "2", "--tls", "true", env=roots)
+        assert sorted(m["body"] for m in got["received"]) == bodies
+    finally:
+        b.stop()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from clihelpers import lines, ok, txmq
-from sdkenv import python_scenario, python_sdk_python, start_rocketmq_broker
+from sdkenv import python_scenario, python_sdk_python, self_signed_cert, start_rocketmq_broker
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # the first test may build the SDK environment
 
@@ -105,3 +105,19 @@ def test_python_sdk_change_invisible_duration_brings_a_message_back_under_a_new_
     assert (again["body"], again["message_id"], again["delivery_attempt"]) == ("come-back", first["message_id"], 2)
     assert r["again_after_s"] < 10, "the message was invisible for 30 s, not the 1 s it was changed to"
     assert r["rest"] == []
+
+
+def test_python_sdk_sends_and_receives_over_tls(sdk_python, tmp_path):
+    cert, key = self_signed_cert(tmp_path / "tls")
+    b, endpoint = start_rocketmq_broker(tmp_path / "broker", "--rocketmq-tls-cert", str(cert), "--rocketmq-tls-key", str(key))
+    try:
+        topic, roots = "PySdkTls", {"GRPC_DEFAULT_SSL_ROOTS_FILE_PATH": str(cert)}
+        r = python_scenario(sdk_python, "send", tmp_path / "home", "--endpoint", endpoint, "--topic", topic, "--count", "2",
+                            "--tls", env=roots)
+        bodies = sorted(x["body"] for x in r["sent"])
+        assert sorted(m["body"] for m in lines(ok(txmq("read", topic, "-o", "jsonl", broker=b.address)))) == bodies
+        got = python_scenario(sdk_python, "receive", tmp_path / "home2", "--endpoint", endpoint, "--topic", topic,
+                              "--group", "py-tls", "--expect", "2", "--tls", env=roots)
+        assert sorted(m["body"] for m in got["received"]) == bodies
+    finally:
+        b.stop()

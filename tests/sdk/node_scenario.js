@@ -91,7 +91,7 @@ async function transactions(sdk, args) {
   const orphanBody = `orphan-${t}`;
   const checks = [];
   const producer = new sdk.Producer({
-    endpoints: args.endpoint, namespace: '', topics: [ t ], requestTimeout: args.requestTimeout,
+    endpoints: args.endpoint, sslEnabled: args.tls === 'true', namespace: '', topics: [ t ], requestTimeout: args.requestTimeout,
     checker: checker({ [commitBody]: COMMIT, [rollbackBody]: ROLLBACK, [orphanBody]: COMMIT }, checks),
   });
   await producer.startup();
@@ -115,7 +115,7 @@ async function transactions(sdk, args) {
   await sleep(500); // the checker's EndTransaction(source=SOURCE_SERVER_CHECK) reaches the broker
 
   const consumer = new sdk.SimpleConsumer({
-    endpoints: args.endpoint, namespace: '', consumerGroup: args.group, requestTimeout: args.requestTimeout,
+    endpoints: args.endpoint, sslEnabled: args.tls === 'true', namespace: '', consumerGroup: args.group, requestTimeout: args.requestTimeout,
     subscriptions: new Map([[ t, '*' ]]), awaitDuration: args.awaitDuration,
   });
   await consumer.startup();
@@ -130,7 +130,7 @@ async function transactions(sdk, args) {
 
 async function send(sdk, args) {
   const t = args.topic;
-  const producer = new sdk.Producer({ endpoints: args.endpoint, namespace: '', topics: [ t ], requestTimeout: args.requestTimeout });
+  const producer = new sdk.Producer({ endpoints: args.endpoint, sslEnabled: args.tls === 'true', namespace: '', topics: [ t ], requestTimeout: args.requestTimeout });
   await producer.startup();
   const sent = [];
   for (let i = 0; i < args.count; i++) {
@@ -148,7 +148,7 @@ async function send(sdk, args) {
 
 async function receive(sdk, args) {
   const consumer = new sdk.SimpleConsumer({
-    endpoints: args.endpoint, namespace: '', consumerGroup: args.group, requestTimeout: args.requestTimeout,
+    endpoints: args.endpoint, sslEnabled: args.tls === 'true', namespace: '', consumerGroup: args.group, requestTimeout: args.requestTimeout,
     subscriptions: new Map([[ args.topic, '*' ]]), awaitDuration: args.awaitDuration,
   });
   await consumer.startup();
@@ -177,7 +177,7 @@ async function receive(sdk, args) {
 async function push(sdk, args) {
   const deliveries = [];
   const consumer = new sdk.PushConsumer({
-    endpoints: args.endpoint, namespace: '', consumerGroup: args.group, requestTimeout: args.requestTimeout,
+    endpoints: args.endpoint, sslEnabled: args.tls === 'true', namespace: '', consumerGroup: args.group, requestTimeout: args.requestTimeout,
     subscriptions: new Map([[ args.topic, '*' ]]),
     messageListener: {
       async consume(messageView) {

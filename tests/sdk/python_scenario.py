@@ -131,7 +131,7 @@ def scenario_transactions(args) -> None:
     commit_body, rollback_body, orphan_body = f"commit-{t}", f"rollback-{t}", f"orphan-{t}"
     checker = RecordingChecker({commit_body: TransactionResolution.COMMIT, rollback_body: TransactionResolution.ROLLBACK,
                                 orphan_body: TransactionResolution.COMMIT})
-    producer = Producer(config(args), (t,), checker)
+    producer = Producer(config(args), (t,), checker, tls_enable=args.tls)
     producer.startup()
     RESULT["producer_started"] = True
     sent = {}
@@ -150,7 +150,7 @@ def scenario_transactions(args) -> None:
     RESULT["orphan_checked"] = wait_until(lambda: checker.count(orphan_body) > 0, args.check_wait)
     time.sleep(0.5)  # let the checker's EndTransaction(source=SOURCE_SERVER_CHECK) reach the broker
 
-    consumer = SimpleConsumer(config(args), args.group, {t: FilterExpression()}, await_duration=args.await_duration)
+    consumer = SimpleConsumer(config(args), args.group, {t: FilterExpression()}, await_duration=args.await_duration, tls_enable=args.tls)
     consumer.startup()
     RESULT["consumer_started"] = True
     got = receive_bodies(consumer, {commit_body, orphan_body}, args.receive_wait, args.settle)
@@ -167,7 +167,7 @@ def scenario_half(args) -> None:
     t = args.topic
     body = args.body or f"half-{t}"
     checker = RecordingChecker({})  # every answer UNKNOWN (TRANSACTION_RESOLUTION_UNSPECIFIED)
-    producer = Producer(config(args), (t,), checker)
+    producer = Producer(config(args), (t,), checker, tls_enable=args.tls)
     producer.startup()
     tx = producer.begin_transaction()
     r = producer.send(message(t, body, tag="sdk-half", keys=["k-half"], props={"origin": "python-sdk"}), tx)
@@ -185,7 +185,7 @@ def scenario_half(args) -> None:
 def scenario_checker(args) -> None:
     """A producer of --topic that sends nothing: its checker commits --body when the broker asks about it."""
     checker = RecordingChecker({args.body: TransactionResolution.COMMIT})
-    producer = Producer(config(args), (args.topic,), checker)
+    producer = Producer(config(args), (args.topic,), checker, tls_enable=args.tls)
     producer.startup()
     RESULT["checked"] = wait_until(lambda: checker.count(args.body) > 0, args.check_wait)
     time.sleep(0.5)  # let the EndTransaction(source=SOURCE_SERVER_CHECK) reach the broker
@@ -196,7 +196,7 @@ def scenario_checker(args) -> None:
 
 def scenario_send(args) -> None:
     t = args.topic
-    producer = Producer(config(args), (t,))
+    producer = Producer(config(args), (t,), tls_enable=args.tls)
     producer.startup()
     sent = []
     for i in range(args.count):
@@ -210,7 +210,7 @@ def scenario_send(args) -> None:
 
 def scenario_receive(args) -> None:
     t = args.topic
-    consumer = SimpleConsumer(config(args), args.group, {t: FilterExpression()}, await_duration=args.await_duration)
+    consumer = SimpleConsumer(config(args), args.group, {t: FilterExpression()}, await_duration=args.await_duration, tls_enable=args.tls)
     consumer.startup()
     got: list = []
     end = time.monotonic() + args.receive_wait
@@ -254,7 +254,7 @@ def scenario_push(args) -> None:
     """A PushConsumer (QueryAssignment, long-polling receives, ack; a FAILURE is a ChangeInvisibleDuration) receives
     --expect messages; the first delivery of --fail-first fails, so it must come again with delivery_attempt 2."""
     listener = RecordingListener(args.fail_first)
-    consumer = PushConsumer(config(args), args.group, listener, {args.topic: FilterExpression()})
+    consumer = PushConsumer(config(args), args.group, listener, {args.topic: FilterExpression()}, tls_enable=args.tls)
     consumer.startup()
     RESULT["consumer_started"] = True
     RESULT["all_consumed"] = wait_until(lambda: listener.succeeded() >= args.expect, args.receive_wait)
@@ -269,7 +269,7 @@ def scenario_invisible(args) -> None:
     """SimpleConsumer: receive one message (invisible for 30 s), make it visible again in 1 s with
     ChangeInvisibleDuration (a new receipt handle), receive it again (delivery attempt 2), ack it with the new
     handle; then nothing is left."""
-    consumer = SimpleConsumer(config(args), args.group, {args.topic: FilterExpression()}, await_duration=args.await_duration)
+    consumer = SimpleConsumer(config(args), args.group, {args.topic: FilterExpression()}, await_duration=args.await_duration, tls_enable=args.tls)
     consumer.startup()
     first: list = []
     end = time.monotonic() + args.receive_wait
@@ -309,6 +309,7 @@ def main() -> None:
     p.add_argument("--count", type=int, default=3)
     p.add_argument("--expect", type=int, default=1)
     p.add_argument("--wait-checks", type=int, default=0)
+    p.add_argument("--tls", action="store_true", help="TLS to the broker (roots: GRPC_DEFAULT_SSL_ROOTS_FILE_PATH)")
     p.add_argument("--crash", action="store_true", help="half: end the process without shutting the producer down")
     p.add_argument("--fail-first", help="push: the body whose first delivery the listener fails")
     p.add_argument("--await-duration", type=int, default=3, help="SimpleConsumer long polling, seconds")
