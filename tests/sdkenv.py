@@ -169,10 +169,11 @@ def _sdk_logs(home: Path) -> str:
     return "\n".join(out)
 
 
-def run_scenario(argv: list[str], home: Path, timeout: float, cwd: Path | None = None, env: dict[str, str] | None = None) -> dict:
+def run_scenario(argv: list[str], home: Path, timeout: float, cwd: Path | None = None, env: dict[str, str] | None = None,
+                 allow_errors: bool = False) -> dict:
     """Run one scenario process (HOME is a temporary directory: both SDKs write their logs under ~/logs) and
     return its JSON result. A scenario that reports errors, dies or prints no JSON fails the test, with the
-    SDK's own log attached."""
+    SDK's own log attached (with allow_errors, a scenario that failed but reported is returned: its "errors")."""
     home.mkdir(parents=True, exist_ok=True)
     penv = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV", "NODE_"))}
     penv.update(HOME=str(home), PYTHONUNBUFFERED="1", **(env or {}))
@@ -189,6 +190,9 @@ def run_scenario(argv: list[str], home: Path, timeout: float, cwd: Path | None =
             result = json.loads(lines[-1])
         except ValueError:
             result = None
+    if result is not None and allow_errors:
+        result["_sdk_log"] = _sdk_logs(home)
+        return result
     if r.returncode != 0 or result is None or result.get("errors"):
         pytest.fail(f"scenario {argv[1:3]} failed (exit {r.returncode}): "
                     f"{json.dumps(result, indent=1) if result else _tail(stdout)}\n"
@@ -197,13 +201,17 @@ def run_scenario(argv: list[str], home: Path, timeout: float, cwd: Path | None =
     return result
 
 
-def python_scenario(python: Path, scenario: str, home: Path, *args: str, timeout: float = 150, env: dict[str, str] | None = None) -> dict:
-    return run_scenario([str(python), str(SCENARIOS / "python_scenario.py"), scenario, *args], home, timeout, env=env)
+def python_scenario(python: Path, scenario: str, home: Path, *args: str, timeout: float = 150, env: dict[str, str] | None = None,
+                    allow_errors: bool = False) -> dict:
+    return run_scenario([str(python), str(SCENARIOS / "python_scenario.py"), scenario, *args], home, timeout, env=env,
+                        allow_errors=allow_errors)
 
 
-def node_scenario(sdk_dir: Path, scenario: str, home: Path, *args: str, timeout: float = 150, env: dict[str, str] | None = None) -> dict:
+def node_scenario(sdk_dir: Path, scenario: str, home: Path, *args: str, timeout: float = 150, env: dict[str, str] | None = None,
+                  allow_errors: bool = False) -> dict:
     env_node = shutil.which("node") or "node"
-    return run_scenario([env_node, str(SCENARIOS / "node_scenario.js"), scenario, "--sdk", str(sdk_dir), *args], home, timeout, env=env)
+    return run_scenario([env_node, str(SCENARIOS / "node_scenario.js"), scenario, "--sdk", str(sdk_dir), *args], home, timeout,
+                        env=env, allow_errors=allow_errors)
 
 
 def start_rocketmq_broker(root: Path, *args: str, name: str = "broker"):

@@ -113,3 +113,20 @@ def test_node_sdk_sends_and_receives_over_tls(sdk_node, tmp_path):
         assert sorted(m["body"] for m in got["received"]) == bodies
     finally:
         b.stop()
+
+
+def test_node_sdk_signs_with_the_auth_token_as_secret_key_and_a_wrong_one_is_refused(sdk_node, tmp_path):
+    token = "s3cret-token"
+    b, endpoint = start_rocketmq_broker(tmp_path / "broker", "--auth-token", token)
+    try:
+        topic = "NodeSdkAuth"
+        bad = node_scenario(sdk_node, "send", tmp_path / "home0", "--endpoint", endpoint, "--topic", topic, "--count", "1",
+                            "--access-key", "app", "--secret-key", "wrong", "--deadline", "60000", allow_errors=True)
+        assert bad["errors"] and "sent" not in bad, bad
+        assert "40100" in bad["_sdk_log"], "the SDK was not refused with UNAUTHORIZED"
+        r = node_scenario(sdk_node, "send", tmp_path / "home", "--endpoint", endpoint, "--topic", topic, "--count", "2",
+                          "--access-key", "app", "--secret-key", token)
+        stored = lines(ok(txmq("read", topic, "-o", "jsonl", broker=b.address, env={"TXMQ_AUTH_TOKEN": token})))
+        assert sorted(m["body"] for m in stored) == sorted(x["body"] for x in r["sent"])
+    finally:
+        b.stop()

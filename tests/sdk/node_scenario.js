@@ -33,6 +33,10 @@ function parseArgs(argv) {
   return args;
 }
 
+function credentials(args) {
+  return args.secretKey ? { accessKey: args.accessKey || 'txmq', accessSecret: args.secretKey } : undefined;
+}
+
 const sleep = ms => new Promise(resolve => setTimeout(resolve, ms));
 
 async function waitUntil(pred, ms) {
@@ -91,7 +95,7 @@ async function transactions(sdk, args) {
   const orphanBody = `orphan-${t}`;
   const checks = [];
   const producer = new sdk.Producer({
-    endpoints: args.endpoint, sslEnabled: args.tls === 'true', namespace: '', topics: [ t ], requestTimeout: args.requestTimeout,
+    endpoints: args.endpoint, sslEnabled: args.tls === 'true', namespace: '', sessionCredentials: credentials(args), topics: [ t ], requestTimeout: args.requestTimeout,
     checker: checker({ [commitBody]: COMMIT, [rollbackBody]: ROLLBACK, [orphanBody]: COMMIT }, checks),
   });
   await producer.startup();
@@ -115,7 +119,7 @@ async function transactions(sdk, args) {
   await sleep(500); // the checker's EndTransaction(source=SOURCE_SERVER_CHECK) reaches the broker
 
   const consumer = new sdk.SimpleConsumer({
-    endpoints: args.endpoint, sslEnabled: args.tls === 'true', namespace: '', consumerGroup: args.group, requestTimeout: args.requestTimeout,
+    endpoints: args.endpoint, sslEnabled: args.tls === 'true', namespace: '', sessionCredentials: credentials(args), consumerGroup: args.group, requestTimeout: args.requestTimeout,
     subscriptions: new Map([[ t, '*' ]]), awaitDuration: args.awaitDuration,
   });
   await consumer.startup();
@@ -130,7 +134,7 @@ async function transactions(sdk, args) {
 
 async function send(sdk, args) {
   const t = args.topic;
-  const producer = new sdk.Producer({ endpoints: args.endpoint, sslEnabled: args.tls === 'true', namespace: '', topics: [ t ], requestTimeout: args.requestTimeout });
+  const producer = new sdk.Producer({ endpoints: args.endpoint, sslEnabled: args.tls === 'true', namespace: '', sessionCredentials: credentials(args), topics: [ t ], requestTimeout: args.requestTimeout });
   await producer.startup();
   const sent = [];
   for (let i = 0; i < args.count; i++) {
@@ -148,7 +152,7 @@ async function send(sdk, args) {
 
 async function receive(sdk, args) {
   const consumer = new sdk.SimpleConsumer({
-    endpoints: args.endpoint, sslEnabled: args.tls === 'true', namespace: '', consumerGroup: args.group, requestTimeout: args.requestTimeout,
+    endpoints: args.endpoint, sslEnabled: args.tls === 'true', namespace: '', sessionCredentials: credentials(args), consumerGroup: args.group, requestTimeout: args.requestTimeout,
     subscriptions: new Map([[ args.topic, '*' ]]), awaitDuration: args.awaitDuration,
   });
   await consumer.startup();
@@ -177,7 +181,7 @@ async function receive(sdk, args) {
 async function push(sdk, args) {
   const deliveries = [];
   const consumer = new sdk.PushConsumer({
-    endpoints: args.endpoint, sslEnabled: args.tls === 'true', namespace: '', consumerGroup: args.group, requestTimeout: args.requestTimeout,
+    endpoints: args.endpoint, sslEnabled: args.tls === 'true', namespace: '', sessionCredentials: credentials(args), consumerGroup: args.group, requestTimeout: args.requestTimeout,
     subscriptions: new Map([[ args.topic, '*' ]]),
     messageListener: {
       async consume(messageView) {

@@ -48,7 +48,7 @@ def watchdog(seconds: float) -> None:
 
 
 def config(args) -> ClientConfiguration:
-    return ClientConfiguration(args.endpoint, Credentials(), request_timeout=args.request_timeout)
+    return ClientConfiguration(args.endpoint, Credentials(args.access_key, args.secret_key), request_timeout=args.request_timeout)
 
 
 def message(topic: str, body: str, tag: str | None = None, keys: list[str] | None = None,
@@ -309,6 +309,8 @@ def main() -> None:
     p.add_argument("--count", type=int, default=3)
     p.add_argument("--expect", type=int, default=1)
     p.add_argument("--wait-checks", type=int, default=0)
+    p.add_argument("--access-key", default="")
+    p.add_argument("--secret-key", default="", help="the broker's --auth-token")
     p.add_argument("--tls", action="store_true", help="TLS to the broker (roots: GRPC_DEFAULT_SSL_ROOTS_FILE_PATH)")
     p.add_argument("--crash", action="store_true", help="half: end the process without shutting the producer down")
     p.add_argument("--fail-first", help="push: the body whose first delivery the listener fails")
