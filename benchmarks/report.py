@@ -265,7 +265,8 @@ def rocketmq_sdk_md(res: dict[str, Any]) -> str:
         "official Python SDK, each back to back: `begin_transaction`, `send` of the half message, `commit` (two unary gRPC "
         "calls, the second waiting for the first), spread over "
         + ", ".join(sorted({str(r.get("sdk_processes")) for k, r in runs.items() if k.startswith("sdk_")}))
-        + " load process(es) with one thread per producer. Broker CPU µs/tx is the broker process's CPU time during the run "
+        + " load process(es) with one thread per producer, on the same machine as the broker (as the native bench's "
+        "clients are). Broker CPU µs/tx is the broker process's CPU time during the run "
         "divided by the transactions completed: the cost of the gRPC translation (protobuf, HTTP/2, the SDK's Telemetry "
         "and heartbeats) against the msgpack protocol, which the SDK's own client-side cost (SDK CPU s) does not blur. "
         "The SDK's transaction cannot pipeline its end with the next half, so at 1 producer it pays two fsyncs and two "
