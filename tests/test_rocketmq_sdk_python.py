@@ -138,3 +138,15 @@ def test_python_sdk_signs_with_the_auth_token_as_secret_key_and_a_wrong_one_is_r
         assert sorted(m["body"] for m in stored) == sorted(x["body"] for x in r["sent"])
     finally:
         b.stop()
+
+
+def test_python_sdk_delay_and_fifo_messages_fail_fast_and_the_producer_goes_on(sdk_python, broker, tmp_path):
+    b, endpoint = broker
+    topic = "PySdkUnsupported"
+    r = python_scenario(sdk_python, "unsupported", tmp_path / "home", "--endpoint", endpoint, "--topic", topic)
+    for kind in ("delay", "fifo"):
+        refused = r["refused"][kind]
+        assert refused is not None, f"a {kind} message was accepted"
+        assert refused["took_s"] < 10, refused
+    stored = lines(ok(txmq("read", topic, "-o", "jsonl", broker=b.address)))
+    assert [m["body"] for m in stored] == ["normal-after"]

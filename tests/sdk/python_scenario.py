@@ -208,6 +208,30 @@ def scenario_send(args) -> None:
     RESULT["shutdown"] = True
 
 
+def scenario_unsupported(args) -> None:
+    """Delay (delivery_timestamp) and FIFO (message_group) messages, which txmq does not have, fail with an error the
+    application sees; a normal message sent right after still goes through."""
+    t = args.topic
+    producer = Producer(config(args), (t,), tls_enable=args.tls)
+    producer.startup()
+    refused = {}
+    delay = message(t, "delayed")
+    delay.delivery_timestamp = int(time.time() * 1000) + 60_000
+    fifo = message(t, "fifo")
+    fifo.message_group = "g1"
+    for name, m in (("delay", delay), ("fifo", fifo)):
+        t0 = time.monotonic()
+        try:
+            producer.send(m)
+            refused[name] = None
+        except Exception as e:  # noqa: BLE001 - what the application gets is the result
+            refused[name] = {"error": f"{type(e).__name__}: {e}", "took_s": round(time.monotonic() - t0, 2)}
+    RESULT["refused"] = refused
+    RESULT["sent"] = [{**receipt(producer.send(message(t, "normal-after"))), "body": "normal-after"}]
+    producer.shutdown()
+    RESULT["shutdown"] = True
+
+
 def scenario_receive(args) -> None:
     t = args.topic
     consumer = SimpleConsumer(config(args), args.group, {t: FilterExpression()}, await_duration=args.await_duration, tls_enable=args.tls)
@@ -301,7 +325,7 @@ def scenario_invisible(args) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("scenario", choices=["transactions", "half", "checker", "send", "receive", "push", "invisible"])
+    p.add_argument("scenario", choices=["transactions", "half", "checker", "send", "unsupported", "receive", "push", "invisible"])
     p.add_argument("--endpoint", required=True)
     p.add_argument("--topic", required=True)
     p.add_argument("--group", default="sdk-consumers")
@@ -325,6 +349,7 @@ def main() -> None:
     watchdog(args.deadline)
     try:
         {"transactions": scenario_transactions, "half": scenario_half, "checker": scenario_checker, "send": scenario_send,
+         "unsupported": scenario_unsupported,
          "receive": scenario_receive, "push": scenario_push, "invisible": scenario_invisible}[args.scenario](args)
     except BaseException as e:  # noqa: BLE001 - reported to the test, which fails on it
         RESULT["errors"].append(f"{type(e).__name__}: {e}")
