@@ -17,9 +17,11 @@ and the "no producer online" rule counts it while its stream is open. A
 consumer's stream is registered in the consumer registry under its group.
 
 Memory per stream is bounded: commands waiting to be written are held to
-``MAX_QUEUED_BYTES`` / ``MAX_QUEUED``; a stream is not offered check-backs
-(``writable``) beyond half of that, and one that still fills up (the client
-does not read) is closed and logged (event=rmq_telemetry_closed).
+``MAX_QUEUED`` commands and ``max_bytes`` bytes (``MAX_QUEUED_BYTES``, or
+two of the largest messages if that is more); a stream is not offered
+check-backs (``writable``) beyond half of that, as a native connection is
+not past its write buffer's high-water mark, and one that still fills up
+(the client does not read) is closed and logged (event=rmq_telemetry_closed).
 """
 
 from __future__ import annotations
@@ -47,8 +49,8 @@ log = logging.getLogger("txmq.rocketmq")
 # Telemetry streams get conn_ids of their own range: they share the producer registry with native connections.
 _ids = itertools.count(1 << 40)
 
-MAX_QUEUED = 4096  # commands waiting to be written on one stream
-MAX_QUEUED_BYTES = 64 << 20  # their bytes
+MAX_QUEUED = 65536  # commands waiting to be written on one stream
+MAX_QUEUED_BYTES = 8 << 20  # their bytes (at least two of the largest messages)
 MAX_TOPICS = 128  # topics one producer's settings may name (each is a registry entry per stream)
 MAX_CLIENTS = 100_000  # client entries kept (one per client id); idle ones are dropped beyond it
 CLIENT_IDLE_S = 300.0  # a client with no open stream and no request for this long may be dropped
@@ -125,8 +127,9 @@ class TelemetryStream:
     client, with the transaction id that names the check copy.
     """
 
-    def __init__(self, core: BrokerCore, client: Client, peer: str) -> None:
+    def __init__(self, core: BrokerCore, client: Client, peer: str, max_message: int = 0) -> None:
         self.core = core
+        self.max_bytes = max(MAX_QUEUED_BYTES, 2 * max_message)
         self.client = client
         self.peer = peer
         self.conn_id = next(_ids)
@@ -140,7 +143,7 @@ class TelemetryStream:
     # ---- PushTarget ----------------------------------------------------------
     def writable(self) -> bool:
         return (not self.closed.is_set() and self._queue.qsize() < MAX_QUEUED // 2
-                and self._queued_bytes < MAX_QUEUED_BYTES // 2)
+                and self._queued_bytes < self.max_bytes // 2)
 
     def push(self, op: str, fields: dict) -> None:
         if op == "check_transaction":
@@ -177,9 +180,9 @@ class TelemetryStream:
         if self.closed.is_set():
             return False
         size = cmd.ByteSize()
-        if self._queue.qsize() >= MAX_QUEUED or self._queued_bytes + size > MAX_QUEUED_BYTES:
+        if self._queue.qsize() >= MAX_QUEUED or self._queued_bytes + size > self.max_bytes:
             self.core.metrics.inc("rmq_telemetry_overflows")
-            self.close(f"more than {MAX_QUEUED} commands or {MAX_QUEUED_BYTES} bytes wait to be written: the client does not read")
+            self.close(f"more than {MAX_QUEUED} commands or {self.max_bytes} bytes wait to be written: the client does not read")
             return False
         self._queued_bytes += size
         self._queue.put_nowait((cmd, size))

@@ -225,7 +225,7 @@ class RocketMQServer:
             await context.write(s.TelemetryCommand(status=of_error(refusal)))
             return
         client = svc.clients.touch(cid)
-        stream = TelemetryStream(self.core, client, context.peer() or "")
+        stream = TelemetryStream(self.core, client, context.peer() or "", self.settings.max_receive_message)
         metrics.inc("rmq_telemetry_streams")
 
         async def read() -> None:
