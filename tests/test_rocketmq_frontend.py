@@ -433,6 +433,17 @@ def test_without_an_open_stream_no_check_is_spent_and_max_checks_discards_for_re
     with_frontend(tmp_path, body, check_interval_s=0.05, transaction_timeout_s=0, max_checks=2)
 
 
+def test_settings_sent_just_before_the_client_half_closes_are_still_answered(tmp_path):
+    async def body(b, stub, ch):
+        call = stub.Telemetry(iter([producer_settings("orders")]), metadata=MD)  # writes, then ends its side at once
+        replies = [r async for r in call]
+        assert [r.WhichOneof("command") for r in replies] == ["settings"] and replies[0].status.code == OK
+        assert await call.code() == grpc.StatusCode.OK
+        await wait_for(lambda: b.core.registry.online("orders") == 0)
+
+    with_frontend(tmp_path, body)
+
+
 def test_a_telemetry_stream_that_does_not_read_is_closed_and_leaves_the_registry(tmp_path, monkeypatch):
     monkeypatch.setattr(rmq_clients, "MAX_QUEUED_BYTES", 4096)
 

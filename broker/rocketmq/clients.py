@@ -137,12 +137,13 @@ class TelemetryStream:
         self._queue: asyncio.Queue = asyncio.Queue()
         self._queued_bytes = 0
         self.closed = asyncio.Event()
+        self.finishing = False  # the client sent its last command: what is queued goes out, then the stream ends
         self.close_reason = ""  # why the broker ended the stream (an error for the client); "" when it just ended
         self.pushed = 0
 
     # ---- PushTarget ----------------------------------------------------------
     def writable(self) -> bool:
-        return (not self.closed.is_set() and self._queue.qsize() < MAX_QUEUED // 2
+        return (not self.closed.is_set() and not self.finishing and self._queue.qsize() < MAX_QUEUED // 2
                 and self._queued_bytes < self.max_bytes // 2)
 
     def push(self, op: str, fields: dict) -> None:
@@ -177,7 +178,7 @@ class TelemetryStream:
 
     def offer(self, cmd: s.TelemetryCommand) -> bool:
         """Queue a command for the client; a stream over its bounds is closed (the client does not read)."""
-        if self.closed.is_set():
+        if self.closed.is_set() or self.finishing:
             return False
         size = cmd.ByteSize()
         if self._queue.qsize() >= MAX_QUEUED or self._queued_bytes + size > self.max_bytes:
@@ -207,7 +208,17 @@ class TelemetryStream:
         else:
             cmd, size = self._queue.get_nowait()
         self._queued_bytes -= size
+        if cmd is None:  # finish()'s mark: everything before it is written
+            self.close("")
         return cmd
+
+    def finish(self) -> None:
+        """The client sent its last command (it half-closed): no more check-backs; what is queued is still written."""
+        if self.closed.is_set() or self.finishing:
+            return
+        self.finishing = True
+        self.unregister()
+        self._queue.put_nowait((None, 0))
 
     def close(self, reason: str) -> None:
         if self.closed.is_set():
@@ -226,7 +237,7 @@ class TelemetryStream:
     def register(self) -> None:
         """(Re-)enter this stream in the producer registry under its topics, or the consumer registry under its group."""
         self.unregister()
-        if self.closed.is_set():
+        if self.closed.is_set() or self.finishing:
             return
         c = self.client
         for topic in c.topics:

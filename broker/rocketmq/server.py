@@ -247,7 +247,7 @@ class RocketMQServer:
             except Exception as exc:  # the client went away mid-stream
                 log.debug("event=rmq_telemetry_read_ended client_id=%s error=%r", cid, exc)
             finally:
-                stream.close("")
+                stream.finish()  # what is queued (a settings answer) still goes out, then the stream ends
 
         reader = asyncio.ensure_future(read())
         try:
