@@ -543,3 +543,20 @@ def test_body_digest_is_written_as_each_sdk_compares_it(language, form):
     assert crc < 0x10000000
     dg = body_digest(body, language)
     assert dg.type == d.CRC32 and dg.checksum == form.format(crc)
+
+
+def test_a_clients_language_comes_from_its_settings_else_from_its_language_header(tmp_path):
+    async def body(b, stub, ch):
+        clients = b.broker.frontends[0].settings.clients
+        for cid, header in (("py@1", "PYTHON"), ("node@1", "HTTP"), ("go@1", "GOLANG"), ("other@1", "COBOL")):
+            r = await stub.Heartbeat(s.HeartbeatRequest(client_type=d.SIMPLE_CONSUMER), metadata=(("x-mq-client-id", cid), ("x-mq-language", header)))
+            assert r.status.code == OK
+        assert [clients.language(c) for c in ("py@1", "node@1", "go@1", "other@1", "never@1")] == [
+            d.PYTHON, d.NODE_JS, d.GOLANG, d.LANGUAGE_UNSPECIFIED, d.LANGUAGE_UNSPECIFIED]
+        t = Telemetry(stub, "py@1")
+        await t.send(producer_settings("orders", language=d.JAVA))  # the settings win over the header
+        await t.read()
+        assert clients.language("py@1") == d.JAVA
+        await t.close()
+
+    with_frontend(tmp_path, body)

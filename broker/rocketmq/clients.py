@@ -55,6 +55,10 @@ MAX_TOPICS = 128  # topics one producer's settings may name (each is a registry 
 MAX_CLIENTS = 100_000  # client entries kept (one per client id); idle ones are dropped beyond it
 CLIENT_IDLE_S = 300.0  # a client with no open stream and no request for this long may be dropped
 
+# The x-mq-language header's values: Language names, and the Node.js SDK's "HTTP".
+LANGUAGE_HEADERS = {**{name: value for name, value in d.Language.items()}, "HTTP": d.NODE_JS, "NODEJS": d.NODE_JS, "GO": d.GOLANG}
+
+
 @dataclass
 class Client:
     """One SDK client (by its ``x-mq-client-id`` header) and what its settings said."""
@@ -90,6 +94,18 @@ class ClientTable:
     def language(self, client_id: str) -> int:
         c = self.clients.get(client_id)
         return c.language if c is not None else d.LANGUAGE_UNSPECIFIED
+
+    def seen(self, client_id: str, language_header: str) -> Client:
+        """A request of this client: it is alive, and until its settings say, its ``x-mq-language`` header names its language.
+
+        A client may receive before its Telemetry settings arrive (the
+        Python SDK's simple consumer does not wait for them); the header
+        then gives the body digest's form. The Node.js SDK sends ``HTTP``.
+        """
+        c = self.touch(client_id)
+        if c.language == d.LANGUAGE_UNSPECIFIED and language_header:
+            c.language = LANGUAGE_HEADERS.get(language_header.upper(), d.LANGUAGE_UNSPECIFIED)
+        return c
 
     def forget(self, client_id: str) -> Client | None:
         """The client said it terminates (NotifyClientTermination): no check-back goes to it any more; forget it.

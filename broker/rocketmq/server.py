@@ -148,10 +148,14 @@ class RocketMQServer:
             await self.ready.wait()
         if self.stopping or self.core.draining:
             return RmqError(Code.INTERNAL_ERROR, "the broker is shutting down")
+        md = metadata(context)
         token = self.settings.auth_token
-        if token and not signed(metadata(context), token):
+        if token and not signed(md, token):
             return RmqError(Code.UNAUTHORIZED, "the request is not signed with the broker's --auth-token "
                                                "(RocketMQ credentials: any access key, the token as secret key)")
+        cid = md.get("x-mq-client-id")
+        if cid:
+            self.settings.clients.seen(cid[:256], md.get("x-mq-language", ""))
         return None
 
     def _unary(self, name: str, impl: Callable, req_cls: Any, resp_cls: Any) -> Callable:

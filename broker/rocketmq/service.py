@@ -155,7 +155,8 @@ class MessagingService:
         if not got.HasField("client_type") or got.client_type == d.CLIENT_TYPE_UNSPECIFIED:
             raise RmqError(Code.UNRECOGNIZED_CLIENT_TYPE, "settings must name the client_type")
         client.client_type = got.client_type
-        client.language = got.user_agent.language
+        if got.user_agent.language:
+            client.language = got.user_agent.language
         if got.WhichOneof("pub_sub") == "subscription":
             client.group = group_of(got.subscription.group)
             client.topics = ()
