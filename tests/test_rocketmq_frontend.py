@@ -272,6 +272,12 @@ def test_malformed_input_gets_an_error_status_and_the_broker_keeps_serving(tmp_p
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await stub.SendMessage(s.SendMessageRequest(messages=[huge]), metadata=MD)
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        # Bytes that are not HTTP/2 at all, on a connection of their own.
+        reader, writer = await asyncio.open_connection("127.0.0.1", b.rocketmq_port)
+        writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + bytes(range(256)) * 64)
+        await writer.drain()
+        await asyncio.wait_for(reader.read(), 10)  # the broker ends that connection
+        writer.close()
         # Telemetry without a client id.
         t = stub.Telemetry(iter([producer_settings("orders")]))
         refused = await asyncio.wait_for(t.read(), 5)
