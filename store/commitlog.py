@@ -3,7 +3,7 @@
 Preallocation: the active segment's file is extended with zeros
 (``posix_fallocate``) a chunk ahead of the data, so most fdatasyncs do not
 change the file's size (on ext4 a size change costs a journal commit: ~185
-us instead of ~125 us per fdatasync after a small write). Only the last
+us instead of ~130 us per fdatasync after a small write). Only the last
 segment has such a zero tail: a segment is cut back to its data before the
 next one is created, and when the store closes. Recovery cuts the zero tail
 a crash left (docs/store-format.md, "Preallocated space").
