@@ -246,6 +246,10 @@ class BrokerCore:
         self.partial_frame_bytes: int = 0  # held by all connections in frames not yet complete
         self.tx_ready: asyncio.Event = asyncio.Event()  # set once the transaction index is rebuilt (or failed to be)
         self.tx_error: TxmqError | None = None  # why it failed
+        # Transactional requests queued behind tx_ready and not yet run: while
+        # any are, later ones queue too, so a connection's requests keep their
+        # order across the moment the index becomes ready.
+        self.tx_queued: int = 0
         self.draining: bool = False  # refuse new requests; in-flight ones finish
         self.shutting_down: bool = False  # refuse appends
         self.disk: DiskState = DiskState()  # a full disk, logged once per change of state

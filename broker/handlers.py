@@ -154,7 +154,7 @@ def send(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
     if props.get(PROP_TRAN_MSG) == "true":
         if core.tx_error is not None:
             raise core.tx_error
-        if not core.tx_ready.is_set():
+        if not core.tx_ready.is_set() or core.tx_queued:
             return _when_ready(core, lambda: core.tx.send_half(topic, qid, body, props, born))
         return core.tx.send_half(topic, qid, body, props, born)
     qid = core.pick_queue(topic, qid)
@@ -343,7 +343,7 @@ def config_set(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
     if opt_bool(f, "dry_run"):  # additive: what the change would discard or delete, nothing applied
         if core.tx_error is not None:
             raise core.tx_error
-        if not core.tx_ready.is_set():  # the counts come from the index
+        if not core.tx_ready.is_set() or core.tx_queued:  # the counts come from the index
             return _when_ready(core, lambda: _setting(core.check.preview, key, value))
         return _setting(core.check.preview, key, value)
     old, new = _setting(core.check.set, key, value)
@@ -363,12 +363,26 @@ def stats(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
     return core.stats()
 
 
-async def _when_ready(core: BrokerCore, call: Callable[[], Reply]) -> dict[str, Any]:
-    """Run a transactional operation once the index is rebuilt (only right after a start)."""
-    await core.tx_ready.wait()
-    if core.tx_error is not None:
-        raise core.tx_error
-    result = call()
+def _when_ready(core: BrokerCore, call: Callable[[], Reply]) -> Awaitable[dict[str, Any]]:
+    """Run a transactional operation once the index is rebuilt (only right after a start).
+
+    Counted in core.tx_queued from now until it runs: callers send later
+    requests here too while the count is non-zero, so requests that arrive
+    just after the index became ready do not overtake the ones still waking
+    up (the waiters resume in arrival order, one loop iteration later).
+    """
+    core.tx_queued += 1
+    return _run_when_ready(core, call)
+
+
+async def _run_when_ready(core: BrokerCore, call: Callable[[], Reply]) -> dict[str, Any]:
+    try:
+        await core.tx_ready.wait()
+        if core.tx_error is not None:
+            raise core.tx_error
+        result = call()
+    finally:
+        core.tx_queued -= 1
     return result if isinstance(result, dict) else await result
 
 
@@ -376,7 +390,7 @@ def _needs_index(handler: Handler) -> Handler:
     def gated(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
         if core.tx_error is not None:
             raise core.tx_error
-        if core.tx_ready.is_set():
+        if core.tx_ready.is_set() and not core.tx_queued:
             return handler(core, conn, f)
         return _when_ready(core, lambda: handler(core, conn, f))
 
