@@ -24,7 +24,8 @@ from setuptools import setup
 from setuptools.command.build_ext import build_ext
 from setuptools.command.build_py import build_py
 
-SPEEDUPS = [("txmq.store._speedups", "store/_speedups.pyx"), ("txmq.broker._speedups", "broker/_speedups.pyx")]
+SPEEDUPS = [("txmq.store._speedups", "store/_speedups.pyx"), ("txmq.broker._speedups", "broker/_speedups.pyx"),
+            ("txmq._busypoll", "core/_busypoll.pyx")]
 
 
 class OptionalBuildExt(build_ext):

@@ -144,6 +144,9 @@ class BrokerConfig:
     rocketmq_port: int | None = None
     rocketmq_tls_cert: Path | None = None
     rocketmq_tls_key: Path | None = None
+    # Seconds one CPU keeps spinning (lowest priority) after a lone client's request or reply; 0 = off
+    # (broker/busypoll.py; docs/architecture.md, "Busy polling").
+    busy_poll_s: float = defaults.BUSY_POLL_S
 
     def validated(self) -> "BrokerConfig":
         """Raise ValueError, naming the start option, for limits the broker could not serve with."""
@@ -161,6 +164,8 @@ class BrokerConfig:
                              "no frame of the largest size could ever be received")
         if not (0 <= self.auth_timeout_s <= 86400) or not (0 <= self.frame_timeout_s <= 86400):
             raise ValueError("--auth-timeout and --frame-timeout must be between 0 (none) and 1d")
+        if not (0 <= self.busy_poll_s <= defaults.MAX_BUSY_POLL_S):
+            raise ValueError(f"--busy-poll must be between 0 (off) and {defaults.MAX_BUSY_POLL_S * 1000:g}ms, not {self.busy_poll_s * 1000:g}ms")
         if self.max_connections is not None and self.max_connections < 1:
             raise ValueError(f"--max-connections must be at least 1, not {self.max_connections}")
         if self.max_connections_per_ip < 0:

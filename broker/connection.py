@@ -146,6 +146,9 @@ class BrokerConnection(asyncio.Protocol):
         if not self.authed:
             self._received_before_hello(data)
             return
+        arm = self.core.busy_poll.arm
+        if arm is not None and self.core.busy_connections <= 1:
+            arm()  # a lone client's request: keep a CPU awake through its fsync (broker/busypoll.py)
         try:
             payloads = self.decoder.feed(data)
         except TxmqError as err:
@@ -368,6 +371,9 @@ class BrokerConnection(asyncio.Protocol):
         if self._out and self.transport is not None and not self.transport.is_closing():
             out, self._out = self._out, []
             self.transport.write(b"".join(out) if len(out) > 1 else out[0])
+            arm = self.core.busy_poll.arm
+            if arm is not None and self.core.busy_connections <= 1:
+                arm()  # and for the lone client's next request
         else:
             self._out.clear()
 

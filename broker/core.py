@@ -43,6 +43,7 @@ from txmq.store import (
 from txmq.store.codec import H_QUEUE_ID, H_TOPIC_LEN, HEADER
 from txmq.wire import ErrorCode, TxmqError
 
+from .busypoll import BusyPoll
 from .clock import Clock
 from .config import BrokerConfig, CheckSettings
 from .flush import DiskState, Flusher
@@ -243,6 +244,7 @@ class BrokerCore:
         self._pollers: dict[tuple[str, int], list[asyncio.Future]] = defaultdict(list)
         self.connections: int = 0
         self.busy_connections: int = 0  # connections with requests in flight
+        self.busy_poll: BusyPoll = BusyPoll(0)  # the spinner, started in start()
         self.partial_frame_bytes: int = 0  # held by all connections in frames not yet complete
         self.tx_ready: asyncio.Event = asyncio.Event()  # set once the transaction index is rebuilt (or failed to be)
         self.tx_error: TxmqError | None = None  # why it failed
@@ -319,13 +321,16 @@ class BrokerCore:
         return settings
 
     async def start(self) -> None:
-        """Start the flusher's thread (after open)."""
+        """Start the flusher's thread and the busy-poll spinner (after open)."""
         self.flusher.start()
+        self.busy_poll = BusyPoll(self.config.busy_poll_s)
+        log.info("event=busy_poll state=%r window_us=%d", self.busy_poll.state, round(self.config.busy_poll_s * 1e6))
 
     async def stop(self) -> None:
         self.shutting_down = True
         self.wake_all_pollers()
         await self.flusher.stop()
+        self.busy_poll.stop()
         try:
             self.offsets.persist()
         except OSError as exc:  # e.g. the disk is still full: offsets since the last persist are lost, nothing else
@@ -474,6 +479,7 @@ class BrokerCore:
             "producer_groups": self.registry.groups(),
             "auth": bool(self.config.auth_token),
             "speedups": speedups_in_use(),
+            **self.busy_poll.status(),
             "damaged_records": self.store.damage.count,
             "counters": self.metrics.snapshot(),
         }

@@ -25,11 +25,13 @@ from .bench import BenchConfig, Stats, percentiles
 
 
 class ClientBench:
-    def __init__(self, cfg: BenchConfig, end: str = "pipelined", progress: Callable[[int, int], None] | None = None) -> None:
+    def __init__(self, cfg: BenchConfig, end: str = "pipelined", progress: Callable[[int, int], None] | None = None,
+                 busy_poll: float = 0.0) -> None:
         if end not in ("pipelined", "wait"):
             raise ValueError("end must be pipelined or wait")
         self.cfg = cfg
         self.end = end
+        self.busy_poll = busy_poll  # the producers' Client(busy_poll=...)
         self.progress = progress
         self.stats = Stats(("call", "tx"))
         self._states = list(cfg.mix)
@@ -52,7 +54,7 @@ class ClientBench:
             def check_local_transaction(self, message: Any) -> Any:
                 return LocalTransactionState.COMMIT_MESSAGE
 
-        producers = [await TransactionProducer(cfg.group, Listener(), cfg.address, token=cfg.token).start()
+        producers = [await TransactionProducer(cfg.group, Listener(), cfg.address, token=cfg.token, busy_poll=self.busy_poll).start()
                      for _ in range(cfg.connections)]
         body = b"x" * cfg.size
         wait_end = self.end == "wait"

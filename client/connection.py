@@ -33,6 +33,7 @@ from typing import Any
 
 from txmq import wire
 from txmq.constants import DEFAULT_ADDRESS, DEFAULT_HOST, DEFAULT_PORT
+from txmq.defaults import MAX_BUSY_POLL_S
 from txmq.wire import ErrorCode, TxmqError
 
 log = logging.getLogger("txmq.client")
@@ -115,16 +116,46 @@ def default_client_id() -> str:
     return f"{socket.gethostname()}@{os.getpid()}@{os.urandom(3).hex()}"
 
 
+def _poll_readable() -> Callable[[int, int], bool] | None:
+    """The compiled busy-wait (core/_busypoll.pyx), or None where it was not built or TXMQ_PURE_PYTHON is set."""
+    if os.environ.get("TXMQ_PURE_PYTHON"):
+        return None
+    try:
+        from txmq._busypoll import poll_readable
+    except ImportError:
+        return None
+    return poll_readable
+
+
 class Connection(asyncio.Protocol):
     """One socket to a broker. Create with `connect()` / `Connection.connect()`."""
+
+    # Open connections of this process that busy-poll: they poll only while they are the one such
+    # connection, because nothing else on the event loop runs during a poll.
+    _polling = 0
+    _poll_fn: Callable[[int, int], bool] | None = None
+    _poll_looked_up = False
 
     def __init__(
         self,
         push_handler: PushHandler | None = None,
         on_lost: Callable[["Connection", BaseException | None], None] | None = None,
         max_frame: int = CLIENT_MAX_FRAME,
+        busy_poll: float = 0.0,
     ) -> None:
         self._loop = asyncio.get_running_loop()
+        # busy_poll (seconds): after writing requests, spin on the socket this long at most for the reply
+        # (docs/client.md, "Busy polling"); 0, or without the compiled module, the loop just waits.
+        self._poll_ns = 0
+        self._poll_fd = -1
+        self._poll_scheduled = False
+        if busy_poll > 0:
+            if not Connection._poll_looked_up:
+                Connection._poll_fn, Connection._poll_looked_up = _poll_readable(), True
+                if Connection._poll_fn is None:
+                    log.info("busy_poll asked for, but the compiled module txmq._busypoll is not in use here: the client waits normally")
+            if Connection._poll_fn is not None:
+                self._poll_ns = int(busy_poll * 1e9)
         self._push_handler = push_handler
         self._on_lost = on_lost
         self._decoder = wire.FrameDecoder(max_frame)
@@ -161,12 +192,13 @@ class Connection(asyncio.Protocol):
         push_handler: PushHandler | None = None,
         on_lost: Callable[["Connection", BaseException | None], None] | None = None,
         timeout: float | None = 10.0,
+        busy_poll: float = 0.0,
     ) -> "Connection":
         """Open a socket and send `hello` (with the token when given) before anything else."""
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(timeout):
-                _, conn = await loop.create_connection(lambda: cls(push_handler, on_lost), host, port)
+                _, conn = await loop.create_connection(lambda: cls(push_handler, on_lost, busy_poll=busy_poll), host, port)
         except (OSError, TimeoutError) as exc:
             raise ConnectionLost(f"cannot connect to {host}:{port}: {exc or type(exc).__name__}") from exc
         hello: dict[str, Any] = {"client_id": client_id or default_client_id()}
@@ -186,6 +218,9 @@ class Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]  # uvloop's are not asyncio.Transport subclasses
         sock = transport.get_extra_info("socket")
+        if sock is not None and self._poll_ns:
+            self._poll_fd = sock.fileno()
+            Connection._polling += 1
         if sock is not None:
             try:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -260,6 +295,19 @@ class Connection(asyncio.Protocol):
             return
         self._wbuf = []
         self._transport.write(buf[0] if len(buf) == 1 else b"".join(buf))
+        if self._poll_fd >= 0:
+            self._schedule_poll()
+
+    def _schedule_poll(self) -> None:
+        if not self._poll_scheduled and self._pending and Connection._polling == 1:
+            self._poll_scheduled = True
+            self._loop.call_soon(self._busy_wait)
+
+    def _busy_wait(self) -> None:
+        """Spin on the socket (GIL released, bounded) until the reply can be read: it is then read without a wake-up."""
+        self._poll_scheduled = False
+        if self._pending and self._poll_fd >= 0 and Connection._polling == 1 and not self._closed:
+            Connection._poll_fn(self._poll_fd, self._poll_ns)  # type: ignore[misc]
 
     def pause_writing(self) -> None:
         self._paused = True
@@ -320,6 +368,8 @@ class Connection(asyncio.Protocol):
                 except Exception:
                     log.exception("push handler failed for %r", frame.op)
             # a request from the broker is not part of the protocol: ignored
+        if self._poll_fd >= 0 and pending:
+            self._schedule_poll()  # more replies are due (e.g. a half's after its end's)
 
     def _abort(self, exc: TxmqError) -> None:
         log.error("bad data from %s: %s; closing", self.peer, exc)
@@ -333,6 +383,9 @@ class Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._closed = True
         self._transport = None
+        if self._poll_fd >= 0:
+            self._poll_fd = -1
+            Connection._polling -= 1
         self._wbuf.clear()
         if self._flush_handle is not None:
             self._flush_handle.cancel()
@@ -389,7 +442,11 @@ class Client:
         max_retries: int = 5,
         backoff_initial: float = 0.05,
         backoff_max: float = 2.0,
+        busy_poll: float = 0.0,
     ) -> None:
+        if not (0.0 <= busy_poll <= MAX_BUSY_POLL_S):
+            raise ValueError(f"busy_poll must be between 0 (off) and {MAX_BUSY_POLL_S} seconds, not {busy_poll!r}")
+        self.busy_poll = busy_poll  # seconds to spin for a reply while this is the process's one busy-polling connection
         self.address = address
         self.token = token
         self.client_id = client_id or default_client_id()
@@ -592,6 +649,7 @@ class Client:
             push_handler=self._on_push,
             on_lost=self._on_lost,
             timeout=self.connect_timeout,
+            busy_poll=self.busy_poll,
         )
 
     def _set_conn(self, conn: Connection) -> None:

@@ -31,3 +31,9 @@ CHECK_INTERVAL_S = 60.0
 TRANSACTION_TIMEOUT_S = 6.0
 MAX_CHECKS = 15
 RETENTION_S = 72 * 3600.0
+
+# After a request or reply of a lone client the broker keeps one CPU spinning at the lowest priority
+# for this long, so the next request or the end of an fdatasync finds it awake (core/_busypoll.pyx;
+# docs/architecture.md, "Busy polling"). 0 turns it off.
+BUSY_POLL_S = 0.001
+MAX_BUSY_POLL_S = 0.1

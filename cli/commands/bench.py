@@ -6,6 +6,8 @@ from typing import Annotated, Optional
 
 import typer
 
+from txmq.defaults import MAX_BUSY_POLL_S
+
 from .. import exitcodes
 from ..common import DEFAULT_BROKER, BrokerOpt, CliError, OutputOpt, TokenOpt, parse_address, parse_duration, run
 from ..console import Output, default_output, emit_json, err, out
@@ -51,6 +53,8 @@ def bench(
     rate: Annotated[Optional[float], typer.Option(min=1, help="Limit to this many units per second (open loop), to measure latency below saturation.", show_default=False)] = None,
     topic: Annotated[str, typer.Option(help="Topic to use.")] = "bench",
     end: Annotated[str, typer.Option(help="tx-client: pipelined (send_in_transaction returns once the end is queued, the library's default) or wait (each call waits for the end's reply).")] = "pipelined",
+    busy_poll: Annotated[str, typer.Option(help="tx-client: the producers' busy_poll, e.g. 1ms (spin on the socket for a reply "
+                                            "while one connection of the process is busy; docs/client.md, \"Busy polling\"); 0 = off, as by default.")] = "0",
     output: OutputOpt = None,
 ) -> None:
     """Measure throughput and latency percentiles (p50, p90, p99, p99.9, max) per operation."""
@@ -69,6 +73,11 @@ def bench(
     if not embedded:
         parse_address(broker)
     dur = parse_duration(duration) if duration else None
+    poll_s = parse_duration(busy_poll)
+    if poll_s and mode != "tx-client":
+        raise CliError("--busy-poll applies to tx-client", exitcodes.USAGE)
+    if poll_s > MAX_BUSY_POLL_S:
+        raise CliError(f"--busy-poll must be at most {MAX_BUSY_POLL_S * 1000:g}ms", exitcodes.USAGE)
     if messages is None and dur is None:
         messages = 100_000
     output = output or default_output()
@@ -80,7 +89,9 @@ def bench(
             if mode == "tx-client":
                 from txmq.client.bench_client import ClientBench
 
-                return await ClientBench(cfg, end, progress).run()
+                res = await ClientBench(cfg, end, progress, busy_poll=poll_s).run()
+                res["busy_poll_s"] = poll_s
+                return res
             return await Bench(cfg, progress, warn=warn, note=note).run()
 
         if embedded:

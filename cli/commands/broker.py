@@ -70,6 +70,10 @@ def start(
                                                               "chain (PEM); needs --rocketmq-tls-key.", show_default=False)] = None,
     rocketmq_tls_key: Annotated[Optional[Path], typer.Option(help="With --rocketmq-port: the TLS private key (PEM) of "
                                                              "--rocketmq-tls-cert.", show_default=False)] = None,
+    busy_poll: Annotated[str, typer.Option(help="After a lone client's request or reply, keep one CPU spinning at the lowest "
+                                            "priority (SCHED_IDLE) this long, so the next request or the end of an fsync finds it "
+                                            "awake instead of halted; costs only idle CPU; 0 = off, at most 100ms "
+                                            "(docs/architecture.md, \"Busy polling\").")] = _duration(defaults.BUSY_POLL_S),
     index_snapshot_records: Annotated[Optional[int], typer.Option(min=0, hidden=True, help="Deprecated, no effect: the transaction index is flushed to txindex.db every second.", show_default=False)] = None,
 ) -> None:
     """Run a broker in the foreground until SIGINT/SIGTERM (logs on stderr)."""
@@ -111,6 +115,7 @@ def start(
         auth_timeout_s=parse_duration(auth_timeout), frame_timeout_s=parse_duration(frame_timeout),
         max_connections=max_connections, max_connections_per_ip=max_connections_per_ip, partial_frame_budget=partial_frame_budget,
         rocketmq_port=rocketmq_port, rocketmq_tls_cert=rocketmq_tls_cert, rocketmq_tls_key=rocketmq_tls_key,
+        busy_poll_s=parse_duration(busy_poll),
     )
     try:
         run(config)  # txmq.broker.main: fd limit, uvloop, GC, bind, metrics, serve until a signal, clean shutdown
@@ -144,6 +149,7 @@ def status(broker: BrokerOpt = DEFAULT_BROKER, token: TokenOpt = None, output: O
         "flush": info["flush"], "data_dir": info["data_dir"], "connections": info["connections"],
         "topics": info["topics"], "max_offset": info["max_offset"], "durable_offset": info["durable_offset"],
         "producer_groups": info["producer_groups"], "auth": info["auth"], "speedups": info.get("speedups", "unknown"),
+        "busy_poll": info.get("busy_poll", "unknown"), "busy_poll_window_us": info.get("busy_poll_window_us"),
         "damaged_records": info.get("damaged_records", 0),
         # the check settings in effect (start options, else config.json, else the defaults)
         **{k: check.get(k) for k in ("check_interval_s", "transaction_timeout_s", "max_checks", "retention_s")},
