@@ -10,7 +10,8 @@ Same body size (256 bytes) and the same concurrency everywhere:
    transactions (half + commit) with sync and async flush at 1 client back
    to back, 32 concurrent clients and the best pipelined configuration;
    the client library (``txmq bench tx-client``: N TransactionProducers, each
-   back to back with its pipelined end) at 1 and 32, sync and async;
+   back to back with its pipelined end) at 1 and 32, sync and async, and
+   one producer with the opt-in ``busy_poll`` (1 ms);
    plain sends unbatched and batched (64); the p99 of a whole transaction
    at half of the maximum rate;
 3. RabbitMQ AMQP transactions at 1 and 32 clients (rabbit.py), skipped with
@@ -97,6 +98,8 @@ def run_txmq(plan: Plan) -> dict[str, dict[str, Any]]:
         for c in PEER_CLIENTS:
             bench(f"client_{flush}_{c}", ["tx-client", "--flush", flush, "-c", str(c), "-n", "1"])
         bench(f"client_{flush}_1_wait", ["tx-client", "--flush", flush, "-c", "1", "-n", "1", "--end", "wait"])
+        # the same producer with the client's opt-in busy polling (docs/client.md, "Busy polling")
+        bench(f"client_{flush}_1_poll", ["tx-client", "--flush", flush, "-c", "1", "-n", "1", "--busy-poll", "1ms"])
     bench("send_4x64", ["send", "--flush", "async", "-c", "4", "-n", "64"])
     bench("send_batch64_4x16", ["send", "--flush", "async", "-c", "4", "-n", "16", "--batch", "64"])
     for flush in ("async", "sync"):
