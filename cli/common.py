@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Awaitable, Callable, TypeVar
+from typing import Annotated, Any, Awaitable, Callable, Coroutine, TypeVar
 
 import typer
 
@@ -147,6 +147,120 @@ def run(coro: Awaitable[T]) -> T:
 
         return asyncio.run(coro)  # type: ignore[arg-type]
     return uvloop.run(coro)  # type: ignore[arg-type]
+
+
+# After Ctrl-C, how long a command may spend closing its broker connection before it exits anyway.
+INTERRUPT_GRACE_S = 1.5
+
+
+def run_interruptible(coro: Coroutine[Any, Any, T], grace: float = INTERRUPT_GRACE_S) -> T:
+    """Run a coroutine like `run`; Ctrl-C (SIGINT) raises KeyboardInterrupt within `grace` seconds.
+
+    The first SIGINT cancels the coroutine, which may then clean up (close
+    its connection); KeyboardInterrupt is raised when it has ended, when
+    `grace` runs out, or at a second SIGINT, whichever comes first. What is
+    still running then is left with the event loop, not awaited, so a broker
+    connection whose close never completes cannot hold the command up.
+
+    The event loop's own handler takes SIGINT (loop.add_signal_handler), so
+    this holds whatever SIGINT's disposition was when the process started:
+    Python's KeyboardInterrupt, or ignored (a background job of a script),
+    in which case asyncio.run would not see it at all.
+    """
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return run(coro)  # only the main thread takes signals
+    return _Interruptible(grace).run(coro)
+
+
+class _Interruptible:
+    """The event loop of `run_interruptible`: its SIGINT handler, and a clean-up that never waits past a deadline."""
+
+    def __init__(self, grace: float) -> None:
+        import asyncio
+
+        try:
+            import uvloop
+        except ImportError:
+            self.loop = asyncio.new_event_loop()
+        else:
+            self.loop = uvloop.new_event_loop()
+        self.grace = grace
+        self.interrupts = 0
+        self.task: Any = None  # the command's coroutine, as a task
+        self.cut: Any = None  # a future: done when nothing more is to be awaited (grace over, or a second Ctrl-C)
+
+    def on_sigint(self) -> None:
+        self.interrupts += 1
+        if self.interrupts == 1 and self.task is not None and not self.task.done():
+            self.task.cancel()
+            self.loop.call_later(self.grace, self.stop_waiting)
+        else:
+            self.stop_waiting()
+
+    def stop_waiting(self) -> None:
+        if self.cut is not None and not self.cut.done():
+            self.cut.set_result(None)
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        import asyncio
+        import signal
+
+        loop = self.loop
+        previous = signal.getsignal(signal.SIGINT)
+        try:
+            loop.add_signal_handler(signal.SIGINT, self.on_sigint)
+        except (NotImplementedError, RuntimeError, ValueError):  # no signal handlers on this platform's loop
+            loop.close()
+            return run(coro)
+        finished = False
+        try:
+            asyncio.set_event_loop(loop)
+            self.cut = loop.create_future()
+            self.task = loop.create_task(coro)
+            loop.run_until_complete(asyncio.wait((self.task, self.cut), return_when=asyncio.FIRST_COMPLETED))
+            if not self.task.done():  # its clean-up outlasted the grace, or a second Ctrl-C
+                raise KeyboardInterrupt
+            finished = self._finish()
+            if self.interrupts and self.task.cancelled():
+                raise KeyboardInterrupt
+            return self.task.result()
+        finally:
+            try:
+                loop.remove_signal_handler(signal.SIGINT)
+            finally:
+                if previous is not None:
+                    signal.signal(signal.SIGINT, previous)
+                if not finished:  # tasks left pending are not worth a message each as they are collected
+                    loop.set_exception_handler(lambda _loop, _context: None)
+                asyncio.set_event_loop(None)
+                loop.close()
+
+    def _finish(self) -> bool:
+        """What asyncio.run does after the coroutine (cancel the tasks left, close async generators, the
+        default executor), none of it waited for past the deadline; True if all of it ended."""
+        import asyncio
+
+        loop = self.loop
+        if self.cut.done():
+            return False
+        loop.call_later(self.grace, self.stop_waiting)
+
+        def bounded(aw: Any) -> bool:
+            step = asyncio.ensure_future(aw, loop=loop)
+            loop.run_until_complete(asyncio.wait((step, self.cut), return_when=asyncio.FIRST_COMPLETED))
+            return step.done()
+
+        left = [t for t in asyncio.all_tasks(loop) if not t.done()]
+        for t in left:
+            t.cancel()
+        if left and not bounded(asyncio.wait(left)):
+            return False
+        for t in left:
+            if not t.cancelled() and t.exception() is not None:
+                loop.call_exception_handler({"message": "unhandled exception during shutdown", "exception": t.exception(), "task": t})
+        return bounded(loop.shutdown_asyncgens()) and bounded(loop.shutdown_default_executor())
 
 
 def stop_event(signals: tuple[str, ...] = ("SIGINT", "SIGTERM")) -> Any:

@@ -206,3 +206,194 @@ def test_send_of_stdin_lines_after_ctrl_c_says_what_was_sent_and_exits_130(broke
     assert code == 130, e
     assert "stopped (interrupted): 3 sent, 0 failed" in e and "input read up to line 3" in e and "to resume" in e, e
     assert "Traceback" not in e
+
+
+class _StallingBroker:
+    """A broker that says hello and answers the first `answers` requests after it, then reads nothing more, as a
+    stalled broker process would: a client with data still to write can then never finish closing its connection."""
+
+    def __init__(self, answers: int) -> None:
+        import socket
+        import threading
+
+        self.answers = answers
+        self.stalled = threading.Event()  # set once the request after the answered ones has arrived
+        self.sock = socket.socket()
+        # a fixed receive buffer (the accepted socket inherits it): no window that grows to take what the client writes
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(1)
+        self.conn = None
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.sock.getsockname()[1]}"
+
+    def _serve(self) -> None:
+        from txmq import wire
+
+        conn, _ = self.sock.accept()
+        self.conn = conn
+        dec = wire.FrameDecoder()
+        left = self.answers
+        n = 0
+        while not self.stalled.is_set():
+            data = conn.recv(1 << 16)
+            if not data:
+                return
+            for payload in dec.feed(data):
+                f = wire.parse_payload(payload)
+                if f.op == "hello":
+                    conn.sendall(wire.reply(f.id, {"version": "stalling", "protocol": 1, "broker_id": "stalling", "flush": "sync"}))
+                elif left:
+                    left -= 1
+                    n += 100
+                    conn.sendall(wire.reply(f.id, {"msg_id": f"M{n}", "topic": f.fields.get("topic", ""), "queue_id": 0,
+                                                   "queue_offset": n // 100 - 1, "commit_log_offset": n}))
+                else:
+                    self.stalled.set()  # from here on nothing is read: the rest stays in the client's buffers
+                    break
+
+    def close(self) -> None:
+        for s in (self.conn, self.sock):
+            if s is not None:
+                s.close()
+
+
+def _interrupted_send(broker: str, big_lines: int = 0, preexec=None):
+    """`send t-sum-int - -o jsonl` with stdin kept open: 3 lines, their results, then `big_lines` lines of 128 KiB,
+    then Ctrl-C; (exit code, stderr, seconds from Ctrl-C to the exit)."""
+    import signal
+    import subprocess
+    import time
+
+    from clihelpers import cli_argv, cli_env
+
+    p = subprocess.Popen(cli_argv("send", "t-sum-int", "-", "-o", "jsonl"), stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=cli_env(broker), preexec_fn=preexec)
+    try:
+        p.stdin.write(b"a\nb\nc\n")
+        p.stdin.flush()  # stdin stays open: the command waits for more lines
+        got = [json.loads(p.stdout.readline()) for _ in range(3)]
+        assert sorted(r["line"] for r in got) == [1, 2, 3]
+        if big_lines:
+            p.stdin.write((b"x" * (128 << 10) + b"\n") * big_lines)
+            p.stdin.flush()  # read by the command, all but the last few sent: far more than the socket buffers hold
+        started = time.monotonic()
+        p.send_signal(signal.SIGINT)
+        code = p.wait(15)
+        took = time.monotonic() - started
+        e = p.stderr.read().decode()
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    return code, e, took
+
+
+def test_send_of_stdin_lines_exits_130_on_ctrl_c_even_if_the_connection_never_finishes_closing():
+    b = _StallingBroker(answers=3)
+    try:
+        code, e, took = _interrupted_send(b.address, big_lines=200)
+    finally:
+        b.close()
+    assert b.stalled.is_set()
+    assert code == 130, e
+    assert "stopped (interrupted): 3 sent, 0 failed, up to " in e and " unconfirmed " in e and "to resume" in e, e
+    assert "Traceback" not in e and "Task was destroyed" not in e, e
+    assert took < 10, took  # the grace after Ctrl-C is 1.5 s; without it, no exit at all
+
+
+def test_send_of_stdin_lines_stops_on_ctrl_c_when_started_with_sigint_ignored(broker):
+    import signal
+
+    # as a background job of a non-interactive shell starts: SIGINT ignored (asyncio.run alone would never see it)
+    code, e, _ = _interrupted_send(broker, preexec=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    assert code == 130, e
+    assert "stopped (interrupted): 3 sent, 0 failed" in e and "input read up to line 3" in e, e
+
+
+def test_bulk_resolve_stops_on_ctrl_c_when_started_with_sigint_ignored_and_the_broker_never_answers():
+    import signal
+    import subprocess
+
+    from clihelpers import cli_argv, cli_env
+
+    b = _StallingBroker(answers=0)
+    try:
+        p = subprocess.Popen(cli_argv("resolve", "--rollback", "-", "--yes", "-o", "jsonl"), stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=cli_env(b.address),
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+        try:
+            p.stdin.write(b"TX-1\nTX-2\nTX-3\n")
+            p.stdin.close()
+            assert b.stalled.wait(15)  # the request is sent and will never be answered
+            p.send_signal(signal.SIGINT)
+            code = p.wait(15)
+            e = p.stderr.read().decode()
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    finally:
+        b.close()
+    assert code == 130, e
+    assert "stopped (interrupted): 0 rolled back, 0 already, 0 failed, 0 not attempted, 3 unconfirmed" in e, e
+    assert "Traceback" not in e, e
+
+
+async def _hanging_cleanup():
+    """A command whose clean-up after Ctrl-C never ends (as a connection close that never completes)."""
+    loop = asyncio.get_running_loop()
+    try:
+        await loop.create_future()
+    finally:
+        await asyncio.shield(loop.create_future())
+
+
+def test_ctrl_c_raises_keyboard_interrupt_once_the_grace_for_clean_up_is_over():
+    import os
+    import signal
+    import time
+
+    from txmq.cli.common import run_interruptible
+
+    async def main():
+        asyncio.get_running_loop().call_soon(os.kill, os.getpid(), signal.SIGINT)
+        await _hanging_cleanup()
+
+    before = signal.getsignal(signal.SIGINT)
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        run_interruptible(main(), grace=0.3)
+    assert 0.25 < time.monotonic() - t0 < 10
+    assert signal.getsignal(signal.SIGINT) == before  # put back as it was
+
+
+def test_a_second_ctrl_c_raises_keyboard_interrupt_at_once():
+    import os
+    import signal
+    import time
+
+    from txmq.cli.common import run_interruptible
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        loop.call_soon(os.kill, os.getpid(), signal.SIGINT)
+        loop.call_later(0.1, os.kill, os.getpid(), signal.SIGINT)
+        await _hanging_cleanup()
+
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        run_interruptible(main(), grace=60)
+    assert time.monotonic() - t0 < 30
+
+
+def test_a_command_that_ends_before_ctrl_c_returns_its_result():
+    from txmq.cli.common import run_interruptible
+
+    async def main():
+        return 42
+
+    assert run_interruptible(main()) == 42

@@ -273,11 +273,14 @@ def run_bulk(broker: str, token: str | None, op: str, build: Callable[[list[Any]
 
 
 def guarded(coro: Any, t: Tally, bulk: bool) -> None:
-    """Run coro; on Ctrl-C or a broker error, print the summary (bulk commands) and go on with the error."""
-    from ..common import run
+    """Run coro; on Ctrl-C or a broker error, print the summary (bulk commands) and go on with the error.
+
+    Ctrl-C ends it within a bounded time, even if closing the connection hangs (`run_interruptible`).
+    """
+    from ..common import run_interruptible
 
     try:
-        run(coro)
+        run_interruptible(coro)
     except KeyboardInterrupt:
         if bulk:
             t.print("interrupted")

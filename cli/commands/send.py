@@ -12,7 +12,7 @@ import typer
 from txmq.constants import TOPIC_RE, is_system_topic
 
 from .. import exitcodes
-from ..common import DEFAULT_BROKER, BrokerOpt, CliError, OutputOpt, TokenOpt, run
+from ..common import DEFAULT_BROKER, BrokerOpt, CliError, OutputOpt, TokenOpt, run, run_interruptible
 from ..console import Output, emit_json, emit_line, err, kv_table, out, resolve_output
 
 EPILOG = """Examples:
@@ -92,7 +92,7 @@ def send(
     if stream:
         st = _Tally()
         try:
-            run(_send_stream(broker, token, spec, window, out_fmt, st))
+            run_interruptible(_send_stream(broker, token, spec, window, out_fmt, st))
         except KeyboardInterrupt:  # the summary line, as resolve and discard replay print it; exit 130
             if out_fmt is Output.json:
                 emit_json(st.rows)
@@ -249,20 +249,28 @@ async def _send_stream(broker: str, token: str | None, spec: _Spec, window: int,
                     ends.release()
 
         line_no = 0
-        async for line in _stdin_lines():
-            line_no += 1
-            st.line = line_no
-            if not line.strip():
-                continue
-            await sem.acquire()
-            if lost or closed:
-                sem.release()
-                break
-            t = asyncio.get_running_loop().create_task(one(line_no, line))
-            tasks.add(t)
-            t.add_done_callback(tasks.discard)
-        if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
+        try:
+            async for line in _stdin_lines():
+                line_no += 1
+                st.line = line_no
+                if not line.strip():
+                    continue
+                await sem.acquire()
+                if lost or closed:
+                    sem.release()
+                    break
+                t = asyncio.get_running_loop().create_task(one(line_no, line))
+                tasks.add(t)
+                t.add_done_callback(tasks.discard)
+            if tasks:
+                await asyncio.gather(*tasks, return_exceptions=True)
+        except asyncio.CancelledError:  # Ctrl-C: the lines in flight end as unconfirmed, before the connection closes
+            flying = list(tasks)
+            for t in flying:
+                t.cancel()
+            if flying:
+                await asyncio.wait(flying)
+            raise
     if closed:
         raise BrokenPipeError  # main() exits quietly
     if out_fmt is Output.json:
