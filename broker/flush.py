@@ -22,6 +22,7 @@ import logging
 import queue
 import threading
 import time
+from functools import partial
 from typing import Any, Callable
 
 from txmq.store import Store, StoreError, StoreFullError
@@ -95,10 +96,10 @@ class FsyncThread:
     result one ``call_soon_threadsafe``.
     """
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, name: str = "txmq-fsync") -> None:
         self._loop = loop
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._main, name="txmq-fsync", daemon=True)
+        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self._thread.start()
 
     def run(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future:
@@ -144,7 +145,13 @@ class Flusher:
         self.interval_s = interval_s
         self._on_persist = on_persist  # e.g. ConsumerOffsets.persist, run in the flush thread
         self._observe = observe  # flush latency callback (seconds)
-        self._thread: FsyncThread | None = None  # started with the loop
+        self._thread: FsyncThread | None = None  # started with the loop: the fsyncs that acknowledge sends
+        # Checkpoint cycles (queues, checkpoint file, consumer offsets) run in a thread of their own, so a
+        # slow one (each file's write and fsync, and the GIL between them while the loop is busy: 10-40 ms
+        # under load) never holds up the fsyncs that acknowledge sends.
+        self._ckpt_thread: FsyncThread | None = None
+        self._ckpt: asyncio.Future | None = None  # the checkpoint cycle running, if any
+        self._next_ckpt = 0.0
         self._waiters: collections.deque[tuple[int, asyncio.Future]] = collections.deque()
         self._persist_waiters: list[asyncio.Future] = []
         self._wake = asyncio.Event()
@@ -158,6 +165,7 @@ class Flusher:
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._thread = FsyncThread(self._loop)
+        self._ckpt_thread = FsyncThread(self._loop, "txmq-checkpoint")
         self._task = self._loop.create_task(self._run(), name="txmq-flusher")
 
     def wait_synced(self, end_offset: int) -> asyncio.Future | None:
@@ -214,46 +222,96 @@ class Flusher:
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
-        next_checkpoint = loop.time() + self.interval_s
+        self._next_ckpt = loop.time() + self.interval_s
         while True:
-            timeout = max(0.0, next_checkpoint - loop.time())
-            if not self._waiters and not self._persist_waiters and not self._stopping:
+            ckpt_wanted = self._ckpt is None and bool(self._persist_waiters)
+            if not self._waiters and not ckpt_wanted and not self._stopping:
+                timeout = max(0.0, self._next_ckpt - loop.time()) if self._ckpt is None else None
                 try:
                     await asyncio.wait_for(self._wake.wait(), timeout)
                 except asyncio.TimeoutError:
                     pass
             self._wake.clear()
-            checkpoint = loop.time() >= next_checkpoint or self._stopping
-            persist_waiters, self._persist_waiters = self._persist_waiters, []
-            t0 = time.perf_counter()
-            self._busy = True
-            try:
-                assert self._thread is not None
-                if checkpoint or persist_waiters:
-                    durable = await self._thread.run(self._full_cycle, checkpoint)
-                else:
-                    durable = await self._thread.run(self.store.sync)
-            except (StoreError, OSError) as exc:
-                self._busy = False
-                if not self.disk.failed("flush", exc):  # a full disk is logged once, not every cycle
-                    log.error("event=flush_failed error=%r", exc)
-                err = TxmqError(f"flush failed: {exc}", ErrorCode.STORE_ERROR)
-                self._fail_all(err, persist_waiters)
-                # retry the checkpoint at its own pace: sends keep being fsynced meanwhile
-                next_checkpoint = loop.time() + self.interval_s
-                await asyncio.sleep(0.05)
-                if self._stopping:
+            if self._stopping:
+                if not await self._final_cycle():
+                    return
+                if not self._waiters and not self._persist_waiters:
                     return
                 continue
+            if self._ckpt is None and (loop.time() >= self._next_ckpt or self._persist_waiters):
+                self._start_checkpoint(loop.time() >= self._next_ckpt)
+            if self._waiters:
+                await self._sync_cycle()
+
+    async def _sync_cycle(self) -> None:
+        """One fsync of the log in the fsync thread (group commit: every send appended so far)."""
+        t0 = time.perf_counter()
+        self._busy = True
+        try:
+            assert self._thread is not None
+            durable = await self._thread.run(self.store.sync)
+        except (StoreError, OSError) as exc:
             self._busy = False
-            if self._observe:
-                self._observe(time.perf_counter() - t0)
-            if checkpoint:
-                next_checkpoint = loop.time() + self.interval_s
-                self.disk.ok("flush")
-            self._resolve(durable, persist_waiters)
-            if self._stopping and not self._waiters and not self._persist_waiters:
-                return
+            if not self.disk.failed("flush", exc):  # a full disk is logged once, not every cycle
+                log.error("event=flush_failed error=%r", exc)
+            self._fail_all(TxmqError(f"flush failed: {exc}", ErrorCode.STORE_ERROR), [])
+            await asyncio.sleep(0.05)
+            return
+        self._busy = False
+        if self._observe:
+            self._observe(time.perf_counter() - t0)
+        self._resolve(durable, ())
+
+    def _start_checkpoint(self, checkpoint: bool) -> None:
+        """A checkpoint cycle (or, for offset commits alone, a sync and the offsets) in the checkpoint thread."""
+        assert self._ckpt_thread is not None
+        persist_waiters, self._persist_waiters = self._persist_waiters, []
+        fut = self._ckpt_thread.run(self._full_cycle, checkpoint)
+        self._ckpt = fut
+        fut.add_done_callback(partial(self._checkpoint_done, checkpoint, persist_waiters, time.perf_counter()))
+
+    def _checkpoint_done(self, checkpoint: bool, persist_waiters: list[asyncio.Future], t0: float, fut: asyncio.Future) -> None:
+        self._ckpt = None
+        self._wake.set()  # the loop may start the next one, or finish stopping
+        if checkpoint:
+            # the next one an interval from now; after a failure too: sends keep being fsynced meanwhile
+            self._next_ckpt = self._loop.time() + self.interval_s
+        exc = fut.exception() if not fut.cancelled() else asyncio.CancelledError()
+        if exc is not None:
+            if not isinstance(exc, (StoreError, OSError)):
+                log.error("event=checkpoint_failed error=%r", exc)
+            elif not self.disk.failed("flush", exc):
+                log.error("event=flush_failed error=%r", exc)
+            err = TxmqError(f"flush failed: {exc}", ErrorCode.STORE_ERROR)
+            for w in persist_waiters:
+                if not w.done():
+                    w.set_exception(err)
+            return
+        if self._observe:
+            self._observe(time.perf_counter() - t0)
+        if checkpoint:
+            self.disk.ok("flush")
+        self._resolve(fut.result(), persist_waiters)
+
+    async def _final_cycle(self) -> bool:
+        """Stopping: after a checkpoint in progress, one last full cycle; False once it failed (waiters told)."""
+        if self._ckpt is not None:
+            await asyncio.wait({self._ckpt})
+            await asyncio.sleep(0)  # its done callback runs first
+        assert self._ckpt_thread is not None
+        persist_waiters, self._persist_waiters = self._persist_waiters, []
+        t0 = time.perf_counter()
+        try:
+            durable = await self._ckpt_thread.run(self._full_cycle, True)
+        except (StoreError, OSError) as exc:
+            if not self.disk.failed("flush", exc):
+                log.error("event=flush_failed error=%r", exc)
+            self._fail_all(TxmqError(f"flush failed: {exc}", ErrorCode.STORE_ERROR), persist_waiters)
+            return False
+        if self._observe:
+            self._observe(time.perf_counter() - t0)
+        self._resolve(durable, persist_waiters)
+        return True
 
     def _resolve(self, durable: int, persist_waiters) -> None:
         if durable > self.durable:
@@ -304,3 +362,5 @@ class Flusher:
                 log.exception("event=flusher_crashed")
         if self._thread is not None:
             self._thread.shutdown()
+        if self._ckpt_thread is not None:
+            self._ckpt_thread.shutdown()

@@ -1,10 +1,13 @@
 """The Store: one commit log plus its consume queues, in one data directory.
 
 The owner thread opens the store, appends and reads. ``sync`` and
-``checkpoint`` may run in one worker thread at the same time (group
-commit): they take ``_lock`` only to capture or publish state, never across
-an fsync, and ``_sync_lock`` serialises them with each other and with
-closing segment fds.
+``checkpoint`` run in worker threads (group commit), possibly two at once:
+they take ``_lock`` only to capture or publish state, never across an
+fsync. ``_sync_lock`` serialises fsyncs of the log with each other and with
+closing segment fds; ``_ckpt_lock`` keeps one checkpoint at a time. A
+checkpoint holds ``_sync_lock`` only for its own log fsync, so syncs that
+acknowledge sends go on while it writes the consume queues and the
+checkpoint file.
 """
 
 from __future__ import annotations
@@ -56,7 +59,8 @@ class Store:
         # Packer on every call, which costs more than packing a small map.
         self._pack_props = msgpack.Packer(use_bin_type=True).pack
         self._lock = threading.Lock()  # state shared with the sync/checkpoint thread
-        self._sync_lock = threading.Lock()  # one sync or checkpoint at a time
+        self._sync_lock = threading.Lock()  # one fsync of the log at a time (sync, or a checkpoint's first step)
+        self._ckpt_lock = threading.Lock()  # one checkpoint at a time
         self._lock_fd: int | None = None
         self._last_ckpt: Checkpoint | None = None  # what the checkpoint file holds
         self._limit = min(config.max_record_size, config.segment_size)
@@ -138,7 +142,7 @@ class Store:
             self._release()
 
     def _release(self) -> None:
-        with self._sync_lock:
+        with self._ckpt_lock, self._sync_lock:  # no checkpoint writing queues, no fsync running (this order, as checkpoint)
             if self._log is not None:
                 self._log.close()
             for cq in self._queues.values():
@@ -306,16 +310,18 @@ class Store:
         """
         log = self._open_log()
         per_file = self.config.cq_entries_per_file
-        with self._sync_lock:
-            with self._lock:
-                target, fds, dir_dirty = log.capture_sync()
-                plans = [(cq, cq.plan_flush()) for cq in self._dirty]
-                self._dirty = set()
-            done = []
+        with self._ckpt_lock:
+            done: list = []
+            plans: list = []
             try:
-                self._fsync_log(log, fds, dir_dirty)
-                with self._lock:
-                    durable = log.synced(target)
+                with self._sync_lock:  # only for the log's fsync: syncs of later sends go on beside the rest
+                    with self._lock:
+                        target, fds, dir_dirty = log.capture_sync()
+                        plans = [(cq, cq.plan_flush()) for cq in self._dirty]
+                        self._dirty = set()
+                    self._fsync_log(log, fds, dir_dirty)
+                    with self._lock:
+                        durable = log.synced(target)
                 if on_synced is not None:
                     on_synced(durable)
                 for cq, plan in plans:
@@ -337,6 +343,7 @@ class Store:
                 self._last_ckpt = ckpt
             if len(self._queues) != self._manifest_queues:  # a new queue: list it (ends are written at close)
                 self._write_manifest()
+        with self._sync_lock:
             log.close_retired()
 
     @property
