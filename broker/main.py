@@ -38,7 +38,7 @@ GC_THRESHOLD = (50_000, 50, 100)
 # the GIL back after every system call; while the event loop is busy they get it only when the
 # interval forces a switch, so a checkpoint of ten files took 10-40 ms and the sends waiting behind it
 # made the p99. At 1 ms the p99 of a whole transaction at half the maximum sync rate went from
-# 10.5-26.5 ms to 8.4-11.0 ms (docs/benchmarks.md, "Where the tail came from").
+# 10.5-26.5 ms to 8.4-11.0 ms (docs/architecture.md, "Threads").
 SWITCH_INTERVAL_S = 0.001
 
 
