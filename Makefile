@@ -11,7 +11,7 @@ ARGS   ?=
 .DEFAULT_GOAL := help
 
 # The compiled speed-ups (setup.py) are rebuilt when their sources change.
-SPEEDUPS_SRC = setup.py store/_speedups.pyx broker/_speedups.pyx core/_busypoll.pyx
+SPEEDUPS_SRC = setup.py store/_speedups.pyx broker/_speedups.pyx broker/_fsyncer.pyx core/_busypoll.pyx
 # So are the RocketMQ front end's protobuf modules (setup.py, grpcio-tools).
 PROTO_SRC = broker/rocketmq/pb/definition.proto broker/rocketmq/pb/service.proto
 

@@ -25,7 +25,7 @@ from setuptools.command.build_ext import build_ext
 from setuptools.command.build_py import build_py
 
 SPEEDUPS = [("txmq.store._speedups", "store/_speedups.pyx"), ("txmq.broker._speedups", "broker/_speedups.pyx"),
-            ("txmq._busypoll", "core/_busypoll.pyx")]
+            ("txmq.broker._fsyncer", "broker/_fsyncer.pyx"), ("txmq._busypoll", "core/_busypoll.pyx")]
 
 
 class OptionalBuildExt(build_ext):

@@ -39,6 +39,18 @@ _MAX_QUEUE_ID = (1 << 31) - 1
 _MAX_TOPIC_BYTES = (1 << 16) - 1
 
 
+class SyncJob:
+    """What one fsync of the log covers (Store.begin_sync): the log's end then, its descriptors, the directory."""
+
+    __slots__ = ("log", "target", "fds", "dir_dirty")
+
+    def __init__(self, log: CommitLog, target: int, fds: list[int], dir_dirty: bool) -> None:
+        self.log = log
+        self.target = target
+        self.fds = fds
+        self.dir_dirty = dir_dirty
+
+
 class Store:
     def __init__(
         self,
@@ -289,6 +301,41 @@ class Store:
                 durable = log.synced(target)
             log.close_retired()
             return durable
+
+    # ---- the same sync in steps, for a caller that runs the fsyncs elsewhere --------------------
+    # (broker/flush.py hands them to a C thread that never takes the GIL.) begin_sync takes the sync
+    # lock without blocking and end_sync releases it, in the calling thread; between the two the
+    # descriptors stay open (a segment retired meanwhile is closed by end_sync).
+    def begin_sync(self) -> SyncJob | None:
+        """Capture what to fsync for everything appended so far; None when another fsync of the log runs."""
+        if not self._sync_lock.acquire(blocking=False):
+            return None
+        try:
+            log = self._open_log()
+            with self._lock:
+                target, fds, dir_dirty = log.capture_sync()
+        except BaseException:
+            self._sync_lock.release()
+            raise
+        return SyncJob(log, target, fds, dir_dirty)
+
+    def run_sync(self, job: SyncJob) -> None:
+        """The fsyncs of begin_sync's capture, in any thread (the fallback when they cannot be handed over)."""
+        self._fsync_log(job.log, job.fds, job.dir_dirty)
+
+    def end_sync(self, job: SyncJob, error: OSError | None) -> int:
+        """After the fsyncs of begin_sync's capture (error: why they failed): the durable offset; releases the lock."""
+        try:
+            if error is not None:
+                if job.dir_dirty:
+                    job.log.dir_dirty = True
+                raise error
+            with self._lock:
+                durable = job.log.synced(job.target)
+            job.log.close_retired()
+            return durable
+        finally:
+            self._sync_lock.release()
 
     def _fsync_log(self, log: CommitLog, fds: list[int], dir_dirty: bool) -> None:
         try:

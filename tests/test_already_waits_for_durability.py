@@ -24,16 +24,19 @@ def test_duplicate_commit_is_not_acknowledged_when_the_first_one_fails_to_fsync(
             c = await RawClient.open(b.address)
             h = await c.ok("send", half_fields())
 
+            # The fsync fails whichever thread runs it: the Python one (Store.sync) or the compiled
+            # one, whose result the loop hands to Store.end_sync.
             def broken_sync():
                 raise OSError(errno.EIO, "fsync failed")
-            real = core.store.sync
+            real_sync, real_end = core.store.sync, core.store.end_sync
             core.store.sync = broken_sync
+            core.store.end_sync = lambda job, error: real_end(job, OSError(errno.EIO, "fsync failed"))
             try:
                 f1 = core.tx.end_transaction(G, h["tx_id"], h["commit_log_offset"], h["half_offset"], "commit", "producer")
                 f2 = core.tx.end_transaction(G, h["tx_id"], h["commit_log_offset"], h["half_offset"], "commit", "check")
                 r = await asyncio.gather(f1, f2, return_exceptions=True)
             finally:
-                core.store.sync = real
+                core.store.sync, core.store.end_sync = real_sync, real_end
             await c.close()
             return r
 
