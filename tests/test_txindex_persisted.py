@@ -94,3 +94,30 @@ def test_the_persisted_index_agrees_with_a_rebuild_from_the_log(ops):
         assert arun(_run(tmp / "data", ops)) == []
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_a_flush_of_thousands_of_decisions_writes_every_row_and_empties_memory(tmp_path):
+    """More rows than one multi-row INSERT and more decisions than one slice of the loop's clean-up."""
+    from txmq.broker.server import FLUSHED_SLICE
+    from txmq.broker.transactions.indexfile import ROWS_PER_INSERT
+
+    n = max(FLUSHED_SLICE, ROWS_PER_INSERT) * 2 + 7
+    data = tmp_path / "d"
+
+    async def go():
+        async with running_broker(data, check_interval_s=3600) as b:
+            c = await RawClient.open(b.address)
+            for i in range(n):
+                h = await c.ok("send", {"topic": "t", "body": b"m", "properties": TX})
+                await c.ok("end_transaction", {"group": "g", "tx_id": h["tx_id"], "commit_log_offset": h["commit_log_offset"],
+                                               "half_offset": h["half_offset"], "state": "commit" if i % 3 else "rollback"})
+            await b.broker._flush_index()
+            assert not b.core.tx.index.decided  # every decision on disk, none left in memory
+            live = _index_view(b.core.tx.index, _full_view(data)[0].keys())
+            await c.close()
+            return live
+
+    live = arun(go())
+    full = _full_view(data)
+    assert live == full
+    assert len(full[0]) == n

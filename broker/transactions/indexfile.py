@@ -39,6 +39,7 @@ Schema (``docs/store-format.md`` describes it for people):
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import sqlite3
@@ -82,6 +83,14 @@ CREATE INDEX IF NOT EXISTS tx_discarded ON tx (half_offset) WHERE state = 3;
 
 _INSERT = f"INSERT OR REPLACE INTO tx ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))})"
 _SELECT = f"SELECT {', '.join(COLUMNS)} FROM tx"
+# Rows go in as multi-row INSERTs: executemany steps once per row, and the sqlite3 module gives up
+# the GIL around every step and takes it back after, so a flush of 15,000 rows made 15,000 GIL
+# hand-overs with the event loop (measured: loop stalls of 5-13 ms during each flush at 14,600 tx/s).
+# A statement of ROWS_PER_INSERT rows binds them all at once (SQLite >= 3.32 takes 32,766 variables,
+# older ones 999).
+ROWS_PER_INSERT = 256 if sqlite3.sqlite_version_info >= (3, 32) else 999 // len(COLUMNS)
+_INSERT_MANY = f"INSERT OR REPLACE INTO tx ({', '.join(COLUMNS)}) VALUES " + ", ".join(
+    ["(" + ", ".join("?" * len(COLUMNS)) + ")"] * ROWS_PER_INSERT)
 
 
 class IndexFileError(Exception):
@@ -219,7 +228,14 @@ class TxDatabase:
         conn = self.conn
         conn.execute("BEGIN IMMEDIATE")
         try:
-            conn.executemany(_INSERT, rows)
+            it = iter(rows)
+            while True:
+                chunk = list(itertools.islice(it, ROWS_PER_INSERT))
+                if len(chunk) < ROWS_PER_INSERT:
+                    if chunk:
+                        conn.executemany(_INSERT, chunk)
+                    break
+                conn.execute(_INSERT_MANY, list(itertools.chain.from_iterable(chunk)))
             if prune_below is not None:
                 # Retention deleted the records of transactions whose first copy is below it.
                 conn.execute("DELETE FROM tx WHERE origin < ? AND state != 0", (prune_below,))
