@@ -65,7 +65,10 @@ class Outcome(IntEnum):
 
     @property
     def label(self) -> str:
-        return {0: "pending", 1: "committed", 2: "rolled_back", 3: "discarded"}[int(self)]
+        return _OUTCOME_LABELS[self._value_]  # once per decision's reply: a tuple, not a dict built per call
+
+
+_OUTCOME_LABELS = ("pending", "committed", "rolled_back", "discarded")
 
 
 class PendingTx:
