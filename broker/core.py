@@ -479,6 +479,7 @@ class BrokerCore:
             "producer_groups": self.registry.groups(),
             "auth": bool(self.config.auth_token),
             "speedups": speedups_in_use(),
+            "fsync_thread": self.flusher.fsync_thread,
             **self.busy_poll.status(),
             "damaged_records": self.store.damage.count,
             "counters": self.metrics.snapshot(),

@@ -196,6 +196,11 @@ class Flusher:
                 self._loop.add_reader(self._native.fileno(), self._native_done)
         self._task = self._loop.create_task(self._run(), name="txmq-flusher")
 
+    @property
+    def fsync_thread(self) -> str:
+        """Where the fsyncs that acknowledge sends run: "native" (the C thread) or "python"."""
+        return "native" if self._native is not None else "python"
+
     def wait_synced(self, end_offset: int) -> asyncio.Future | None:
         """Like wait_durable, in either flush mode: for state that must never get ahead of the log."""
         if end_offset <= self.durable:

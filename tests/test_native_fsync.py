@@ -190,3 +190,19 @@ def test_a_job_the_compiled_thread_refuses_is_fsynced_in_the_python_thread(tmp_p
         assert store.durable_offset >= end and not store._sync_lock.locked()
 
     run_flusher(store, body)
+
+
+def test_broker_info_says_where_the_acknowledging_fsyncs_run(tmp_path):
+    from txmq.broker.testing import running_broker
+    from wireclient import RawClient
+
+    async def info(flush):
+        async with running_broker(tmp_path / flush, flush=flush) as b:
+            c = await RawClient.open(b.address)
+            try:
+                return (await c.ok("broker_info"))["fsync_thread"]
+            finally:
+                await c.close()
+
+    assert arun(info("sync")) == "native"
+    assert arun(info("async")) == "python"

@@ -149,6 +149,7 @@ def status(broker: BrokerOpt = DEFAULT_BROKER, token: TokenOpt = None, output: O
         "flush": info["flush"], "data_dir": info["data_dir"], "connections": info["connections"],
         "topics": info["topics"], "max_offset": info["max_offset"], "durable_offset": info["durable_offset"],
         "producer_groups": info["producer_groups"], "auth": info["auth"], "speedups": info.get("speedups", "unknown"),
+        "fsync_thread": info.get("fsync_thread", "unknown"),
         "busy_poll": info.get("busy_poll", "unknown"), "busy_poll_window_us": info.get("busy_poll_window_us"),
         "damaged_records": info.get("damaged_records", 0),
         # the check settings in effect (start options, else config.json, else the defaults)
