@@ -36,6 +36,15 @@ COUNTERS = (
     ("frame_timeouts", "Connections closed for a frame not complete within --frame-timeout"),
     ("partial_frame_refusals", "Connections closed because their partial frame would pass --partial-frame-budget"),
     ("check_passes", "Check-service passes over the half queue"),
+    # the RocketMQ 5 gRPC front end (--rocketmq-port)
+    ("rmq_requests", "RocketMQ front end: requests served (SendMessage, ReceiveMessage, AckMessage, EndTransaction, ...)"),
+    ("rmq_malformed_requests", "RocketMQ front end: requests refused as malformed"),
+    ("rmq_internal_errors", "RocketMQ front end: requests answered with an internal error"),
+    ("rmq_messages_sent", "RocketMQ front end: messages stored from SendMessage"),
+    ("rmq_messages_received", "RocketMQ front end: messages handed to ReceiveMessage"),
+    ("rmq_messages_acked", "RocketMQ front end: messages acknowledged by AckMessage"),
+    ("rmq_telemetry_streams", "RocketMQ front end: telemetry streams opened"),
+    ("rmq_telemetry_overflows", "RocketMQ front end: telemetry streams closed because the client did not read"),
 )
 
 

@@ -191,6 +191,12 @@ def test_a_normal_send_is_read_by_the_native_consumer_with_its_id_tag_keys_and_p
         assert got.body == b"hello" and got.msg_id == e.message_id and got.queue_offset == e.offset
         assert got.tags == "created" and got.keys == "k1 k2" and got.properties["shop"] == "7"
         assert got.born_ts == 1_700_000_000_000
+        # and the front end's counters are on the Prometheus endpoint
+        from txmq.broker.prom import BrokerCollector
+
+        samples = {smp.name: smp.value for fam in BrokerCollector(b.core).collect() for smp in fam.samples}
+        assert samples["txmq_rmq_messages_sent_total"] == 1 and samples["txmq_rmq_requests_total"] >= 1
+        assert samples["txmq_rmq_malformed_requests_total"] == 0
 
     with_frontend(tmp_path, body)
 
