@@ -185,6 +185,7 @@ class Flusher:
         self._native_job: SyncJob | None = None  # handed to the C thread, its sync lock held by the loop
         self._native_dir_fd = -1
         self._native_wait: asyncio.Future | None = None
+        self._fallback: asyncio.Future | None = None  # a job the C thread refused, fsynced in the Python thread
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -334,10 +335,15 @@ class Flusher:
         assert self._thread is not None
 
         def done(fut: asyncio.Future) -> None:
-            exc = fut.exception() if not fut.cancelled() else None
+            self._fallback = None
+            if fut.cancelled():  # not known to have run: never claimed durable
+                exc: BaseException | None = OSError(errno.EIO, "fsync cancelled")
+            else:
+                exc = fut.exception()
             self._native_finish(exc if isinstance(exc, OSError) or exc is None else OSError(errno.EIO, str(exc)))
 
-        self._thread.run(self.store.run_sync, job).add_done_callback(done)
+        self._fallback = self._thread.run(self.store.run_sync, job)
+        self._fallback.add_done_callback(done)
 
     def _native_done(self) -> None:
         """The eventfd is readable: the C thread finished the job (or a stale wake-up, ignored)."""
@@ -345,10 +351,12 @@ class Flusher:
         res = native.collect() if native is not None else None
         if res is None or self._native_job is None:
             return
-        if self._native_dir_fd >= 0:
-            os.close(self._native_dir_fd)
-            self._native_dir_fd = -1
-        self._native_finish(OSError(res, os.strerror(res)) if res else None)
+        try:
+            if self._native_dir_fd >= 0:
+                fd, self._native_dir_fd = self._native_dir_fd, -1
+                os.close(fd)
+        finally:
+            self._native_finish(OSError(res, os.strerror(res)) if res else None)
 
     def _native_finish(self, error: OSError | None) -> None:
         """End the job (publish the durable offset, release the sync lock) and wake the cycle awaiting it.
@@ -368,14 +376,22 @@ class Flusher:
         if wait is not None and not wait.done():
             wait.set_result(durable)
 
-    def _close_native(self) -> None:
-        """Stopping: let a job handed over finish and end it, then free the thread and its eventfd."""
+    async def _close_native(self) -> None:
+        """Stopping: let a job handed over finish and end it, then free the thread and its eventfd.
+
+        A job in the Python fallback is awaited too: its ending (which
+        releases the store's sync lock) runs on the loop, and the store's
+        close takes that lock next.
+        """
+        if self._fallback is not None:
+            await asyncio.wait({self._fallback})
+            await asyncio.sleep(0)  # its done callback ends the job
         native = self._native
         if native is None:
             return
         self._loop.remove_reader(native.fileno())
         native.halt()  # returns once a job handed over is done
-        self._native_done()  # ends that job, if any (a job in the Python fallback ends by its own callback)
+        self._native_done()  # ends that job, if any
         self._native = None
         native.close()
 
@@ -477,7 +493,7 @@ class Flusher:
                 await self._task
             except Exception:  # already logged by the loop
                 log.exception("event=flusher_crashed")
-        self._close_native()
+        await self._close_native()
         if self._thread is not None:
             self._thread.shutdown()
         if self._ckpt_thread is not None:
