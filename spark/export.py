@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -22,7 +23,7 @@ from txmq.constants import canonical_topic
 from txmq.store import StoreReader
 
 from .schema import MESSAGE_FIELDS, TRANSACTION_FIELDS, TX_KINDS
-from .source import DEFAULT_PARTITION_BYTES, TxmqDataSource, has_commit_log, plan_partitions
+from .source import DEFAULT_PARTITION_BYTES, TxmqDataSource, has_commit_log, plan_partitions, read_damage_reports
 from .transactions import transactions
 
 TABLES = ("messages", "transactions")
@@ -50,6 +51,7 @@ class ExportOptions:
     partition_by: tuple[str, ...] = ()
     mode: str = "error"
     partition_bytes: int = DEFAULT_PARTITION_BYTES
+    skip_damaged: bool = False  # skip damaged records (listed in the result) instead of failing at the first
 
 
 @dataclass
@@ -69,6 +71,7 @@ class ExportResult:
     segments: int = 0
     partitions: int = 0  # read partitions per pass
     seconds: float = 0.0
+    damaged: list[dict] = field(default_factory=list)  # with skip_damaged: {offset, reason, bytes} of each skipped
 
 
 def table_path(out: str, table: str) -> str:
@@ -163,8 +166,14 @@ def export(spark, opts: ExportOptions, on_table: Callable[[str], None] | None = 
     )  # fmt: skip
     topics = tuple(sorted({canonical_topic(t) for t in opts.topics}))
 
+    # Executors report skipped records as files in a local directory: complete on a local master (and
+    # on a cluster for executors on this machine; each executor also logs every one it skips).
+    damage_dir = tempfile.mkdtemp(prefix="txmq-damage-") if opts.skip_damaged else None
+
     def load(**extra):
         options = {"partitionBytes": str(opts.partition_bytes), "endOffset": str(end), **extra}
+        if damage_dir:
+            options["damageReport"] = damage_dir
         res.bytes_read += res.log_bytes
         return spark.read.format("txmq").options(**options).load(opts.data_dir)
 
@@ -175,6 +184,8 @@ def export(spark, opts: ExportOptions, on_table: Callable[[str], None] | None = 
     write_opts = replace(opts, out=staging, mode="error") if staging else opts
     try:
         _export_tables(opts, write_opts, load, topics, res, on_table)
+        if damage_dir:
+            res.damaged = read_damage_reports(damage_dir)
         if staging:
             _publish(staging, opts)
     except BaseException:  # a failure or Ctrl-C leaves no partial output behind
@@ -187,6 +198,8 @@ def export(spark, opts: ExportOptions, on_table: Callable[[str], None] | None = 
     finally:
         if staging:
             shutil.rmtree(staging, ignore_errors=True)
+        if damage_dir:
+            shutil.rmtree(damage_dir, ignore_errors=True)
     res.seconds = time.perf_counter() - t0
     return res
 

@@ -26,6 +26,8 @@ Filters are applied on the executors before rows are built.
 from __future__ import annotations
 
 import gc
+import json
+import logging
 import os
 import re
 from collections.abc import Iterator
@@ -81,6 +83,9 @@ class ReadOptions:
     kinds: frozenset[str] | None = None
     end_offset: int | None = None
     batch_rows: int = DEFAULT_BATCH_ROWS
+    # With a directory: damaged records are skipped, each reported there as a JSON line
+    # ({offset, reason, bytes}) and logged; without: a damaged record fails the read with its offset.
+    damage_report: str | None = None
 
     @classmethod
     def from_options(cls, options) -> "ReadOptions":
@@ -104,6 +109,7 @@ class ReadOptions:
             kinds=frozenset(kinds) if kinds else None,
             end_offset=int(opts["endoffset"]) if opts.get("endoffset") not in (None, "") else None,
             batch_rows=max(1, int(opts.get("batchrows", DEFAULT_BATCH_ROWS))),
+            damage_report=str(opts["damagereport"]) if opts.get("damagereport") else None,
         )
 
 
@@ -162,13 +168,40 @@ def has_commit_log(data_dir: str) -> bool:
 def read_records(opts: ReadOptions, start: int, end: int) -> Iterator[Record]:
     """Records starting in [start, end), filtered by opts."""
     keep = record_filter(opts.topics, opts.since_ms, opts.until_ms, opts.kinds)
+    on_damage = damage_reporter(opts.damage_report, start) if opts.damage_report else None
     with StoreReader(opts.data_dir) as reader:
         if keep is None:
-            yield from reader.scan_range(start, end)
+            yield from reader.scan_range(start, end, on_damage)
         else:
-            for rec in reader.scan_range(start, end):
+            for rec in reader.scan_range(start, end, on_damage):
                 if keep(rec):
                     yield rec
+
+
+def damage_reporter(directory: str, start: int):
+    """on_damage for scan_range: log the damaged record and append it to this partition's file in directory."""
+    path = os.path.join(directory, f"damage-{start}-{os.getpid()}.jsonl")
+
+    def report(offset: int, reason: str, skipped: int) -> None:
+        logging.getLogger("txmq.spark").warning("event=record_damaged offset=%d reason=%r skipped_bytes=%d", offset, reason, skipped)
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"offset": offset, "reason": reason, "bytes": skipped}) + "\n")
+
+    return report
+
+
+def read_damage_reports(directory: str) -> list[dict]:
+    """Every damaged record reported in directory, once each (a table read twice reports it twice), by offset."""
+    seen: dict[int, dict] = {}
+    for name in sorted(os.listdir(directory)):
+        if name.startswith("damage-") and name.endswith(".jsonl"):
+            with open(os.path.join(directory, name), encoding="utf-8") as f:
+                for line in f:
+                    if line.strip():
+                        d = json.loads(line)
+                        if d["offset"] not in seen or d["bytes"] > seen[d["offset"]]["bytes"]:
+                            seen[d["offset"]] = d
+    return [seen[o] for o in sorted(seen)]
 
 
 # ---- the data source ---------------------------------------------------------

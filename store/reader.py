@@ -20,7 +20,7 @@ zero) is the end of the data, not damage, and is not searched past.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from .checkpoint import CHECKPOINT, Checkpoint, decode_checkpoint, read_checkpoint
 from .codec import Record, tag_hash
@@ -209,16 +209,17 @@ class StoreReader(LogView):
     def _log_damage(self, offset: int, reason: str, length: int) -> None:
         self.damage.report(Damage(offset, "log", reason, length))
 
-    def scan_range(self, start: int, end: int) -> Iterator[Record]:
+    def scan_range(self, start: int, end: int, on_damage: Callable[[int, str, int], None] | None = None) -> Iterator[Record]:
         """Every valid record whose offset is in [start, end); start may be any byte position.
 
         Resynchronises to the first record boundary at or after start (magic,
         header, CRC and own offset must all check out), so contiguous ranges
         partition the log exactly. Records past the validated end are not
-        returned.
+        returned. A damaged record raises CorruptRecordError, or with
+        ``on_damage`` is reported as (offset, reason, bytes skipped) and skipped.
         """
         self._refresh()
-        return self._scan_range(start, min(end, self._valid_end))  # type: ignore[type-var]
+        return self._scan_range(start, min(end, self._valid_end), on_damage)  # type: ignore[type-var]
 
     # ---- consume queues ------------------------------------------------------
     def _index_tail(self) -> None:

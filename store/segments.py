@@ -356,11 +356,16 @@ class LogView:
             else:
                 return
 
-    def _scan_range(self, start: int, end: int) -> Iterator[Record]:
+    def _scan_range(self, start: int, end: int, on_damage: Callable[[int, str, int], None] | None = None) -> Iterator[Record]:
         """Records starting in [start, end); start may be any byte position.
 
         end must not exceed the readable end (callers clamp it), so every
-        invalid record met here is damage and raises CorruptRecordError.
+        invalid record met here is damage and raises CorruptRecordError;
+        with ``on_damage`` it is reported as (offset, reason, bytes skipped)
+        instead and the walk goes on at the next valid record. Contiguous
+        ranges still partition the log: a record after the damage that
+        starts at or past end is the next range's, which finds it by
+        resynchronising from its own start.
         """
         segs = self._segs
         if not segs:
@@ -377,9 +382,20 @@ class LogView:
                     i += 1
                     continue
                 pos = found
-            for _, rec in walk_segment(seg, pos, end):
+            resume = None
+            for offset, rec in walk_segment(seg, pos, end):
                 if type(rec) is str:  # before the readable end: damage, not a torn tail
-                    raise CorruptRecordError(rec)
+                    if on_damage is None:
+                        raise CorruptRecordError(rec)
+                    nxt = self.next_valid(offset + 1, end)
+                    resume = end if nxt is None else nxt
+                    on_damage(offset, rec, resume - offset)
+                    break
                 yield rec  # type: ignore[misc]
+            if resume is not None:
+                start = resume  # a record boundary (or end): resync finds it where it is
+                if start < end:
+                    i = self._seg_index(start)
+                continue
             start = seg.end
             i += 1

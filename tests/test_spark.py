@@ -419,7 +419,7 @@ def test_a_live_brokers_directory_exports_a_consistent_prefix(spark, tmp_path):
     assert got == prefix and res.tables[0].rows == len(prefix) >= 50
 
 
-def test_a_damaged_record_inside_the_log_fails_with_its_offset(spark, tmp_path):
+def test_a_damaged_record_fails_the_export_with_its_offset_or_is_skipped_and_listed(spark, tmp_path):
     from txmq.cli.commands.spark import spark_error
     from txmq.store import Message, Store, StoreConfig, TxType
 
@@ -434,6 +434,13 @@ def test_a_damaged_record_inside_the_log_fails_with_its_offset(spark, tmp_path):
     with pytest.raises(Exception) as e:
         export_to(spark, data_dir, tmp_path / "out", tables=("messages",))
     assert spark_error(e.value) == f"txmq.store.errors.CorruptRecordError: crc mismatch at {victim.commit_log_offset}"
+    # with skip_damaged: every other record, both tables, and the damaged one listed once
+    res = export_to(spark, data_dir, tmp_path / "out2", skip_damaged=True, partition_bytes=4096)
+    assert [d["offset"] for d in res.damaged] == [victim.commit_log_offset]
+    assert res.damaged[0]["reason"] == f"crc mismatch at {victim.commit_log_offset}" and res.damaged[0]["bytes"] == victim.size
+    got = sorted(r[0] for r in spark.read.parquet(str(tmp_path / "out2" / "messages")).select("commit_log_offset").collect())
+    assert got == [r.commit_log_offset for r in log_records(data_dir) if r.commit_log_offset != victim.commit_log_offset]
+    assert len(got) == 59
 
 
 # ---- output formats ----------------------------------------------------------------

@@ -131,6 +131,32 @@ def test_an_export_is_renamed_into_place_once_complete(tmp_path):
     assert [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name] == []
 
 
+def test_a_damaged_record_fails_the_export_with_a_hint_and_skip_damaged_lists_it(tmp_path):
+    import json
+
+    from txmq.store import StoreReader
+
+    problem = _spark_ready()
+    if problem:
+        pytest.skip(problem)
+    data = small_data_dir(tmp_path)
+    with StoreReader(data) as r:
+        victim = list(r.scan())[100]
+    seg = max(p for p in os.listdir(os.path.join(data, "commitlog")) if int(p) <= victim.commit_log_offset)
+    with open(os.path.join(data, "commitlog", seg), "r+b") as f:  # a body byte: a CRC mismatch
+        f.seek(victim.commit_log_offset - int(seg) + victim.size - 1)
+        f.write(b"\xff")
+    args = ["spark-export", "--data-dir", data, "--master", "local[1]", "-o", "json"]
+    r = run_cli([*args, "--out", str(tmp_path / "a")])
+    assert r.returncode != 0 and f"crc mismatch at {victim.commit_log_offset}" in r.stderr and "--skip-damaged" in r.stderr
+    assert not (tmp_path / "a").exists()
+    r = run_cli([*args, "--out", str(tmp_path / "b"), "--skip-damaged"])
+    assert r.returncode == 0, r.stderr
+    s = json.loads(r.stdout)
+    assert s["damaged_records"] == 1 and s["damaged"][0]["offset"] == victim.commit_log_offset
+    assert s["tables"]["messages"]["rows"] == 199
+
+
 def test_ctrl_c_during_an_export_exits_130_and_leaves_no_output(tmp_path):
     import signal
     import time

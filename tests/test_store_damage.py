@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from txmq.store import Message, Store, StoreConfig, StoreReader, TxType
 from txmq.store.consumequeue import ENTRY
+from txmq.store.errors import CorruptRecordError
 
 SMALL = StoreConfig(segment_size=4096, cq_entries_per_file=50)
 
@@ -215,3 +218,29 @@ def test_damage_in_the_last_fsynced_records_is_skipped_never_cut_and_no_queue_of
         assert got[-1] == b"m0020"
     finally:
         s.close()
+
+
+def test_scan_range_with_on_damage_skips_damaged_records_and_still_partitions_the_log(tmp_path):
+    d = tmp_path / "d"
+    with Store(d, SMALL) as s:  # small segments: the damage and the cuts fall in several of them
+        results = s.append([msg(i) for i in range(120)])
+    victims = [results[i] for i in (0, 41, 42, 119)]  # the first, two in a row, the last
+    for v in victims:
+        flip(d, v.commit_log_offset + v.size - 30)
+    want = [r.commit_log_offset for i, r in enumerate(results) if i not in (0, 41, 42, 119)]
+    with StoreReader(d) as r:
+        end = r.max_offset
+        for step in (997, 4096, end):  # range boundaries anywhere, inside records and damage too
+            cuts = list(range(0, end, step)) + [end]
+            damage: list[tuple[int, str, int]] = []
+            got = [x.commit_log_offset for a, b in zip(cuts, cuts[1:])
+                   for x in r.scan_range(a, b, on_damage=lambda *d_: damage.append(d_))]
+            assert got == want, step
+            # two damaged records in a row are one stretch of damage, reported at its start with both sizes
+            seen = {o: n for o, _, n in damage}
+            assert sorted(seen) == [victims[0].commit_log_offset, victims[1].commit_log_offset, victims[3].commit_log_offset], step
+            if step == end:  # one range: the stretch is not cut by a range's end
+                assert seen[victims[1].commit_log_offset] == victims[1].size + victims[2].size
+            assert all(why.endswith(f"at {o}") for o, why, _ in damage)
+        with pytest.raises(CorruptRecordError):  # without on_damage: the error, as before
+            list(r.scan_range(0, end))

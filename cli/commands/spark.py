@@ -102,6 +102,7 @@ def spark_export(
     mode: Annotated[Mode, typer.Option("--mode", help="If a table folder exists: error, overwrite or append.")] = Mode.error,
     conf: Annotated[Optional[list[str]], typer.Option("--conf", "-c", help="Spark setting KEY=VALUE for the session (repeatable), e.g. spark.executor.memory=4g.", show_default=False)] = None,
     partition_bytes: Annotated[str, typer.Option("--partition-bytes", help="Commit-log bytes per read partition.")] = "64MiB",
+    skip_damaged: Annotated[bool, typer.Option("--skip-damaged", help="Skip damaged records (listed in the summary) instead of failing at the first one.")] = False,
     output: OutputOpt = None,
 ) -> None:
     """Export the commit log as [key]messages[/key] and [key]transactions[/key] tables with PySpark."""
@@ -133,6 +134,7 @@ def spark_export(
         partition_by=_split(partition_by),
         mode=mode.value,
         partition_bytes=max(pbytes, 4096),
+        skip_damaged=skip_damaged,
     )
     try:
         check_options(opts)
@@ -166,7 +168,10 @@ def spark_export(
             raise
         except Exception as e:
             hint = f" (Spark's log: {session.log_path})" if session.log_path else ""
-            raise CliError(f"spark-export failed: {spark_error(e)}{hint}") from None
+            why = spark_error(e)
+            if "CorruptRecordError" in why:
+                hint += "; --skip-damaged exports every other record and lists the damaged ones"
+            raise CliError(f"spark-export failed: {why}{hint}") from None
         finally:
             progress.stop()
             try:
@@ -242,6 +247,8 @@ def _summary(opts, master: str, result, startup_s: float, total_s: float) -> dic
         "spark_startup_s": round(startup_s, 3),
         "export_s": round(result.seconds, 3),
         "total_s": round(total_s, 3),
+        "damaged_records": len(result.damaged),
+        "damaged": result.damaged,
     }
 
 
@@ -264,6 +271,10 @@ def _report(s: dict[str, Any], output: Output) -> None:
         f"read [key]{_mib(s['bytes_read'])}[/key] ({s['segments']} segments, {s['partitions']} partitions per pass) "
         f"in [key]{s['total_s']:.1f}s[/key]: Spark start-up {s['spark_startup_s']:.1f}s, export {s['export_s']:.1f}s"
     )
+    if s["damaged"]:
+        shown = ", ".join(str(d["offset"]) for d in s["damaged"][:10]) + (", ..." if len(s["damaged"]) > 10 else "")
+        err.print(f"[warn]skipped {len(s['damaged'])} damaged record(s) at log offset(s) {shown}: "
+                  f"`txmq store verify` lists them[/warn]")
 
 
 def _mib(n: int) -> str:
