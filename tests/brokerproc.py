@@ -33,7 +33,8 @@ class BrokerProcess:
 
     def start(self, timeout: float = 20.0) -> "BrokerProcess":
         cmd = [sys.executable, "-m", "txmq", "broker", "start", "--data-dir", str(self.data_dir), "--port", str(self.port), *self.args]
-        env = {**os.environ, **(self.env or {})}
+        # a fatal signal dumps every thread's stack into the log (stop() sends SIGABRT to a broker that hangs)
+        env = {**os.environ, "PYTHONFAULTHANDLER": "1", **(self.env or {})}
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(self.log, "ab"), env=env,
                                      preexec_fn=self.preexec)
         deadline = time.monotonic() + timeout
@@ -58,11 +59,17 @@ class BrokerProcess:
             self.proc.wait(10)
 
     def stop(self, timeout: float = 20.0) -> int:
+        """SIGTERM and wait; a broker still running after timeout gets SIGABRT (its threads' stacks go to the log), then SIGKILL."""
         if self.proc and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
                 return self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
+                self.proc.send_signal(signal.SIGABRT)
+                try:
+                    self.proc.wait(5)
+                except subprocess.TimeoutExpired:
+                    pass
                 self.kill()
                 return -9
         return self.proc.returncode if self.proc else 0

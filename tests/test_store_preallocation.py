@@ -402,8 +402,12 @@ def test_a_live_and_a_killed_sync_broker_leave_a_clean_directory(tmp_path):
             p.send("T", b"40", queue_id=0)
         log = broker.log.read_text()[mark:]
         assert "recovery_truncated" not in log and "record_damaged" not in log, log
+        deadline = time.monotonic() + 20  # started: the index is built before the clean stop checked below
+        while "event=broker_ready" not in broker.log.read_text()[mark:] and time.monotonic() < deadline:
+            time.sleep(0.02)
     finally:
-        broker.stop()
+        rc = broker.stop()
+    assert rc == 0, broker.log.read_text()[-4000:]
     files = seg_files(data)
     with StoreReader(data) as r:
         assert r.preallocated == 0 and max(files) + files[max(files)] == r.max_offset
