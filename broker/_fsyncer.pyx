@@ -175,7 +175,7 @@ cdef extern from *:
     """
     ctypedef struct txmq_fs_t:
         int efd
-    int TXMQ_FS_MAXFDS
+    enum: TXMQ_FS_MAXFDS
     txmq_fs_t *txmq_fs_new(int *err)
     int txmq_fs_submit(txmq_fs_t *s, const int *fds, int n, int dir_fd) nogil
     int txmq_fs_collect(txmq_fs_t *s) nogil
@@ -208,11 +208,11 @@ cdef class Fsyncer:
         """Start fdatasync of each of fds, then fsync of dir_fd (unless -1). One job at a time."""
         if self.s == NULL:
             raise ValueError("fsyncer closed")
-        cdef int buf[64]
+        cdef int buf[TXMQ_FS_MAXFDS]
         cdef int n = len(fds)
         cdef int i
-        if n > 64:
-            raise ValueError(f"{n} descriptors in one job, at most 64")
+        if n > TXMQ_FS_MAXFDS:
+            raise ValueError(f"{n} descriptors in one job, at most {TXMQ_FS_MAXFDS}")
         for i in range(n):
             buf[i] = fds[i]
         cdef int r = txmq_fs_submit(self.s, buf, n, dir_fd)

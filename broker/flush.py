@@ -320,7 +320,7 @@ class Flusher:
             if job.dir_dirty:
                 dir_fd = os.open(job.log.dir, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
             native.submit(job.fds, dir_fd)
-        except BaseException as exc:
+        except Exception as exc:
             if dir_fd >= 0:
                 os.close(dir_fd)
             self._native_job = job

@@ -292,23 +292,24 @@ class Store:
 
         Safe from a worker thread while the owner thread appends and reads.
         """
-        log = self._open_log()
-        with self._sync_lock:
-            with self._lock:
-                target, fds, dir_dirty = log.capture_sync()
-            self._fsync_log(log, fds, dir_dirty)
-            with self._lock:
-                durable = log.synced(target)
-            log.close_retired()
-            return durable
+        job = self.begin_sync(block=True)
+        assert job is not None
+        try:
+            self.run_sync(job)
+        except OSError as exc:
+            return self.end_sync(job, exc)  # raises it, publishing nothing
+        except BaseException:
+            self._sync_lock.release()
+            raise
+        return self.end_sync(job, None)
 
-    # ---- the same sync in steps, for a caller that runs the fsyncs elsewhere --------------------
+    # ---- sync in steps, for a caller that runs the fsyncs elsewhere ----------------------------
     # (broker/flush.py hands them to a C thread that never takes the GIL.) begin_sync takes the sync
-    # lock without blocking and end_sync releases it, in the calling thread; between the two the
-    # descriptors stay open (a segment retired meanwhile is closed by end_sync).
-    def begin_sync(self) -> SyncJob | None:
-        """Capture what to fsync for everything appended so far; None when another fsync of the log runs."""
-        if not self._sync_lock.acquire(blocking=False):
+    # lock (on the event loop: without blocking) and end_sync releases it, in the same thread; between
+    # the two the descriptors stay open (a segment retired meanwhile is closed by end_sync).
+    def begin_sync(self, block: bool = False) -> SyncJob | None:
+        """Capture what to fsync for everything appended so far; None when another fsync of the log runs (unless block)."""
+        if not self._sync_lock.acquire(blocking=block):
             return None
         try:
             log = self._open_log()
