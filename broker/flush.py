@@ -315,6 +315,10 @@ class Flusher:
         job = self.store.begin_sync()
         if job is None:
             return None
+        if job.log.sync_failed:  # the data past durable is written again before its fsync: in Python (Store.run_sync)
+            self._native_job = job
+            self._native_fallback(job, None)
+            return job
         dir_fd = -1
         try:
             if job.dir_dirty:
@@ -329,9 +333,11 @@ class Flusher:
         self._native_job, self._native_dir_fd = job, dir_fd
         return job
 
-    def _native_fallback(self, job: SyncJob, why: BaseException) -> None:
-        """The C thread did not take the job: its fsyncs in the Python thread, ended on the loop as usual."""
-        log.warning("event=native_fsync_fallback error=%r", why)
+    def _native_fallback(self, job: SyncJob, why: BaseException | None) -> None:
+        """The job's fsyncs in the Python thread, ended on the loop as usual: the C thread did not take it (why), or
+        an earlier fsync failed (why None) and Store.run_sync writes the unsynced data again first."""
+        if why is not None:
+            log.warning("event=native_fsync_fallback error=%r", why)
         assert self._thread is not None
 
         def done(fut: asyncio.Future) -> None:

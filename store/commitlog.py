@@ -24,7 +24,7 @@ import struct
 from collections.abc import Sequence
 
 from .codec import HEADER, MAGIC
-from .errors import StoreFullError
+from .errors import CorruptRecordError, StoreFullError
 from .files import fsync_dir, list_numbered, offset_name
 from .segments import CHUNK, ZERO_HEADER, LogView, Segment, nonzero_end, resync, walk_segment
 
@@ -47,6 +47,9 @@ class CommitLog(LogView):
         self.durable = 0  # fsynced up to here
         self.dir_dirty = False  # a segment was created since the last directory fsync
         self._retired: list[int] = []  # fds of deleted segments, closed once no sync uses them
+        # An fdatasync of the log failed and no sync has written the data past durable again since:
+        # the page cache may hold it in clean pages that never reach the disk (rewrite_unsynced).
+        self.sync_failed = False
 
     # ---- state -------------------------------------------------------------
     @property
@@ -202,6 +205,52 @@ class CommitLog(LogView):
             fds[:0] = [seg.fd for seg in cut if seg.fd not in fds and any(s is seg for s in self._segs)]
         dir_dirty, self.dir_dirty = self.dir_dirty, False
         return target, fds, dir_dirty
+
+    def unsynced_segments(self, target: int) -> tuple[int, list[Segment]]:
+        """Under the store lock: durable, and the segments holding data between it and target."""
+        start = self.durable
+        return start, [seg for seg in self._segs if seg.end > start and seg.start < target]
+
+    @staticmethod
+    def rewrite_unsynced(start: int, segs: list[Segment], target: int) -> int:
+        """Check every record in [start, target) of segs and write its bytes again; returns the bytes written.
+
+        After a failed fdatasync Linux reports the error once and may mark the
+        pages it could not write clean (they stay readable in the page cache
+        until evicted). A later fdatasync then succeeds without writing them,
+        and would claim records durable that are not on disk. Writing the
+        same bytes again makes the pages dirty, so the next fdatasync that
+        succeeds has really written them. Each record is checked first (its
+        CRC and its own offset): a page evicted meanwhile reads back from the
+        disk, and then the record is lost; that raises CorruptRecordError
+        naming it, and nothing past it may ever be called durable (a restart
+        recovers the log from what the disk holds).
+
+        In the sync's thread, with the sync lock held: the owner thread only
+        appends past target meanwhile, and no segment fd is closed.
+        """
+        written = 0
+        for seg in segs:
+            lo, hi = max(start, seg.start), min(target, seg.end)
+            pos = lo
+            for offset, res in walk_segment(seg, lo, hi, validate_only=True):
+                if type(res) is not int:
+                    raise CorruptRecordError(
+                        f"the record at offset {offset} no longer reads back after a failed fsync ({res}): the disk lost it; "
+                        "restart the broker to recover the log from disk")
+                pos = offset + res
+            if pos < hi:
+                raise CorruptRecordError(f"the log ends at offset {pos} where {hi} was written, after a failed fsync; "
+                                         "restart the broker to recover the log from disk")
+            while lo < hi:
+                n = min(CHUNK, hi - lo)
+                data = os.pread(seg.fd, n, lo - seg.start)
+                if len(data) != n:
+                    raise CorruptRecordError(f"short read at offset {lo} after a failed fsync; restart the broker to recover the log from disk")
+                _pwrite_all(seg.fd, data, lo - seg.start)
+                lo += n
+                written += n
+        return written
 
     def synced(self, target: int) -> int:
         """Under the store lock: the log is fsynced up to target."""

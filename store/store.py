@@ -322,7 +322,7 @@ class Store:
 
     def run_sync(self, job: SyncJob) -> None:
         """The fsyncs of begin_sync's capture, in any thread (the fallback when they cannot be handed over)."""
-        self._fsync_log(job.log, job.fds, job.dir_dirty)
+        self._fsync_log(job.log, job.fds, job.dir_dirty, job.target)
 
     def end_sync(self, job: SyncJob, error: OSError | None) -> int:
         """After the fsyncs of begin_sync's capture (error: why they failed): the durable offset; releases the lock."""
@@ -330,6 +330,7 @@ class Store:
             if error is not None:
                 if job.dir_dirty:
                     job.log.dir_dirty = True
+                job.log.sync_failed = True  # the next sync writes the unsynced data again first
                 raise error
             with self._lock:
                 durable = job.log.synced(job.target)
@@ -338,16 +339,25 @@ class Store:
         finally:
             self._sync_lock.release()
 
-    def _fsync_log(self, log: CommitLog, fds: list[int], dir_dirty: bool) -> None:
+    def _fsync_log(self, log: CommitLog, fds: list[int], dir_dirty: bool, target: int) -> None:
+        """fdatasync the captured fds (and the directory); after an earlier failure, write the unsynced data again first."""
         try:
+            if log.sync_failed:
+                with self._lock:
+                    start, segs = log.unsynced_segments(target)
+                written = log.rewrite_unsynced(start, segs, target)
+                _log.warning("event=log_rewritten_after_failed_fsync from=%d to=%d bytes=%d", start, target, written)
             for fd in fds:
                 os.fdatasync(fd)
             if dir_dirty:
                 fsync_dir(log.dir)
-        except BaseException:
+        except BaseException as exc:
             if dir_dirty:
                 log.dir_dirty = True
+            if isinstance(exc, (OSError, StoreError)):
+                log.sync_failed = True
             raise
+        log.sync_failed = False
 
     def checkpoint(self, on_synced: Callable[[int], None] | None = None) -> None:
         """sync(), write and fsync buffered consume-queue entries, then replace the checkpoint file.
@@ -367,7 +377,7 @@ class Store:
                         target, fds, dir_dirty = log.capture_sync()
                         plans = [(cq, cq.plan_flush()) for cq in self._dirty]
                         self._dirty = set()
-                    self._fsync_log(log, fds, dir_dirty)
+                    self._fsync_log(log, fds, dir_dirty, target)
                     with self._lock:
                         durable = log.synced(target)
                 if on_synced is not None:
