@@ -297,7 +297,8 @@ class BrokerCore:
             sync=self.config.flush == "sync",
             interval_s=self.config.flush_interval_s,
             on_persist=self.offsets.persist,
-            observe=self.metrics.flush_latency,
+            observe=self.metrics.flush.observe,
+            observe_checkpoint=self.metrics.checkpoint.observe,
             disk=self.disk,
         )
         self.flusher.lone_client = lambda: self.busy_connections <= 1

@@ -154,6 +154,7 @@ class Flusher:
         interval_s: float = 0.5,
         on_persist: Callable[[], None] | None = None,
         observe: Callable[[float], None] | None = None,
+        observe_checkpoint: Callable[[float], None] | None = None,
         disk: DiskState | None = None,
     ) -> None:
         self.store = store
@@ -161,7 +162,8 @@ class Flusher:
         self.sync_mode = sync
         self.interval_s = interval_s
         self._on_persist = on_persist  # e.g. ConsumerOffsets.persist, run in the flush thread
-        self._observe = observe  # flush latency callback (seconds)
+        self._observe = observe  # seconds of each fsync that acknowledges sends (group commit, inline)
+        self._observe_checkpoint = observe_checkpoint  # seconds of each cycle in the checkpoint thread
         self._thread: FsyncThread | None = None  # started with the loop: the fsyncs that acknowledge sends
         # Checkpoint cycles (queues, checkpoint file, consumer offsets) run in a thread of their own, so a
         # slow one (each file's write and fsync, and the GIL between them while the loop is busy: 10-40 ms
@@ -426,8 +428,8 @@ class Flusher:
                 if not w.done():
                     w.set_exception(err)
             return
-        if self._observe:
-            self._observe(time.perf_counter() - t0)
+        if self._observe_checkpoint:
+            self._observe_checkpoint(time.perf_counter() - t0)
         if checkpoint:
             self.disk.ok("flush")
         self._resolve(fut.result(), persist_waiters)
@@ -447,8 +449,8 @@ class Flusher:
                 log.error("event=flush_failed error=%r", exc)
             self._fail_all(TxmqError(f"flush failed: {exc}", ErrorCode.STORE_ERROR), persist_waiters)
             return False
-        if self._observe:
-            self._observe(time.perf_counter() - t0)
+        if self._observe_checkpoint:
+            self._observe_checkpoint(time.perf_counter() - t0)
         self._resolve(durable, persist_waiters)
         return True
 

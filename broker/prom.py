@@ -102,9 +102,12 @@ class BrokerCollector:
         m = core.metrics
         yield _histogram("txmq_decision_seconds", "Time from a half message's birth to its commit or rollback",
                          m.decision_buckets, m.decision_hist, m.decision_sum)
-        yield _histogram("txmq_flush_latency_seconds", "Duration of each fsync cycle (group commit, checkpoint)",
-                         m.flush_buckets, m.flush_hist, m.flush_seconds_total)
-        yield GaugeMetricFamily("txmq_flush_seconds_max", "Longest fsync cycle", value=m.flush_seconds_max)
+        yield _histogram("txmq_flush_latency_seconds", "Duration of each fsync that acknowledges sends (group commit, inline)",
+                         m.flush.buckets, m.flush.hist, m.flush.total)
+        yield GaugeMetricFamily("txmq_flush_seconds_max", "Longest fsync that acknowledged sends", value=m.flush.max)
+        yield _histogram("txmq_checkpoint_seconds", "Duration of each checkpoint cycle (log fsync, consume queues, checkpoint file)",
+                         m.checkpoint.buckets, m.checkpoint.hist, m.checkpoint.total)
+        yield GaugeMetricFamily("txmq_checkpoint_seconds_max", "Longest checkpoint cycle", value=m.checkpoint.max)
         yield GaugeMetricFamily("txmq_connections", "Open client connections", value=core.connections)
         yield GaugeMetricFamily("txmq_max_connections", "Connection limit (--max-connections, or derived from RLIMIT_NOFILE)",
                                 value=core.config.max_connections or 0)

@@ -23,7 +23,8 @@ from wireclient import RawClient
 
 TOKEN = "s3cret-token"
 REFUSAL_COUNTERS = {"connections_accepted", "auth_failures", "errors_auth_required", "errors_auth_failed",
-                    "errors_malformed_frame", "errors_frame_too_large", "check_passes", "flushes", "flush_seconds_avg", "flush_seconds_max"}
+                    "errors_malformed_frame", "errors_frame_too_large", "check_passes", "flushes", "flush_seconds_avg", "flush_seconds_max",
+                    "checkpoints", "checkpoint_seconds_avg", "checkpoint_seconds_max"}
 
 
 def state(b) -> dict:

@@ -49,3 +49,45 @@ def test_a_send_waiting_on_a_checkpoint_cycle_is_answered_once_the_log_is_fsynce
     finally:
         gate.set()
         store.close()
+
+
+def test_checkpoint_cycles_are_timed_apart_from_the_fsyncs_that_acknowledge_sends(tmp_path):
+    from txmq.broker.metrics import Metrics
+
+    store = Store(tmp_path / "d")
+    store.open()
+    metrics = Metrics()
+    slow = threading.Event()
+    real = store.checkpoint
+
+    def slow_checkpoint(on_synced=None):
+        real(on_synced)
+        if not slow.is_set():
+            slow.set()
+            threading.Event().wait(0.2)  # the queue and checkpoint files of a big checkpoint
+
+    store.checkpoint = slow_checkpoint  # type: ignore[method-assign]
+
+    async def go():
+        flusher = Flusher(store, sync=True, interval_s=0.05, observe=metrics.flush.observe,
+                          observe_checkpoint=metrics.checkpoint.observe)
+        flusher.lone_client = lambda: False
+        flusher.start()
+        try:
+            while metrics.checkpoint.count == 0:
+                await asyncio.sleep(0.01)
+            for _ in range(20):
+                res = store.append([Message("T", 0, TxType.NORMAL, 1, {}, b"x")])
+                waiter = flusher.wait_durable(res[-1].end_offset)
+                if waiter is not None:
+                    await asyncio.wait_for(waiter, 5)
+        finally:
+            await flusher.stop()
+
+    try:
+        arun(go())
+    finally:
+        store.close()
+    snap = metrics.snapshot()
+    assert snap["checkpoints"] >= 2 and snap["checkpoint_seconds_max"] >= 0.2  # the slow one, and the last at stop
+    assert snap["flushes"] >= 1 and snap["flush_seconds_max"] < 0.2  # the sends' fsyncs never counted it

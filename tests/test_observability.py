@@ -65,7 +65,7 @@ def end(h: dict, group: str, state: str, from_check: bool = False) -> dict:
 def test_metrics_endpoint_stats_and_json_logs_cover_every_event(tmp_path):
     mport = free_port()
     b = BrokerProcess(tmp_path / "data", "--metrics-port", str(mport), "--log-format", "json", "--flush", "sync",
-                      "--check-interval", "1h", "--transaction-timeout", "0s", "--max-checks", "1")
+                      "--flush-interval", "100ms", "--check-interval", "1h", "--transaction-timeout", "0s", "--max-checks", "1")
     b.start()
     ids: dict[str, str] = {}
     try:
@@ -130,6 +130,7 @@ def test_metrics_endpoint_stats_and_json_logs_cover_every_event(tmp_path):
         assert val("txmq_bytes_appended_total") == val("txmq_commit_log_max_offset") > 0
         assert val("txmq_records_appended_total") > 0
         assert val("txmq_flush_latency_seconds_count") > 0 and val("txmq_flush_latency_seconds_sum") > 0
+        assert val("txmq_checkpoint_seconds_count") > 0 and val("txmq_checkpoint_seconds_max") > 0
         assert val("txmq_connections") == 0  # everyone hung up
         assert val("txmq_connections_accepted_total") >= 2
         assert val("txmq_recovery_dropped_bytes") == 0
@@ -144,6 +145,7 @@ def test_metrics_endpoint_stats_and_json_logs_cover_every_event(tmp_path):
             assert c.get(key, 0) == val(name, **labels), key
         assert c["decisions"] == val("txmq_decision_seconds_count") == 7
         assert c["flushes"] >= val("txmq_flush_latency_seconds_count")
+        assert c["checkpoints"] >= val("txmq_checkpoint_seconds_count") and c["checkpoint_seconds_max"] > 0
         assert st["gauges"]["pending_by_topic"] == {"obs": 1}
         assert b.stop() == 0
     finally:
