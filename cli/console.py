@@ -67,6 +67,74 @@ def emit_json(obj: Any) -> None:
     sys.stdout.flush()
 
 
+def emit_document(doc: Any, output: Output) -> bool:
+    """``-o json``: doc as one indented document; ``-o jsonl``: as one line. False for a table, which the caller draws."""
+    if output is Output.json:
+        emit_json(doc)
+        return True
+    if output is Output.jsonl:
+        emit_line(doc)
+        return True
+    return False
+
+
+class RowSink:
+    """Rows as they come, in the output format asked for.
+
+    ``-o jsonl``: a line each. ``-o json``: one list, streamed element by
+    element, so memory stays flat however many rows there are; it is valid
+    JSON once closed, so close it on every way out (``with`` does). A table:
+    each row to ``table`` (printed as it comes), or, without one, kept in
+    ``kept`` for the caller to draw at the end.
+    """
+
+    def __init__(self, output: Output, shape: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+                 table: Callable[[dict[str, Any]], None] | None = None) -> None:
+        self.output = output
+        self.shape = shape
+        self.table = table
+        self.kept: list[dict[str, Any]] = []
+        self.count = 0
+        self._opened = False
+        self._closed = False
+
+    def add(self, raw: dict[str, Any]) -> None:
+        row = self.shape(raw) if self.shape is not None else raw
+        self.count += 1
+        if self.output is Output.jsonl:
+            emit_line(row)
+        elif self.output is Output.json:
+            text = json.dumps(to_jsonable(row), indent=2, ensure_ascii=False)
+            sys.stdout.write(("[\n" if not self._opened else ",\n") + "  " + text.replace("\n", "\n  "))
+            sys.stdout.flush()
+            self._opened = True
+        elif self.table is not None:
+            self.table(row)
+        else:
+            self.kept.append(row)
+
+    def close(self) -> None:
+        """End the JSON list (``[]`` when there was no row); once."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.output is Output.json:
+            sys.stdout.write("\n]\n" if self._opened else "[]\n")
+            sys.stdout.flush()
+
+    def abort(self) -> None:
+        """The command failed: end a list already begun (what was printed stays valid), print none otherwise."""
+        if not self._opened:
+            self._closed = True
+        self.close()
+
+    def __enter__(self) -> "RowSink":
+        return self
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        self.abort() if exc_type is not None else self.close()
+
+
 def warn(message: str) -> None:
     """A one-line warning on stderr (never on stdout, which may be piped)."""
     from rich.markup import escape
@@ -216,8 +284,7 @@ def _cell(v: Any, f: Any) -> str:
 
 def kv_table(d: dict[str, Any], output: Output, title: str | None = None,
              formatters: dict[str, Callable[[Any], str]] | None = None) -> None:
-    if output is not Output.table:
-        emit_json(d) if output is Output.json else emit_line(d)
+    if emit_document(d, output):
         return
     formatters = formatters or {}
     t = new_table(title)

@@ -38,3 +38,23 @@ def test_read_follow_prints_messages_sent_after_it_started_and_stops_on_ctrl_c(b
     assert code in (0, 130), stderr
     assert "Traceback" not in stderr, stderr
     assert lines(ok(txmq("groups", "list", broker=broker))) == groups_before  # no group, no committed offset
+
+
+def test_read_follow_as_json_streams_one_list_that_is_complete_after_ctrl_c(broker):
+    sent = [one(txmq("send", "t-follow-json", f"m-{i}", "-o", "json", broker=broker)) for i in range(3)]
+    p = subprocess.Popen(cli_argv("read", "t-follow-json", "--from", "earliest", "--follow", "-o", "json"),
+                         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=cli_env(broker))
+    try:
+        head = p.stdout.readline()
+        assert head == b"[\n"  # printed as the messages come, not held until the end
+        while head.count(b'"msg_id"') < len(sent):
+            head += p.stdout.readline()
+        p.send_signal(signal.SIGINT)
+        code = p.wait(15)
+        doc = json.loads(head + p.stdout.read())
+        stderr = p.stderr.read().decode()
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert code in (0, 130), stderr
+    assert sorted(m["msg_id"] for m in doc) == sorted(s["msg_id"] for s in sent)

@@ -8,10 +8,9 @@ note on stderr says so, in every output format.
 
 from __future__ import annotations
 
-import sys
-from typing import Any, Callable
+from typing import Any
 
-from ..console import Output, emit_line, out, to_jsonable
+from ..console import Output, RowSink, out
 
 PAGE = 1000
 
@@ -23,37 +22,6 @@ def effective_limit(limit: int | None, output: Output, terminal_default: int) ->
     if output is Output.table and out.is_terminal:
         return terminal_default, True
     return None, False
-
-
-class RowSink:
-    """Where rows go: streamed as JSON lines or as one JSON list; kept for a table."""
-
-    def __init__(self, output: Output, shape: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
-        self.output = output
-        self.shape = shape
-        self.kept: list[dict[str, Any]] = []
-        self.count = 0
-        self._opened = False
-
-    def add(self, raw: dict[str, Any]) -> None:
-        row = self.shape(raw)
-        self.count += 1
-        if self.output is Output.jsonl:
-            emit_line(row)
-        elif self.output is Output.json:
-            import json
-
-            text = json.dumps(to_jsonable(row), indent=2, ensure_ascii=False)
-            sys.stdout.write(("[\n" if not self._opened else ",\n") + "  " + text.replace("\n", "\n  "))
-            sys.stdout.flush()
-            self._opened = True
-        else:
-            self.kept.append(row)
-
-    def close(self) -> None:
-        if self.output is Output.json:
-            sys.stdout.write("\n]\n" if self._opened else "[]\n")
-            sys.stdout.flush()
 
 
 def stream_pages(broker: str, token: str | None, op: str, fields: dict[str, Any], rows_key: str, cursor_field: str,

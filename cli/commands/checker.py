@@ -9,7 +9,7 @@ import typer
 
 from .. import exitcodes
 from ..common import DEFAULT_BROKER, BrokerOpt, CliError, OutputOpt, TokenOpt, parse_duration, run, stop_event
-from ..console import Output, emit_json, emit_line, err, note, out, resolve_output, to_jsonable, warn
+from ..console import Output, RowSink, err, note, out, resolve_output, to_jsonable, warn
 
 EPILOG = """Examples:
 
@@ -80,7 +80,7 @@ class _Checker:
                  exec_timeout_s: float, now: bool, out_fmt: Output) -> None:
         self.group, self.answer, self.cmd, self.limit = group, answer, cmd, limit
         self.idle_s, self.exec_timeout_s, self.now, self.out_fmt = idle_s, exec_timeout_s, now, out_fmt
-        self.rows: list[dict[str, Any]] = []
+        self.sink = RowSink(out_fmt, table=_print_check)  # each check answered, as it comes
         self.answered = 0
         # transactions answered unknown and still pending, followed until decided: tx id -> its check line
         self.unknown: dict[str, dict[str, Any]] = {}
@@ -98,19 +98,18 @@ class _Checker:
                 pushes.put_nowait(fields)
 
         stop = stop_event()
-        async with connect(broker, token, producer_groups=(self.group,), reconnect=True, push_handler=on_push) as client:
-            how = f"answering {self.answer}" if self.answer else f"running {self.cmd!r}"
-            note(f"checker for group {self.group} on {broker}: {how}; Ctrl-C to stop")
-            if self.now:
-                await self._check_now(client)
-            follower = asyncio.ensure_future(self._follow_loop(client))
-            try:
-                why = await self._loop(client, pushes, stop)
-            finally:
-                follower.cancel()
-            await self._follow_unknown(client)
-        if self.out_fmt is Output.json:
-            emit_json(self.rows)
+        with self.sink:
+            async with connect(broker, token, producer_groups=(self.group,), reconnect=True, push_handler=on_push) as client:
+                how = f"answering {self.answer}" if self.answer else f"running {self.cmd!r}"
+                note(f"checker for group {self.group} on {broker}: {how}; Ctrl-C to stop")
+                if self.now:
+                    await self._check_now(client)
+                follower = asyncio.ensure_future(self._follow_loop(client))
+                try:
+                    why = await self._loop(client, pushes, stop)
+                finally:
+                    follower.cancel()
+                await self._follow_unknown(client)
         note(f"checker stopped ({why}): {self.answered} check-back(s) answered")
 
     async def _loop(self, client: Any, pushes: Any, stop: Any) -> str:
@@ -285,16 +284,16 @@ class _Checker:
         return state
 
     def _show(self, row: dict[str, Any]) -> None:
-        if self.out_fmt is Output.jsonl:
-            emit_line(row)
-        elif self.out_fmt is Output.json:
-            self.rows.append(row)
-        elif row.get("event") == "discarded":
-            out.print(f"[warn]discarded[/warn] {row['tx_id']} [dim]{row['topic']} checks={row['checks']}[/dim]: {row['message']}")
-        else:
-            colour = {"commit": "ok", "rollback": "warn"}.get(row["answer"], "dim")
-            out.print(f"checked {row['tx_id']} [dim]{row['topic']} half_offset={row['half_offset']} checks={row['checks']}[/dim] "
-                      f"-> [{colour}]{row['answer']}[/{colour}] ({row['outcome'] or row['status']})")
+        self.sink.add(row)
+
+
+def _print_check(row: dict[str, Any]) -> None:
+    if row.get("event") == "discarded":
+        out.print(f"[warn]discarded[/warn] {row['tx_id']} [dim]{row['topic']} checks={row['checks']}[/dim]: {row['message']}")
+    else:
+        colour = {"commit": "ok", "rollback": "warn"}.get(row["answer"], "dim")
+        out.print(f"checked {row['tx_id']} [dim]{row['topic']} half_offset={row['half_offset']} checks={row['checks']}[/dim] "
+                  f"-> [{colour}]{row['answer']}[/{colour}] ({row['outcome'] or row['status']})")
 
 
 def _quiet_client_logs() -> None:

@@ -7,7 +7,7 @@ import typer
 
 from .. import exitcodes
 from ..common import DEFAULT_BROKER, BrokerOpt, CliError, OutputOpt, TokenOpt, parse_duration
-from ..console import Output, emit_json, emit_line, fmt_duration, fmt_ts, fmt_when, new_table, out, print_table, resolve_output
+from ..console import emit_document, fmt_duration, fmt_ts, fmt_when, new_table, out, print_table, resolve_output
 
 app = typer.Typer(help="Read and change the check settings of a running broker.", no_args_is_help=True)
 
@@ -77,11 +77,9 @@ def get(
     doc = call(broker, token, "config_get", {})
     doc = {k: doc.get(k) for k in WIRE_ORDER if wk is None or k == wk}
     out_fmt = resolve_output(output)
-    if out_fmt is Output.json:
-        emit_json(doc)
-    elif out_fmt is Output.jsonl:
-        emit_line(doc)
-    elif wk is not None:
+    if emit_document(doc, out_fmt):
+        return
+    if wk is not None:
         out.print(human(wk, doc[wk]))
     else:
         t = new_table()
@@ -148,20 +146,12 @@ def set_(
     out_fmt = resolve_output(output)
     if dry_run:
         doc = {k: r.get(k) for k in ("key", "old", "new", "dry_run", "pending", "would_discard", "would_delete_pending")}
-        if out_fmt is Output.json:
-            emit_json(doc)
-        elif out_fmt is Output.jsonl:
-            emit_line(doc)
-        else:
+        if not emit_document(doc, out_fmt):
             out.print(f"{CLI_NAME.get(wk, wk)}: {human(wk, doc['old'])} -> {human(wk, doc['new'])} (dry run: nothing changed)")
             out.print(_effect(wk, r))
         return
     doc = {"key": r.get("key", wk), "old": r.get("old"), "new": r.get("new")}
-    if out_fmt is Output.json:
-        emit_json(doc)
-    elif out_fmt is Output.jsonl:
-        emit_line(doc)
-    else:
+    if not emit_document(doc, out_fmt):
         out.print(f"{CLI_NAME.get(wk, wk)}: {human(wk, doc['old'])} -> [ok]{human(wk, doc['new'])}[/ok]")
 
 

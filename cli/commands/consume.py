@@ -7,7 +7,7 @@ import typer
 
 from .. import exitcodes
 from ..common import DEFAULT_BROKER, BrokerOpt, CliError, OutputOpt, TokenOpt, run, stop_event
-from ..console import Output, emit_json, emit_line, err, interactive, note, out, resolve_output
+from ..console import Output, RowSink, err, interactive, note, out, resolve_output
 
 EPILOG = """Examples:
 
@@ -63,7 +63,7 @@ async def _consume(broker: str, token: str | None, topic: str, group: str, from_
         raise CliError(f"{topic} is a system topic: see it with txmq inspect half|op or txmq discard list", exitcodes.USAGE)
     consumer = Consumer(group, topic, broker, token=token or None, from_=from_, queues=queues, auto_commit=True,
                         auto_commit_interval=1.0, wait_ms=1000 if not follow else 5000, reconnect=follow, connect_timeout=5.0)
-    rows: list[dict[str, Any]] = []
+    sink = RowSink(out_fmt, table=lambda row: out.print(message_line(row)))
     count = 0
     printed: dict[int, int] = {}  # queue id -> next offset after the last message printed
     status = None
@@ -84,13 +84,7 @@ async def _consume(broker: str, token: str | None, topic: str, group: str, from_
                 want = None if limit is None else limit - count
                 batch = await consumer.poll(timeout=0.25, max_messages=want)
                 for m in batch:
-                    row = message_row(m)
-                    if out_fmt is Output.jsonl:
-                        emit_line(row)
-                    elif out_fmt is Output.json:
-                        rows.append(row)
-                    else:
-                        out.print(message_line(row))
+                    sink.add(message_row(m))
                     count += 1
                     printed[m.queue_id] = m.queue_offset + 1
                 if status is not None and batch:
@@ -101,12 +95,14 @@ async def _consume(broker: str, token: str | None, topic: str, group: str, from_
                     break
         except (TxmqError, TimeoutError) as e:
             raise cli_error(e, broker, bool(token)) from None
+    except BaseException:
+        sink.abort()
+        raise
     finally:
         if status is not None:
             status.stop()
         await _commit_printed(consumer, printed)
-    if out_fmt is Output.json:
-        emit_json(rows)
+    sink.close()
     if out_fmt is Output.table and count == 0 and not follow:
         note(f"no new messages on {topic} for group {group}")
 

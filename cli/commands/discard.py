@@ -37,7 +37,8 @@ def list_(
 ) -> None:
     """Discarded transactions, in discard-topic order."""
     from ..console import Output
-    from ._paging import RowSink, cut_note, effective_limit, stream_pages
+    from ..console import RowSink
+    from ._paging import cut_note, effective_limit, stream_pages
 
     out_fmt = resolve_output(output)
     eff, _ = effective_limit(limit, out_fmt, 1000)

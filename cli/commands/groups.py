@@ -7,7 +7,7 @@ import typer
 
 from .. import exitcodes
 from ..common import DEFAULT_BROKER, BrokerOpt, CliError, OutputOpt, TokenOpt
-from ..console import Output, emit_json, emit_line, err, note, render, resolve_output
+from ..console import Output, err, note, render, resolve_output
 
 app = typer.Typer(help="Consumer groups: committed offsets, lag, and resetting them.", no_args_is_help=True)
 
@@ -54,10 +54,8 @@ def describe(
         fields["topic"] = topic
     d = call(broker, token, "describe_group", fields)
     out_fmt = resolve_output(output)
-    if out_fmt is Output.json:
-        emit_json(d)
-        return
-    render(d["queues"], out_fmt, columns=QUEUE_COLUMNS, title=f"group {group}", empty=f"group {group} has no committed offsets")
+    render(d["queues"], out_fmt, columns=QUEUE_COLUMNS, title=f"group {group}", document=d,
+           empty=f"group {group} has no committed offsets")
     if out_fmt is Output.table:
         note(f"total lag {d['total_lag']}, {d['consumers']} live consumer connection(s)")
 
@@ -122,11 +120,6 @@ def reset(
 
 
 def _show(d: dict, out_fmt: Output) -> None:
-    if out_fmt is Output.json:
-        emit_json(d)
-    elif out_fmt is Output.jsonl:
-        for r in d["queues"]:
-            emit_line(r)
-    else:
-        render(d["queues"], out_fmt, title=("plan: " if d["dry_run"] else "reset: ") + f"group {d['group']} on {d['topic']}",
-               columns=[("topic", "TOPIC"), ("queue_id", "QUEUE"), ("old", "OLD"), ("new", "NEW"), ("max_offset", "MAX"), ("lag", "LAG")])
+    render(d["queues"], out_fmt, title=("plan: " if d["dry_run"] else "reset: ") + f"group {d['group']} on {d['topic']}",
+           columns=[("topic", "TOPIC"), ("queue_id", "QUEUE"), ("old", "OLD"), ("new", "NEW"), ("max_offset", "MAX"), ("lag", "LAG")],
+           document=d)

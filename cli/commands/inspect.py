@@ -10,7 +10,7 @@ from txmq.constants import OP_TOPIC
 
 from .. import exitcodes
 from ..common import DEFAULT_BROKER, WIRE_INT_MAX, BrokerOpt, CliError, OutputOpt, TokenOpt, parse_duration, run
-from ..console import Output, emit_json, emit_line, fmt_age, fmt_ts, fmt_when, new_table, note, out, print_table, render, resolve_output
+from ..console import Output, emit_document, fmt_age, fmt_ts, fmt_when, new_table, note, out, print_table, render, resolve_output
 
 app = typer.Typer(help="Look at pending transactions, op records and the check offsets.", no_args_is_help=True)
 
@@ -48,7 +48,8 @@ def half(
     output: OutputOpt = None,
 ) -> None:
     """Pending transactions (half messages with no outcome yet), oldest first."""
-    from ._paging import RowSink, cut_note, effective_limit, stream_pages
+    from ..console import RowSink
+    from ._paging import cut_note, effective_limit, stream_pages
 
     min_age_ms = int(parse_duration(older_than) * 1000) if older_than is not None else 0
     out_fmt = resolve_output(output)
@@ -112,7 +113,8 @@ def op(
     output: OutputOpt = None,
 ) -> None:
     """Op records: the decisions (commit or rollback) written to RMQ_SYS_TRANS_OP_HALF_TOPIC."""
-    from ._paging import RowSink, cut_note, effective_limit
+    from ..console import RowSink
+    from ._paging import cut_note, effective_limit
 
     if from_ is not None and from_ > WIRE_INT_MAX:
         raise CliError(f"--from {from_} is out of range: offsets are 0 to {WIRE_INT_MAX}", exitcodes.USAGE)
@@ -253,11 +255,7 @@ def tx(
 
         doc = call(broker, token, "tx_history", fields)
     out_fmt = resolve_output(output)
-    if out_fmt is Output.json:
-        emit_json(doc)
-        return
-    if out_fmt is Output.jsonl:
-        emit_line(doc)
+    if emit_document(doc, out_fmt):
         return
     now_ms = int(time.time() * 1000)
     out.print(f"transaction {doc['tx_id']}: [bold]{doc['state']}[/bold]"
@@ -322,11 +320,7 @@ def offsets(
            "op": {"progress": doc["op"]["progress"], "max": doc["op"]["max"]},
            "pending": doc["pending"], "discarded": doc.get("discarded", 0), "held_by": doc.get("held_by")}
     out_fmt = resolve_output(output)
-    if out_fmt is Output.json:
-        emit_json(doc)
-        return
-    if out_fmt is Output.jsonl:
-        emit_line(doc)
+    if emit_document(doc, out_fmt):
         return
     t = new_table()
     for label in ("QUEUE", "PROGRESS", "MAX", "BEHIND"):

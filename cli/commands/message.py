@@ -7,7 +7,7 @@ import typer
 
 from .. import exitcodes
 from ..common import DEFAULT_BROKER, BrokerOpt, CliError, OutputOpt, TokenOpt, parse_duration
-from ..console import Output, emit_json, emit_line, err, note, out, resolve_output
+from ..console import Output, RowSink, emit_json, err, note, out, resolve_output
 
 app = typer.Typer(help="Look messages up by message id or by key.", no_args_is_help=True)
 
@@ -15,14 +15,9 @@ app = typer.Typer(help="Look messages up by message id or by key.", no_args_is_h
 def _print(rows: list[dict[str, Any]], out_fmt: Output) -> None:
     from ._messages import message_line
 
-    if out_fmt is Output.json:
-        emit_json(rows)
-    elif out_fmt is Output.jsonl:
+    with RowSink(out_fmt, table=lambda r: out.print(message_line(r))) as sink:
         for r in rows:
-            emit_line(r)
-    else:
-        for r in rows:
-            out.print(message_line(r))
+            sink.add(r)
 
 
 def _row(m: dict[str, Any]) -> dict[str, Any]:
@@ -65,7 +60,7 @@ def get(
                            exitcodes.NOT_FOUND)
         m = _row(found["messages"][0])
     if out_fmt is Output.json:
-        emit_json(m)
+        emit_json(m)  # one message: the document, not a list of one
     else:
         _print([m], out_fmt)
 

@@ -13,7 +13,7 @@ from txmq.constants import TOPIC_RE, is_system_topic
 
 from .. import exitcodes
 from ..common import DEFAULT_BROKER, BrokerOpt, CliError, OutputOpt, TokenOpt, run, run_interruptible
-from ..console import Output, emit_json, emit_line, err, kv_table, out, resolve_output
+from ..console import Output, RowSink, err, kv_table, out, resolve_output
 
 EPILOG = """Examples:
 
@@ -90,33 +90,35 @@ def send(
     spec = _Spec(topic, props, queue, group if tx else None, (state or TxState.unknown).value)
     out_fmt = resolve_output(output)
     if stream:
-        st = _Tally()
+        st = _Tally(RowSink(out_fmt, table=_print_sent))
         try:
             run_interruptible(_send_stream(broker, token, spec, window, out_fmt, st))
         except KeyboardInterrupt:  # the summary line, as resolve and discard replay print it; exit 130
-            if out_fmt is Output.json:
-                emit_json(st.rows)
+            st.sink.close()
             if st.line:
                 err.print(f"[warn]{st.stopped('interrupted')}[/warn]")
             raise
+        except BaseException:
+            st.sink.abort()
+            raise
     else:
-        row = run(_send_one(broker, token, spec, (body or "").encode()))
-        if out_fmt is Output.table:
-            kv_table(row, out_fmt)
-        elif out_fmt is Output.json:
-            emit_json(row)
-        else:
-            emit_line(row)
+        kv_table(run(_send_one(broker, token, spec, (body or "").encode())), out_fmt)
+
+
+def _print_sent(row: dict[str, Any]) -> None:
+    extra = (f"tx_id={row['tx_id']} half_offset={row['half_offset']} state={row['state']}"
+             if "tx_id" in row else f"queue_offset={row['queue_offset']}")
+    out.print(f"[ok]sent[/ok] line {row['line']}: msg_id={row['msg_id']} queue_id={row['queue_id']} {extra}")
 
 
 class _Tally:
     """What `send` of stdin lines did so far, for its summary line (also after Ctrl-C)."""
 
-    def __init__(self) -> None:
+    def __init__(self, sink: RowSink) -> None:
         self.sent = 0
         self.failed = 0
         self.line = 0  # the last input line read
-        self.rows: list[dict[str, Any]] = []  # -o json: printed at the end
+        self.sink = sink  # each line's result, as it comes
         self.unconfirmed = 0  # lines in flight when it stopped
 
     def stopped(self, why: str) -> str:
@@ -187,21 +189,12 @@ async def _send_stream(broker: str, token: str | None, spec: _Spec, window: int,
 
     from ..client_ops import cli_error, connect, exit_code_of
 
-    rows = st.rows
     failures: list[tuple[int, BaseException]] = []
     sent = 0
     lost: list[BaseException] = []
     closed: list[int] = []
 
-    def show(row: dict[str, Any]) -> None:
-        if out_fmt is Output.jsonl:
-            emit_line(row)
-        elif out_fmt is Output.json:
-            rows.append(row)
-        else:
-            extra = (f"tx_id={row['tx_id']} half_offset={row['half_offset']} state={row['state']}"
-                     if "tx_id" in row else f"queue_offset={row['queue_offset']}")
-            out.print(f"[ok]sent[/ok] line {row['line']}: msg_id={row['msg_id']} queue_id={row['queue_id']} {extra}")
+    show = st.sink.add
 
     async with connect(broker, token) as client:
         sem = asyncio.Semaphore(window)
@@ -273,8 +266,7 @@ async def _send_stream(broker: str, token: str | None, spec: _Spec, window: int,
             raise
     if closed:
         raise BrokenPipeError  # main() exits quietly
-    if out_fmt is Output.json:
-        emit_json(rows)
+    st.sink.close()
     if line_no:  # the one-line summary of a bulk run (docs/cli.md, "Summary of a bulk run")
         if lost:
             err.print(f"[warn]stopped (broker lost): {sent} sent, {len(failures)} failed, input read up to line {line_no}; "

@@ -17,7 +17,7 @@ import typer
 
 from .. import exitcodes
 from ..common import CliError, OutputOpt, parse_duration
-from ..console import Output, default_output, emit_json, emit_line, err, out
+from ..console import Output, default_output, emit_document, err, out
 
 
 class Format(str, Enum):
@@ -253,11 +253,7 @@ def _summary(opts, master: str, result, startup_s: float, total_s: float) -> dic
 
 
 def _report(s: dict[str, Any], output: Output) -> None:
-    if output is Output.json:
-        emit_json(s)
-        return
-    if output is Output.jsonl:
-        emit_line(s)
+    if emit_document(s, output):
         return
     from rich.table import Table as RichTable
 
