@@ -239,11 +239,17 @@ class Flusher:
             if self._waiters:
                 self._wake.set()
             return
+        if self.store.rewrite_pending:  # after a failed fsync: reading and writing the log again is a thread's job
+            self._wake.set()
+            return
         t0 = time.perf_counter()
         try:
-            durable = self.store.sync()
+            durable = self.store.sync(block=False)  # never waits on the loop for a checkpoint's fsync
         except (StoreError, OSError):
             self._wake.set()  # let the flusher's loop report and fail the waiters
+            return
+        if durable is None:
+            self._wake.set()
             return
         if self._observe:
             self._observe(time.perf_counter() - t0)
@@ -317,7 +323,7 @@ class Flusher:
         job = self.store.begin_sync()
         if job is None:
             return None
-        if job.log.sync_failed:  # the data past durable is written again before its fsync: in Python (Store.run_sync)
+        if job.log.rewrite_before_sync:  # the data past durable is written again before its fsync: in Python (Store.run_sync)
             self._native_job = job
             self._native_fallback(job, None)
             return job

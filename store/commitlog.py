@@ -23,7 +23,7 @@ import os
 import struct
 from collections.abc import Sequence
 
-from .codec import HEADER, MAGIC
+from .codec import HEADER, HEADER_SIZE, MAGIC, check_header, check_record
 from .errors import CorruptRecordError, StoreFullError
 from .files import fsync_dir, list_numbered, offset_name
 from .segments import CHUNK, ZERO_HEADER, LogView, Segment, nonzero_end, resync, walk_segment
@@ -31,6 +31,8 @@ from .segments import CHUNK, ZERO_HEADER, LogView, Segment, nonzero_end, resync,
 _log = logging.getLogger("txmq.store")
 _FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 _SIZE_MAGIC = struct.Struct("<II")
+AFTER_FAILED_FSYNC = "after a failed fsync"
+AT_START = "at start"
 _TAIL_WINDOW = 64 << 10  # first guess at how far from a segment's end its last record starts
 
 
@@ -47,9 +49,10 @@ class CommitLog(LogView):
         self.durable = 0  # fsynced up to here
         self.dir_dirty = False  # a segment was created since the last directory fsync
         self._retired: list[int] = []  # fds of deleted segments, closed once no sync uses them
-        # An fdatasync of the log failed and no sync has written the data past durable again since:
-        # the page cache may hold it in clean pages that never reach the disk (rewrite_unsynced).
-        self.sync_failed = False
+        # Why the data past durable must be written again before an fsync may call it durable, or None:
+        # AFTER_FAILED_FSYNC (the page cache may hold it in clean pages that never reach the disk), or
+        # AT_START (this process read it from a page cache another one may have failed to write).
+        self.rewrite_before_sync: str | None = None
 
     # ---- state -------------------------------------------------------------
     @property
@@ -212,7 +215,7 @@ class CommitLog(LogView):
         return start, [seg for seg in self._segs if seg.end > start and seg.start < target]
 
     @staticmethod
-    def rewrite_unsynced(start: int, segs: list[Segment], target: int) -> int:
+    def rewrite_unsynced(start: int, segs: list[Segment], target: int, why: str, check: bool = True) -> int:
         """Check every record in [start, target) of segs and write its bytes again; returns the bytes written.
 
         After a failed fdatasync Linux reports the error once and may mark the
@@ -220,36 +223,37 @@ class CommitLog(LogView):
         until evicted). A later fdatasync then succeeds without writing them,
         and would claim records durable that are not on disk. Writing the
         same bytes again makes the pages dirty, so the next fdatasync that
-        succeeds has really written them. Each record is checked first (its
-        CRC and its own offset): a page evicted meanwhile reads back from the
-        disk, and then the record is lost; that raises CorruptRecordError
-        naming it, and nothing past it may ever be called durable (a restart
-        recovers the log from what the disk holds).
+        succeeds has really written them. The bytes written are the bytes
+        checked (one read per chunk: its records' CRCs and own offsets are
+        checked in that buffer, then that buffer is written), so a page
+        evicted meanwhile cannot slip stale bytes in. A record that does not
+        check is lost: that raises CorruptRecordError naming it, and nothing
+        past it may be called durable. Without ``check`` (at start: recovery
+        has just read these bytes and skipped what it found damaged) the
+        bytes are copied as they read.
 
         In the sync's thread, with the sync lock held: the owner thread only
         appends past target meanwhile, and no segment fd is closed.
         """
         written = 0
         for seg in segs:
-            lo, hi = max(start, seg.start), min(target, seg.end)
-            pos = lo
-            for offset, res in walk_segment(seg, lo, hi, validate_only=True):
-                if type(res) is not int:
+            pos, hi = max(start, seg.start), min(target, seg.end)
+            want = CHUNK
+            while pos < hi:
+                n = min(want, hi - pos)
+                buf = os.pread(seg.fd, n, pos - seg.start)
+                good, why_bad, need = _checked_prefix(buf, pos) if check else (len(buf), None, n + 1)
+                if good == 0:
+                    if why_bad is None and need <= hi - pos and need > n:  # one record longer than the chunk
+                        want = need
+                        continue
                     raise CorruptRecordError(
-                        f"the record at offset {offset} no longer reads back after a failed fsync ({res}): the disk lost it; "
-                        "restart the broker to recover the log from disk")
-                pos = offset + res
-            if pos < hi:
-                raise CorruptRecordError(f"the log ends at offset {pos} where {hi} was written, after a failed fsync; "
-                                         "restart the broker to recover the log from disk")
-            while lo < hi:
-                n = min(CHUNK, hi - lo)
-                data = os.pread(seg.fd, n, lo - seg.start)
-                if len(data) != n:
-                    raise CorruptRecordError(f"short read at offset {lo} after a failed fsync; restart the broker to recover the log from disk")
-                _pwrite_all(seg.fd, data, lo - seg.start)
-                lo += n
-                written += n
+                        f"the record at offset {pos} does not read back ({why_bad or 'cut short'}) {why}: the disk lost it; "
+                        "nothing from there on is acknowledged; restart the broker to keep the log up to it")
+                _pwrite_all(seg.fd, buf[:good] if good < len(buf) else buf, pos - seg.start)
+                pos += good
+                written += good
+                want = CHUNK
         return written
 
     def synced(self, target: int) -> int:
@@ -374,6 +378,25 @@ def _copy_range(fd: int, pos: int, length: int, directory: str, name: str) -> No
     finally:
         os.close(out)
     fsync_dir(directory)
+
+
+def _checked_prefix(buf: bytes, offset: int) -> tuple[int, str | None, int]:
+    """(bytes of whole valid records at buf's start, why the next is invalid or None, size the next one needs)."""
+    p, end = 0, len(buf)
+    mv = memoryview(buf)
+    while p < end:
+        if end - p < HEADER_SIZE:
+            return p, None, HEADER_SIZE
+        total = check_header(buf, p, offset + p)
+        if type(total) is str:
+            return p, total, 0
+        if total > end - p:
+            return p, None, total
+        size = check_record(buf, p, offset + p, mv)
+        if type(size) is str:
+            return p, size, 0
+        p += size
+    return p, None, 0
 
 
 def _pwrite_all(fd: int, data: bytes, pos: int) -> None:

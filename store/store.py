@@ -23,7 +23,7 @@ import msgpack
 
 from .checkpoint import Checkpoint, read_checkpoint, write_checkpoint
 from .codec import EMPTY_PROPS, HEADER, HEADER_SIZE, TAGS_PROPERTY, Message, RawCopy, Record, encode_raw, tag_hash
-from .commitlog import CommitLog
+from .commitlog import AFTER_FAILED_FSYNC, AT_START, CommitLog
 from .consumequeue import ENTRY, ENTRY_SIZE, ConsumeQueue, Entry, pick_entries
 from .damage import Damage, DamageLog
 from .errors import CorruptRecordError, RecordTooLargeError, StoreError, StoreLockedError
@@ -37,6 +37,11 @@ _HEADER_UNPACK = HEADER.unpack_from
 QUARANTINE_DIR = "quarantine"  # bytes recovery will not use are moved here, never deleted
 _MAX_QUEUE_ID = (1 << 31) - 1
 _MAX_TOPIC_BYTES = (1 << 16) - 1
+
+
+# After a failed fsync every retry reads and writes again all that was appended past the durable offset
+# (Store._fsync_log); past this many bytes, appends are refused until a sync succeeds.
+UNSYNCED_AFTER_FAILURE_LIMIT = 256 << 20
 
 
 class SyncJob:
@@ -117,6 +122,9 @@ class Store:
                 _log.warning("event=consume_queue_rebuilt reason=%r", why)
             self._queues = queues
             log.durable = max(log.min_offset, min(ckpt.log_offset, log.end)) if ckpt else log.min_offset
+            # What the last run wrote past its checkpoint may sit in the page cache in pages that process
+            # failed to write (a failed fsync marks them clean): the first sync writes it again.
+            log.rewrite_before_sync = AT_START
             flush_all(queues, self.config.cq_entries_per_file, fsync=True)
             self.checkpoint()
             self._write_manifest()
@@ -201,6 +209,10 @@ class Store:
         log = self._open_log()
         if not msgs:
             return []
+        if log.rewrite_before_sync is not None and log.end - log.durable > UNSYNCED_AFTER_FAILURE_LIMIT:
+            raise StoreError(f"the last fsync of the log failed and {log.end - log.durable} bytes wait to be made durable "
+                             f"(at most {UNSYNCED_AFTER_FAILURE_LIMIT} are taken meanwhile): nothing was written; "
+                             "the broker retries the fsync every cycle")
         store_ts = int(self._clock() * 1000)
         seg_size, limit = self.config.segment_size, self._limit
         queues, topics, pack = self._queues, self._topic_bytes, self._pack_props
@@ -287,13 +299,21 @@ class Store:
         return tb
 
     # ---- durability --------------------------------------------------------
-    def sync(self) -> int:
+    @property
+    def rewrite_pending(self) -> bool:
+        """The next sync first writes the unsynced data again (after a failed fsync): a job for a worker thread."""
+        log = self._log
+        return log is not None and log.rewrite_before_sync is not None
+
+    def sync(self, block: bool = True) -> int | None:
         """fsync the log up to what was written when called; returns the durable offset.
 
         Safe from a worker thread while the owner thread appends and reads.
+        With ``block=False``, None at once when another fsync of the log runs.
         """
-        job = self.begin_sync(block=True)
-        assert job is not None
+        job = self.begin_sync(block=block)
+        if job is None:
+            return None
         try:
             self.run_sync(job)
         except OSError as exc:
@@ -330,7 +350,7 @@ class Store:
             if error is not None:
                 if job.dir_dirty:
                     job.log.dir_dirty = True
-                job.log.sync_failed = True  # the next sync writes the unsynced data again first
+                job.log.rewrite_before_sync = AFTER_FAILED_FSYNC  # the next sync writes the unsynced data again first
                 raise error
             with self._lock:
                 durable = job.log.synced(job.target)
@@ -340,13 +360,15 @@ class Store:
             self._sync_lock.release()
 
     def _fsync_log(self, log: CommitLog, fds: list[int], dir_dirty: bool, target: int) -> None:
-        """fdatasync the captured fds (and the directory); after an earlier failure, write the unsynced data again first."""
+        """fdatasync the captured fds (and the directory); first, when needed, write the unsynced data again."""
         try:
-            if log.sync_failed:
+            why = log.rewrite_before_sync
+            if why is not None:
                 with self._lock:
                     start, segs = log.unsynced_segments(target)
-                written = log.rewrite_unsynced(start, segs, target)
-                _log.warning("event=log_rewritten_after_failed_fsync from=%d to=%d bytes=%d", start, target, written)
+                written = log.rewrite_unsynced(start, segs, target, why, check=why != AT_START)
+                if written:
+                    _log.warning("event=log_rewritten reason=%r from=%d to=%d bytes=%d", why, start, target, written)
             for fd in fds:
                 os.fdatasync(fd)
             if dir_dirty:
@@ -355,9 +377,9 @@ class Store:
             if dir_dirty:
                 log.dir_dirty = True
             if isinstance(exc, (OSError, StoreError)):
-                log.sync_failed = True
+                log.rewrite_before_sync = AFTER_FAILED_FSYNC
             raise
-        log.sync_failed = False
+        log.rewrite_before_sync = None
 
     def checkpoint(self, on_synced: Callable[[int], None] | None = None) -> None:
         """sync(), write and fsync buffered consume-queue entries, then replace the checkpoint file.

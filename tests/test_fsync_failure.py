@@ -20,7 +20,11 @@ import pytest
 
 from conftest import arun
 from txmq.broker.flush import Flusher
+import threading
+
 from txmq.store import Message, Store, TxType
+from txmq.store import store as store_module
+from txmq.store.commitlog import AFTER_FAILED_FSYNC, CommitLog
 from txmq.store.errors import CorruptRecordError
 from txmq.wire import TxmqError
 
@@ -78,12 +82,15 @@ def test_the_sync_after_a_failed_fsync_writes_the_unsynced_records_again_before_
         seg = store._open_log().segments[0]
         assert sum(n for _, n in spy.calls) == end - durable  # every byte past the old durable offset, once
         assert min(pos for pos, _ in spy.calls) == durable - seg.start
-        assert f"event=log_rewritten_after_failed_fsync from={durable} to={end} bytes={end - durable}" in caplog.text
+        assert f"event=log_rewritten reason='after a failed fsync' from={durable} to={end} bytes={end - durable}" in caplog.text
 
-        spy.calls.clear()
         append(store)
-        store.sync()
-        assert spy.calls == [] or all(pos >= end - seg.start for pos, _ in spy.calls)  # a good sync ends the rewriting
+        spy.calls.clear()
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="txmq.store"):
+            store.sync()
+        assert spy.calls == [] and "log_rewritten" not in caplog.text  # a good sync ends the rewriting
+        assert store._open_log().rewrite_before_sync is None
         assert [r.body[:1] for r in store.read_many([r.commit_log_offset for r in results])] == [b"A", b"B", b"C"]
     finally:
         store.close()
@@ -105,7 +112,7 @@ def test_a_record_that_no_longer_reads_back_after_a_failed_fsync_is_named_and_ne
         finally:
             os.close(fd)
         for _ in range(2):  # and it stays so: no later sync gets past it
-            with pytest.raises(CorruptRecordError, match=f"offset {lost} .*restart the broker"):
+            with pytest.raises(CorruptRecordError, match=f"offset {lost} does not read back .*after a failed fsync.*restart the broker"):
                 store.sync()
             assert store.durable_offset == durable
     finally:
@@ -163,12 +170,109 @@ def test_group_commit_after_a_failed_fsync_fails_the_waiting_sends_then_writes_t
             end = append(store)[-1].end_offset
             with caplog.at_level(logging.WARNING, logger="txmq.store"):
                 assert await asyncio.wait_for(flusher.wait_durable(end), 5) >= end
-            assert "event=log_rewritten_after_failed_fsync" in caplog.text
-            assert not store._open_log().sync_failed and not store._sync_lock.locked()
+            assert "event=log_rewritten reason='after a failed fsync'" in caplog.text
+            assert not store.rewrite_pending and not store._sync_lock.locked()
         finally:
             await flusher.stop()
 
     try:
         arun(go())
+    finally:
+        store.close()
+
+
+def test_the_bytes_written_again_are_the_bytes_checked(tmp_path, monkeypatch):
+    """A page evicted between a check and a copy would bring stale bytes back from the disk: one read serves both."""
+    store = open_store(tmp_path)
+    try:
+        store.sync()
+        results = append(store)
+        monkeypatch.setattr(os, "fdatasync", FailingFdatasync(os.fdatasync))
+        with pytest.raises(OSError):
+            store.sync()
+        real_pread, seen = os.pread, set()
+
+        def pread_then_evicted(fd, n, pos):  # the second read of a position finds other bytes
+            data = real_pread(fd, n, pos)
+            if (fd, pos) in seen:
+                return b"\0" * len(data)
+            seen.add((fd, pos))
+            return data
+
+        monkeypatch.setattr(os, "pread", pread_then_evicted)
+        store.sync()
+        monkeypatch.setattr(os, "pread", real_pread)
+        assert [r.body[:1] for r in store.read_many([r.commit_log_offset for r in results])] == [b"A", b"B", b"C"]
+    finally:
+        store.close()
+
+
+def test_a_lone_clients_inline_fsync_leaves_the_rewrite_to_the_flusher_thread(tmp_path, monkeypatch):
+    store = open_store(tmp_path)
+    threads = []
+    real_rewrite = CommitLog.rewrite_unsynced
+
+    def rewrite(*args, **kwargs):
+        threads.append(threading.current_thread().name)
+        return real_rewrite(*args, **kwargs)
+
+    monkeypatch.setattr(CommitLog, "rewrite_unsynced", staticmethod(rewrite))
+
+    async def go():
+        flusher = Flusher(store, sync=True, interval_s=3600)
+        flusher.lone_client = lambda: True  # one client, one request: the fsync would run inline on the loop
+        flusher.start()
+        try:
+            store._open_log().rewrite_before_sync = AFTER_FAILED_FSYNC
+            end = append(store)[-1].end_offset
+            assert await asyncio.wait_for(flusher.wait_durable(end), 5) >= end
+        finally:
+            await flusher.stop()
+
+    try:
+        arun(go())
+    finally:
+        store.close()
+    assert threads and threading.main_thread().name not in threads
+
+
+def test_a_start_after_an_unclean_stop_writes_the_log_past_its_checkpoint_again_once(tmp_path, caplog):
+    store = open_store(tmp_path)
+    store.checkpoint()
+    end = append(store)[-1].end_offset
+    store.sync()
+    checkpointed = store._last_ckpt.log_offset
+    store._release()  # as a killed process leaves it: no checkpoint at close
+    with caplog.at_level(logging.WARNING, logger="txmq.store"):
+        again = open_store(tmp_path)
+    try:
+        assert f"event=log_rewritten reason='at start' from={checkpointed} to={end}" in caplog.text
+        assert again.durable_offset == end and not again.rewrite_pending
+    finally:
+        again.close()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="txmq.store"):
+        open_store(tmp_path).close()  # after a clean close: nothing past the checkpoint
+    assert "log_rewritten" not in caplog.text
+
+
+def test_appends_are_refused_while_too_much_waits_behind_a_failed_fsync_and_resume_after_a_good_one(tmp_path, monkeypatch):
+    """Every retry reads and writes all that waits again: it stays bounded, the senders are told why."""
+    monkeypatch.setattr(store_module, "UNSYNCED_AFTER_FAILURE_LIMIT", 1000)
+    store = open_store(tmp_path)
+    try:
+        store.sync()
+        append(store)
+        monkeypatch.setattr(os, "fdatasync", FailingFdatasync(os.fdatasync, failures=1))
+        with pytest.raises(OSError):
+            store.sync()
+        append(store)  # 810 bytes wait: still taken (1,620 now)
+        before = store.max_offset
+        with pytest.raises(store_module.StoreError, match="fsync of the log failed.*nothing was written"):
+            append(store)
+        assert store.max_offset == before
+        store.sync()  # the disk works again
+        append(store)
+        assert store.max_offset > before
     finally:
         store.close()
