@@ -481,6 +481,7 @@ class BrokerCore:
             "auth": bool(self.config.auth_token),
             "speedups": speedups_in_use(),
             "fsync_thread": self.flusher.fsync_thread,
+            "log_sync_error": self.store.sync_error,
             **self.busy_poll.status(),
             "damaged_records": self.store.damage.count,
             "counters": self.metrics.snapshot(),

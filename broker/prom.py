@@ -119,6 +119,8 @@ class BrokerCollector:
         yield online
         yield GaugeMetricFamily("txmq_commit_log_max_offset", "Written end of the commit log", value=core.store.max_offset)
         yield GaugeMetricFamily("txmq_commit_log_durable_offset", "fsynced end of the commit log", value=core.store.durable_offset)
+        yield GaugeMetricFamily("txmq_log_sync_failing", "1 while the last fsync of the commit log failed and none succeeded since",
+                                value=1 if core.store.sync_error is not None else 0)
         yield GaugeMetricFamily("txmq_damaged_records", "Damaged records skipped since start (each reported once in the log)",
                                 value=core.store.damage.count)
         r = core.recovery

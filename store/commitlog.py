@@ -53,6 +53,7 @@ class CommitLog(LogView):
         # AFTER_FAILED_FSYNC (the page cache may hold it in clean pages that never reach the disk), or
         # AT_START (this process read it from a page cache another one may have failed to write).
         self.rewrite_before_sync: str | None = None
+        self.sync_error: str | None = None  # why the last fsync of the log failed, until one succeeds
 
     # ---- state -------------------------------------------------------------
     @property

@@ -305,6 +305,12 @@ class Store:
         log = self._log
         return log is not None and log.rewrite_before_sync is not None
 
+    @property
+    def sync_error(self) -> str | None:
+        """Why the last fsync of the log failed, while no fsync has succeeded since (nothing past durable is acknowledged)."""
+        log = self._log
+        return log.sync_error if log is not None else None
+
     def sync(self, block: bool = True) -> int | None:
         """fsync the log up to what was written when called; returns the durable offset.
 
@@ -351,6 +357,7 @@ class Store:
                 if job.dir_dirty:
                     job.log.dir_dirty = True
                 job.log.rewrite_before_sync = AFTER_FAILED_FSYNC  # the next sync writes the unsynced data again first
+                job.log.sync_error = str(error)
                 raise error
             with self._lock:
                 durable = job.log.synced(job.target)
@@ -378,8 +385,10 @@ class Store:
                 log.dir_dirty = True
             if isinstance(exc, (OSError, StoreError)):
                 log.rewrite_before_sync = AFTER_FAILED_FSYNC
+                log.sync_error = str(exc)
             raise
         log.rewrite_before_sync = None
+        log.sync_error = None
 
     def checkpoint(self, on_synced: Callable[[int], None] | None = None) -> None:
         """sync(), write and fsync buffered consume-queue entries, then replace the checkpoint file.

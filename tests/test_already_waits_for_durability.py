@@ -26,7 +26,7 @@ def test_duplicate_commit_is_not_acknowledged_when_the_first_one_fails_to_fsync(
 
             # The fsync fails whichever thread runs it: the Python one (Store.sync) or the compiled
             # one, whose result the loop hands to Store.end_sync.
-            def broken_sync():
+            def broken_sync(block=True):
                 raise OSError(errno.EIO, "fsync failed")
             real_sync, real_end = core.store.sync, core.store.end_sync
             core.store.sync = broken_sync

@@ -74,6 +74,7 @@ def test_the_sync_after_a_failed_fsync_writes_the_unsynced_records_again_before_
         with pytest.raises(OSError):
             store.sync()
         assert store.durable_offset == durable  # nothing claimed
+        assert "Input/output error" in store.sync_error  # broker_info's log_sync_error, txmq_log_sync_failing
 
         spy = PwriteSpy(os.pwrite)
         monkeypatch.setattr(os, "pwrite", spy)
@@ -90,7 +91,7 @@ def test_the_sync_after_a_failed_fsync_writes_the_unsynced_records_again_before_
         with caplog.at_level(logging.WARNING, logger="txmq.store"):
             store.sync()
         assert spy.calls == [] and "log_rewritten" not in caplog.text  # a good sync ends the rewriting
-        assert store._open_log().rewrite_before_sync is None
+        assert store._open_log().rewrite_before_sync is None and store.sync_error is None
         assert [r.body[:1] for r in store.read_many([r.commit_log_offset for r in results])] == [b"A", b"B", b"C"]
     finally:
         store.close()
@@ -276,3 +277,27 @@ def test_appends_are_refused_while_too_much_waits_behind_a_failed_fsync_and_resu
         assert store.max_offset > before
     finally:
         store.close()
+
+
+def test_broker_info_says_the_log_cannot_be_fsynced_until_a_sync_succeeds(tmp_path, monkeypatch):
+    from txmq.broker.testing import running_broker
+    from txmq.wire import ErrorCode
+    from wireclient import RawClient
+
+    async def go():
+        async with running_broker(tmp_path / "b", flush="sync", flush_interval_s=3600) as b:
+            c = await RawClient.open(b.address)
+            try:
+                assert (await c.ok("broker_info"))["log_sync_error"] is None
+                # the lone client's inline fsync fails, then the flusher's retry (written again first) too
+                monkeypatch.setattr(os, "fdatasync", FailingFdatasync(os.fdatasync, failures=2))
+                code, r = await c.req("send", {"topic": "T", "body": b"x"})
+                assert code == ErrorCode.STORE_ERROR and "flush failed" in r["error"], r
+                assert "Input/output error" in (await c.ok("broker_info"))["log_sync_error"]
+                await c.ok("send", {"topic": "T", "body": b"y"})  # the disk works again
+                info = await c.ok("broker_info")
+                assert info["log_sync_error"] is None and info["durable_offset"] == info["max_offset"]
+            finally:
+                await c.close()
+
+    arun(go())

@@ -131,6 +131,7 @@ def test_metrics_endpoint_stats_and_json_logs_cover_every_event(tmp_path):
         assert val("txmq_records_appended_total") > 0
         assert val("txmq_flush_latency_seconds_count") > 0 and val("txmq_flush_latency_seconds_sum") > 0
         assert val("txmq_checkpoint_seconds_count") > 0 and val("txmq_checkpoint_seconds_max") > 0
+        assert val("txmq_log_sync_failing") == 0
         assert val("txmq_connections") == 0  # everyone hung up
         assert val("txmq_connections_accepted_total") >= 2
         assert val("txmq_recovery_dropped_bytes") == 0

@@ -13,7 +13,7 @@ from txmq.constants import DEFAULT_HOST, DEFAULT_PORT
 
 from .. import exitcodes
 from ..common import DEFAULT_BROKER, BrokerOpt, CliError, OutputOpt, TokenOpt, parse_duration
-from ..console import default_output, kv_table
+from ..console import default_output, kv_table, warn
 
 app = typer.Typer(help="Run a broker or ask one how it is.", no_args_is_help=True)
 
@@ -150,6 +150,7 @@ def status(broker: BrokerOpt = DEFAULT_BROKER, token: TokenOpt = None, output: O
         "topics": info["topics"], "max_offset": info["max_offset"], "durable_offset": info["durable_offset"],
         "producer_groups": info["producer_groups"], "auth": info["auth"], "speedups": info.get("speedups", "unknown"),
         "fsync_thread": info.get("fsync_thread", "unknown"),
+        "log_sync_error": info.get("log_sync_error"),  # set while the log cannot be fsynced (docs/reliability.md)
         "busy_poll": info.get("busy_poll", "unknown"), "busy_poll_window_us": info.get("busy_poll_window_us"),
         "damaged_records": info.get("damaged_records", 0),
         # the check settings in effect (start options, else config.json, else the defaults)
@@ -158,3 +159,6 @@ def status(broker: BrokerOpt = DEFAULT_BROKER, token: TokenOpt = None, output: O
         "messages_sent": counters.get("messages_sent", 0), "half_stored": counters.get("half_stored", 0),
     }
     kv_table(row, output, title=f"txmq broker at {broker}")
+    if row["log_sync_error"]:
+        warn(f"the last fsync of the commit log failed ({row['log_sync_error']}); nothing past durable_offset "
+             "is acknowledged until one succeeds (docs/reliability.md, \"A failed fsync\")")

@@ -101,8 +101,10 @@ async def _consume(broker: str, token: str | None, topic: str, group: str, from_
     finally:
         if status is not None:
             status.stop()
-        await _commit_printed(consumer, printed)
-    sink.close()
+        try:
+            await _commit_printed(consumer, printed)
+        finally:
+            sink.close()  # after abort(): nothing more
     if out_fmt is Output.table and count == 0 and not follow:
         note(f"no new messages on {topic} for group {group}")
 

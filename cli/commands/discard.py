@@ -36,15 +36,13 @@ def list_(
     output: OutputOpt = None,
 ) -> None:
     """Discarded transactions, in discard-topic order."""
-    from ..console import Output
-    from ..console import RowSink
+    from ..console import Output, RowSink
     from ._paging import cut_note, effective_limit, stream_pages
 
     out_fmt = resolve_output(output)
     eff, _ = effective_limit(limit, out_fmt, 1000)
-    sink = RowSink(out_fmt, lambda r: {k: r.get(k) for k in DISCARD_KEYS})
-    total, more, paged = stream_pages(broker, token, "discard_list", {}, "discarded", "after_discard_offset", eff, sink)
-    sink.close()
+    with RowSink(out_fmt, lambda r: {k: r.get(k) for k in DISCARD_KEYS}) as sink:  # the JSON list closed on every way out (Ctrl-C too)
+        total, more, paged = stream_pages(broker, token, "discard_list", {}, "discarded", "after_discard_offset", eff, sink)
     now_ms = int(time.time() * 1000)
     if out_fmt is Output.table:
         render(

@@ -54,25 +54,24 @@ def half(
     min_age_ms = int(parse_duration(older_than) * 1000) if older_than is not None else 0
     out_fmt = resolve_output(output)
     eff, by_default = effective_limit(limit, out_fmt, 1000)
-    sink = RowSink(out_fmt, lambda r: {k: r.get(k) for k in HALF_KEYS})
-    paged = True
-    if data_dir is not None:
-        from ._offline import DataDir
+    with RowSink(out_fmt, lambda r: {k: r.get(k) for k in HALF_KEYS}) as sink:  # the JSON list closed on every way out (Ctrl-C too)
+        paged = True
+        if data_dir is not None:
+            from ._offline import DataDir
 
-        with DataDir(data_dir) as d:
-            got, total = d.pending(group, topic, min_age_ms, eff if eff is not None else 1 << 62)
-        for r in got:
-            sink.add(r)
-        more = total > sink.count
-    else:
-        fields: dict[str, Any] = {"min_age_ms": min_age_ms}
-        if group:
-            fields["group"] = group
-        if topic:
-            fields["topic"] = topic
-        total_, more, paged = stream_pages(broker, token, "tx_pending", fields, "transactions", "after_half_offset", eff, sink)
-        total = total_ if total_ is not None else sink.count
-    sink.close()
+            with DataDir(data_dir) as d:
+                got, total = d.pending(group, topic, min_age_ms, eff if eff is not None else 1 << 62)
+            for r in got:
+                sink.add(r)
+            more = total > sink.count
+        else:
+            fields: dict[str, Any] = {"min_age_ms": min_age_ms}
+            if group:
+                fields["group"] = group
+            if topic:
+                fields["topic"] = topic
+            total_, more, paged = stream_pages(broker, token, "tx_pending", fields, "transactions", "after_half_offset", eff, sink)
+            total = total_ if total_ is not None else sink.count
     rows = sink.kept
     now_ms = int(time.time() * 1000)
     if out_fmt is Output.table:  # "sent 3s ago" in one column
@@ -121,24 +120,23 @@ def op(
     out_fmt = resolve_output(output)
     eff, _ = effective_limit(limit, out_fmt, 50)
     progress_box: list[int] = [0]
-    sink = RowSink(out_fmt, lambda m: _op_row(m, progress_box[0]))
-    if data_dir is not None:
-        from ._offline import DataDir
+    with RowSink(out_fmt, lambda m: _op_row(m, progress_box[0])) as sink:  # the JSON list closed on every way out (Ctrl-C too)
+        if data_dir is not None:
+            from ._offline import DataDir
 
-        with DataDir(data_dir) as d:
-            lo, hi = d.queue_bounds(OP_TOPIC, 0)
-            progress_box[0] = d.progress.op
-            off = start = _op_start(from_, eff, lo, hi)
-            while (eff is None or sink.count < eff) and off < hi:
-                batch, nxt = d.read(OP_TOPIC, 0, off, 1024 if eff is None else min(1024, eff - sink.count))
-                if not batch and nxt <= off:
-                    break
-                for m in batch:
-                    sink.add(m)
-                off = nxt
-    else:
-        start, lo, hi = run(_pull_ops(broker, token, from_, eff, sink, progress_box))
-    sink.close()
+            with DataDir(data_dir) as d:
+                lo, hi = d.queue_bounds(OP_TOPIC, 0)
+                progress_box[0] = d.progress.op
+                off = start = _op_start(from_, eff, lo, hi)
+                while (eff is None or sink.count < eff) and off < hi:
+                    batch, nxt = d.read(OP_TOPIC, 0, off, 1024 if eff is None else min(1024, eff - sink.count))
+                    if not batch and nxt <= off:
+                        break
+                    for m in batch:
+                        sink.add(m)
+                    off = nxt
+        else:
+            start, lo, hi = run(_pull_ops(broker, token, from_, eff, sink, progress_box))
     if out_fmt is Output.table:
         now_ms = int(time.time() * 1000)  # relative ages, as inspect half shows them
         render(
