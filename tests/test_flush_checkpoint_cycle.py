@@ -6,6 +6,7 @@ import asyncio
 import threading
 
 from conftest import arun
+from flushhelpers import run_flusher
 from txmq.broker.flush import Flusher
 from txmq.store import Message, Store, TxType
 
@@ -68,26 +69,16 @@ def test_checkpoint_cycles_are_timed_apart_from_the_fsyncs_that_acknowledge_send
 
     store.checkpoint = slow_checkpoint  # type: ignore[method-assign]
 
-    async def go():
-        flusher = Flusher(store, sync=True, interval_s=0.05, observe=metrics.flush.observe,
-                          observe_checkpoint=metrics.checkpoint.observe)
-        flusher.lone_client = lambda: False
-        flusher.start()
-        try:
-            while metrics.checkpoint.count == 0:
-                await asyncio.sleep(0.01)
-            for _ in range(20):
-                res = store.append([Message("T", 0, TxType.NORMAL, 1, {}, b"x")])
-                waiter = flusher.wait_durable(res[-1].end_offset)
-                if waiter is not None:
-                    await asyncio.wait_for(waiter, 5)
-        finally:
-            await flusher.stop()
+    async def body(flusher):
+        while metrics.checkpoint.count == 0:
+            await asyncio.sleep(0.01)
+        for _ in range(20):
+            res = store.append([Message("T", 0, TxType.NORMAL, 1, {}, b"x")])
+            waiter = flusher.wait_durable(res[-1].end_offset)
+            if waiter is not None:
+                await asyncio.wait_for(waiter, 5)
 
-    try:
-        arun(go())
-    finally:
-        store.close()
+    run_flusher(store, body, interval_s=0.05, observe=metrics.flush.observe, observe_checkpoint=metrics.checkpoint.observe)
     snap = metrics.snapshot()
     assert snap["checkpoints"] >= 2 and snap["checkpoint_seconds_max"] >= 0.2  # the slow one, and the last at stop
     assert snap["flushes"] >= 1 and snap["flush_seconds_max"] < 0.2  # the sends' fsyncs never counted it

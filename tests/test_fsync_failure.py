@@ -19,7 +19,7 @@ import os
 import pytest
 
 from conftest import arun
-from txmq.broker.flush import Flusher
+from flushhelpers import fail_next_end_sync, open_store, run_flusher
 import threading
 
 from txmq.store import Message, Store, TxType
@@ -29,10 +29,11 @@ from txmq.store.errors import CorruptRecordError
 from txmq.wire import TxmqError
 
 
-def open_store(tmp_path) -> Store:
-    store = Store(tmp_path / "d")
-    store.open()
-    return store
+def fail_a_sync(store: Store, monkeypatch) -> None:
+    """One store.sync() whose fdatasync fails with EIO; later ones succeed."""
+    monkeypatch.setattr(os, "fdatasync", FailingFdatasync(os.fdatasync))
+    with pytest.raises(OSError):
+        store.sync()
 
 
 def append(store: Store, n: int = 3):
@@ -70,9 +71,7 @@ def test_the_sync_after_a_failed_fsync_writes_the_unsynced_records_again_before_
         durable = store.sync()
         results = append(store)
         end = results[-1].end_offset
-        monkeypatch.setattr(os, "fdatasync", FailingFdatasync(os.fdatasync))
-        with pytest.raises(OSError):
-            store.sync()
+        fail_a_sync(store, monkeypatch)
         assert store.durable_offset == durable  # nothing claimed
         assert "Input/output error" in store.sync_error  # broker_info's log_sync_error, txmq_log_sync_failing
 
@@ -102,9 +101,7 @@ def test_a_record_that_no_longer_reads_back_after_a_failed_fsync_is_named_and_ne
     try:
         durable = store.sync()
         results = append(store)
-        monkeypatch.setattr(os, "fdatasync", FailingFdatasync(os.fdatasync))
-        with pytest.raises(OSError):
-            store.sync()
+        fail_a_sync(store, monkeypatch)
         seg = store._open_log().segments[0]
         lost = results[1].commit_log_offset
         fd = os.open(seg.path, os.O_WRONLY)  # as if the kernel dropped the page and the disk holds other bytes
@@ -148,38 +145,20 @@ def test_a_checkpoint_after_a_failed_fsync_writes_the_unsynced_records_again(tmp
 def test_group_commit_after_a_failed_fsync_fails_the_waiting_sends_then_writes_them_again(tmp_path, caplog):
     """In the C thread when it is built: the failure ends that job; the next one goes through Store.run_sync."""
     store = open_store(tmp_path)
-    real_end = store.end_sync
-    fail = [True]
+    fail_next_end_sync(store)
 
-    def end_sync(job, error):
-        if fail[0]:
-            fail[0] = False
-            error = error or OSError(errno.EIO, "fdatasync failed")
-        return real_end(job, error)
+    async def body(flusher):
+        end = append(store)[-1].end_offset
+        with pytest.raises(TxmqError, match="flush failed"):
+            await asyncio.wait_for(flusher.wait_durable(end), 5)
+        assert store.durable_offset < end
+        end = append(store)[-1].end_offset
+        with caplog.at_level(logging.WARNING, logger="txmq.store"):
+            assert await asyncio.wait_for(flusher.wait_durable(end), 5) >= end
+        assert "event=log_rewritten reason='after a failed fsync'" in caplog.text
+        assert not store.rewrite_pending and not store._sync_lock.locked()
 
-    store.end_sync = end_sync  # type: ignore[method-assign]
-
-    async def go():
-        flusher = Flusher(store, sync=True, interval_s=3600)
-        flusher.lone_client = lambda: False  # group commit, not the inline fsync
-        flusher.start()
-        try:
-            end = append(store)[-1].end_offset
-            with pytest.raises(TxmqError, match="flush failed"):
-                await asyncio.wait_for(flusher.wait_durable(end), 5)
-            assert store.durable_offset < end
-            end = append(store)[-1].end_offset
-            with caplog.at_level(logging.WARNING, logger="txmq.store"):
-                assert await asyncio.wait_for(flusher.wait_durable(end), 5) >= end
-            assert "event=log_rewritten reason='after a failed fsync'" in caplog.text
-            assert not store.rewrite_pending and not store._sync_lock.locked()
-        finally:
-            await flusher.stop()
-
-    try:
-        arun(go())
-    finally:
-        store.close()
+    run_flusher(store, body)
 
 
 def test_the_bytes_written_again_are_the_bytes_checked(tmp_path, monkeypatch):
@@ -188,9 +167,7 @@ def test_the_bytes_written_again_are_the_bytes_checked(tmp_path, monkeypatch):
     try:
         store.sync()
         results = append(store)
-        monkeypatch.setattr(os, "fdatasync", FailingFdatasync(os.fdatasync))
-        with pytest.raises(OSError):
-            store.sync()
+        fail_a_sync(store, monkeypatch)
         real_pread, seen = os.pread, set()
 
         def pread_then_evicted(fd, n, pos):  # the second read of a position finds other bytes
@@ -219,21 +196,13 @@ def test_a_lone_clients_inline_fsync_leaves_the_rewrite_to_the_flusher_thread(tm
 
     monkeypatch.setattr(CommitLog, "rewrite_unsynced", staticmethod(rewrite))
 
-    async def go():
-        flusher = Flusher(store, sync=True, interval_s=3600)
+    async def body(flusher):
         flusher.lone_client = lambda: True  # one client, one request: the fsync would run inline on the loop
-        flusher.start()
-        try:
-            store._open_log().rewrite_before_sync = AFTER_FAILED_FSYNC
-            end = append(store)[-1].end_offset
-            assert await asyncio.wait_for(flusher.wait_durable(end), 5) >= end
-        finally:
-            await flusher.stop()
+        store._open_log().rewrite_before_sync = AFTER_FAILED_FSYNC
+        end = append(store)[-1].end_offset
+        assert await asyncio.wait_for(flusher.wait_durable(end), 5) >= end
 
-    try:
-        arun(go())
-    finally:
-        store.close()
+    run_flusher(store, body)
     assert threads and threading.main_thread().name not in threads
 
 

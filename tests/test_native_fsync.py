@@ -18,7 +18,7 @@ import threading
 import pytest
 
 from conftest import arun
-from txmq.broker.flush import Flusher
+from flushhelpers import fail_next_end_sync, open_store, run_flusher
 from txmq.store import Message, Store, TxType
 from txmq.wire import TxmqError
 
@@ -72,28 +72,6 @@ def appended(store: Store) -> int:
     return store.append([Message("T", 0, TxType.NORMAL, 1, {}, b"x" * 64)])[-1].end_offset
 
 
-def run_flusher(store: Store, body) -> None:
-    async def go():
-        flusher = Flusher(store, sync=True, interval_s=3600)  # no checkpoint cycles meanwhile
-        flusher.lone_client = lambda: False  # group commit, as with several clients (not the inline fsync)
-        flusher.start()
-        try:
-            await body(flusher)
-        finally:
-            await flusher.stop()
-
-    try:
-        arun(go())
-    finally:
-        store.close()
-
-
-def open_store(tmp_path) -> Store:
-    store = Store(tmp_path / "d")
-    store.open()
-    return store
-
-
 def test_group_commit_fsyncs_in_the_compiled_thread(tmp_path):
     store = open_store(tmp_path)
     calls = []
@@ -116,16 +94,7 @@ def test_group_commit_fsyncs_in_the_compiled_thread(tmp_path):
 
 def test_a_failed_fsync_fails_the_waiting_sends_and_releases_the_sync_lock(tmp_path):
     store = open_store(tmp_path)
-    real_end = store.end_sync
-    fail = [True]
-
-    def end_sync(job, error):
-        if fail[0]:
-            fail[0] = False
-            error = OSError(errno.EIO, "fdatasync failed")
-        return real_end(job, error)
-
-    store.end_sync = end_sync  # type: ignore[method-assign]
+    fail_next_end_sync(store)
 
     async def body(flusher):
         end = appended(store)
