@@ -323,7 +323,7 @@ class Flusher:
         job = self.store.begin_sync()
         if job is None:
             return None
-        if job.log.rewrite_before_sync:  # the data past durable is written again before its fsync: in Python (Store.run_sync)
+        if self.store.rewrite_pending:  # the data past durable is written again before its fsync: in Python (Store.run_sync)
             self._native_job = job
             self._native_fallback(job, None)
             return job

@@ -210,13 +210,20 @@ class CommitLog(LogView):
         dir_dirty, self.dir_dirty = self.dir_dirty, False
         return target, fds, dir_dirty
 
+    def sync_failed(self, error: BaseException, dir_dirty: bool) -> None:
+        """An fsync of what was captured failed: capture the directory again, write the unsynced data again first."""
+        if dir_dirty:
+            self.dir_dirty = True
+        self.rewrite_before_sync = AFTER_FAILED_FSYNC
+        self.sync_error = str(error)
+
     def unsynced_segments(self, target: int) -> tuple[int, list[Segment]]:
         """Under the store lock: durable, and the segments holding data between it and target."""
         start = self.durable
         return start, [seg for seg in self._segs if seg.end > start and seg.start < target]
 
     @staticmethod
-    def rewrite_unsynced(start: int, segs: list[Segment], target: int, why: str, check: bool = True) -> int:
+    def rewrite_unsynced(start: int, segs: list[Segment], target: int, why: str) -> int:
         """Check every record in [start, target) of segs and write its bytes again; returns the bytes written.
 
         After a failed fdatasync Linux reports the error once and may mark the
@@ -229,13 +236,14 @@ class CommitLog(LogView):
         checked in that buffer, then that buffer is written), so a page
         evicted meanwhile cannot slip stale bytes in. A record that does not
         check is lost: that raises CorruptRecordError naming it, and nothing
-        past it may be called durable. Without ``check`` (at start: recovery
-        has just read these bytes and skipped what it found damaged) the
-        bytes are copied as they read.
+        past it may be called durable. At start (``why`` AT_START) the bytes
+        are copied as they read: recovery has just read them and skipped
+        what it found damaged.
 
         In the sync's thread, with the sync lock held: the owner thread only
         appends past target meanwhile, and no segment fd is closed.
         """
+        check = why != AT_START
         written = 0
         for seg in segs:
             pos, hi = max(start, seg.start), min(target, seg.end)
@@ -243,7 +251,7 @@ class CommitLog(LogView):
             while pos < hi:
                 n = min(want, hi - pos)
                 buf = os.pread(seg.fd, n, pos - seg.start)
-                good, why_bad, need = _checked_prefix(buf, pos) if check else (len(buf), None, n + 1)
+                good, why_bad, need = _checked_prefix(buf, pos) if check else (len(buf), None, 0)
                 if good == 0:
                     if why_bad is None and need <= hi - pos and need > n:  # one record longer than the chunk
                         want = need

@@ -23,7 +23,7 @@ import msgpack
 
 from .checkpoint import Checkpoint, read_checkpoint, write_checkpoint
 from .codec import EMPTY_PROPS, HEADER, HEADER_SIZE, TAGS_PROPERTY, Message, RawCopy, Record, encode_raw, tag_hash
-from .commitlog import AFTER_FAILED_FSYNC, AT_START, CommitLog
+from .commitlog import AT_START, CommitLog
 from .consumequeue import ENTRY, ENTRY_SIZE, ConsumeQueue, Entry, pick_entries
 from .damage import Damage, DamageLog
 from .errors import CorruptRecordError, RecordTooLargeError, StoreError, StoreLockedError
@@ -354,10 +354,7 @@ class Store:
         """After the fsyncs of begin_sync's capture (error: why they failed): the durable offset; releases the lock."""
         try:
             if error is not None:
-                if job.dir_dirty:
-                    job.log.dir_dirty = True
-                job.log.rewrite_before_sync = AFTER_FAILED_FSYNC  # the next sync writes the unsynced data again first
-                job.log.sync_error = str(error)
+                job.log.sync_failed(error, job.dir_dirty)  # the C thread's fsyncs; _fsync_log's own recorded it already
                 raise error
             with self._lock:
                 durable = job.log.synced(job.target)
@@ -373,7 +370,7 @@ class Store:
             if why is not None:
                 with self._lock:
                     start, segs = log.unsynced_segments(target)
-                written = log.rewrite_unsynced(start, segs, target, why, check=why != AT_START)
+                written = log.rewrite_unsynced(start, segs, target, why)
                 if written:
                     _log.warning("event=log_rewritten reason=%r from=%d to=%d bytes=%d", why, start, target, written)
             for fd in fds:
@@ -381,11 +378,10 @@ class Store:
             if dir_dirty:
                 fsync_dir(log.dir)
         except BaseException as exc:
-            if dir_dirty:
-                log.dir_dirty = True
             if isinstance(exc, (OSError, StoreError)):
-                log.rewrite_before_sync = AFTER_FAILED_FSYNC
-                log.sync_error = str(exc)
+                log.sync_failed(exc, dir_dirty)
+            elif dir_dirty:
+                log.dir_dirty = True
             raise
         log.rewrite_before_sync = None
         log.sync_error = None
