@@ -2,8 +2,12 @@
 
 - Two-phase decoding (txmq.wire.FrameDecoder): the length is checked before
   the payload is buffered, then the payload parsed.
-- Requests are pipelined; replies go out in completion order, and all
-  replies produced in one loop iteration leave in one write.
+- Requests are pipelined; replies go out in completion order. The replies
+  produced in one loop iteration leave in one write at its end, except that
+  a connection left with nothing in flight is written to at once: with many
+  clients answered by one group-commit fsync, the first client gets its
+  replies (and starts on its next request) while the broker is still
+  answering the others.
 - Backpressure: when the transport's write buffer passes its high-water
   mark (a client that stops reading), or too many requests are in flight,
   or the pulls in flight may return more than PULL_BUDGET bytes, the
@@ -303,6 +307,8 @@ class BrokerConnection(asyncio.Protocol):
         self._pull_bytes -= cost
         if not fut.cancelled() and fut.exception() is None:
             self._send(reply(id_, fut.result()))
+            if not self.inflight:
+                self._write_out()
             if self._read_paused:
                 self._maybe_resume_reading()
             return
@@ -360,13 +366,16 @@ class BrokerConnection(asyncio.Protocol):
         self._out.append(data)
         self._out_bytes += len(data)
         if self._out_bytes > WRITE_HIGH:
-            self._flush()  # hand it to the transport now: it pauses us if the peer is not reading
+            self._write_out()  # hand it to the transport now: it pauses us if the peer is not reading
         elif not self._flush_scheduled:
             self._flush_scheduled = True
             self._loop.call_soon(self._flush)
 
     def _flush(self) -> None:
         self._flush_scheduled = False
+        self._write_out()
+
+    def _write_out(self) -> None:
         self._out_bytes = 0
         if self._out and self.transport is not None and not self.transport.is_closing():
             out, self._out = self._out, []

@@ -3,8 +3,11 @@
 `Connection` is an `asyncio.Protocol`: requests are futures keyed by frame
 id, so any number can be in flight and replies may come back in any order;
 nothing in the request path creates a task. Frames issued in the same loop
-iteration leave in one `transport.write`. Pushes (`[2, 0, op, fields]`) go
-to a handler called on the loop.
+iteration leave together: the first request awaited in an iteration goes
+out at once, with whatever was queued before it (a pipelined end rides with
+the next half), and the rest of the iteration's frames leave in one
+`transport.write` at its end. Pushes (`[2, 0, op, fields]`) go to a handler
+called on the loop.
 
 `Client` owns at most one `Connection` at a time. When the broker goes away
 it reconnects with backoff (50 ms doubling to 2 s) and sends `hello` again
@@ -169,6 +172,7 @@ class Connection(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
         self._wbuf: list[bytes] = []
         self._flush_handle: asyncio.Handle | None = None
+        self._sent_early = False  # this iteration's first awaited request already went out (send_now)
         self._paused = False
         self._resumed: asyncio.Future[None] | None = None
         self._closed = False
@@ -265,9 +269,27 @@ class Connection(asyncio.Protocol):
                 self._schedule_sweep(deadline)
         return fut
 
+    def send_now(self) -> None:
+        """Write what is queued now, once per loop iteration: called for a request about to be awaited.
+
+        The first request awaited in an iteration leaves at once instead of
+        at the iteration's end, so the broker starts on it while this
+        process is still busy with the iteration's other work (with many
+        producers on one loop, their replies are handled one after another
+        and each producer's next request is on the wire before the last one
+        is handled). Later requests in the same iteration still leave
+        together, in the write the iteration ends with, so a burst of
+        requests costs two writes, not one each.
+        """
+        if self._flush_handle is not None and not self._sent_early and self._wbuf:
+            self._sent_early = True
+            self._write_out()
+
     async def request(self, op: str, fields: dict[str, Any] | None = None, timeout: float | None = None) -> dict[str, Any]:
         """Send one request; return its reply fields or raise the rebuilt `TxmqError`."""
-        return await self.send_request(op, {} if fields is None else fields, timeout)
+        fut = self.send_request(op, {} if fields is None else fields, timeout)
+        self.send_now()
+        return await fut
 
     def _schedule_sweep(self, when: float) -> None:
         if self._sweep is not None:
@@ -290,6 +312,10 @@ class Connection(asyncio.Protocol):
 
     def _flush(self) -> None:
         self._flush_handle = None
+        self._sent_early = False
+        self._write_out()
+
+    def _write_out(self) -> None:
         buf = self._wbuf
         if not buf or self._transport is None or self._closed:
             return
@@ -551,7 +577,9 @@ class Client:
             # The fast path: one await, no task, no waiting for a connection.
             started = time.monotonic()
             try:
-                return await conn.send_request(op, fields, timeout)
+                fut = conn.send_request(op, fields, timeout)
+                conn.send_now()
+                return await fut
             except TxmqError as exc:
                 if not self._may_retry(op, retry, exc):
                     raise

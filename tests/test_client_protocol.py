@@ -115,6 +115,49 @@ def test_requests_in_one_iteration_leave_in_one_write():
     run(main())
 
 
+def test_an_awaited_request_leaves_at_once_with_what_was_queued_before_it():
+    async def main():
+        conn, t = make_conn()
+        ends = []
+
+        async def producer():  # a pipelined end, then the next half, in one step of one task
+            ends.append(conn.send_request("end_transaction", {"tx_id": "a"}))
+            assert t.writes == []
+            return await conn.request("send", {"topic": "t", "body": b"next"})
+
+        half = asyncio.ensure_future(producer())
+        await asyncio.sleep(0)  # the task ran up to its await; the iteration's deferred writes have not run
+        assert len(t.writes) == 1
+        assert [f.op for f in t.sent_frames()] == ["end_transaction", "send"]
+        for f in t.sent_frames():
+            conn.data_received(wire.reply(f.id, {}))
+        await half
+        assert ends[0].result() == {}
+
+    run(main())
+
+
+def test_many_requests_awaited_in_one_iteration_cost_two_writes():
+    async def main():
+        conn, t = make_conn()
+        tasks = [asyncio.ensure_future(conn.request("send", {"topic": "t", "body": b"x%d" % i})) for i in range(50)]
+        await next_iteration()
+        assert len(t.writes) == 2  # the first at once, the other 49 together at the iteration's end
+        frames = t.sent_frames()
+        assert [f.fields["body"] for f in frames] == [b"x%d" % i for i in range(50)]
+        for f in frames:
+            conn.data_received(wire.reply(f.id, {"n": f.fields["body"]}))
+        assert [(await task)["n"] for task in tasks] == [b"x%d" % i for i in range(50)]
+        # the next iteration's first awaited request leaves at once again
+        nxt = asyncio.ensure_future(conn.request("send", {"topic": "t", "body": b"later"}))
+        await asyncio.sleep(0)
+        assert len(t.writes) == 3
+        conn.data_received(wire.reply(t.sent_frames()[-1].id, {}))
+        await nxt
+
+    run(main())
+
+
 def test_replies_out_of_order_and_split_anywhere_reach_their_requests():
     async def main():
         conn, t = make_conn()

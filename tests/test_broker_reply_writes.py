@@ -1,0 +1,101 @@
+"""When the broker writes replies: at once for a connection left with nothing in flight, else at the iteration's end.
+
+No sockets: a `BrokerConnection` on a transport that records writes, with a
+stand-in core whose one operation returns a future the test completes, as a
+group-commit fsync completes the sends waiting for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from txmq import wire
+from txmq.broker import connection as connection_mod
+from txmq.broker.config import BrokerConfig
+from txmq.broker.connection import BrokerConnection
+from txmq.broker.server import ServerState
+
+
+class RecordingTransport(asyncio.Transport):
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes: list[bytes] = []
+
+    def write(self, data: bytes) -> None:  # type: ignore[override]
+        self.writes.append(bytes(data))
+
+    def is_closing(self) -> bool:
+        return False
+
+    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
+        pass
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return ("127.0.0.1", 40000) if name == "peername" else default
+
+    def reply_ids(self) -> list[int]:
+        dec = wire.FrameDecoder()
+        return [wire.parse_payload(p).id for chunk in self.writes for p in dec.feed(chunk)]
+
+
+@pytest.fixture
+def waiting_op(monkeypatch):
+    """An operation `wait` whose reply comes when the test resolves the future it returns."""
+    futures: list[asyncio.Future] = []
+
+    def handler(core, conn, fields):
+        fut = asyncio.get_running_loop().create_future()
+        futures.append(fut)
+        return fut
+
+    monkeypatch.setitem(connection_mod.HANDLERS, "wait", handler)
+    return futures
+
+
+def make_connection() -> tuple[BrokerConnection, RecordingTransport]:
+    core = SimpleNamespace(
+        config=BrokerConfig(), connections=0, busy_connections=0, draining=False, partial_frame_bytes=0,
+        metrics=SimpleNamespace(inc=lambda *a, **k: None), busy_poll=SimpleNamespace(arm=None),
+    )
+    conn = BrokerConnection(core, ServerState())
+    t = RecordingTransport()
+    conn.connection_made(t)
+    return conn, t
+
+
+def requests(*ids: int) -> bytes:
+    return b"".join(wire.request(i, "wait", {}) for i in ids)
+
+
+def test_a_connection_left_with_nothing_in_flight_gets_its_replies_at_once_in_one_write(waiting_op):
+    async def main():
+        conn, t = make_connection()
+        conn.data_received(requests(1, 2))  # a pipelined end and the next half, in one read
+        for fut in waiting_op:
+            fut.set_result({})  # one fsync answers both
+        await asyncio.sleep(0)  # the done callbacks ran; the iteration's deferred writes have not
+        assert len(t.writes) == 1
+        assert t.reply_ids() == [1, 2]
+
+    asyncio.run(main())
+
+
+def test_replies_of_a_connection_with_requests_still_in_flight_leave_together_at_the_iteration_end(waiting_op):
+    async def main():
+        conn, t = make_connection()
+        conn.data_received(requests(1, 2, 3))
+        waiting_op[0].set_result({})
+        waiting_op[1].set_result({})
+        await asyncio.sleep(0)
+        assert t.writes == []  # request 3 is still in flight: wait for the iteration's other replies
+        await asyncio.sleep(0)
+        assert len(t.writes) == 1 and t.reply_ids() == [1, 2]
+        waiting_op[2].set_result({})
+        await asyncio.sleep(0)
+        assert len(t.writes) == 2 and t.reply_ids() == [1, 2, 3]
+
+    asyncio.run(main())
