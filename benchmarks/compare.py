@@ -103,8 +103,13 @@ def run_txmq(plan: Plan) -> dict[str, dict[str, Any]]:
     bench("send_4x64", ["send", "--flush", "async", "-c", "4", "-n", "64"])
     bench("send_batch64_4x16", ["send", "--flush", "async", "-c", "4", "-n", "16", "--batch", "64"])
     for flush in ("async", "sync"):
-        rate = max(1.0, round(runs[f"tx_{flush}_best"]["throughput"] * 0.5))
-        bench(f"tx_{flush}_half_rate", ["tx", "--flush", flush, "-c", "4", "-n", "64", "--rate", str(rate)])
+        # Half the best configuration's rate, offered by that same configuration: another one (fewer connections,
+        # more in flight each) would be nearer its own saturation at that rate, and its tail would say so.
+        best = runs[f"tx_{flush}_best"]
+        rate = max(1.0, round(best["throughput"] * 0.5))
+        args = best["args"]
+        conns, inflight = args[args.index("-c") + 1], args[args.index("-n") + 1]
+        bench(f"tx_{flush}_half_rate", ["tx", "--flush", flush, "-c", conns, "-n", inflight, "--rate", str(rate)])
     return runs
 
 

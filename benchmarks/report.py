@@ -195,7 +195,8 @@ def comparison_md(res: dict[str, Any]) -> str:
     for flush in ("async", "sync"):
         r = tx.get(f"tx_{flush}_half_rate")
         if r:
-            rows.append([f"p99 of a whole transaction at half the max rate, {flush} flush ({num(r['rate'])}/s offered)",
+            rows.append([f"p99 of a whole transaction at half the max rate, {flush} flush ({num(r['rate'])}/s offered, "
+                         f"{r['connections']} × {r['inflight']})",
                          num(r["throughput"]), f"**{num(p99(r))}**", "", "", "", "", ""])
     out += [
         table(["Measurement", "txmq", "p99 ms", pcol, "p99 ms", "txmq / peer", "machine bound", "txmq / bound"], rows),
@@ -406,7 +407,7 @@ def targets_md(cmp: dict | None, chk: dict | None, rst: dict | None, hist: dict 
             r = tx.get(f"tx_{flush}_half_rate")
             if r:
                 row(f"p99 of a whole transaction < {bound_ms} ms at half the max rate, {flush} flush",
-                    f"{num(p99(r))} ms at {num(r['rate'])}/s offered", (p99(r) or 1e9) < bound_ms)
+                    f"{num(p99(r))} ms at {num(r['rate'])}/s offered ({r['connections']} × {r['inflight']})", (p99(r) or 1e9) < bound_ms)
         u, bt = tx["send_4x64"]["throughput"], tx["send_batch64_4x16"]["throughput"]
         row("plain sends ≥ 100,000/s batched", f"{num(bt)}/s (batches of 64)", bt >= 100_000)
         row("plain sends ≥ 30,000/s unbatched", f"{num(u)}/s", u >= 30_000)
