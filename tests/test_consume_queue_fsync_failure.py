@@ -1,0 +1,83 @@
+"""After a failed fsync of a consume-queue file its entries are written again before a checkpoint covers them.
+
+As for the log (tests/test_fsync_failure.py): Linux may mark the pages a
+failed fsync could not write clean, and the next fsync of the file then
+succeeds without them. A checkpoint claims every consume-queue entry below
+it is on disk (the next start does not rebuild them from the log), so the
+entries of a failed cycle stay in memory, are served from there, and the
+next checkpoint writes them again, at the same places, before it fsyncs the
+file and writes the checkpoint file.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import pytest
+
+from flushhelpers import open_store
+from txmq.store import Message, TxType
+from txmq.store import consumequeue
+from txmq.store.checkpoint import read_checkpoint
+
+
+def append(store, n: int, first: int = 0):
+    return store.append([Message("T", 0, TxType.NORMAL, 1, {}, b"m%d" % (first + i)) for i in range(n)])
+
+
+class FailingFsyncPath:
+    """consumequeue.fsync_path failing with EIO the first `failures` times."""
+
+    def __init__(self, real, failures: int = 1) -> None:
+        self.real, self.failures = real, failures
+
+    def __call__(self, path) -> None:
+        if self.failures:
+            self.failures -= 1
+            raise OSError(errno.EIO, "Input/output error")
+        self.real(path)
+
+
+class CqPwriteSpy:
+    def __init__(self, real) -> None:
+        self.real = real
+        self.calls: list[tuple[int, int]] = []  # (file position, bytes)
+
+    def __call__(self, fd, data, pos):
+        self.calls.append((pos, len(data)))
+        return self.real(fd, data, pos)
+
+
+def bodies(store, n: int) -> list[bytes]:
+    return [r.body for r in store.get_messages("T", 0, 0, max_count=n).records]
+
+
+def test_entries_of_a_checkpoint_whose_queue_fsync_failed_are_written_again_by_the_next(tmp_path, monkeypatch):
+    store = open_store(tmp_path)
+    try:
+        append(store, 3)
+        store.checkpoint()  # three entries on disk
+        ckpt = read_checkpoint(store._checkpoint_path)
+        append(store, 4, first=3)
+        monkeypatch.setattr(consumequeue, "fsync_path", FailingFsyncPath(consumequeue.fsync_path))
+        with pytest.raises(OSError):
+            store.checkpoint()
+        cq = store._queues[("T", 0)]
+        assert cq.flushed == 3  # the four new entries are not called flushed ...
+        assert read_checkpoint(store._checkpoint_path) == ckpt  # ... and no checkpoint covers them
+        assert bodies(store, 10) == [b"m%d" % i for i in range(7)]  # still served, from memory
+        spy = CqPwriteSpy(os.pwrite)
+        monkeypatch.setattr(os, "pwrite", spy)
+        store.checkpoint()
+        entry = consumequeue.ENTRY_SIZE
+        assert (3 * entry, 4 * entry) in spy.calls  # the same entries at the same place, again
+        assert cq.flushed == 7 and not cq.pending
+        assert read_checkpoint(store._checkpoint_path) != ckpt
+    finally:
+        store.close()
+    reopened = open_store(tmp_path)
+    try:
+        assert bodies(reopened, 10) == [b"m%d" % i for i in range(7)]
+    finally:
+        reopened.close()
