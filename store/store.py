@@ -398,6 +398,7 @@ class Store:
         with self._ckpt_lock:
             done: list = []
             plans: list = []
+            queues_synced = False
             try:
                 with self._sync_lock:  # only for the log's fsync: syncs of later sends go on beside the rest
                     with self._lock:
@@ -415,10 +416,17 @@ class Store:
                         done.append((cq, base, len(data) // ENTRY_SIZE, cq.write(base, data, last, per_file)))
                 for cq, _ in plans:
                     cq.fsync()
+                queues_synced = True
             finally:
                 with self._lock:
-                    for cq, base, count, new in done:
-                        cq.commit_flush(base, count, new)
+                    # Entries count as flushed (read from their files, no longer held in memory) only once
+                    # fsynced. After a failed write or fsync they stay pending and the next checkpoint writes
+                    # them again, at the same places, before its fsync: a failed fsync may have marked their
+                    # pages clean without writing them, and the next fsync would then succeed without them
+                    # while the checkpoint file claimed them (docs/reliability.md, "A failed fsync").
+                    if queues_synced:
+                        for cq, base, count, new in done:
+                            cq.commit_flush(base, count, new)
                     for cq, _ in plans:
                         if cq.pending:
                             self._dirty.add(cq)

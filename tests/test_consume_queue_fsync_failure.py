@@ -81,3 +81,22 @@ def test_entries_of_a_checkpoint_whose_queue_fsync_failed_are_written_again_by_t
         assert bodies(reopened, 10) == [b"m%d" % i for i in range(7)]
     finally:
         reopened.close()
+
+
+def test_a_close_whose_queue_fsync_fails_leaves_the_entries_to_be_rebuilt_from_the_log(tmp_path, monkeypatch):
+    store = open_store(tmp_path)
+    append(store, 3)
+    store.checkpoint()
+    ckpt = read_checkpoint(store._checkpoint_path)
+    append(store, 5, first=3)
+    monkeypatch.setattr(consumequeue, "fsync_path", FailingFsyncPath(consumequeue.fsync_path, failures=10))
+    with pytest.raises(OSError):
+        store.close()  # the files are released all the same
+    monkeypatch.undo()
+    assert read_checkpoint(store._checkpoint_path) == ckpt  # nothing claims the five entries
+    reopened = open_store(tmp_path)  # recovery reads the log past the checkpoint and puts them back
+    try:
+        assert bodies(reopened, 10) == [b"m%d" % i for i in range(8)]
+        assert reopened.queue_max_offset("T", 0) == 8
+    finally:
+        reopened.close()
