@@ -12,7 +12,6 @@ durability according to the flush policy.
 from __future__ import annotations
 
 import asyncio
-import errno
 import itertools
 import logging
 import os
@@ -41,6 +40,7 @@ from txmq.store import (
     StoreFullError,
 )
 from txmq.store.codec import H_QUEUE_ID, H_TOPIC_LEN, HEADER
+from txmq.store.errors import FULL_ERRNOS
 from txmq.wire import ErrorCode, TxmqError
 
 from .busypoll import BusyPoll
@@ -348,7 +348,7 @@ class BrokerCore:
     def store_error(self, exc: BaseException) -> TxmqError:
         if isinstance(exc, TxmqError):
             return exc
-        if isinstance(exc, StoreFullError) or (isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)):
+        if isinstance(exc, StoreFullError) or (isinstance(exc, OSError) and exc.errno in FULL_ERRNOS):
             self.metrics.inc("store_full_errors")
             return TxmqError("store full: the data directory's disk has no space left; nothing was written", ErrorCode.STORE_FULL)
         if isinstance(exc, RecordTooLargeError):

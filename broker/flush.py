@@ -27,13 +27,13 @@ from functools import partial
 from typing import Any, Callable
 
 from txmq.store import Store, StoreError, StoreFullError
+from txmq.store.errors import FULL_ERRNOS
 from txmq.store.store import SyncJob
 from txmq.wire import ErrorCode, TxmqError
 
 log = logging.getLogger("txmq.flush")
 _disk_log = logging.getLogger("txmq.broker")
 
-_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 
 
 def is_disk_full(exc: BaseException) -> bool:
@@ -43,7 +43,7 @@ def is_disk_full(exc: BaseException) -> bool:
     if isinstance(exc, TxmqError):
         return exc.code == ErrorCode.STORE_FULL
     if isinstance(exc, OSError):
-        return exc.errno in _FULL_ERRNOS
+        return exc.errno in FULL_ERRNOS
     # SQLite (the index file) says so in words.
     return type(exc).__name__ == "OperationalError" and "disk is full" in str(exc)
 

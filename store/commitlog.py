@@ -17,19 +17,17 @@ store knows no sync is in flight.
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import struct
 from collections.abc import Sequence
 
 from .codec import HEADER, HEADER_SIZE, MAGIC, check_header, check_record
-from .errors import CorruptRecordError, StoreFullError
+from .errors import FULL_ERRNOS, CorruptRecordError, StoreFullError
 from .files import fsync_dir, list_numbered, offset_name
 from .segments import CHUNK, ZERO_HEADER, LogView, Segment, nonzero_end, resync, walk_segment
 
 _log = logging.getLogger("txmq.store")
-_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 _SIZE_MAGIC = struct.Struct("<II")
 AFTER_FAILED_FSYNC = "after a failed fsync"
 AT_START = "at start"
@@ -126,7 +124,7 @@ class CommitLog(LogView):
             if cur.alloc < had:  # cut back for a new segment that is gone again: its zeros back (sparse)
                 _quietly(os.ftruncate, cur.fd, had)
                 cur.alloc = had
-            if exc.errno in _FULL_ERRNOS:
+            if exc.errno in FULL_ERRNOS:
                 raise StoreFullError(f"commit log write failed: {os.strerror(exc.errno)}") from exc
             raise
         return [(seg, old + len(data), new) for (seg, old, new), (_, data) in zip(done, groups)]

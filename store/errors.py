@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import errno
+
+# The errnos of a write that found no space: a full disk, a quota, a file size limit (RLIMIT_FSIZE).
+FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+
 
 class StoreError(Exception):
     """Base class of every error raised by txmq.store."""

@@ -18,7 +18,7 @@ from .checkpoint import Checkpoint
 from .codec import HEADER_SIZE, Record, tag_hash
 from .commitlog import CommitLog
 from .consumequeue import ENTRY_SIZE, ConsumeQueue
-from .errors import CorruptRecordError
+from .errors import FULL_ERRNOS, CorruptRecordError
 
 _FAR = 1 << 62
 _FLUSH_PENDING = 1 << 20  # entries held in memory during recovery before writing them out
@@ -260,13 +260,27 @@ def _dispatch(
             return log.end, None  # a clean walk went through the last segment
 
 
-def flush_all(queues: dict[tuple[str, int], ConsumeQueue], per_file: int, fsync: bool) -> None:
-    """Write every queue's pending entries (single-threaded use: recovery)."""
+def flush_all(queues: dict[tuple[str, int], ConsumeQueue], per_file: int, fsync: bool) -> int:
+    """Write every queue's pending entries (single-threaded use: recovery); returns the entries held back.
+
+    On a full disk a queue's entries stay pending in memory, where reads
+    find them, and are held back: the store's checkpoints write them once
+    there is space. A broker killed on a full disk must still start, or it
+    could never run the retention that frees the space.
+    """
+    held = 0
     for cq in queues.values():
         plan = cq.plan_flush()
         if plan is not None:
             base, data, last = plan
-            new = cq.write(base, data, last, per_file)
+            try:
+                new = cq.write(base, data, last, per_file)
+            except OSError as exc:
+                if exc.errno not in FULL_ERRNOS:
+                    raise
+                held += len(data) // ENTRY_SIZE
+                continue
             cq.commit_flush(base, len(data) // ENTRY_SIZE, new)
         if fsync and (cq.unsynced or not cq.dir_synced):
             cq.fsync()
+    return held

@@ -26,7 +26,7 @@ from .codec import EMPTY_PROPS, HEADER, HEADER_SIZE, TAGS_PROPERTY, Message, Raw
 from .commitlog import AT_START, CommitLog
 from .consumequeue import ENTRY, ENTRY_SIZE, ConsumeQueue, Entry, pick_entries
 from .damage import Damage, DamageLog
-from .errors import CorruptRecordError, RecordTooLargeError, StoreError, StoreLockedError
+from .errors import FULL_ERRNOS, CorruptRecordError, RecordTooLargeError, StoreError, StoreLockedError
 from .files import atomic_write_bytes, fsync_dir
 from .model import AppendResult, GetResult, GetStatus, RecoveryReport, StoreConfig
 from .recovery import MANIFEST, flush_all, load_queues, manifest_bytes, read_manifest, recover
@@ -69,6 +69,7 @@ class Store:
         self._log: CommitLog | None = None
         self._queues: dict[tuple[str, int], ConsumeQueue] = {}
         self._dirty: set[ConsumeQueue] = set()  # queues with pending entries
+        self._cq_held = 0  # entries recovery could not write (a full disk) and the checkpoints have not written yet
         self._topic_bytes: dict[str, bytes] = {}
         # A RawCopy's topic, keyed by its UTF-8 bytes: no decode per copy.
         self._topic_names: dict[bytes, str] = {}
@@ -125,8 +126,21 @@ class Store:
             # What the last run wrote past its checkpoint may sit in the page cache in pages that process
             # failed to write (a failed fsync marks them clean): the first sync writes it again.
             log.rewrite_before_sync = AT_START
-            flush_all(queues, self.config.cq_entries_per_file, fsync=True)
-            self.checkpoint()
+            held = flush_all(queues, self.config.cq_entries_per_file, fsync=True)
+            if held:
+                self._dirty = {cq for cq in queues.values() if cq.pending}
+                self._cq_held = held
+                _log.warning("event=consume_queue_entries_held entries=%d msg=%r", held,
+                             "no space to write the consume-queue entries of the records recovered past the checkpoint: "
+                             "they are held in memory and served from there, and a checkpoint writes them once there is space")
+            try:
+                self.checkpoint()
+            except OSError as exc:
+                if exc.errno not in FULL_ERRNOS:
+                    raise
+                # A full disk: open all the same, so the broker can serve reads and run the retention that frees
+                # space; each checkpoint cycle tries again.
+                _log.warning("event=checkpoint_deferred error=%r", exc)
             self._write_manifest()
         except BaseException:
             self._release()
@@ -427,6 +441,9 @@ class Store:
                     if queues_synced:
                         for cq, base, count, new in done:
                             cq.commit_flush(base, count, new)
+                        if self._cq_held:
+                            _log.info("event=consume_queue_entries_written entries=%d", self._cq_held)
+                            self._cq_held = 0
                     for cq, _ in plans:
                         if cq.pending:
                             self._dirty.add(cq)

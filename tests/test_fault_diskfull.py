@@ -367,3 +367,52 @@ def test_full_disk_is_logged_once_per_change_of_state(tmpfs, tmp_path):
     assert log.count("event=disk_full") == 2 and log.count("event=disk_ok") == 2, log[-3000:]
     assert "event=check_pass_failed" not in log and "event=flush_failed" not in log, log[-3000:]
     assert "Traceback" not in log, log[-3000:]
+
+
+def test_broker_killed_then_started_on_a_full_disk_holds_the_rebuilt_queue_entries_until_space_returns(tmpfs, tmp_path):
+    """Recovery must index the records the killed broker had not checkpointed; with no space it keeps them in memory."""
+    b = BrokerProcess(tmpfs / "data", "--flush", "sync", "--flush-interval", "1h")  # no checkpoint after the sends
+    b.log = tmp_path / "broker.log"
+    b.start()
+    sent: list[bytes] = []
+
+    async def before() -> None:
+        c = await PipeClient.open(b.address)
+        await c.ok("create_topic", {"topic": T, "queues": 1})
+        for i in range(200):
+            body = f"m-{i:03d}".encode() + b"." * 200
+            await c.ok("send", {"topic": T, "body": body})  # fsynced before the reply: durable
+            sent.append(body)
+        await c.close()
+
+    async def pull_all() -> list[bytes]:
+        c = await PipeClient.open(b.address)
+        r = await c.ok("pull", {"topic": T, "queue_id": 0, "offset": 0, "max_count": 1000})
+        code, refused = await c.req("send", {"topic": T, "body": b"x" * 4000}) if full else (0, None)
+        if full:
+            assert code and refused["retriable"], refused
+        await c.close()
+        return [m["body"] for m in r["messages"]]
+
+    try:
+        arun(before())
+        b.kill()
+        _fill(tmpfs)
+        b.args[-1] = "100ms"  # checkpoints retry often from here on
+        b.start()  # the queue entries of the 200 records cannot be written: held in memory
+        full = True
+        assert arun(pull_all()) == sent
+        _wait_log(b, "event=consume_queue_entries_held")
+        _free(tmpfs)
+        full = False
+        _wait_log(b, "event=consume_queue_entries_written")  # the next checkpoint cycle wrote them
+        b.kill()  # and they are on disk: the next start has nothing to index again
+        b.start()
+        assert arun(pull_all()) == sent
+        assert "redispatched=0" in b.log.read_text().rsplit("event=store_opened", 1)[1].split("\n", 1)[0]
+        assert b.stop() == 0
+    finally:
+        b.kill()
+        _free(tmpfs)
+    log = b.log.read_text()
+    assert "Traceback" not in log, log[-3000:]

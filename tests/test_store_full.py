@@ -96,3 +96,39 @@ def test_other_write_errors_roll_back_and_propagate(tmp_path, monkeypatch):
     finally:
         monkeypatch.undo()
         s.close()
+
+
+def test_a_store_opened_on_a_full_disk_holds_the_recovered_queue_entries_until_a_checkpoint_can_write_them(tmp_path, monkeypatch, caplog):
+    """A broker killed on a full disk starts again: recovery keeps the entries it cannot write in memory."""
+    from txmq.store import consumequeue
+
+    d = tmp_path / "d"
+    s = Store(d, SMALL)
+    s.open()
+    s.append([msg(body=b"m%02d" % i) for i in range(20)])
+    s.sync()
+    s._release()  # a kill: the entries past the checkpoint were never written
+    real_write = consumequeue.ConsumeQueue.write
+
+    def no_space(self, *args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(consumequeue.ConsumeQueue, "write", no_space)
+    s = Store(d, SMALL)
+    with caplog.at_level("INFO", logger="txmq.store"):
+        report = s.open()  # opens all the same
+        assert report.redispatched == 20
+        assert "event=consume_queue_entries_held entries=20" in caplog.text
+        assert [r.body for r in s.get_messages("T", 0, 0, max_count=50).records] == [b"m%02d" % i for i in range(20)]
+        with pytest.raises(OSError):
+            s.checkpoint()  # still full
+        monkeypatch.setattr(consumequeue.ConsumeQueue, "write", real_write)  # space is back
+        s.checkpoint()
+        assert "event=consume_queue_entries_written entries=20" in caplog.text
+    s._release()  # killed again: this time nothing is left to index
+    s = Store(d, SMALL)
+    try:
+        assert s.open().redispatched == 0
+        assert [r.body for r in s.get_messages("T", 0, 0, max_count=50).records] == [b"m%02d" % i for i in range(20)]
+    finally:
+        s.close()
