@@ -101,8 +101,13 @@ def queue_problems(log: CommitLog, queues: dict[tuple[str, int], ConsumeQueue], 
         e = cq.entry(cq.next - 1) if cq.next > cq.base else None
         if e is None or 0 <= e[0] < log.min_offset:
             continue
-        if e[0] < 0 or e[0] >= log.end or log._seg_at(e[0]) is None:
+        if e[0] < 0 or e[0] >= log.end:
             out.append(f"queue {topic}/{qid}: its last entry {cq.next - 1} points outside the log ({e[0]})")
+            continue
+        if log._seg_at(e[0]) is None:
+            # Into a segment that went missing in the middle of the log (reported as damage): its records are
+            # gone, and re-reading the log cannot bring them back. Rebuilding would find the same entry at
+            # every start and re-read the whole log each time.
             continue
         try:
             rec = log.read(e[0])

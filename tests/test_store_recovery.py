@@ -325,6 +325,28 @@ def test_a_missing_middle_segment_is_skipped_and_the_later_segments_kept(tmp_pat
         s.close()
 
 
+def test_a_queue_whose_last_records_were_in_a_missing_middle_segment_is_not_re_read_at_every_start(tmp_path):
+    d = tmp_path / "d"
+    with Store(d, SMALL) as s:
+        s.append([msg(body=b"a" * 200) for _ in range(20)])  # queue A ends inside the middle segments
+        tail = s.append([msg(qid=1, body=b"b" * 200) for _ in range(20)])
+    segs = sorted(os.listdir(d / "commitlog"))
+    a_last = tail[0].commit_log_offset - 1  # the last byte of queue A's records
+    victim = max(n for n in segs if int(n) <= a_last)
+    assert victim != segs[0] and victim != segs[-1]
+    (d / "commitlog" / victim).unlink()  # a middle segment holding queue A's last records goes missing
+    for start in range(3):
+        s = Store(d, SMALL)
+        report = s.open()
+        try:
+            assert report.truncated_at is None and report.damaged == 1
+            assert report.queues_rebuilt == [], report.queues_rebuilt  # nothing a re-read of the log could restore
+            assert report.scanned_from == s.max_offset  # the checkpoint is at the end: nothing to read
+            assert s.queue_max_offset("T", 0) == 20 and s.queue_max_offset("T", 1) == 20
+        finally:
+            s.close()
+
+
 def test_recovery_spanning_a_segment_roll(tmp_path):
     d = tmp_path / "live"
     s = Store(d, SMALL)
