@@ -335,7 +335,7 @@ def test_a_queue_whose_last_records_were_in_a_missing_middle_segment_is_not_re_r
     victim = max(n for n in segs if int(n) <= a_last)
     assert victim != segs[0] and victim != segs[-1]
     (d / "commitlog" / victim).unlink()  # a middle segment holding queue A's last records goes missing
-    for start in range(3):
+    for _ in range(3):  # the first start, and every one after it
         s = Store(d, SMALL)
         report = s.open()
         try:
