@@ -129,14 +129,19 @@ def _local_path(path: str) -> str:
 
 
 class TxmqPartition(InputPartition):
-    """Records starting in [start, end) of one segment (global commit-log offsets)."""
+    """Records starting in [start, end) of one segment (global commit-log offsets).
 
-    def __init__(self, path: str, segment_start: int, start: int, end: int) -> None:
+    ``log_end`` is the end of the log the driver validated when it planned
+    the partitions: the task's reader starts its own validation there.
+    """
+
+    def __init__(self, path: str, segment_start: int, start: int, end: int, log_end: int | None = None) -> None:
         super().__init__((segment_start, start, end))
         self.path = path
         self.segment_start = segment_start
         self.start = start
         self.end = end
+        self.log_end = log_end
 
 
 def plan_partitions(
@@ -149,6 +154,7 @@ def plan_partitions(
     """
     with StoreReader(data_dir) as reader:
         segments = reader.segments()
+        log_end = reader.max_offset
     parts = []
     for seg_start, path, length in segments:
         if end_offset is not None:
@@ -157,7 +163,7 @@ def plan_partitions(
             continue
         step = -(-length // -(-length // partition_bytes))  # equal ranges of at most partition_bytes
         for lo in range(0, length, step):
-            parts.append(TxmqPartition(path, seg_start, seg_start + lo, seg_start + min(length, lo + step)))
+            parts.append(TxmqPartition(path, seg_start, seg_start + lo, seg_start + min(length, lo + step), log_end))
     return parts
 
 
@@ -165,11 +171,11 @@ def has_commit_log(data_dir: str) -> bool:
     return os.path.isdir(os.path.join(data_dir, "commitlog"))
 
 
-def read_records(opts: ReadOptions, start: int, end: int) -> Iterator[Record]:
-    """Records starting in [start, end), filtered by opts."""
+def read_records(opts: ReadOptions, start: int, end: int, log_end: int | None = None) -> Iterator[Record]:
+    """Records starting in [start, end), filtered by opts; log_end: where the driver found the log's valid end."""
     keep = record_filter(opts.topics, opts.since_ms, opts.until_ms, opts.kinds)
     on_damage = damage_reporter(opts.damage_report, start) if opts.damage_report else None
-    with StoreReader(opts.data_dir) as reader:
+    with StoreReader(opts.data_dir, valid_to=log_end) as reader:
         if keep is None:
             yield from reader.scan_range(start, end, on_damage)
         else:
@@ -224,7 +230,7 @@ class TxmqReader(DataSourceReader):
 
         arrow_schema = to_arrow_schema(self.schema, timezone="UTC")
         n = self.opts.batch_rows
-        records = read_records(self.opts, part.start, part.end)
+        records = read_records(self.opts, part.start, part.end, part.log_end)
         try:
             while True:
                 # Records and their dicts hold no cycles: the cyclic GC only costs time

@@ -35,13 +35,24 @@ _FAR = 1 << 62
 
 
 class StoreReader(LogView):
-    def __init__(self, data_dir: str | os.PathLike) -> None:
+    """A read-only view of a data directory (see the module's docstring).
+
+    ``valid_to``: the end of a record another reader of the same files has
+    already validated (the Spark driver that planned the partitions passes
+    its end to each task): the first validation starts there instead of at
+    the checkpoint's fsynced offset, so a task does not re-read the whole
+    log of a directory copied without its checkpoint. Records are still
+    checked one by one as they are read; an offset that is no longer inside
+    the files is ignored.
+    """
+
+    def __init__(self, data_dir: str | os.PathLike, valid_to: int | None = None) -> None:
         self.data_dir = os.fspath(data_dir)
         self._cl_dir = os.path.join(self.data_dir, "commitlog")
         self._cq_root = os.path.join(self.data_dir, "consumequeue")
         self._segs: list[Segment] = []
         self._starts: list[int] = []
-        self._valid_end: int | None = None
+        self._valid_end: int | None = valid_to
         self._dead_tail: tuple[int, int, int] | None = None  # (offset, last segment's start, end) with nothing valid after
         self._cqs: dict[tuple[str, int], ConsumeQueue] = {}
         self._overlay: dict[tuple[str, int], tuple[int, bytearray]] = {}

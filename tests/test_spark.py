@@ -335,6 +335,43 @@ def test_byte_range_partitions_cover_every_record_once(tmp_path):
     assert got == [r.commit_log_offset for r in log_records(tmp_path / "d")]
 
 
+def test_tasks_on_a_directory_without_checkpoint_do_not_each_validate_the_whole_log(tmp_path, monkeypatch):
+    """The driver validates the log's end once; each task's reader starts its validation there."""
+    from txmq.spark.source import ReadOptions, TxmqReader
+    from txmq.store import Message, Store, StoreConfig, TxType
+    from txmq.store import reader as reader_module
+
+    d = tmp_path / "d"
+    with Store(d, StoreConfig(segment_size=64 << 10)) as s:
+        s.append([Message("t", 0, TxType.NORMAL, i, {}, b"x" * 300) for i in range(1000)])
+    os.unlink(d / "checkpoint")  # copied without it: nothing says where the fsynced part ends
+    log_bytes = sum(os.path.getsize(d / "commitlog" / n) for n in os.listdir(d / "commitlog"))
+    reader = TxmqReader(ReadOptions(str(d), 16 << 10), _messages_schema())
+    parts = reader.partitions()
+    assert len(parts) > 10 and all(p.log_end == parts[-1].end for p in parts)
+    read = [0]
+    real_pread = os.pread
+
+    def counting_pread(fd, n, pos):
+        data = real_pread(fd, n, pos)
+        read[0] += len(data)
+        return data
+
+    monkeypatch.setattr(reader_module.os, "pread", counting_pread)
+    from txmq.store import segments as segments_module
+
+    monkeypatch.setattr(segments_module.os, "pread", counting_pread)
+    got = [o for p in parts for b in reader.read(p) for o in b.column("commit_log_offset").to_pylist()]
+    assert len(got) == 1000
+    planned = read[0]
+    read[0] = 0
+    for p in parts:
+        p.log_end = None  # each task on its own: validating from the log's first byte
+    assert sum(len(b) for p in parts for b in reader.read(p)) == 1000
+    # every task read the whole log again, where with the driver's end each reads about its own range
+    assert read[0] > len(parts) * log_bytes > 4 * planned, (read[0], planned, log_bytes)
+
+
 def test_arrow_batches_hold_the_same_rows_as_record_row(broker_dir):
     pytest.importorskip("pyspark")
     from pyspark.sql.pandas.types import to_arrow_schema
