@@ -4,21 +4,28 @@ Random runs of a real broker: half messages, ends (commit, rollback,
 unknown, duplicates and conflicts), check passes that send check-backs and
 discard after max checks, replays of discards, index flushes at random
 points, and restarts, clean or as after SIGKILL (no flush after the last
-one). After every start, and at the end, what the running broker's index
+one). A flush may also run in the background while the other operations go
+on: its pending rows are taken one per turn of the loop, so a check pass or
+an end between two of them leaves rows ahead of the position the flush
+records, which a start's replay must bring back to the same state. After
+every start, and at the end, what the running broker's index
 says of every transaction (pending fields, or outcome and who decided it)
 equals what a rebuild from the commit log alone says.
 """
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import tempfile
 from pathlib import Path
+from unittest import mock
 
 from conftest import arun
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_tx_recovery import _full_view, _index_view, crash_on_exit
+from txmq.broker import server as server_module
 from txmq.broker.clock import ManualClock
 from txmq.broker.testing import running_broker
 from wireclient import RawClient
@@ -33,12 +40,19 @@ op = st.one_of(
     st.tuples(st.just("pass")),
     st.tuples(st.just("replay"), st.integers(0, 20), st.sampled_from(["half", "commit"])),
     st.tuples(st.just("flush")),
+    st.tuples(st.just("bgflush")),
     st.tuples(st.just("restart"), st.booleans()),
 )
 
 
 async def _run(data: Path, ops: list[tuple]) -> list[str]:
+    with mock.patch.object(server_module, "CAPTURE_SLICE", 1):  # a turn of the loop between any two pending rows
+        return await _run_ops(data, ops)
+
+
+async def _run_ops(data: Path, ops: list[tuple]) -> list[str]:
     clock = ManualClock()
+    background: list[asyncio.Future] = []
     halves: list[dict] = []
     problems: list[str] = []
 
@@ -72,13 +86,19 @@ async def _run(data: Path, ops: list[tuple]) -> list[str]:
                 await c.req("discard_replay", {"to": o[2], "refs": [{"tx_id": h["tx_id"]}]})
             elif o[0] == "flush":
                 await b.broker._flush_index()
+            elif o[0] == "bgflush":
+                background.append(asyncio.ensure_future(b.broker._flush_index()))
+                await asyncio.sleep(0)  # it captures now; its rows are taken while the next operations run
             elif o[0] == "restart":
+                await asyncio.gather(*background)  # the file holds what those flushes wrote, rows ahead included
+                background.clear()
                 if o[1]:
                     crash_on_exit(b)
                 await c.close()
                 await ctx.__aexit__(None, None, None)
                 ctx, b, c = await start()
                 check(b, f"after a {'crash' if o[1] else 'clean stop'}")
+        await asyncio.gather(*background)
         check(b, "at the end")
     finally:
         await c.close()
@@ -121,3 +141,43 @@ def test_a_flush_of_thousands_of_decisions_writes_every_row_and_empties_memory(t
     full = _full_view(data)
     assert live == full
     assert len(full[0]) == n
+
+
+def test_a_flush_whose_rows_are_taken_while_a_check_pass_and_ends_run_restarts_to_the_same_index(tmp_path, monkeypatch):
+    """Rows taken one per turn of the loop while check copies and decisions are written; then a crash."""
+    monkeypatch.setattr(server_module, "CAPTURE_SLICE", 1)
+    data = tmp_path / "data"
+    clock = ManualClock()
+    taken: list[int] = []  # half offsets of the pending rows the flush took
+
+    async def go() -> None:
+        async with running_broker(data, clock=clock, check_interval_s=3600, max_checks=5) as b:
+            c = await RawClient.open(b.address)
+            await c.ok("hello", {"producer_groups": ["g"]})  # check-backs come here, never answered
+            halves = [await c.ok("send", {"topic": "t", "body": b"m%d" % i, "properties": TX}) for i in range(40)]
+            index = b.core.tx.index
+            real_rows = index.pending_rows
+
+            def spy(items):
+                rows = real_rows(items)
+                taken.extend(r[5] for r in rows)  # the row's half_offset column
+                return rows
+
+            monkeypatch.setattr(index, "pending_rows", spy)
+            flush = asyncio.ensure_future(b.broker._flush_index())
+            await asyncio.sleep(0)  # captured: 40 pending, the half queue at 40
+            clock.advance(10)
+            await b.core.check.run_pass()  # a new copy of each pending half, while the rows are being taken
+            for h in halves[-5:]:  # decided after their rows were taken as pending
+                await c.ok("end_transaction", {"group": "g", "tx_id": h["tx_id"], "commit_log_offset": h["commit_log_offset"],
+                                               "half_offset": h["half_offset"], "state": "commit"})
+            await flush
+            crash_on_exit(b)  # nothing written after this flush: the start replays from its position
+            await c.close()
+        # rows on both sides of the check pass: some as of the capture, some ahead of it
+        assert min(taken) < 40 <= max(taken), taken
+        async with running_broker(data, clock=clock, check_interval_s=3600, max_checks=5) as b:
+            full = _full_view(data)
+            assert _index_view(b.core.tx.index, full[0].keys()) == full
+
+    arun(go())

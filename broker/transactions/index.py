@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import IntEnum
 from sys import intern
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 from txmq.constants import (
     DISCARD_TOPIC,
@@ -411,18 +411,27 @@ class TxIndex:
             pending[p.tx_id] = p
             by_half[p.half_offset] = p.tx_id
 
-    def capture(self) -> tuple[list[tuple], dict[str, Any]]:
-        """The pending rows changed since the last capture, as they are now, and every change; starts a new set.
+    def capture(self) -> dict[str, Any]:
+        """Every change since the last capture (tx id -> PendingTx or Decided); starts a new set.
 
         Call between appends (the index matches the log), together with the
-        log position the rows reflect. Pending transactions change in place,
-        so their rows are taken now; a Decided never changes, so its row is
-        made later, off the event loop (``decided_rows``). Pass the second
-        value to ``flushed`` once the rows are on disk (or ``flush_failed``).
+        log position every change before it is in. A Decided never changes,
+        so its row is made later, off the event loop (``decided_rows``). A
+        pending transaction changes in place, so its row is taken on the
+        loop (``pending_rows``), a slice at a time; a row taken after more
+        records were applied may be ahead of the captured position, which a
+        start's replay from that position applies again to the same effect
+        (docs/store-format.md, "The transaction index file"). Pass the
+        changes to ``flushed`` once the rows are on disk (or ``flush_failed``).
         """
         changed = self.dirty or {}
         self.dirty = {}
-        return [obj.db_row() for obj in changed.values() if type(obj) is PendingTx], changed
+        return changed
+
+    @staticmethod
+    def pending_rows(items: Iterable[tuple[str, Any]]) -> list[tuple]:
+        """The rows of the pending transactions among (tx id, change) items, as they are now."""
+        return [obj.db_row() for _, obj in items if type(obj) is PendingTx]
 
     @staticmethod
     def decided_rows(changed: dict[str, Any]) -> Iterator[tuple]:
