@@ -131,11 +131,12 @@ def _local_path(path: str) -> str:
 class TxmqPartition(InputPartition):
     """Records starting in [start, end) of one segment (global commit-log offsets).
 
-    ``log_end`` is the end of the log the driver validated when it planned
-    the partitions: the task's reader starts its own validation there.
+    ``log_end`` is (offset, end) of the last record the driver validated
+    when it planned the partitions: the task's reader starts its own
+    validation there if that record is still there.
     """
 
-    def __init__(self, path: str, segment_start: int, start: int, end: int, log_end: int | None = None) -> None:
+    def __init__(self, path: str, segment_start: int, start: int, end: int, log_end: tuple[int, int] | None = None) -> None:
         super().__init__((segment_start, start, end))
         self.path = path
         self.segment_start = segment_start
@@ -154,7 +155,7 @@ def plan_partitions(
     """
     with StoreReader(data_dir) as reader:
         segments = reader.segments()
-        log_end = reader.max_offset
+        log_end = reader.last_record
     parts = []
     for seg_start, path, length in segments:
         if end_offset is not None:
@@ -171,11 +172,11 @@ def has_commit_log(data_dir: str) -> bool:
     return os.path.isdir(os.path.join(data_dir, "commitlog"))
 
 
-def read_records(opts: ReadOptions, start: int, end: int, log_end: int | None = None) -> Iterator[Record]:
-    """Records starting in [start, end), filtered by opts; log_end: where the driver found the log's valid end."""
+def read_records(opts: ReadOptions, start: int, end: int, log_end: tuple[int, int] | None = None) -> Iterator[Record]:
+    """Records starting in [start, end), filtered by opts; log_end: the last record the driver validated (offset, end)."""
     keep = record_filter(opts.topics, opts.since_ms, opts.until_ms, opts.kinds)
     on_damage = damage_reporter(opts.damage_report, start) if opts.damage_report else None
-    with StoreReader(opts.data_dir, valid_to=log_end) as reader:
+    with StoreReader(opts.data_dir, known_end=log_end) as reader:
         if keep is None:
             yield from reader.scan_range(start, end, on_damage)
         else:

@@ -37,29 +37,52 @@ _FAR = 1 << 62
 class StoreReader(LogView):
     """A read-only view of a data directory (see the module's docstring).
 
-    ``valid_to``: the end of a record another reader of the same files has
-    already validated (the Spark driver that planned the partitions passes
-    its end to each task): the first validation starts there instead of at
-    the checkpoint's fsynced offset, so a task does not re-read the whole
-    log of a directory copied without its checkpoint. Records are still
-    checked one by one as they are read; an offset that is no longer inside
-    the files is ignored.
+    ``known_end``: (offset, end) of the last record another reader of the
+    same files validated (``last_record``; the Spark driver that planned
+    the partitions passes it to each task). When a valid record still
+    starts at that offset and ends there, the first validation starts at
+    its end instead of at the checkpoint's fsynced offset, so a task does
+    not re-read the whole log of a directory copied without its
+    checkpoint; otherwise (the log was cut back, or written again) it is
+    ignored. Records are checked one by one as they are read either way.
     """
 
-    def __init__(self, data_dir: str | os.PathLike, valid_to: int | None = None) -> None:
+    def __init__(self, data_dir: str | os.PathLike, known_end: tuple[int, int] | None = None) -> None:
         self.data_dir = os.fspath(data_dir)
         self._cl_dir = os.path.join(self.data_dir, "commitlog")
         self._cq_root = os.path.join(self.data_dir, "consumequeue")
         self._segs: list[Segment] = []
         self._starts: list[int] = []
-        self._valid_end: int | None = valid_to
+        self._valid_end: int | None = None
+        self._last_record: tuple[int, int] | None = None  # (offset, end) of the last valid record found
         self._dead_tail: tuple[int, int, int] | None = None  # (offset, last segment's start, end) with nothing valid after
         self._cqs: dict[tuple[str, int], ConsumeQueue] = {}
         self._overlay: dict[tuple[str, int], tuple[int, bytearray]] = {}
         self._overlay_pos: int | None = None
         self._files_end: tuple[tuple[int, int, int], int] | None = None  # ((start, length, from), data end) of the last segment
         self.damage = DamageLog()
+        if known_end is not None:
+            self._refresh_segments()
+            if self._ends_a_record(*known_end):
+                self._valid_end, self._last_record = known_end[1], known_end
         self._refresh()
+
+    def _ends_a_record(self, offset: int, end: int) -> bool:
+        """Whether a valid record starts at offset and ends at end (one read)."""
+        seg = self._seg_at(offset) if 0 <= offset < end else None
+        if seg is None or end > seg.end:
+            return False
+        try:
+            rec = self._read_one(seg, offset, None)
+        except (CorruptRecordError, OSError):
+            return False
+        return offset + rec.size == end
+
+    @property
+    def last_record(self) -> tuple[int, int] | None:
+        """(offset, end) of the last valid record, for another reader's ``known_end``; None for an empty log."""
+        self._refresh()
+        return self._last_record
 
     def close(self) -> None:
         for seg in self._segs:
@@ -68,7 +91,7 @@ class StoreReader(LogView):
         for cq in self._cqs.values():
             cq.close()
         self._cqs.clear()
-        self._valid_end = None
+        self._valid_end = self._last_record = None
 
     def __enter__(self) -> StoreReader:
         return self
@@ -86,6 +109,7 @@ class StoreReader(LogView):
         end = self._valid_end
         if end is None or end < segs[0].start or end > segs[-1].end:
             end = self._trusted_start(lambda c: c.log_offset)
+            self._last_record = None
         pos = end
         while True:
             for offset, res in self._walk(pos, _FAR, validate_only=True):
@@ -103,6 +127,7 @@ class StoreReader(LogView):
                     pos = nxt if nxt is not None else -1
                     break
                 end = offset + res  # type: ignore[operator]
+                self._last_record = (offset, end)
             else:
                 break
             if pos < 0:

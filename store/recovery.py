@@ -259,10 +259,15 @@ def _dispatch(
             out.redispatched += 1
             since_flush += 1
             if since_flush >= _FLUSH_PENDING:
-                flush_all(queues, per_file, fsync=False)
+                flush_all(queues, per_file, fsync=False)  # on a full disk: held, up to its bound
                 since_flush = 0
         else:
             return log.end, None  # a clean walk went through the last segment
+
+
+# Entries (20 bytes each) recovery may hold in memory when the disk is full; more fails the start, as a
+# full rebuild of a large log on a full disk would otherwise fill the memory instead.
+HELD_ON_FULL_DISK = 64 << 20
 
 
 def flush_all(queues: dict[tuple[str, int], ConsumeQueue], per_file: int, fsync: bool) -> int:
@@ -271,21 +276,25 @@ def flush_all(queues: dict[tuple[str, int], ConsumeQueue], per_file: int, fsync:
     On a full disk a queue's entries stay pending in memory, where reads
     find them, and are held back: the store's checkpoints write them once
     there is space. A broker killed on a full disk must still start, or it
-    could never run the retention that frees the space.
+    could never run the retention that frees the space. Up to
+    HELD_ON_FULL_DISK bytes of entries: past that the full-disk error is
+    raised, and the start fails as it must without space.
     """
     held = 0
     for cq in queues.values():
         plan = cq.plan_flush()
-        if plan is not None:
-            base, data, last = plan
-            try:
+        try:
+            new = None
+            if plan is not None:
+                base, data, last = plan
                 new = cq.write(base, data, last, per_file)
-            except OSError as exc:
-                if exc.errno not in FULL_ERRNOS:
-                    raise
-                held += len(data) // ENTRY_SIZE
-                continue
+            if fsync and (cq.unsynced or not cq.dir_synced):
+                cq.fsync()
+        except OSError as exc:
+            if exc.errno not in FULL_ERRNOS or sum(len(q.pending) for q in queues.values()) > HELD_ON_FULL_DISK:
+                raise
+            held += len(cq.pending) // ENTRY_SIZE
+            continue
+        if plan is not None:
             cq.commit_flush(base, len(data) // ENTRY_SIZE, new)
-        if fsync and (cq.unsynced or not cq.dir_synced):
-            cq.fsync()
     return held

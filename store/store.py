@@ -42,6 +42,9 @@ _MAX_TOPIC_BYTES = (1 << 16) - 1
 # After a failed fsync every retry reads and writes again all that was appended past the durable offset
 # (Store._fsync_log); past this many bytes, appends are refused until a sync succeeds.
 UNSYNCED_AFTER_FAILURE_LIMIT = 256 << 20
+# Bytes of consume-queue entries (20 each) held in memory because their files could not be written or fsynced,
+# past which appends are refused until a checkpoint writes them (a few million messages).
+CQ_HELD_LIMIT = 64 << 20
 
 
 class SyncJob:
@@ -70,6 +73,7 @@ class Store:
         self._queues: dict[tuple[str, int], ConsumeQueue] = {}
         self._dirty: set[ConsumeQueue] = set()  # queues with pending entries
         self._cq_held = 0  # entries recovery could not write (a full disk) and the checkpoints have not written yet
+        self._cq_backlog = False  # consume-queue entries held after failed writes are over CQ_HELD_LIMIT: appends refused
         self._topic_bytes: dict[str, bytes] = {}
         # A RawCopy's topic, keyed by its UTF-8 bytes: no decode per copy.
         self._topic_names: dict[bytes, str] = {}
@@ -139,9 +143,10 @@ class Store:
                 if exc.errno not in FULL_ERRNOS:
                     raise
                 # A full disk: open all the same, so the broker can serve reads and run the retention that frees
-                # space; each checkpoint cycle tries again.
+                # space; each checkpoint cycle tries again (and writes the manifest once the queues are on disk).
                 _log.warning("event=checkpoint_deferred error=%r", exc)
-            self._write_manifest()
+            else:
+                self._write_manifest()
         except BaseException:
             self._release()
             raise
@@ -184,6 +189,7 @@ class Store:
             self._log = None
             self._queues = {}
             self._dirty = set()
+            self._cq_held, self._cq_backlog = 0, False
             if self._lock_fd is not None:
                 os.close(self._lock_fd)  # releases the flock
                 self._lock_fd = None
@@ -227,6 +233,9 @@ class Store:
             raise StoreError(f"the last fsync of the log failed and {log.end - log.durable} bytes wait to be made durable "
                              f"(at most {UNSYNCED_AFTER_FAILURE_LIMIT} are taken meanwhile): nothing was written; "
                              "the broker retries the fsync every cycle")
+        if self._cq_backlog:
+            raise StoreError(f"the consume-queue files could not be written, and more than {CQ_HELD_LIMIT} bytes of their "
+                             "entries wait in memory: nothing was written; the broker writes them again every checkpoint")
         store_ts = int(self._clock() * 1000)
         seg_size, limit = self.config.segment_size, self._limit
         queues, topics, pack = self._queues, self._topic_bytes, self._pack_props
@@ -412,7 +421,8 @@ class Store:
         with self._ckpt_lock:
             done: list = []
             plans: list = []
-            queues_synced = False
+            failed: OSError | None = None
+            queue_stage = False
             try:
                 with self._sync_lock:  # only for the log's fsync: syncs of later sends go on beside the rest
                     with self._lock:
@@ -424,29 +434,48 @@ class Store:
                         durable = log.synced(target)
                 if on_synced is not None:
                     on_synced(durable)
+                # Entries count as flushed (read from their files, no longer held in memory) only once
+                # fsynced. A queue whose write or fsync fails keeps them pending, and the next checkpoint
+                # writes them again, at the same places, before its fsync: a failed fsync may have marked
+                # their pages clean without writing them, and the next fsync would then succeed without
+                # them while the checkpoint file claimed them (docs/reliability.md, "A failed fsync").
+                # The other queues go on; the checkpoint file waits until every queue is written.
+                queue_stage = True
+                written: list = []
                 for cq, plan in plans:
                     if plan is not None:
                         base, data, last = plan
-                        done.append((cq, base, len(data) // ENTRY_SIZE, cq.write(base, data, last, per_file)))
-                for cq, _ in plans:
-                    cq.fsync()
-                queues_synced = True
+                        try:
+                            written.append((cq, base, len(data) // ENTRY_SIZE, cq.write(base, data, last, per_file)))
+                        except OSError as exc:
+                            failed = failed or exc
+                    elif cq.unsynced or not cq.dir_synced:
+                        written.append((cq, 0, 0, None))
+                for item in written:
+                    try:
+                        item[0].fsync()
+                    except OSError as exc:
+                        failed = failed or exc
+                    else:
+                        if item[3] is not None:
+                            done.append(item)
             finally:
                 with self._lock:
-                    # Entries count as flushed (read from their files, no longer held in memory) only once
-                    # fsynced. After a failed write or fsync they stay pending and the next checkpoint writes
-                    # them again, at the same places, before its fsync: a failed fsync may have marked their
-                    # pages clean without writing them, and the next fsync would then succeed without them
-                    # while the checkpoint file claimed them (docs/reliability.md, "A failed fsync").
-                    if queues_synced:
-                        for cq, base, count, new in done:
-                            cq.commit_flush(base, count, new)
-                        if self._cq_held:
-                            _log.info("event=consume_queue_entries_written entries=%d", self._cq_held)
-                            self._cq_held = 0
+                    for cq, base, count, new in done:
+                        cq.commit_flush(base, count, new)
+                    if self._cq_held and failed is None and done:
+                        _log.info("event=consume_queue_entries_written entries=%d", self._cq_held)
+                        self._cq_held = 0
                     for cq, _ in plans:
                         if cq.pending:
                             self._dirty.add(cq)
+                    if queue_stage:
+                        # While queue files cannot be written, what waits for them is bounded like the log's
+                        # backlog after a failed fsync: past the limit appends are refused until a cycle succeeds.
+                        held = sum(len(cq.pending) for cq in self._dirty) if failed is not None else 0
+                        self._cq_backlog = held > CQ_HELD_LIMIT
+            if failed is not None:
+                raise failed
             ckpt = Checkpoint(target, target)
             if ckpt != self._last_ckpt:  # an unchanged checkpoint costs no fsyncs
                 write_checkpoint(self._checkpoint_path, ckpt)

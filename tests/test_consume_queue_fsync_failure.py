@@ -100,3 +100,35 @@ def test_a_close_whose_queue_fsync_fails_leaves_the_entries_to_be_rebuilt_from_t
         assert reopened.queue_max_offset("T", 0) == 8
     finally:
         reopened.close()
+
+
+def test_a_queue_file_that_keeps_failing_holds_only_its_own_entries_and_appends_stop_past_the_limit(tmp_path, monkeypatch):
+    from txmq.store import store as store_module
+    from txmq.store.errors import StoreError
+
+    monkeypatch.setattr(store_module, "CQ_HELD_LIMIT", 10 * consumequeue.ENTRY_SIZE)
+    store = open_store(tmp_path)
+    try:
+        store.append([Message("bad", 0, TxType.NORMAL, 1, {}, b"x")])
+        store.checkpoint()  # the queue's directory exists and is fsynced
+        ckpt = read_checkpoint(store._checkpoint_path)
+        real = consumequeue.fsync_path
+        monkeypatch.setattr(consumequeue, "fsync_path", lambda path: real(path) if "/bad/" not in str(path) else FailingFsyncPath(real, 1)(path))
+        store.append([Message("bad", 0, TxType.NORMAL, 1, {}, b"b%d" % i) for i in range(4)])
+        append(store, 3)
+        with pytest.raises(OSError):
+            store.checkpoint()
+        assert store._queues[("T", 0)].flushed == 3  # the good queue's entries are on disk and left memory
+        assert store._queues[("bad", 0)].flushed == 1  # the failing one keeps its four
+        assert read_checkpoint(store._checkpoint_path) == ckpt  # not every queue is on disk: the checkpoint stays
+        store.append([Message("bad", 0, TxType.NORMAL, 1, {}, b"c%d" % i) for i in range(7)])  # 11 held after this
+        with pytest.raises(OSError):
+            store.checkpoint()
+        with pytest.raises(StoreError, match="consume-queue files could not be written"):
+            append(store, 1)  # past the limit: refused, nothing written
+        monkeypatch.setattr(consumequeue, "fsync_path", real)  # the disk recovers
+        store.checkpoint()
+        assert store._queues[("bad", 0)].flushed == 12 and read_checkpoint(store._checkpoint_path) != ckpt
+        append(store, 1, first=3)  # taken again
+    finally:
+        store.close()

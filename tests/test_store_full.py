@@ -132,3 +132,29 @@ def test_a_store_opened_on_a_full_disk_holds_the_recovered_queue_entries_until_a
         assert [r.body for r in s.get_messages("T", 0, 0, max_count=50).records] == [b"m%02d" % i for i in range(20)]
     finally:
         s.close()
+
+
+def test_a_start_on_a_full_disk_that_would_hold_too_many_queue_entries_fails_as_it_must_without_space(tmp_path, monkeypatch):
+    from txmq.store import consumequeue, recovery
+
+    d = tmp_path / "d"
+    s = Store(d, SMALL)
+    s.open()
+    s.append([msg(body=b"m%02d" % i) for i in range(20)])
+    s.sync()
+    s._release()  # a kill: 20 entries to write at the next start
+
+    def no_space(self, *args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(consumequeue.ConsumeQueue, "write", no_space)
+    monkeypatch.setattr(recovery, "HELD_ON_FULL_DISK", 10 * consumequeue.ENTRY_SIZE)
+    with pytest.raises(OSError) as err:
+        Store(d, SMALL).open()
+    assert err.value.errno == errno.ENOSPC
+    monkeypatch.undo()
+    s = Store(d, SMALL)  # the failed start released the directory; with space it starts and indexes them
+    try:
+        assert s.open().redispatched == 20
+    finally:
+        s.close()

@@ -195,3 +195,37 @@ def test_a_long_torn_tail_is_searched_once_not_on_every_call(tmp_path, monkeypat
             f.write(bytes(100))
         assert r.max_offset == results[-1].end_offset
         assert sum(searched) > first
+
+
+def test_a_known_end_that_still_ends_a_record_spares_the_validation_and_a_stale_one_is_ignored(tmp_path, monkeypatch):
+    d = tmp_path / "d"
+    with Store(d, StoreConfig(segment_size=1 << 20)) as s:
+        results = s.append([msg(body=b"k%02d" % i) for i in range(50)])
+    os.unlink(d / "checkpoint")  # nothing says where the fsynced part ends: a reader validates from the first byte
+    with StoreReader(d) as r:
+        known = r.last_record
+        assert known == (results[-1].commit_log_offset, results[-1].end_offset)
+    reads: list[int] = []
+    real = os.pread
+    import txmq.store.segments as segments_module
+
+    def counting(fd, n, pos):
+        reads.append(pos)
+        return real(fd, n, pos)
+
+    monkeypatch.setattr(segments_module.os, "pread", counting)
+    with StoreReader(d, known_end=known) as r:
+        assert r.max_offset == known[1]
+        assert min(reads) >= known[0]  # one read of the last record, nothing before it
+    monkeypatch.undo()
+    # the log cut back to 45 records and zeros after them, as a writer's preallocation leaves it
+    seg = d / "commitlog" / sorted(os.listdir(d / "commitlog"))[-1]
+    cut = results[45].commit_log_offset
+    with open(seg, "r+b") as f:
+        f.seek(cut)
+        f.write(b"\0" * (known[1] - cut))
+    with StoreReader(d, known_end=known) as r:  # the record is gone: validated from the start, as without it
+        assert r.max_offset == cut
+        assert [rec.body for rec in r.scan_range(0, known[1])] == [b"k%02d" % i for i in range(45)]
+    with StoreReader(d, known_end=(known[0], known[1] + 7)) as r:  # not where that record ends: ignored too
+        assert r.max_offset == cut
