@@ -50,3 +50,29 @@ def fail_next_end_sync(store: Store) -> None:
         return real_end(job, error, *args)
 
     store.end_sync = end_sync  # type: ignore[method-assign]
+
+
+class FailsFirst:
+    """A stand-in for an fsync-like call (os.fdatasync, consumequeue.fsync_path) that fails with EIO the first `failures` times."""
+
+    def __init__(self, real, failures: int = 1) -> None:
+        self.real = real
+        self.failures = failures
+
+    def __call__(self, arg) -> None:
+        if self.failures:
+            self.failures -= 1
+            raise OSError(errno.EIO, "Input/output error")
+        self.real(arg)
+
+
+class PwriteSpy:
+    """os.pwrite that records (file position, bytes) of every call."""
+
+    def __init__(self, real) -> None:
+        self.real = real
+        self.calls: list[tuple[int, int]] = []
+
+    def __call__(self, fd, data, pos):
+        self.calls.append((pos, len(data)))
+        return self.real(fd, data, pos)

@@ -11,12 +11,11 @@ file and writes the checkpoint file.
 
 from __future__ import annotations
 
-import errno
 import os
 
 import pytest
 
-from flushhelpers import open_store
+from flushhelpers import FailsFirst, PwriteSpy, open_store
 from txmq.store import Message, TxType
 from txmq.store import consumequeue
 from txmq.store.checkpoint import read_checkpoint
@@ -26,27 +25,7 @@ def append(store, n: int, first: int = 0):
     return store.append([Message("T", 0, TxType.NORMAL, 1, {}, b"m%d" % (first + i)) for i in range(n)])
 
 
-class FailingFsyncPath:
-    """consumequeue.fsync_path failing with EIO the first `failures` times."""
-
-    def __init__(self, real, failures: int = 1) -> None:
-        self.real, self.failures = real, failures
-
-    def __call__(self, path) -> None:
-        if self.failures:
-            self.failures -= 1
-            raise OSError(errno.EIO, "Input/output error")
-        self.real(path)
-
-
-class CqPwriteSpy:
-    def __init__(self, real) -> None:
-        self.real = real
-        self.calls: list[tuple[int, int]] = []  # (file position, bytes)
-
-    def __call__(self, fd, data, pos):
-        self.calls.append((pos, len(data)))
-        return self.real(fd, data, pos)
+FailingFsyncPath = FailsFirst  # consumequeue.fsync_path failing with EIO the first `failures` times
 
 
 def bodies(store, n: int) -> list[bytes]:
@@ -67,7 +46,7 @@ def test_entries_of_a_checkpoint_whose_queue_fsync_failed_are_written_again_by_t
         assert cq.flushed == 3  # the four new entries are not called flushed ...
         assert read_checkpoint(store._checkpoint_path) == ckpt  # ... and no checkpoint covers them
         assert bodies(store, 10) == [b"m%d" % i for i in range(7)]  # still served, from memory
-        spy = CqPwriteSpy(os.pwrite)
+        spy = PwriteSpy(os.pwrite)
         monkeypatch.setattr(os, "pwrite", spy)
         store.checkpoint()
         entry = consumequeue.ENTRY_SIZE

@@ -227,6 +227,19 @@ def _free(mnt) -> None:
         (mnt / name).unlink(missing_ok=True)
 
 
+def started_on(tmpfs, tmp_path, *args: str) -> BrokerProcess:
+    """A broker on the tmpfs, its log beside the test (not on the disk that fills)."""
+    b = BrokerProcess(tmpfs / "data", *args)
+    b.log = tmp_path / "broker.log"
+    b.start()
+    return b
+
+
+def assert_no_traceback(b: BrokerProcess) -> None:
+    log = b.log.read_text()
+    assert "Traceback" not in log, log[-3000:]
+
+
 def _wait_log(b: BrokerProcess, text: str, count: int = 1, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while b.log.read_text().count(text) < count:
@@ -235,9 +248,7 @@ def _wait_log(b: BrokerProcess, text: str, count: int = 1, timeout: float = 10.0
 
 
 def test_broker_starts_on_a_full_disk_serves_reads_and_stops_cleanly(tmpfs, tmp_path):
-    b = BrokerProcess(tmpfs / "data", "--flush", "sync")
-    b.log = tmp_path / "broker.log"  # not on the full disk
-    b.start()
+    b = started_on(tmpfs, tmp_path, "--flush", "sync")
     sent: list[bytes] = []
 
     async def before() -> str:
@@ -285,14 +296,11 @@ def test_broker_starts_on_a_full_disk_serves_reads_and_stops_cleanly(tmpfs, tmp_
     finally:
         b.kill()
         _free(tmpfs)
-    log = b.log.read_text()
-    assert "Traceback" not in log, log[-3000:]
+    assert_no_traceback(b)
 
 
 def test_sigterm_on_a_full_disk_exits_cleanly_and_keeps_what_was_acknowledged(tmpfs, tmp_path):
-    b = BrokerProcess(tmpfs / "data", "--flush", "sync", "--flush-interval", "100ms")
-    b.log = tmp_path / "broker.log"
-    b.start()
+    b = started_on(tmpfs, tmp_path, "--flush", "sync", "--flush-interval", "100ms")
     acked: dict[bytes, int] = {}
 
     async def go() -> None:
@@ -338,9 +346,7 @@ def test_sigterm_on_a_full_disk_exits_cleanly_and_keeps_what_was_acknowledged(tm
 
 
 def test_full_disk_is_logged_once_per_change_of_state(tmpfs, tmp_path):
-    b = BrokerProcess(tmpfs / "data", "--check-interval", "100ms", "--flush-interval", "100ms")
-    b.log = tmp_path / "broker.log"
-    b.start()
+    b = started_on(tmpfs, tmp_path, "--check-interval", "100ms", "--flush-interval", "100ms")
 
     async def go() -> None:
         c = await PipeClient.open(b.address)
@@ -371,9 +377,7 @@ def test_full_disk_is_logged_once_per_change_of_state(tmpfs, tmp_path):
 
 def test_broker_killed_then_started_on_a_full_disk_holds_the_rebuilt_queue_entries_until_space_returns(tmpfs, tmp_path):
     """Recovery must index the records the killed broker had not checkpointed; with no space it keeps them in memory."""
-    b = BrokerProcess(tmpfs / "data", "--flush", "sync", "--flush-interval", "1h")  # no checkpoint after the sends
-    b.log = tmp_path / "broker.log"
-    b.start()
+    b = started_on(tmpfs, tmp_path, "--flush", "sync", "--flush-interval", "1h")  # no checkpoint after the sends
     sent: list[bytes] = []
 
     async def before() -> None:
@@ -414,5 +418,4 @@ def test_broker_killed_then_started_on_a_full_disk_holds_the_rebuilt_queue_entri
     finally:
         b.kill()
         _free(tmpfs)
-    log = b.log.read_text()
-    assert "Traceback" not in log, log[-3000:]
+    assert_no_traceback(b)

@@ -12,14 +12,13 @@ reads back is reported by offset, and nothing past it is ever called durable.
 from __future__ import annotations
 
 import asyncio
-import errno
 import logging
 import os
 
 import pytest
 
 from conftest import arun
-from flushhelpers import fail_next_end_sync, open_store, run_flusher
+from flushhelpers import FailsFirst, PwriteSpy, fail_next_end_sync, open_store, run_flusher
 import threading
 
 from txmq.store import Message, Store, TxType
@@ -40,28 +39,7 @@ def append(store: Store, n: int = 3):
     return store.append([Message("T", 0, TxType.NORMAL, 1, {}, bytes([65 + i]) * 200) for i in range(n)])
 
 
-class FailingFdatasync:
-    """os.fdatasync that fails with EIO the first `failures` times."""
-
-    def __init__(self, real, failures: int = 1) -> None:
-        self.real = real
-        self.failures = failures
-
-    def __call__(self, fd: int) -> None:
-        if self.failures:
-            self.failures -= 1
-            raise OSError(errno.EIO, "Input/output error")
-        self.real(fd)
-
-
-class PwriteSpy:
-    def __init__(self, real) -> None:
-        self.real = real
-        self.calls: list[tuple[int, int]] = []  # (file position, bytes)
-
-    def __call__(self, fd, data, pos):
-        self.calls.append((pos, len(data)))
-        return self.real(fd, data, pos)
+FailingFdatasync = FailsFirst  # os.fdatasync failing with EIO the first `failures` times
 
 
 def test_the_sync_after_a_failed_fsync_writes_the_unsynced_records_again_before_calling_them_durable(tmp_path, monkeypatch, caplog):

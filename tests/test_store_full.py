@@ -98,22 +98,33 @@ def test_other_write_errors_roll_back_and_propagate(tmp_path, monkeypatch):
         s.close()
 
 
-def test_a_store_opened_on_a_full_disk_holds_the_recovered_queue_entries_until_a_checkpoint_can_write_them(tmp_path, monkeypatch, caplog):
-    """A broker killed on a full disk starts again: recovery keeps the entries it cannot write in memory."""
-    from txmq.store import consumequeue
-
-    d = tmp_path / "d"
+def killed_after_20_sends(d) -> None:
+    """A store killed with 20 records past its checkpoint: their consume-queue entries were never written."""
     s = Store(d, SMALL)
     s.open()
     s.append([msg(body=b"m%02d" % i) for i in range(20)])
     s.sync()
-    s._release()  # a kill: the entries past the checkpoint were never written
-    real_write = consumequeue.ConsumeQueue.write
+    s._release()
+
+
+def no_queue_space(monkeypatch) -> None:
+    """Consume-queue writes fail as on a full disk (the log's are not tried: recovery writes no record)."""
+    from txmq.store import consumequeue
 
     def no_space(self, *args):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(consumequeue.ConsumeQueue, "write", no_space)
+
+
+def test_a_store_opened_on_a_full_disk_holds_the_recovered_queue_entries_until_a_checkpoint_can_write_them(tmp_path, monkeypatch, caplog):
+    """A broker killed on a full disk starts again: recovery keeps the entries it cannot write in memory."""
+    from txmq.store import consumequeue
+
+    d = tmp_path / "d"
+    killed_after_20_sends(d)
+    real_write = consumequeue.ConsumeQueue.write
+    no_queue_space(monkeypatch)
     s = Store(d, SMALL)
     with caplog.at_level("INFO", logger="txmq.store"):
         report = s.open()  # opens all the same
@@ -138,16 +149,8 @@ def test_a_start_on_a_full_disk_that_would_hold_too_many_queue_entries_fails_as_
     from txmq.store import consumequeue, recovery
 
     d = tmp_path / "d"
-    s = Store(d, SMALL)
-    s.open()
-    s.append([msg(body=b"m%02d" % i) for i in range(20)])
-    s.sync()
-    s._release()  # a kill: 20 entries to write at the next start
-
-    def no_space(self, *args):
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr(consumequeue.ConsumeQueue, "write", no_space)
+    killed_after_20_sends(d)
+    no_queue_space(monkeypatch)
     monkeypatch.setattr(recovery, "HELD_ON_FULL_DISK", 10 * consumequeue.ENTRY_SIZE)
     with pytest.raises(OSError) as err:
         Store(d, SMALL).open()
