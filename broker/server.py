@@ -188,7 +188,9 @@ class Broker:
 
             for replayed in replay_steps(core.store, index, starts, on_damage=on_damage):  # noqa: B007 (its last value is logged below)
                 if len(index.dirty or ()) >= INDEX_FLUSH_ROWS:
-                    await self._flush_index()  # a long replay or a whole rebuild: memory stays bounded
+                    # A long replay or a whole rebuild: memory stays bounded. The file records how far the
+                    # replay got, not the log's end: a crash now resumes from there.
+                    await self._flush_index(upto=index.replay_end)
                 await asyncio.sleep(0)
             report = core.recovery
             if report is not None and report.scanned_from < core.store.max_offset:
@@ -245,7 +247,7 @@ class Broker:
         fsync_dir(data_dir)
         return TxDatabase(data_dir / DB_FILE), why
 
-    async def _flush_index(self) -> None:
+    async def _flush_index(self, upto: int | None = None) -> None:
         """Write the index rows changed since the last flush, once the log is durable past them.
 
         The changes and the log position (``applied_to``) are taken together,
@@ -262,7 +264,7 @@ class Broker:
             core = self.core
             index = core.tx.index
             changed = index.capture()
-            meta = log_position(core.store)  # no await since the capture: every change before this is in changed
+            meta = log_position(core.store, upto)  # no await since the capture: every change before this is in changed
             store_min = core.store.min_offset
             prune = store_min if store_min > self._writer.meta.get("log_min", 0) else None
             if prune is not None:

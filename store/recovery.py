@@ -259,7 +259,7 @@ def _dispatch(
             out.redispatched += 1
             since_flush += 1
             if since_flush >= _FLUSH_PENDING:
-                flush_all(queues, per_file, fsync=False)  # on a full disk: held, up to its bound
+                flush_all(queues, per_file)  # on a full disk: held, up to its bound
                 since_flush = 0
         else:
             return log.end, None  # a clean walk went through the last segment
@@ -270,9 +270,10 @@ def _dispatch(
 HELD_ON_FULL_DISK = 64 << 20
 
 
-def flush_all(queues: dict[tuple[str, int], ConsumeQueue], per_file: int, fsync: bool) -> int:
-    """Write every queue's pending entries (single-threaded use: recovery); returns the entries held back.
+def flush_all(queues: dict[tuple[str, int], ConsumeQueue], per_file: int) -> int:
+    """Write and fsync every queue's pending entries (single-threaded use: recovery); returns the entries held back.
 
+    Entries count as flushed only once fsynced, as in ``Store.checkpoint``.
     On a full disk a queue's entries stay pending in memory, where reads
     find them, and are held back: the store's checkpoints write them once
     there is space. A broker killed on a full disk must still start, or it
@@ -288,7 +289,7 @@ def flush_all(queues: dict[tuple[str, int], ConsumeQueue], per_file: int, fsync:
             if plan is not None:
                 base, data, last = plan
                 new = cq.write(base, data, last, per_file)
-            if fsync and (cq.unsynced or not cq.dir_synced):
+            if cq.unsynced or not cq.dir_synced:
                 cq.fsync()
         except OSError as exc:
             if exc.errno not in FULL_ERRNOS or sum(len(q.pending) for q in queues.values()) > HELD_ON_FULL_DISK:

@@ -130,9 +130,9 @@ class Store:
             # What the last run wrote past its checkpoint may sit in the page cache in pages that process
             # failed to write (a failed fsync marks them clean): the first sync writes it again.
             log.rewrite_before_sync = AT_START
-            held = flush_all(queues, self.config.cq_entries_per_file, fsync=True)
+            held = flush_all(queues, self.config.cq_entries_per_file)
             if held:
-                self._dirty = {cq for cq in queues.values() if cq.pending}
+                self._dirty = {cq for cq in queues.values() if cq.pending or cq.unsynced or not cq.dir_synced}
                 self._cq_held = held
                 _log.warning("event=consume_queue_entries_held entries=%d msg=%r", held,
                              "no space to write the consume-queue entries of the records recovered past the checkpoint: "
@@ -440,7 +440,6 @@ class Store:
                 # their pages clean without writing them, and the next fsync would then succeed without
                 # them while the checkpoint file claimed them (docs/reliability.md, "A failed fsync").
                 # The other queues go on; the checkpoint file waits until every queue is written.
-                queue_stage = True
                 written: list = []
                 for cq, plan in plans:
                     if plan is not None:
@@ -459,6 +458,7 @@ class Store:
                     else:
                         if item[3] is not None:
                             done.append(item)
+                queue_stage = True  # reached the end: the backlog below is this cycle's
             finally:
                 with self._lock:
                     for cq, base, count, new in done:
@@ -467,7 +467,7 @@ class Store:
                         _log.info("event=consume_queue_entries_written entries=%d", self._cq_held)
                         self._cq_held = 0
                     for cq, _ in plans:
-                        if cq.pending:
+                        if cq.pending or cq.unsynced or not cq.dir_synced:
                             self._dirty.add(cq)
                     if queue_stage:
                         # While queue files cannot be written, what waits for them is bounded like the log's

@@ -161,3 +161,31 @@ def test_a_start_on_a_full_disk_that_would_hold_too_many_queue_entries_fails_as_
         assert s.open().redispatched == 20
     finally:
         s.close()
+
+
+def test_a_start_whose_queue_fsync_finds_no_space_holds_the_entries_instead_of_calling_them_flushed(tmp_path, monkeypatch, caplog):
+    """Space for the write but not for the fsync (delayed allocation, a network file system): the same as a full write."""
+    from txmq.store import consumequeue
+
+    d = tmp_path / "d"
+    killed_after_20_sends(d)
+    real_fsync = consumequeue.fsync_path
+
+    def no_space(path):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(consumequeue, "fsync_path", no_space)
+    s = Store(d, SMALL)
+    with caplog.at_level("INFO", logger="txmq.store"):
+        assert s.open().redispatched == 20
+        assert "event=consume_queue_entries_held entries=20" in caplog.text
+        assert s._queues[("T", 0)].flushed == 0  # written, not fsynced: not called flushed
+        monkeypatch.setattr(consumequeue, "fsync_path", real_fsync)
+        s.checkpoint()
+        assert "event=consume_queue_entries_written entries=20" in caplog.text
+    s._release()
+    s = Store(d, SMALL)
+    try:
+        assert s.open().redispatched == 0
+    finally:
+        s.close()

@@ -181,3 +181,50 @@ def test_a_flush_whose_rows_are_taken_while_a_check_pass_and_ends_run_restarts_t
             assert _index_view(b.core.tx.index, full[0].keys()) == full
 
     arun(go())
+
+
+def test_a_crash_during_the_rebuild_at_start_resumes_from_the_last_flush_and_loses_no_transaction(tmp_path, monkeypatch):
+    """The flushes of a long replay record how far it got, not the log's end."""
+    import shutil
+
+    from txmq.store import bulk
+
+    data, crashed = tmp_path / "data", tmp_path / "crashed"
+    clock = ManualClock()
+
+    async def fill() -> None:
+        async with running_broker(data, clock=clock, check_interval_s=3600) as b:
+            c = await RawClient.open(b.address)
+            halves = [await c.ok("send", {"topic": "t", "body": b"m", "properties": TX}) for _ in range(3000)]
+            for h in halves[::3]:  # some decided, so the replay writes decisions too
+                await c.ok("end_transaction", {"group": "g", "tx_id": h["tx_id"], "commit_log_offset": h["commit_log_offset"],
+                                               "half_offset": h["half_offset"], "state": "commit"})
+            await c.close()
+
+    arun(fill())
+    for p in data.glob("txindex.db*"):
+        p.unlink()  # a first start on an older data directory: the whole index is built from the log
+    monkeypatch.setattr(server_module, "INDEX_FLUSH_ROWS", 100)
+    monkeypatch.setattr(bulk, "ENTRIES_PER_READ", 500)
+    real_flush = server_module.Broker._flush_index
+    copies: list[int] = []
+
+    async def flush_then_copy(self, upto=None):
+        await real_flush(self, upto)
+        if not self.core.tx_ready.is_set() and not copies:  # the first flush in the middle of the replay: what a kill leaves
+            copies.append(len(self.core.tx.index.pending))
+            shutil.copytree(data, crashed, ignore=shutil.ignore_patterns("LOCK"))
+
+    monkeypatch.setattr(server_module.Broker, "_flush_index", flush_then_copy)
+
+    async def start(d) -> None:
+        async with running_broker(d, clock=clock, check_interval_s=3600) as b:
+            await b.core.tx_ready.wait()
+            full = _full_view(d)
+            assert len(b.core.tx.index.pending) == 2000
+            assert _index_view(b.core.tx.index, full[0].keys()) == full
+
+    arun(start(data))
+    assert copies, "no flush in the middle of the replay"
+    monkeypatch.setattr(server_module.Broker, "_flush_index", real_flush)
+    arun(start(crashed))  # from the file that flush left, and the log

@@ -231,6 +231,7 @@ class TxIndex:
         # tx id -> its PendingTx or Decided, changed since the last capture (None: not tracked)
         self.dirty: dict[str, PendingTx | Decided] | None = {} if (db is not None if track is None else track) else None
         self.discarded = 0  # transactions whose outcome is "discarded" now
+        self.replay_end = 0  # a replay in progress (replay_steps) has applied every record before this log offset
 
     # ---- looking up --------------------------------------------------------
     def lookup(self, tx_id: str) -> Decided | None:
@@ -461,18 +462,23 @@ class TxIndex:
 _TX_QUEUES = (("op", OP_TOPIC), ("discard", DISCARD_TOPIC), ("half", HALF_TOPIC))
 
 
-def log_position(store) -> dict[str, Any]:
+def log_position(store, upto: int | None = None) -> dict[str, Any]:
     """Where the log is now, as the index file's meta records it (``applied_to``, ``queues``, ``boundary``).
 
-    ``applied_to``: every record before it is in the index, none after it.
+    ``applied_to``: every record before it is in the index.
     ``queues``: the op, discard and half queues' ends, where a start resumes
     reading (``replay_steps(starts=...)``). ``boundary``: (commit-log
     offset, CRC) of the last transactional record before applied_to, which
     a start reads back: a log that was cut below applied_to and written
     again does not end in that record. Call it on the loop thread, between
-    appends (the index matches the log).
+    appends (the index matches the log). ``upto``: the index has applied the
+    log only up to there (a start's replay in progress, ``replay_end``):
+    the position there, each queue at its first record from ``upto`` on.
     """
-    queues = {name: store.queue_max_offset(topic, 0) for name, topic in _TX_QUEUES}
+    if upto is None:
+        queues = {name: store.queue_max_offset(topic, 0) for name, topic in _TX_QUEUES}
+    else:
+        queues = {name: _first_entry_from(store, topic, upto) for name, topic in _TX_QUEUES}
     boundary = None
     for name, topic in _TX_QUEUES:
         n = queues[name]
@@ -482,7 +488,20 @@ def log_position(store) -> dict[str, Any]:
     if boundary is not None:
         _raw, head = store.read_many([boundary[0]], raw=True)[0]
         boundary[1] = head[H_CRC]
-    return {"applied_to": store.max_offset, "queues": queues, "boundary": boundary}
+    return {"applied_to": store.max_offset if upto is None else upto, "queues": queues, "boundary": boundary}
+
+
+def _first_entry_from(store, topic: str, offset: int) -> int:
+    """The first queue offset of topic's queue 0 whose record starts at or after the commit-log offset (a search)."""
+    lo, hi = store.queue_min_offset(topic, 0), store.queue_max_offset(topic, 0)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        e = store.cq_entries(topic, 0, mid, 1)
+        if e and e[0][0] < offset:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
 
 
 def agrees(store, meta: dict[str, Any]) -> str | None:
@@ -540,6 +559,9 @@ def replay_steps(reader, idx: TxIndex, starts: dict[str, int] | None = None, bat
     n = 0
     next_yield = batch
     for buf, _mv, first, headers in raw_queue_runs(reader, queues, on_damage=on_damage):
+        if headers:
+            last = headers[-1]
+            end = last[H_OFFSET] + last[H_SIZE]
         for h in headers:
             at = h[H_OFFSET]
             rec = decode_record(buf, at - first, at)
@@ -551,6 +573,8 @@ def replay_steps(reader, idx: TxIndex, starts: dict[str, int] | None = None, bat
                 continue
             apply(rec)
         n += len(headers)
+        if headers:
+            idx.replay_end = end  # every record before it is applied (they come in commit-log order)
         if n >= next_yield:
             yield n
             next_yield = n + batch
