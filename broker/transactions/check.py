@@ -49,7 +49,7 @@ from txmq.wire import TxmqError
 from .checkcopy import check_push, pack_group, patch_properties
 from ..config import CheckSettings
 from .service import TransactionService, copy_properties
-from .index import PendingTx
+from .index import PendingTx, first_entry_from
 
 if TYPE_CHECKING:
     from ..core import BrokerCore
@@ -361,18 +361,10 @@ class CheckService:
         """
         store = self.core.store
         half = self.progress.half
-        lo, hi = store.queue_min_offset(OP_TOPIC, 0), store.queue_max_offset(OP_TOPIC, 0)
+        hi = store.queue_max_offset(OP_TOPIC, 0)
         entry = store.cq_entries(HALF_TOPIC, 0, half, 1) if half < store.queue_max_offset(HALF_TOPIC, 0) else None
         if entry:
-            cl = entry[0][0]
-            while lo < hi:
-                mid = (lo + hi) // 2
-                e = store.cq_entries(OP_TOPIC, 0, mid, 1)
-                if e and e[0][0] < cl:
-                    lo = mid + 1
-                else:
-                    hi = mid
-            hi = lo
+            hi = first_entry_from(store, OP_TOPIC, entry[0][0])
         if hi > self.progress.op:
             self.progress.op = hi
 

@@ -478,7 +478,7 @@ def log_position(store, upto: int | None = None) -> dict[str, Any]:
     if upto is None:
         queues = {name: store.queue_max_offset(topic, 0) for name, topic in _TX_QUEUES}
     else:
-        queues = {name: _first_entry_from(store, topic, upto) for name, topic in _TX_QUEUES}
+        queues = {name: first_entry_from(store, topic, upto) for name, topic in _TX_QUEUES}
     boundary = None
     for name, topic in _TX_QUEUES:
         n = queues[name]
@@ -491,7 +491,7 @@ def log_position(store, upto: int | None = None) -> dict[str, Any]:
     return {"applied_to": store.max_offset if upto is None else upto, "queues": queues, "boundary": boundary}
 
 
-def _first_entry_from(store, topic: str, offset: int) -> int:
+def first_entry_from(store, topic: str, offset: int) -> int:
     """The first queue offset of topic's queue 0 whose record starts at or after the commit-log offset (a search)."""
     lo, hi = store.queue_min_offset(topic, 0), store.queue_max_offset(topic, 0)
     while lo < hi:
