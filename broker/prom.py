@@ -76,7 +76,7 @@ class BrokerCollector:
         core = self.core
         c = dict(core.metrics.counters)
         pending = GaugeMetricFamily("txmq_pending_half_messages", "Pending (undecided) transactions, by real topic", labels=["topic"])
-        by_topic = core.tx.index.pending_by_topic()
+        by_topic, oldest_ts = core.tx.index.pending_summary()  # this runs in the metrics server's thread
         for topic, n in sorted(by_topic.items()):
             pending.add_metric([topic], n)
         yield pending
@@ -85,7 +85,7 @@ class BrokerCollector:
                                    "Age of the oldest pending transaction, by producer group (broker store time; absent when none)",
                                    labels=["group"])
         now_ms = int(core.clock() * 1000)
-        for g, ts in sorted(core.tx.index.oldest_pending_by_group().items()):
+        for g, ts in sorted(oldest_ts.items()):
             oldest.add_metric([g], max(0, now_ms - ts) / 1000.0)
         yield oldest
         for name, help_ in (("committed", "Transactions committed, by who decided"), ("rolled_back", "Transactions rolled back, by who decided")):

@@ -202,3 +202,34 @@ def test_log_lines_keep_hostile_values_in_one_line_and_one_field(value):
     assert dict(_KV.findall(KeyValueFormatter().format(rec2)))["at"] == "100"
     free = logging.LogRecord("txmq.x", logging.INFO, __file__, 1, "a message with no fields %s", ("here",), None)
     assert json.loads(JsonFormatter().format(free))["msg"] == "a message with no fields here"
+
+
+def test_stats_walks_the_pending_transactions_in_a_worker_thread_not_on_the_event_loop(tmp_path, monkeypatch):
+    """At a million pending the walk takes ~100 ms: the loop serves other clients meanwhile."""
+    import threading
+
+    from txmq.broker.testing import running_broker
+    from txmq.broker.transactions.index import TxIndex
+    from wireclient import RawClient
+
+    threads: list[int] = []
+    real = TxIndex.pending_summary
+
+    def recording(self):
+        threads.append(threading.get_ident())
+        return real(self)
+
+    monkeypatch.setattr(TxIndex, "pending_summary", recording)
+
+    async def go() -> None:
+        async with running_broker(tmp_path / "d") as b:
+            c = await RawClient.open(b.address)
+            for topic in ("a", "a", "b"):
+                await c.ok("send", {"topic": topic, "body": b"x", "properties": {"TRAN_MSG": "true", "PGROUP": "g"}})
+            st = await c.ok("stats")
+            await c.close()
+            assert st["gauges"]["pending_by_topic"] == {"a": 2, "b": 1} and st["gauges"]["pending"] == 3
+            assert set(st["gauges"]["oldest_pending_age_s"]) == {"g"}
+            assert threads and threading.get_ident() not in threads
+
+    arun(go())

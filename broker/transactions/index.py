@@ -256,25 +256,22 @@ class TxIndex:
         """Smallest half offset of a pending transaction's latest copy (what holds the half progress back)."""
         return next(iter(self.by_half), None)
 
-    def pending_by_topic(self) -> dict[str, int]:
-        """Pending transactions per real topic (safe from another thread: it iterates a copy)."""
-        out: dict[str, int] = {}
-        for p in list(self.pending.values()):
-            out[p.topic] = out.get(p.topic, 0) + 1
-        return out
+    def pending_summary(self) -> tuple[dict[str, int], dict[str, int]]:
+        """Pending transactions per real topic, and per producer group the first_stored_ts (ms, broker store
+        time) of its oldest pending transaction.
 
-    def oldest_pending_by_group(self) -> dict[str, int]:
-        """Per producer group, the first_stored_ts (ms, broker store time) of its oldest pending transaction.
-
-        One pass over the pending transactions, like ``pending_by_topic``
-        (safe from another thread: it iterates a copy).
+        One pass over a copy of the pending transactions, so it is safe from
+        another thread: ``stats`` and the Prometheus scrape run it there, as
+        it takes ~100 ms at a million pending.
         """
-        out: dict[str, int] = {}
+        by_topic: dict[str, int] = {}
+        oldest: dict[str, int] = {}
         for p in list(self.pending.values()):
-            t = out.get(p.group)
+            by_topic[p.topic] = by_topic.get(p.topic, 0) + 1
+            t = oldest.get(p.group)
             if t is None or p.first_stored_ts < t:
-                out[p.group] = p.first_stored_ts
-        return out
+                oldest[p.group] = p.first_stored_ts
+        return by_topic, oldest
 
     def discarded_rows(self, limit: int, after: int = -1) -> list[tuple[str, Decided]]:
         """Discarded transactions (tx id, Decided), by discard-queue offset above ``after``, at most limit.
