@@ -306,9 +306,7 @@ class BrokerConnection(asyncio.Protocol):
             self.core.busy_connections -= 1
         self._pull_bytes -= cost
         if not fut.cancelled() and fut.exception() is None:
-            self._send(reply(id_, fut.result()))
-            if not self.inflight:
-                self._write_out()
+            self._send(reply(id_, fut.result()), now=not self.inflight)
             if self._read_paused:
                 self._maybe_resume_reading()
             return
@@ -360,13 +358,14 @@ class BrokerConnection(asyncio.Protocol):
             transport.resume_reading()  # drain what the client still sends (data_received drops it)
         self._loop.call_later(LINGER_S, transport.close)
 
-    def _send(self, data: bytes) -> None:
+    def _send(self, data: bytes, now: bool = False) -> None:
+        """Queue data for the write at the end of this loop iteration; ``now``: write what is queued at once."""
         if self._closing or self.transport is None or self.transport.is_closing():
             return
         self._out.append(data)
         self._out_bytes += len(data)
-        if self._out_bytes > WRITE_HIGH:
-            self._write_out()  # hand it to the transport now: it pauses us if the peer is not reading
+        if now or self._out_bytes > WRITE_HIGH:
+            self._write_out()  # over the limit: hand it to the transport now, it pauses us if the peer is not reading
         elif not self._flush_scheduled:
             self._flush_scheduled = True
             self._loop.call_soon(self._flush)

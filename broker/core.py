@@ -487,19 +487,15 @@ class BrokerCore:
             "counters": self.metrics.snapshot(),
         }
 
-    async def stats_off_loop(self) -> dict[str, Any]:
-        """``stats``, with its pass over the pending transactions in a worker thread instead of on the loop."""
-        summary = await asyncio.get_running_loop().run_in_executor(None, self.tx.index.pending_summary)
-        return self.stats(summary)
-
-    def stats(self, summary: tuple[dict[str, int], dict[str, int]] | None = None) -> dict[str, Any]:
+    async def stats(self) -> dict[str, Any]:
+        """Counters and gauges; the pass over the pending transactions runs in a worker thread, not on the loop."""
+        by_topic, oldest_ts = await asyncio.get_running_loop().run_in_executor(None, self.tx.index.pending_summary)
         r = self.recovery
         recovery = {} if r is None else {
             "dropped_bytes": r.dropped_bytes, "reason": r.reason, "truncated_at": r.truncated_at,
             "redispatched": r.redispatched, "cq_entries_dropped": r.cq_entries_dropped,
             "damaged": r.damaged, "queues_rebuilt": r.queues_rebuilt,
         }
-        by_topic, oldest_ts = summary if summary is not None else self.tx.index.pending_summary()
         now_ms = int(self.clock() * 1000)
         oldest = {g: round(max(0, now_ms - ts) / 1000.0, 3) for g, ts in sorted(oldest_ts.items())}
         return {

@@ -360,7 +360,7 @@ def _setting(fn: Callable[[str, Any], Any], key: str, value: Any) -> Any:
 
 
 def stats(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
-    return core.stats_off_loop()
+    return core.stats()
 
 
 def _when_ready(core: BrokerCore, call: Callable[[], Reply]) -> Awaitable[dict[str, Any]]:

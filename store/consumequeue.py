@@ -196,6 +196,23 @@ class ConsumeQueue:
             index, off, last_start = index + count, off + count * ENTRY_SIZE, file_start
         return new
 
+    @property
+    def needs_flush(self) -> bool:
+        """Entries to write, or files (or the directory) written and not fsynced yet."""
+        return bool(self.pending) or bool(self.unsynced) or not self.dir_synced
+
+    def write_synced(self, plan: tuple[int, bytes, int | None] | None, per_file: int) -> list[int]:
+        """Write a ``plan_flush`` result (None: nothing new) and fsync all that is unsynced; returns the new file starts.
+
+        Raises OSError. Publish with ``commit_flush`` only once this returned:
+        entries count as flushed only when fsynced (a failed fsync may leave
+        their pages marked clean and unwritten, so they are written again).
+        """
+        new = self.write(*plan, per_file) if plan is not None else []
+        if self.unsynced or not self.dir_synced:
+            self.fsync()
+        return new
+
     def fsync(self) -> None:
         """fsync files written since the last call, and the directory chain when new."""
         for start in sorted(self.unsynced):

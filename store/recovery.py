@@ -285,17 +285,12 @@ def flush_all(queues: dict[tuple[str, int], ConsumeQueue], per_file: int) -> int
     for cq in queues.values():
         plan = cq.plan_flush()
         try:
-            new = None
-            if plan is not None:
-                base, data, last = plan
-                new = cq.write(base, data, last, per_file)
-            if cq.unsynced or not cq.dir_synced:
-                cq.fsync()
+            new = cq.write_synced(plan, per_file)
         except OSError as exc:
             if exc.errno not in FULL_ERRNOS or sum(len(q.pending) for q in queues.values()) > HELD_ON_FULL_DISK:
                 raise
             held += len(cq.pending) // ENTRY_SIZE
             continue
         if plan is not None:
-            cq.commit_flush(base, len(data) // ENTRY_SIZE, new)
+            cq.commit_flush(plan[0], len(plan[1]) // ENTRY_SIZE, new)
     return held

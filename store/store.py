@@ -131,8 +131,8 @@ class Store:
             # failed to write (a failed fsync marks them clean): the first sync writes it again.
             log.rewrite_before_sync = AT_START
             held = flush_all(queues, self.config.cq_entries_per_file)
+            self._dirty = {cq for cq in queues.values() if cq.needs_flush}  # what a full disk held back
             if held:
-                self._dirty = {cq for cq in queues.values() if cq.pending or cq.unsynced or not cq.dir_synced}
                 self._cq_held = held
                 _log.warning("event=consume_queue_entries_held entries=%d msg=%r", held,
                              "no space to write the consume-queue entries of the records recovered past the checkpoint: "
@@ -440,24 +440,14 @@ class Store:
                 # their pages clean without writing them, and the next fsync would then succeed without
                 # them while the checkpoint file claimed them (docs/reliability.md, "A failed fsync").
                 # The other queues go on; the checkpoint file waits until every queue is written.
-                written: list = []
                 for cq, plan in plans:
-                    if plan is not None:
-                        base, data, last = plan
-                        try:
-                            written.append((cq, base, len(data) // ENTRY_SIZE, cq.write(base, data, last, per_file)))
-                        except OSError as exc:
-                            failed = failed or exc
-                    elif cq.unsynced or not cq.dir_synced:
-                        written.append((cq, 0, 0, None))
-                for item in written:
                     try:
-                        item[0].fsync()
+                        new = cq.write_synced(plan, per_file)
                     except OSError as exc:
                         failed = failed or exc
                     else:
-                        if item[3] is not None:
-                            done.append(item)
+                        if plan is not None:
+                            done.append((cq, plan[0], len(plan[1]) // ENTRY_SIZE, new))
                 queue_stage = True  # reached the end: the backlog below is this cycle's
             finally:
                 with self._lock:
@@ -467,7 +457,7 @@ class Store:
                         _log.info("event=consume_queue_entries_written entries=%d", self._cq_held)
                         self._cq_held = 0
                     for cq, _ in plans:
-                        if cq.pending or cq.unsynced or not cq.dir_synced:
+                        if cq.needs_flush:
                             self._dirty.add(cq)
                     if queue_stage:
                         # While queue files cannot be written, what waits for them is bounded like the log's

@@ -556,9 +556,6 @@ def replay_steps(reader, idx: TxIndex, starts: dict[str, int] | None = None, bat
     n = 0
     next_yield = batch
     for buf, _mv, first, headers in raw_queue_runs(reader, queues, on_damage=on_damage):
-        if headers:
-            last = headers[-1]
-            end = last[H_OFFSET] + last[H_SIZE]
         for h in headers:
             at = h[H_OFFSET]
             rec = decode_record(buf, at - first, at)
@@ -570,8 +567,8 @@ def replay_steps(reader, idx: TxIndex, starts: dict[str, int] | None = None, bat
                 continue
             apply(rec)
         n += len(headers)
-        if headers:
-            idx.replay_end = end  # every record before it is applied (they come in commit-log order)
+        if headers:  # every record before the last one's end is applied (they come in commit-log order)
+            idx.replay_end = headers[-1][H_OFFSET] + headers[-1][H_SIZE]
         if n >= next_yield:
             yield n
             next_yield = n + batch
