@@ -113,6 +113,12 @@ async def sweep_connections(state: ServerState, config: BrokerConfig) -> None:
             conn.sweep(now)
 
 
+
+def _close_index(writer: TxDatabase, db: TxDatabase | None) -> None:
+    writer.close()
+    if db is not None:
+        db.close()
+
 class Broker:
     def __init__(self, config: BrokerConfig, clock: Clock | None = None) -> None:
         config = config.validated()
@@ -169,7 +175,7 @@ class Broker:
             core.tx.index = index
             starts = None
             if why is None:
-                await loop.run_in_executor(None, index.load_pending, db.pending_rows())
+                await loop.run_in_executor(self._index_pool, index.load_pending, db.pending_rows())
                 starts = db.meta["queues"]
                 index.discarded = db.count_discarded()
             else:
@@ -384,15 +390,16 @@ class Broker:
             if core.tx_ready.is_set() and core.tx_error is None:
                 t0 = time.perf_counter()
                 await self._flush_index()
-                await asyncio.get_running_loop().run_in_executor(None, writer.checkpoint)
+                await asyncio.get_running_loop().run_in_executor(self._index_pool, writer.checkpoint)
                 log.info("event=txindex_flushed applied_to=%d took_s=%.3f", writer.meta.get("applied_to", 0), time.perf_counter() - t0)
         except Exception:  # only a slower next start
             log.exception("event=txindex_flush_failed")
         finally:
-            writer.close()
+            # In the index thread, after whatever still runs there: a flush or a load whose task was cancelled at
+            # its await (a stop during the start) goes on in that thread, and closing its connection under it
+            # crashes the process.
             db = core.tx.index.db if core.tx is not None else None
-            if db is not None:
-                db.close()
+            await asyncio.get_running_loop().run_in_executor(self._index_pool, _close_index, writer, db)
 
     async def _janitor_loop(self) -> None:
         """Retention: delete expired segments, never one holding an undecided half message."""
