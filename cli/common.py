@@ -57,6 +57,16 @@ WIRE_INT_MAX = 1 << 62
 # `inspect half -o jsonl`, say) may be longer, up to MAX_REF_LINE bytes.
 MAX_REF_CHARS = 255
 MAX_REF_LINE = 64 << 10
+# A bare run of ASCII digits is an offset only if it could be one: 2^62 has 19
+# digits. A longer run is a transaction id: the broker's ids are 32 hex digits,
+# and one in a few thousand broker runs draws a random prefix without a letter,
+# whose ids are then all digits.
+OFFSET_DIGITS = len(str(WIRE_INT_MAX))
+
+
+def digits_are_offset(text: str) -> bool:
+    """Whether a bare token of ASCII digits (an optional leading +) names an offset rather than a transaction id."""
+    return len(text.lstrip("+")) <= OFFSET_DIGITS or text.startswith("+")
 
 
 def parse_duration(text: str) -> float:

@@ -5,7 +5,9 @@ import subprocess
 
 import pytest
 
-from clihelpers import NOT_FOUND, cli_argv, cli_env, err, lines, ok, one, out, start_broker, txmq, wait_for
+from conftest import arun
+from faultload import PipeClient
+from clihelpers import CONFLICT, NOT_FOUND, cli_argv, cli_env, err, lines, ok, one, out, start_broker, txmq, wait_for
 
 
 @pytest.fixture(scope="module")
@@ -111,3 +113,26 @@ def test_checker_reports_a_transaction_it_answered_unknown_when_it_is_discarded(
         assert disc["reason"] == "max-checks" and disc["checks"] == 1
     finally:
         b.stop()
+
+
+def test_an_all_digit_transaction_id_is_a_transaction_id_for_inspect_resolve_and_replay(broker):
+    # the broker's ids are 32 hex digits; a run whose random prefix drew no letter gives ids like this one
+    tx_id = "2786730268822456" + "0" * 15 + "1"
+
+    async def go():
+        c = await PipeClient.open(broker)
+        try:
+            return await c.ok("send", {"topic": "t-digits", "body": b"x",
+                                       "properties": {"TRAN_MSG": "true", "PGROUP": "digits", "UNIQ_KEY": tx_id}})
+        finally:
+            await c.close()
+
+    sent = arun(go())
+    assert sent["tx_id"] == tx_id
+    assert one(run(broker, "inspect", "tx", tx_id, "-o", "json"))["state"] == "pending"
+    rows = lines(ok(run(broker, "resolve", "--commit", tx_id, "-o", "jsonl")))
+    assert [(r["tx_id"], r["status"]) for r in rows] == [(tx_id, "ok")], rows
+    rows = lines(ok(run(broker, "resolve", "--commit", "-", "-o", "jsonl", input=f"{tx_id}\n")))
+    assert [(r["tx_id"], r["status"]) for r in rows] == [(tx_id, "already")], rows
+    r = run(broker, "discard", "replay", tx_id, "--to", "half", "-o", "jsonl")
+    assert r.returncode == CONFLICT and "it is committed" in err(r) and lines(r)[0]["ref"] == tx_id, err(r)

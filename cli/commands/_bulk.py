@@ -3,7 +3,9 @@
 The REF grammar (docs/cli.md, "REFs"):
 
 - an argument or a line of stdin that is a bare token: ASCII digits (an
-  optional leading +) are an offset, anything else a transaction id;
+  optional leading +) are an offset, anything else a transaction id; a run
+  of more than 19 digits cannot be an offset (2^62 has 19) and is a
+  transaction id (the broker's 32-hex-digit ids are sometimes all digits);
 - a JSON string is a transaction id (`jq .tx_id` without -r), whatever it
   looks like; a JSON object is its `tx_id` (which must be a string) when it
   has one, else an offset under the command's offset key (`half_offset`,
@@ -25,7 +27,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import typer
 
 from .. import exitcodes
-from ..common import MAX_REF_CHARS, MAX_REF_LINE, WIRE_INT_MAX, CliError
+from ..common import MAX_REF_CHARS, MAX_REF_LINE, WIRE_INT_MAX, CliError, digits_are_offset
 from ..console import Output, emit_json, emit_line, err, interactive, out, render
 
 STATUS_EXIT = {"not_found": exitcodes.NOT_FOUND, "conflict": exitcodes.CONFLICT}
@@ -91,7 +93,7 @@ def parse_ref(line: str, where: str, offset_key: str, object_keys: tuple[str, ..
         raise CliError(f"{where}: expected a transaction id, an offset or an object with tx_id, got {_show(text)}", exitcodes.USAGE)
     if len(text.split()) != 1:
         raise CliError(f"{where}: expected one REF{' per line' if where.startswith('stdin') else ''}, got {_show(text)}", exitcodes.USAGE)
-    if _INT.fullmatch(text) or _NEG.fullmatch(text):
+    if (_INT.fullmatch(text) and digits_are_offset(text)) or _NEG.fullmatch(text):
         if len(text) > 30:  # far beyond 2^62, and int() of a huge string is slow
             raise CliError(f"{where}: offset {_show(text)} is out of range (0 to {WIRE_INT_MAX})", exitcodes.USAGE)
         return _offset_ref(int(text), offset_key, where)

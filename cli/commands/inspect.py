@@ -9,7 +9,7 @@ import typer
 from txmq.constants import OP_TOPIC
 
 from .. import exitcodes
-from ..common import DEFAULT_BROKER, WIRE_INT_MAX, BrokerOpt, CliError, OutputOpt, TokenOpt, parse_duration, run
+from ..common import DEFAULT_BROKER, WIRE_INT_MAX, BrokerOpt, CliError, digits_are_offset, OutputOpt, TokenOpt, parse_duration, run
 from ..console import Output, emit_document, fmt_age, fmt_ts, fmt_when, new_table, note, out, print_table, render, resolve_output
 
 app = typer.Typer(help="Look at pending transactions, op records and the check offsets.", no_args_is_help=True)
@@ -234,7 +234,7 @@ def tx(
 ) -> None:
     """One transaction's whole history: half copies, check-backs, decision, committed message, discard and replay."""
     fields: dict[str, Any]
-    if ref.isdigit() and ref.isascii():
+    if ref.isdigit() and ref.isascii() and digits_are_offset(ref):
         n = int(ref)
         if n > WIRE_INT_MAX:
             raise CliError(f"{ref} is out of range: offsets are 0 to {WIRE_INT_MAX}", exitcodes.USAGE)
