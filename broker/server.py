@@ -270,12 +270,12 @@ class Broker:
             core = self.core
             index = core.tx.index
             changed = index.capture()
-            meta = log_position(core.store, upto)  # no await since the capture: every change before this is in changed
-            store_min = core.store.min_offset
-            prune = store_min if store_min > self._writer.meta.get("log_min", 0) else None
-            if prune is not None:
-                meta["log_min"] = prune
             try:
+                meta = log_position(core.store, upto)  # no await since the capture: every change before this is in changed
+                store_min = core.store.min_offset
+                prune = store_min if store_min > self._writer.meta.get("log_min", 0) else None
+                if prune is not None:
+                    meta["log_min"] = prune
                 pending: list[tuple] = []
                 items = iter(changed.items())  # changed is this flush's own: nothing adds to it meanwhile
                 while True:

@@ -182,6 +182,7 @@ class ConsumeQueue:
             else:
                 file_start = index
                 new.append(index)
+                self.dir_synced = False  # a new file: its name is durable only once the directory is fsynced
             count = min(per_file - (index - file_start), base + n - index)
             fd = os.open(self._path(file_start), os.O_WRONLY | os.O_CREAT, 0o644)
             try:

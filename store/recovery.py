@@ -281,16 +281,16 @@ def flush_all(queues: dict[tuple[str, int], ConsumeQueue], per_file: int) -> int
     HELD_ON_FULL_DISK bytes of entries: past that the full-disk error is
     raised, and the start fails as it must without space.
     """
-    held = 0
+    held = 0  # bytes of entries held back so far (a running total: thousands of queues may fail in turn)
     for cq in queues.values():
         plan = cq.plan_flush()
         try:
             new = cq.write_synced(plan, per_file)
         except OSError as exc:
-            if exc.errno not in FULL_ERRNOS or sum(len(q.pending) for q in queues.values()) > HELD_ON_FULL_DISK:
+            if exc.errno not in FULL_ERRNOS or held + len(cq.pending) > HELD_ON_FULL_DISK:
                 raise
-            held += len(cq.pending) // ENTRY_SIZE
+            held += len(cq.pending)
             continue
         if plan is not None:
             cq.commit_flush(plan[0], len(plan[1]) // ENTRY_SIZE, new)
-    return held
+    return held // ENTRY_SIZE

@@ -16,7 +16,7 @@ import os
 import pytest
 
 from flushhelpers import FailsFirst, PwriteSpy, open_store
-from txmq.store import Message, TxType
+from txmq.store import Message, Store, StoreConfig, TxType
 from txmq.store import consumequeue
 from txmq.store.checkpoint import read_checkpoint
 
@@ -111,3 +111,25 @@ def test_a_queue_file_that_keeps_failing_holds_only_its_own_entries_and_appends_
         append(store, 1, first=3)  # taken again
     finally:
         store.close()
+
+
+def test_a_consume_queue_file_created_by_a_roll_over_has_its_directory_fsynced_before_the_checkpoint(tmp_path, monkeypatch):
+    synced: list[str] = []
+    real = consumequeue.fsync_dir
+    monkeypatch.setattr(consumequeue, "fsync_dir", lambda p: (synced.append(os.path.abspath(p)), real(p)))
+    store = Store(tmp_path / "d", StoreConfig(cq_entries_per_file=4))
+    store.open()
+    leaf = os.path.abspath(tmp_path / "d" / "consumequeue" / "T" / "0")
+    append(store, 1)
+    store.checkpoint()
+    assert leaf in synced  # the queue's first file
+    synced.clear()
+    append(store, 8)  # two more files
+    store.checkpoint()
+    assert len(os.listdir(leaf)) == 3
+    assert leaf in synced, "new files' names were not made durable"
+    synced.clear()
+    append(store, 1)  # into the last file: no new name
+    store.checkpoint()
+    assert leaf not in synced
+    store.close()

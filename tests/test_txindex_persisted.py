@@ -24,7 +24,7 @@ from unittest import mock
 from conftest import arun
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_tx_recovery import _full_view, _index_view, crash_on_exit
+from test_tx_recovery import _full_view, _index_view, _tx, crash_on_exit
 from txmq.broker import server as server_module
 from txmq.broker.clock import ManualClock
 from txmq.broker.testing import running_broker
@@ -228,3 +228,63 @@ def test_a_crash_during_the_rebuild_at_start_resumes_from_the_last_flush_and_los
     assert copies, "no flush in the middle of the replay"
     monkeypatch.setattr(server_module.Broker, "_flush_index", real_flush)
     arun(start(crashed))  # from the file that flush left, and the log
+
+
+def test_a_damaged_last_transactional_record_leaves_transactions_available_at_every_start(tmp_path):
+    """The index's boundary record is the last one that reads back valid, not a damaged one after it."""
+    data = tmp_path / "data"
+
+    async def fill() -> dict:
+        async with running_broker(data, check_interval_s=3600) as b:
+            c = await RawClient.open(b.address)
+            await _tx(c, "commit")
+            last = await c.ok("send", {"topic": "t", "body": b"y" * 100, "properties": TX})
+            await c.close()
+            return last
+
+    last = arun(fill())
+    seg = sorted((data / "commitlog").iterdir())[0]
+    with open(seg, "r+b") as f:  # inside what the checkpoint vouches for: no recovery reads it again
+        f.seek(last["commit_log_offset"] + 40)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+    async def start() -> None:
+        async with running_broker(data, check_interval_s=3600) as b:
+            await b.core.tx_ready.wait()
+            assert b.core.tx_error is None, b.core.tx_error
+            c = await RawClient.open(b.address)
+            h = await _tx(c, "commit")
+            assert b.core.tx.index.outcome(h["tx_id"]) is not None
+            await c.close()
+            await b.broker._flush_index()
+            assert b.broker._flush_failing is False
+
+    arun(start())
+    arun(start())  # the file the first start wrote fits the log: no rebuild, no failure
+
+
+def test_a_flush_that_cannot_take_the_log_position_keeps_its_rows_for_the_next_flush(tmp_path, monkeypatch):
+    async def go() -> None:
+        async with running_broker(tmp_path / "data", check_interval_s=3600) as b:
+            await b.core.tx_ready.wait()
+            await b.broker._flush_index()
+            c = await RawClient.open(b.address)
+            h = await _tx(c, "commit")
+            await c.close()
+            real = server_module.log_position
+
+            def fails(*a, **kw):
+                raise OSError("read failed")
+
+            monkeypatch.setattr(server_module, "log_position", fails)
+            await b.broker._flush_index()
+            assert b.broker._flush_failing == "error"
+            assert h["tx_id"] in b.core.tx.index.dirty  # handed back, not dropped
+            monkeypatch.setattr(server_module, "log_position", real)
+            await b.broker._flush_index()
+            assert b.broker._flush_failing is False and h["tx_id"] not in b.core.tx.index.decided  # on disk now
+            assert b.core.tx.index.outcome(h["tx_id"]) is not None  # read back from the file
+
+    arun(go())

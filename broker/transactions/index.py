@@ -478,14 +478,31 @@ def log_position(store, upto: int | None = None) -> dict[str, Any]:
         queues = {name: first_entry_from(store, topic, upto) for name, topic in _TX_QUEUES}
     boundary = None
     for name, topic in _TX_QUEUES:
-        n = queues[name]
-        for cl, _size, _tag in store.cq_entries(topic, 0, n - 1, 1) if n > 0 else ():
-            if boundary is None or cl > boundary[0]:
-                boundary = [cl, 0]
-    if boundary is not None:
-        _raw, head = store.read_many([boundary[0]], raw=True)[0]
-        boundary[1] = head[H_CRC]
+        found = _last_valid_record(store, topic, queues[name])
+        if found is not None and (boundary is None or found[0] > boundary[0]):
+            boundary = list(found)
     return {"applied_to": store.max_offset if upto is None else upto, "queues": queues, "boundary": boundary}
+
+
+def _last_valid_record(store, topic: str, end: int) -> tuple[int, int] | None:
+    """(commit-log offset, CRC) of the last record of topic's queue 0 below queue offset end that reads back valid.
+
+    A damaged record (skipped by the replay, reported by the store) cannot be
+    a boundary: reading it back would fail every flush and every start. The
+    walk back goes past damaged records only, so it costs one read unless
+    the tail of the queue is damaged.
+    """
+    low = store.queue_min_offset(topic, 0)
+    for q in range(end - 1, low - 1, -1):
+        entry = store.cq_entries(topic, 0, q, 1)
+        if not entry:
+            continue
+        try:
+            _raw, head = store.read_many([entry[0][0]], raw=True)[0]
+        except Exception:  # damaged, or a hole in the log: an earlier record bounds the index as well
+            continue
+        return entry[0][0], head[H_CRC]
+    return None
 
 
 def first_entry_from(store, topic: str, offset: int) -> int:
