@@ -14,6 +14,7 @@ from enum import Enum
 from typing import Any, Callable, Sequence
 
 from rich.console import Console
+from rich.markup import escape as esc  # text from users, the broker or the system: never read as markup
 from rich.theme import Theme
 
 THEME = Theme({"ok": "green", "warn": "yellow", "err": "bold red", "dim": "dim", "key": "cyan"})
@@ -214,8 +215,10 @@ def new_table(title: str | None = None):
     from rich import box
     from rich.table import Table
 
+    from rich.text import Text
+
     return Table(
-        title=title, box=box.SIMPLE_HEAD if out.is_terminal else None, header_style="bold",
+        title=Text(title) if title is not None else None, box=box.SIMPLE_HEAD if out.is_terminal else None, header_style="bold",
         show_edge=False, pad_edge=False, title_justify="left",
     )
 
@@ -246,7 +249,7 @@ def render(rows: Sequence[dict[str, Any]], output: Output, columns: Sequence[tup
             emit_line(r)
         return
     if not rows and empty is not None:
-        err.print(f"[dim]{empty}[/dim]")
+        err.print(f"[dim]{esc(empty)}[/dim]")
         return
     columns = columns or [(k, k) for k in (rows[0].keys() if rows else [])]
     formatters = formatters or {}

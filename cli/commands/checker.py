@@ -9,7 +9,7 @@ import typer
 
 from .. import exitcodes
 from ..common import DEFAULT_BROKER, BrokerOpt, CliError, OutputOpt, TokenOpt, parse_duration, run, stop_event
-from ..console import Output, RowSink, err, note, out, resolve_output, to_jsonable, warn
+from ..console import Output, RowSink, err, esc, note, out, resolve_output, to_jsonable, warn
 
 EPILOG = """Examples:
 
@@ -289,11 +289,11 @@ class _Checker:
 
 def _print_check(row: dict[str, Any]) -> None:
     if row.get("event") == "discarded":
-        out.print(f"[warn]discarded[/warn] {row['tx_id']} [dim]{row['topic']} checks={row['checks']}[/dim]: {row['message']}")
+        out.print(f"[warn]discarded[/warn] {esc(row['tx_id'])} [dim]{esc(row['topic'])} checks={row['checks']}[/dim]: {esc(row['message'])}")
     else:
         colour = {"commit": "ok", "rollback": "warn"}.get(row["answer"], "dim")
-        out.print(f"checked {row['tx_id']} [dim]{row['topic']} half_offset={row['half_offset']} checks={row['checks']}[/dim] "
-                  f"-> [{colour}]{row['answer']}[/{colour}] ({row['outcome'] or row['status']})")
+        out.print(f"checked {esc(row['tx_id'])} [dim]{esc(row['topic'])} half_offset={row['half_offset']} checks={row['checks']}[/dim] "
+                  f"-> [{colour}]{esc(row['answer'])}[/{colour}] ({esc(row['outcome'] or row['status'])})")
 
 
 def _quiet_client_logs() -> None:

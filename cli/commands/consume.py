@@ -7,7 +7,7 @@ import typer
 
 from .. import exitcodes
 from ..common import DEFAULT_BROKER, BrokerOpt, CliError, OutputOpt, TokenOpt, run, stop_event
-from ..console import Output, RowSink, err, interactive, note, out, resolve_output
+from ..console import Output, RowSink, err, esc, interactive, note, out, resolve_output
 
 EPILOG = """Examples:
 
@@ -124,6 +124,6 @@ async def _commit_printed(consumer: Any, printed: dict[int, int]) -> None:
             done = consumer.committed
             await asyncio.gather(*(consumer.commit((q, off)) for q, off in printed.items() if done.get(q) != off))
     except (TxmqError, TimeoutError) as e:
-        err.print(f"[warn]warning:[/warn] offsets not committed: {e}")
+        err.print(f"[warn]warning:[/warn] offsets not committed: {esc(str(e))}")
     finally:
         await consumer.close(commit=False)

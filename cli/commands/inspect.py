@@ -10,7 +10,7 @@ from txmq.constants import OP_TOPIC
 
 from .. import exitcodes
 from ..common import DEFAULT_BROKER, WIRE_INT_MAX, BrokerOpt, CliError, digits_are_offset, OutputOpt, TokenOpt, parse_duration, run
-from ..console import Output, emit_document, fmt_age, fmt_ts, fmt_when, new_table, note, out, print_table, render, resolve_output
+from ..console import Output, emit_document, esc, fmt_age, fmt_ts, fmt_when, new_table, note, out, print_table, render, resolve_output
 
 app = typer.Typer(help="Look at pending transactions, op records and the check offsets.", no_args_is_help=True)
 
@@ -256,14 +256,14 @@ def tx(
     if emit_document(doc, out_fmt):
         return
     now_ms = int(time.time() * 1000)
-    out.print(f"transaction {doc['tx_id']}: [bold]{doc['state']}[/bold]"
+    out.print(f"transaction {esc(doc['tx_id'])}: [bold]{doc['state']}[/bold]"
               + (f" by {doc['decided_by']} {fmt_when(doc['decided_at'], now_ms)}" if doc.get("decided_by") else "")
-              + f"   group {doc['group']}   topic {doc['topic']} queue {doc.get('queue_id')}   checks {doc['checks']}")
+              + f"   group {esc(doc['group'])}   topic {esc(doc['topic'])} queue {doc.get('queue_id')}   checks {doc['checks']}")
     if doc.get("message"):
         m = doc["message"]
-        out.print(f"message: {m['topic']} queue {m['queue_id']} offset {m['queue_offset']} (commit-log offset {m['commit_log_offset']})")
+        out.print(f"message: {esc(m['topic'])} queue {m['queue_id']} offset {m['queue_offset']} (commit-log offset {m['commit_log_offset']})")
     if doc["state"] == "pending":
-        out.print(f"last check: {doc.get('last_check_result') or '-'} {fmt_when(doc.get('last_check_at'), now_ms) if doc.get('last_check_at') else ''}"
+        out.print(f"last check: {esc(doc.get('last_check_result') or '-')} {fmt_when(doc.get('last_check_at'), now_ms) if doc.get('last_check_at') else ''}"
                   f"   next check: {fmt_when(doc.get('next_check_at'), now_ms) if doc.get('next_check_at') else '-'}")
 
     def detail(e: dict[str, Any]) -> str:
@@ -330,6 +330,6 @@ def offsets(
     out.print(f"pending: {doc['pending']}   discarded: {doc['discarded']}")
     h = doc["held_by"]
     if h is not None:
-        out.print(f"half progress held by {h['tx_id']} (group {h['group']}, topic {h['topic']}, half offset {h['half_offset']}, "
-                  f"age {fmt_age(h['age_s'])}, {h['checks']} checks): {h['reason']}")
+        out.print(f"half progress held by {esc(h['tx_id'])} (group {esc(h['group'])}, topic {esc(h['topic'])}, half offset {h['half_offset']}, "
+                  f"age {fmt_age(h['age_s'])}, {h['checks']} checks): {esc(h['reason'])}")
 

@@ -13,7 +13,7 @@ from txmq.constants import TOPIC_RE, is_system_topic
 
 from .. import exitcodes
 from ..common import DEFAULT_BROKER, BrokerOpt, CliError, OutputOpt, TokenOpt, run, run_interruptible
-from ..console import Output, RowSink, err, kv_table, out, resolve_output
+from ..console import Output, RowSink, err, esc, kv_table, out, resolve_output
 
 EPILOG = """Examples:
 
@@ -96,7 +96,7 @@ def send(
         except KeyboardInterrupt:  # the summary line, as resolve and discard replay print it; exit 130
             st.sink.close()
             if st.line:
-                err.print(f"[warn]{st.stopped('interrupted')}[/warn]")
+                err.print(f"[warn]{esc(st.stopped('interrupted'))}[/warn]")
             raise
         except BaseException:
             st.sink.abort()
@@ -106,9 +106,9 @@ def send(
 
 
 def _print_sent(row: dict[str, Any]) -> None:
-    extra = (f"tx_id={row['tx_id']} half_offset={row['half_offset']} state={row['state']}"
+    extra = (f"tx_id={esc(row['tx_id'])} half_offset={row['half_offset']} state={row['state']}"
              if "tx_id" in row else f"queue_offset={row['queue_offset']}")
-    out.print(f"[ok]sent[/ok] line {row['line']}: msg_id={row['msg_id']} queue_id={row['queue_id']} {extra}")
+    out.print(f"[ok]sent[/ok] line {row['line']}: msg_id={esc(row['msg_id'])} queue_id={row['queue_id']} {extra}")
 
 
 class _Tally:
@@ -227,7 +227,7 @@ async def _send_stream(broker: str, token: str | None, spec: _Spec, window: int,
                 else:
                     failures.append((line_no, exc))
                     st.failed += 1
-                    err.print(f"[err]error:[/err] line {line_no}: {_msg(exc)}")
+                    err.print(f"[err]error:[/err] line {line_no}: {esc(_msg(exc))}")
             else:
                 sent += 1
                 st.sent = sent

@@ -17,7 +17,7 @@ import typer
 
 from .. import exitcodes
 from ..common import CliError, OutputOpt, parse_duration
-from ..console import Output, default_output, emit_document, err, out
+from ..console import Output, default_output, emit_document, err, esc, out
 
 
 class Format(str, Enum):
@@ -190,8 +190,8 @@ def spark_export(
             import shutil
 
             shutil.rmtree(staging, ignore_errors=True)
-        err.print(f"[warn]interrupted: nothing written to {opts.out}[/warn]" if opts.mode != "append"
-                  else f"[warn]interrupted: {opts.out} may hold part of the appended rows[/warn]")
+        err.print(f"[warn]interrupted: nothing written to {esc(str(opts.out))}[/warn]" if opts.mode != "append"
+                  else f"[warn]interrupted: {esc(str(opts.out))} may hold part of the appended rows[/warn]")
         raise
     finally:
         progress.stop()
@@ -256,12 +256,13 @@ def _report(s: dict[str, Any], output: Output) -> None:
     if emit_document(s, output):
         return
     from rich.table import Table as RichTable
+    from rich.text import Text
 
-    t = RichTable(box=None, header_style="bold", show_edge=False, title=f"exported {s['data_dir']} -> {s['out']} ({s['format']})")
+    t = RichTable(box=None, header_style="bold", show_edge=False, title=Text(f"exported {s['data_dir']} -> {s['out']} ({s['format']})"))
     for name in ("table", "rows", "seconds", "path"):
         t.add_column(name, justify="right" if name in ("rows", "seconds") else "left")
     for name, info in s["tables"].items():
-        t.add_row(name, f"{info['rows']:,}", f"{info['seconds']:.1f}", info["path"])
+        t.add_row(name, f"{info['rows']:,}", f"{info['seconds']:.1f}", esc(str(info["path"])))
     out.print(t)
     out.print(
         f"read [key]{_mib(s['bytes_read'])}[/key] ({s['segments']} segments, {s['partitions']} partitions per pass) "

@@ -7,7 +7,7 @@ import typer
 
 from .. import exitcodes
 from ..common import DEFAULT_BROKER, BrokerOpt, CliError, OutputOpt, TokenOpt, parse_duration, run, stop_event
-from ..console import Output, emit_json, emit_line, interactive, new_table, out, print_table, resolve_output
+from ..console import Output, emit_json, emit_line, esc, interactive, new_table, out, print_table, resolve_output
 
 EPILOG = """Examples:
 
@@ -134,7 +134,7 @@ def _table(doc: dict[str, Any], prev: dict[str, Any] | None, dt: float, title: s
             continue
         rows.append(("gauge", name, v))
     for kind, name, v in rows:
-        cells = [kind, name, _num(v, name)]
+        cells = [kind, esc(name), esc(_num(v, name))]
         if prev is not None:
             rate = ""
             if kind == "counter" and isinstance(v, (int, float)) and name in before and dt > 0:
