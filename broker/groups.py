@@ -18,7 +18,7 @@ from typing import Any
 from txmq.constants import PROP_KEYS, PROP_UNIQ_KEY, is_system_topic
 from txmq.wire import ErrorCode, TxmqError
 
-from .core import record_to_map
+from .core import msg_id_of, record_to_map
 
 OFFSET_ID = re.compile(r"[0-9A-Fa-f]{16}")
 MAX_SCAN = 1_000_000  # records one find_messages may read, at most
@@ -175,6 +175,9 @@ def get_message(core, msg_id: str | None, cl_offset: int | None) -> dict[str, An
         raise TxmqError(f"no message starts at commit-log offset {cl_offset}", ErrorCode.NO_SUCH_MESSAGE) from None
     if is_system_topic(rec.topic):
         raise TxmqError(f"commit-log offset {cl_offset} holds a record of system topic {rec.topic}, not a message",
+                        ErrorCode.NO_SUCH_MESSAGE)
+    if msg_id is not None and msg_id_of(rec).upper() != msg_id.upper():  # an id a producer chose (UNIQ_KEY), not an offset
+        raise TxmqError(f"the message at commit-log offset {cl_offset} has id {msg_id_of(rec)}, not {msg_id}",
                         ErrorCode.NO_SUCH_MESSAGE)
     return {"message": record_to_map(rec)}
 

@@ -143,6 +143,18 @@ def test_message_get_by_offset_id_returns_the_message(broker):
     assert r.returncode == NOT_FOUND
 
 
+def test_message_get_of_a_producer_chosen_16_hex_id_finds_that_message_not_the_record_at_that_offset(broker):
+    for i in range(3):  # records at low offsets, so the id below could name one if read as an offset
+        ok(run(broker, "send", "m-uniq", f"filler{i}"))
+    chosen = "000000000000001F"
+    sent = lines(ok(run(broker, "send", "m-uniq", "mine", "--prop", f"UNIQ_KEY={chosen}")))[0]
+    assert sent["msg_id"] == chosen and sent["commit_log_offset"] != 0x1F
+    m = one(run(broker, "message", "get", chosen, "-o", "json"))
+    assert (m["body"], m["msg_id"]) == ("mine", chosen)
+    r = run(broker, "message", "get", "00000000000000FF")  # an id neither an offset nor a key names
+    assert r.returncode == NOT_FOUND and "no message with id" in err(r), err(r)
+
+
 def test_message_get_by_transaction_id_looks_it_up(broker):
     sent = one(run(broker, "send", "m-tx", "txbody", "--tx", "--group", "shop", "--state", "commit", "-o", "json"))
     m = one(run(broker, "message", "get", sent["msg_id"], "-o", "json"))

@@ -50,12 +50,21 @@ def get(
     from ..client_ops import call
 
     out_fmt = resolve_output(output)
+    m, by_offset = None, ""
     if re.fullmatch(r"[0-9A-Fa-f]{16}", msg_id):
-        m = _row(call(broker, token, "get_message", {"msg_id": msg_id})["message"])
-    else:
+        # 16 hex digits name a commit-log offset, unless a producer chose such a UNIQ_KEY: the broker
+        # answers not found when the record there has another id, and the id is then looked up as a key
+        try:
+            m = _row(call(broker, token, "get_message", {"msg_id": msg_id})["message"])
+        except CliError as e:
+            if e.code != exitcodes.NOT_FOUND:
+                raise
+            by_offset = e.message
+    if m is None:
         found = _find(broker, token, msg_id, None, since, 1, None)
         if not found["messages"]:
-            raise CliError(f"no message with id {msg_id!r} stored in the last {since}"
+            raise CliError((f"{by_offset}, and no message" if by_offset else "no message")
+                           + f" with id {msg_id!r} stored in the last {since}"
                            + (" (scan limit reached: narrow it)" if found["truncated"] else "") + ": try a longer --since",
                            exitcodes.NOT_FOUND)
         m = _row(found["messages"][0])
