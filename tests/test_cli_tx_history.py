@@ -136,3 +136,32 @@ def test_an_all_digit_transaction_id_is_a_transaction_id_for_inspect_resolve_and
     assert [(r["tx_id"], r["status"]) for r in rows] == [(tx_id, "already")], rows
     r = run(broker, "discard", "replay", tx_id, "--to", "half", "-o", "jsonl")
     assert r.returncode == CONFLICT and "it is committed" in err(r) and lines(r)[0]["ref"] == tx_id, err(r)
+
+
+@pytest.mark.parametrize("tx_id", ["7F3AC0DE", "12345", "2786730268822456" + "0" * 15 + "1", "+5", "-3", "null", "-",
+                                   "{x", "[1]", "a b", '"q"', "x[/y]", "it's"])
+def test_a_transaction_id_written_as_a_ref_argument_reads_back_as_that_id(tx_id):
+    import shlex
+
+    from txmq.cli.commands._bulk import parse_ref, ref_argument
+
+    (word,) = shlex.split(ref_argument(tx_id))
+    assert parse_ref(word, "REF", "half_offset") == (tx_id, {"tx_id": tx_id})
+
+
+def test_inspect_tx_reads_refs_as_resolve_does(broker):
+    sent = pend(broker, "short-id")
+    short = "12345"
+
+    async def go():
+        c = await PipeClient.open(broker)
+        try:
+            return await c.ok("send", {"topic": "t-txh", "body": b"x", "properties": {"TRAN_MSG": "true", "PGROUP": "g", "UNIQ_KEY": short}})
+        finally:
+            await c.close()
+
+    arun(go())
+    assert one(run(broker, "inspect", "tx", json.dumps(short), "-o", "json"))["tx_id"] == short  # a JSON string: an id
+    assert one(run(broker, "inspect", "tx", f"+{sent['half_offset']}", "-o", "json"))["tx_id"] == sent["tx_id"]
+    row = json.dumps({"tx_id": sent["tx_id"], "half_offset": 999999})  # a row of `inspect half -o jsonl`: its tx_id
+    assert one(run(broker, "inspect", "tx", row, "-o", "json"))["tx_id"] == sent["tx_id"]

@@ -100,6 +100,19 @@ def parse_ref(line: str, where: str, offset_key: str, object_keys: tuple[str, ..
     return _tx_ref(text, where)
 
 
+def ref_argument(tx_id: str) -> str:
+    """A transaction id as a shell word that `resolve`, `discard replay` and `inspect tx` read back as that id."""
+    import shlex
+
+    bare = len(tx_id.split()) == 1 and tx_id == tx_id.strip() and not tx_id.startswith(('{', '[', '"'))
+    try:
+        if bare and tx_id not in ("null", "true", "false", "-") and parse_ref(tx_id, "", "offset") == (tx_id, {"tx_id": tx_id}):
+            return shlex.quote(tx_id)
+    except CliError:
+        pass
+    return shlex.quote(json.dumps(tx_id))
+
+
 def _stdin_lines() -> Iterator[str]:
     """Lines of stdin, each at most MAX_REF_LINE bytes (a longer one is refused without reading it all)."""
     buf = getattr(sys.stdin, "buffer", None)

@@ -10,6 +10,7 @@ import typer
 from .. import exitcodes
 from ..common import DEFAULT_BROKER, BrokerOpt, CliError, OutputOpt, TokenOpt, parse_duration, run, stop_event
 from ..console import Output, RowSink, err, esc, note, out, resolve_output, to_jsonable, warn
+from ._bulk import ref_argument
 
 EPILOG = """Examples:
 
@@ -177,7 +178,7 @@ class _Checker:
                     self._show({**row, "event": "discarded", "checks": r.get("checks", row["checks"]), "answer": "unknown",
                                 "status": "discarded", "outcome": "discarded",
                                 "message": f"discarded by the broker ({r.get('decided_by')}) after {r.get('checks')} check(s); "
-                                           f"`txmq discard replay {tx_id}` puts it back"})
+                                           f"`txmq discard replay {ref_argument(tx_id)}` puts it back"})
 
     async def _check_now(self, client: Any) -> None:
         from txmq.wire import TxmqError

@@ -9,7 +9,7 @@ import typer
 from txmq.constants import OP_TOPIC
 
 from .. import exitcodes
-from ..common import DEFAULT_BROKER, WIRE_INT_MAX, BrokerOpt, CliError, digits_are_offset, OutputOpt, TokenOpt, parse_duration, run
+from ..common import DEFAULT_BROKER, WIRE_INT_MAX, BrokerOpt, CliError, OutputOpt, TokenOpt, parse_duration, run
 from ..console import Output, emit_document, esc, fmt_age, fmt_ts, fmt_when, new_table, note, out, print_table, render, resolve_output
 
 app = typer.Typer(help="Look at pending transactions, op records and the check offsets.", no_args_is_help=True)
@@ -233,14 +233,13 @@ def tx(
     output: OutputOpt = None,
 ) -> None:
     """One transaction's whole history: half copies, check-backs, decision, committed message, discard and replay."""
-    fields: dict[str, Any]
-    if ref.isdigit() and ref.isascii() and digits_are_offset(ref):
-        n = int(ref)
-        if n > WIRE_INT_MAX:
-            raise CliError(f"{ref} is out of range: offsets are 0 to {WIRE_INT_MAX}", exitcodes.USAGE)
-        fields = {"commit_log_offset" if commit_log_offset else "half_offset": n}
-    else:
-        fields = {"tx_id": ref}
+    from ._bulk import parse_ref
+
+    parsed = parse_ref(ref, f"REF {ref[:60]!r}", "commit_log_offset" if commit_log_offset else "half_offset",
+                       ("half_offset", "commit_log_offset"))  # the REF grammar of resolve (docs/cli.md, "REFs")
+    if parsed is None:
+        raise CliError("an empty REF: name a transaction by id or offset", exitcodes.USAGE)
+    fields: dict[str, Any] = parsed[1]
     if data_dir is not None:
         from ._offline import DataDir
 
