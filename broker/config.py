@@ -162,6 +162,8 @@ class BrokerConfig:
         if self.partial_frame_budget < self.max_frame:
             raise ValueError(f"--partial-frame-budget {self.partial_frame_budget} is smaller than --max-frame {self.max_frame}: "
                              "no frame of the largest size could ever be received")
+        if not (0.001 <= self.flush_interval_s <= 3600):  # 0 would spin the flusher on a CPU
+            raise ValueError(f"--flush-interval must be between 1ms and 1h, not {self.flush_interval_s:g}s")
         if not (0 <= self.auth_timeout_s <= 86400) or not (0 <= self.frame_timeout_s <= 86400):
             raise ValueError("--auth-timeout and --frame-timeout must be between 0 (none) and 1d")
         if not (0 <= self.busy_poll_s <= defaults.MAX_BUSY_POLL_S):

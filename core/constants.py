@@ -36,7 +36,7 @@ PROP_REPLAYED = "TXMQ_REPLAYED"  # on a half copy put back from the discard topi
 
 SYSTEM_TOPICS = frozenset({HALF_TOPIC, OP_TOPIC, DISCARD_TOPIC})
 
-TOPIC_RE = re.compile(r"^[%|a-zA-Z0-9_-]{1,127}$")
+TOPIC_RE = re.compile(r"^[%|a-zA-Z0-9_-]{1,127}\Z")  # \Z: `$` would let a trailing newline through
 
 DEFAULT_PORT = 10911
 DEFAULT_HOST = "127.0.0.1"

@@ -111,6 +111,10 @@ def test_an_integer_too_large_for_the_wire_is_a_usage_error_and_changes_nothing(
     (["discard", "list", "--limit", "99999999999999999999"], "Invalid value"),
     (["send", "bi-t", "x", "--queue", str(2 ** 70)], "Invalid value"),
     (["send", "bi-t", "x", "--queue", "1024"], "Invalid value"),
+    (["send", "nl\n", "x"], "invalid topic name"),
+    (["send", "bi-t", "x", "--key", "order 1"], "bad --key"),
+    (["send", "bi-t", "x", "--key", ""], "bad --key"),
+    (["read", "bi-t", "--from", "9" * 5000], "out of range"),
     (["consume", "bi-t", "--group", "g", "--queue", str(2 ** 70)], "Invalid value"),
     (["config", "set", "retention", "99999999999999999999d"], "out of range"),
 ])

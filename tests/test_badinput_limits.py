@@ -374,6 +374,7 @@ def test_properties_over_the_limit_get_body_too_large(tmp_path):
     (["--auth-token", "t", "--max-preauth-frame", "100"], "--max-preauth-frame 100 is too small to carry a hello"),
     (["--partial-frame-budget", "1000"], "--partial-frame-budget 1000"),
     (["--max-connections", "0"], "--max-connections"),
+    (["--flush", "async", "--flush-interval", "0"], "--flush-interval must be between 1ms and 1h"),
 ])
 def test_limits_the_broker_could_not_serve_with_exit_2(tmp_path, args, says):
     data = tmp_path / "data"

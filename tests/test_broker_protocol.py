@@ -61,6 +61,7 @@ NON_FATAL = [
     ("nope", {}, ErrorCode.UNKNOWN_OPERATION),
     ("send", {"topic": 5, "body": b"x"}, ErrorCode.INVALID_TOPIC),
     ("send", {"topic": "bad topic!", "body": b"x"}, ErrorCode.INVALID_TOPIC),
+    ("send", {"topic": "nl\n", "body": b"x"}, ErrorCode.INVALID_TOPIC),
     ("send", {"topic": "t", "body": 12}, ErrorCode.INVALID_FIELD),
     ("send", {"topic": "t", "body": b"x", "properties": {"a": 1}}, ErrorCode.INVALID_FIELD),
     ("send", {"topic": "t", "body": b"x", "queue_id": 99}, ErrorCode.NO_SUCH_QUEUE),

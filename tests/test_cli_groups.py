@@ -125,6 +125,8 @@ def test_read_prints_messages_without_committing_and_stops_at_the_end(broker):
     assert set(got[0]) >= {"topic", "queue_id", "queue_offset", "commit_log_offset", "msg_id", "body", "stored_at"}
     assert [m["body"] for m in lines(ok(run(broker, "read", "r-all", "--from", "3", "-q", "0")))] == ["r-all-3", "r-all-4"]
     assert len(lines(ok(run(broker, "read", "r-all", "--count", "2")))) == 2
+    assert len(lines(ok(run(broker, "read", "r-all", "--from", "36500d")))) == 5  # from before 1970: from the start
+    assert lines(ok(run(broker, "message", "find", "--key", "nothing-has-it", "--since", "36500d"))) == []
     assert lines(ok(run(broker, "read", "r-all", "--from", "latest"))) == []
     assert all(g["group"] for g in lines(ok(run(broker, "groups", "list"))))
     assert "r-all" not in json.dumps(lines(ok(run(broker, "groups", "list"))))  # nothing committed

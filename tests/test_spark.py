@@ -569,6 +569,7 @@ def test_since_and_until_accept_iso_times_and_durations():
     assert parse_when("2024-05-01T02:00:00+02:00") == 1714521600000
     assert parse_when("1h", now=10_000.0) == 6_400_000
     assert parse_when("90m ago", now=10_000.0) == 4_600_000
+    assert parse_when("20000101", now=30_000_000.0) == 9_999_899_000  # a bare number is seconds, not a basic-format date
     assert parse_when("2024-05-01") == int(datetime(2024, 5, 1).astimezone().timestamp() * 1000)
     with pytest.raises(CliError) as e:
         parse_when("yesterday")

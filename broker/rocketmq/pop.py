@@ -60,7 +60,7 @@ log = logging.getLogger("txmq.broker.rocketmq")
 
 DLQ_PREFIX = "%DLQ%"
 MAX_GROUP_LEN = 127 - len(DLQ_PREFIX)  # so that %DLQ%<group> is a topic name (at most 127 characters)
-GROUP_RE = re.compile(rf"^[%a-zA-Z0-9_-]{{1,{MAX_GROUP_LEN}}}$")
+GROUP_RE = re.compile(rf"^[%a-zA-Z0-9_-]{{1,{MAX_GROUP_LEN}}}\Z")
 PROP_DLQ_ORIGIN_TOPIC = "DLQ_ORIGIN_TOPIC"
 PROP_DLQ_ORIGIN_MESSAGE_ID = "DLQ_ORIGIN_MESSAGE_ID"
 PROP_DLQ_ORIGIN_QUEUE = "TXMQ_DLQ_ORIGIN_QUEUE"  # "<queue id>:<queue offset>" of the message given up

@@ -7,7 +7,7 @@ import time
 from typing import NamedTuple
 
 from .. import exitcodes
-from ..common import WIRE_INT_MAX, CliError, parse_duration
+from ..common import OFFSET_DIGITS, WIRE_INT_MAX, CliError, parse_duration
 
 _DIGITS = re.compile(r"\+?[0-9]+")
 _HAS_UNIT = re.compile(r".*[0-9](ms|s|m|h|d)")
@@ -25,13 +25,15 @@ def parse_position(text: str, now: float | None = None) -> Position:
     if t in ("earliest", "latest"):
         return Position(t)
     if _DIGITS.fullmatch(t):
+        if len(t.lstrip("+")) > OFFSET_DIGITS:  # no offset is that long (and int() of thousands of digits refuses)
+            raise CliError(f"offset {t[:40]}{'...' if len(t) > 40 else ''} is out of range: 0 to 2^62", exitcodes.USAGE)
         n = int(t)
         if n > WIRE_INT_MAX:
             raise CliError(f"offset {t} is out of range: 0 to 2^62", exitcodes.USAGE)
         return Position("offset", offset=n)
     now = time.time() if now is None else now
     if _HAS_UNIT.fullmatch(t):
-        return Position("time", time_ms=int((now - parse_duration(t)) * 1000))
+        return Position("time", time_ms=max(0, int((now - parse_duration(t)) * 1000)))  # before 1970: from the start
     from datetime import datetime, timezone
 
     try:

@@ -37,7 +37,7 @@ def start(
     host: Annotated[Optional[str], typer.Option(help=f"Address to listen on [default: {DEFAULT_HOST}]. Another address without --auth-token draws a warning.", show_default=False)] = None,
     port: Annotated[int, typer.Option(help="Port to listen on.", min=1, max=65535)] = DEFAULT_PORT,
     flush: Annotated[str, typer.Option(help="sync: acknowledge after fsync (group commit); async: fsync every --flush-interval.")] = defaults.FLUSH,
-    flush_interval: Annotated[str, typer.Option(help="Async flush interval.")] = _duration(defaults.FLUSH_INTERVAL_S),
+    flush_interval: Annotated[str, typer.Option(help="Async flush interval (1ms to 1h).")] = _duration(defaults.FLUSH_INTERVAL_S),
     check_interval: Annotated[Optional[str], typer.Option(help=f"Check-back interval [default: {_duration(defaults.CHECK_INTERVAL_S)}].", show_default=False)] = None,
     transaction_timeout: Annotated[Optional[str], typer.Option("--transaction-timeout", "--timeout", help=f"Check immunity of a new half message [default: {_duration(defaults.TRANSACTION_TIMEOUT_S)}].", show_default=False)] = None,
     max_checks: Annotated[Optional[int], typer.Option(help=f"Checks before a transaction is discarded [default: {defaults.MAX_CHECKS}].", show_default=False)] = None,

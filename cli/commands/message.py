@@ -77,7 +77,7 @@ def get(
 def _find(broker: str, token: str | None, key: str, topic: str | None, since: str, limit: int, max_scan: int | None) -> dict:
     from ..client_ops import call
 
-    fields: dict[str, Any] = {"key": key, "since_ms": int((time.time() - parse_duration(since)) * 1000), "limit": limit}
+    fields: dict[str, Any] = {"key": key, "since_ms": max(0, int((time.time() - parse_duration(since)) * 1000)), "limit": limit}
     if topic:
         fields["topic"] = topic
     if max_scan:

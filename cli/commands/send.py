@@ -80,6 +80,10 @@ def send(
     if tag is not None:
         props["TAGS"] = tag
     if key:
+        for k in key:
+            if not k or len(k.split()) != 1 or k != k.strip():  # KEYS is space-separated: 'a b' would be two keys
+                raise CliError(f"bad --key {k!r}: a key is one word, without spaces (give --key again for several)",
+                               exitcodes.USAGE)
         props["KEYS"] = " ".join(key)
     if tx:
         props["TRAN_MSG"] = "true"

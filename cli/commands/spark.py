@@ -57,10 +57,11 @@ def parse_when(text: str, now: float | None = None) -> int:
     s = text.strip()
     iso = s[:-1] + "+00:00" if s.endswith(("Z", "z")) else s
     try:
-        dt = datetime.fromisoformat(iso)
+        # a bare number is seconds ago, as in every duration; Python also reads 20240501 as a date
+        dt = None if s.replace(".", "", 1).isdigit() else datetime.fromisoformat(iso)
     except ValueError:
-        pass
-    else:
+        dt = None
+    if dt is not None:
         if dt.tzinfo is None:
             dt = dt.astimezone()  # a naive time is local time
         return int(dt.timestamp() * 1000)
