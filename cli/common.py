@@ -69,6 +69,11 @@ def digits_are_offset(text: str) -> bool:
     return len(text.lstrip("+")) <= OFFSET_DIGITS or text.startswith("+")
 
 
+def choices(*values: str) -> Callable[[str], list[str]]:
+    """Tab completion of an option whose value is one of a few words (validated where it is used)."""
+    return lambda incomplete: [v for v in values if v.startswith(incomplete)]
+
+
 def parse_duration(text: str) -> float:
     """'500ms', '30s', '10m', '72h', '2d', combinations ('1h30m'), or a bare number of seconds -> seconds."""
     t = text or ""

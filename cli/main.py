@@ -100,6 +100,12 @@ def normalize_args(args: list[str]) -> tuple[list[str], str | None, bool]:
     (they are taken out here); -b/--broker, --token, -o/--output given
     before the command name are moved after it. Nothing after `--` is touched.
     """
+    rest, moved, tail, context, debug = _split_globals(args)
+    return (["--debug"] if debug else []) + rest + moved + tail, context, debug
+
+
+def _split_globals(args: list[str]) -> tuple[list[str], list[str], list[str], str | None, bool]:
+    """(the command's words, the global options given before it, what follows `--`, --context NAME, --debug given)."""
     cut = args.index("--") if "--" in args else len(args)
     head, tail = args[:cut], args[cut:]
     rest: list[str] = []
@@ -128,7 +134,36 @@ def normalize_args(args: list[str]) -> tuple[list[str], str | None, bool]:
                 in_command = True
             rest.append(a)
         i += 1
-    return (["--debug"] if debug else []) + rest + moved + tail, context, debug
+    return rest, moved, tail, context, debug
+
+
+_GLOBAL_FLAGS = ("--context", "--debug")
+
+
+def _install_completion() -> None:
+    """Typer's shell completion, taught the global options: skipped before the command, --context NAME completed."""
+    from typer._click.shell_completion import CompletionItem, add_completion_class
+    from typer._completion_classes import BashComplete, FishComplete, ZshComplete
+
+    def get_completion_args(self: Any) -> tuple[list[str], str]:
+        args, incomplete = super(type(self), self).get_completion_args()
+        self._after_context = bool(args) and args[-1] == "--context"
+        rest, _moved, tail, _context, _debug = _split_globals(args[:-1] if self._after_context else args)
+        return rest + tail, incomplete
+
+    def get_completions(self: Any, args: list[str], incomplete: str) -> list[Any]:
+        if self._after_context:
+            from .commands.context import _complete_name
+
+            return [CompletionItem(n) for n in _complete_name(incomplete)]
+        items = super(type(self), self).get_completions(args, incomplete)
+        if incomplete.startswith("--"):
+            items += [CompletionItem(f) for f in _GLOBAL_FLAGS if f.startswith(incomplete)]
+        return items
+
+    for shell, cls in (("bash", BashComplete), ("zsh", ZshComplete), ("fish", FishComplete)):
+        add_completion_class(type(cls.__name__, (cls,), {"get_completion_args": get_completion_args,
+                                                         "get_completions": get_completions}), shell)
 
 
 def main() -> None:
@@ -144,6 +179,7 @@ def main() -> None:
         from typer._completion_classes import completion_init
 
         completion_init()
+        _install_completion()
         app(prog_name="txmq")
         return
     args, context_name, debug_flag = normalize_args(sys.argv[1:])

@@ -42,9 +42,9 @@ def test_zsh_and_fish_scripts_name_the_program():
     assert "#   txmq inspect half" in script("bash")
 
 
-def _complete_bash(words: str) -> list[str]:
+def _complete_bash(words: str, **env_extra: str) -> list[str]:
     parts = words.split(" ")
-    env = cli_env(_TXMQ_COMPLETE="complete_bash", COMP_WORDS=words, COMP_CWORD=str(len(parts) - 1))
+    env = cli_env(_TXMQ_COMPLETE="complete_bash", COMP_WORDS=words, COMP_CWORD=str(len(parts) - 1), **env_extra)
     r = subprocess.run(cli_argv(), env=env, capture_output=True, timeout=30)
     assert r.returncode == 0, r.stderr
     return r.stdout.decode().split()
@@ -55,6 +55,28 @@ def test_tab_completion_is_answered_by_the_program():
     assert set(_complete_bash("txmq inspect ")) >= {"half", "op", "offsets"}
     assert _complete_bash("txmq send orders --state ") == ["commit", "rollback", "unknown"]
     assert "check-interval" in _complete_bash("txmq config set ")
+
+
+def test_option_values_that_are_a_few_words_are_completed():
+    assert _complete_bash("txmq broker start --flush ") == ["sync", "async"]
+    assert _complete_bash("txmq broker start --log-format ") == ["kv", "json"]
+    assert _complete_bash("txmq bench ") == ["tx", "tx-client", "send", "consume"]
+    assert _complete_bash("txmq bench tx-client --end ") == ["pipelined", "wait"]
+    assert "outcomes-known-since" not in _complete_bash("txmq config set ")  # read-only: only `config get` takes it
+    assert "outcomes-known-since" in _complete_bash("txmq config get ")
+
+
+def test_completion_skips_global_options_before_the_command_and_completes_context_names(tmp_path):
+    home = {"XDG_CONFIG_HOME": str(tmp_path / "cfg")}
+    assert txmq("context", "add", "prod", "--broker", "127.0.0.1:1", env=home).returncode == 0
+    assert txmq("context", "add", "staging", "--broker", "127.0.0.1:2", env=home).returncode == 0
+    assert set(_complete_bash("txmq -b 127.0.0.1:1 inspect ")) == {"half", "op", "tx", "offsets"}
+    assert _complete_bash("txmq --context prod --debug inspect h") == ["half"]
+    assert _complete_bash("txmq --context ", **home) == ["prod", "staging"]
+    assert _complete_bash("txmq inspect half --context s", **home) == ["staging"]
+    assert "--context" in _complete_bash("txmq --co") and "--debug" in _complete_bash("txmq inspect half --de")
+    env = cli_env(_TXMQ_COMPLETE="complete_zsh", _TYPER_COMPLETE_ARGS="txmq -o json inspect ")
+    assert '"offsets"' in subprocess.run(cli_argv(), env=env, capture_output=True, timeout=30).stdout.decode()
 
 
 def test_startup_imports_nothing_heavy():

@@ -9,7 +9,7 @@ import typer
 from txmq.defaults import MAX_BUSY_POLL_S
 
 from .. import exitcodes
-from ..common import DEFAULT_BROKER, BrokerOpt, CliError, OutputOpt, TokenOpt, parse_address, parse_duration, run
+from ..common import DEFAULT_BROKER, BrokerOpt, CliError, choices, OutputOpt, TokenOpt, parse_address, parse_duration, run
 from ..console import Output, default_output, emit_json, err, out
 
 EPILOG = (
@@ -38,11 +38,11 @@ def _mix(text: str) -> dict[str, float]:
 
 
 def bench(
-    mode: Annotated[str, typer.Argument(help="tx (half + end transaction, wire level), tx-client (transactions through the client library's TransactionProducer), send (plain sends), or consume (pulls).")],
+    mode: Annotated[str, typer.Argument(help="tx (half + end transaction, wire level), tx-client (transactions through the client library's TransactionProducer), send (plain sends), or consume (pulls).", autocompletion=choices("tx", "tx-client", "send", "consume"))],
     broker: BrokerOpt = DEFAULT_BROKER,
     token: TokenOpt = None,
     embedded: Annotated[bool, typer.Option(help="Start a broker in a subprocess on a temporary data directory.")] = False,
-    flush: Annotated[str, typer.Option(help="Flush mode of the --embedded broker: sync or async.")] = "async",
+    flush: Annotated[str, typer.Option(help="Flush mode of the --embedded broker: sync or async.", autocompletion=choices("sync", "async"))] = "async",
     connections: Annotated[int, typer.Option("--connections", "-c", min=1, max=4096, help="Connections.")] = 4,
     inflight: Annotated[int, typer.Option("--inflight", "-n", min=1, max=100_000, help="Requests in flight per connection.")] = 64,
     messages: Annotated[Optional[int], typer.Option("--messages", "-m", min=1, help="Transactions or messages to complete [default: 100000 unless --duration].", show_default=False)] = None,
@@ -52,7 +52,7 @@ def bench(
     mix: Annotated[str, typer.Option(help="tx: weights of the end states, e.g. commit=8,rollback=1,unknown=1 (a checker answers unknowns).")] = "commit=1",
     rate: Annotated[Optional[float], typer.Option(min=1, help="Limit to this many units per second (open loop), to measure latency below saturation.", show_default=False)] = None,
     topic: Annotated[str, typer.Option(help="Topic to use.")] = "bench",
-    end: Annotated[str, typer.Option(help="tx-client: pipelined (send_in_transaction returns once the end is queued, the library's default) or wait (each call waits for the end's reply).")] = "pipelined",
+    end: Annotated[str, typer.Option(help="tx-client: pipelined (send_in_transaction returns once the end is queued, the library's default) or wait (each call waits for the end's reply).", autocompletion=choices("pipelined", "wait"))] = "pipelined",
     busy_poll: Annotated[str, typer.Option(help="tx-client: the producers' busy_poll, e.g. 1ms (spin on the socket for a reply "
                                             "while one connection of the process is busy; docs/client.md, \"Busy polling\"); 0 = off, as by default.")] = "0",
     output: OutputOpt = None,

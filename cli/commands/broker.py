@@ -12,7 +12,7 @@ from txmq import defaults
 from txmq.constants import DEFAULT_HOST, DEFAULT_PORT
 
 from .. import exitcodes
-from ..common import DEFAULT_BROKER, BrokerOpt, CliError, OutputOpt, TokenOpt, parse_duration
+from ..common import DEFAULT_BROKER, BrokerOpt, CliError, choices, OutputOpt, TokenOpt, parse_duration
 from ..console import default_output, kv_table, warn
 
 app = typer.Typer(help="Run a broker or ask one how it is.", no_args_is_help=True)
@@ -36,7 +36,7 @@ def start(
     data_dir: Annotated[Optional[Path], typer.Option("--data-dir", "-d", envvar="TXMQ_DATA_DIR", help="Data directory [default: ~/.local/share/txmq].", show_default=False)] = None,
     host: Annotated[Optional[str], typer.Option(help=f"Address to listen on [default: {DEFAULT_HOST}]. Another address without --auth-token draws a warning.", show_default=False)] = None,
     port: Annotated[int, typer.Option(help="Port to listen on.", min=1, max=65535)] = DEFAULT_PORT,
-    flush: Annotated[str, typer.Option(help="sync: acknowledge after fsync (group commit); async: fsync every --flush-interval.")] = defaults.FLUSH,
+    flush: Annotated[str, typer.Option(help="sync: acknowledge after fsync (group commit); async: fsync every --flush-interval.", autocompletion=choices("sync", "async"))] = defaults.FLUSH,
     flush_interval: Annotated[str, typer.Option(help="Async flush interval (1ms to 1h).")] = _duration(defaults.FLUSH_INTERVAL_S),
     check_interval: Annotated[Optional[str], typer.Option(help=f"Check-back interval [default: {_duration(defaults.CHECK_INTERVAL_S)}].", show_default=False)] = None,
     transaction_timeout: Annotated[Optional[str], typer.Option("--transaction-timeout", "--timeout", help=f"Check immunity of a new half message [default: {_duration(defaults.TRANSACTION_TIMEOUT_S)}].", show_default=False)] = None,
@@ -44,8 +44,8 @@ def start(
     retention: Annotated[Optional[str], typer.Option(help=f"Log retention [default: {_duration(defaults.RETENTION_S)}].", show_default=False)] = None,
     auth_token: Annotated[Optional[str], typer.Option(envvar="TXMQ_AUTH_TOKEN", help="Shared secret clients must present.", show_default=False)] = None,
     metrics_port: Annotated[Optional[int], typer.Option(help="Serve Prometheus metrics on 127.0.0.1:PORT (same host as --host).", show_default=False, min=1, max=65535)] = None,
-    log_format: Annotated[str, typer.Option(help="kv (key=value) or json.")] = "kv",
-    log_level: Annotated[str, typer.Option(help="debug, info, warning, error.")] = "info",
+    log_format: Annotated[str, typer.Option(help="kv (key=value) or json.", autocompletion=choices("kv", "json"))] = "kv",
+    log_level: Annotated[str, typer.Option(help="debug, info, warning, error.", autocompletion=choices("debug", "info", "warning", "error"))] = "info",
     segment_size: Annotated[int, typer.Option(help="Commit-log segment size in bytes.", hidden=True, min=1 << 16, max=1 << 40)] = defaults.SEGMENT_SIZE,
     max_frame: Annotated[int, typer.Option(help="Largest frame accepted, bytes.", min=1024, max=(1 << 32) - 1)] = defaults.MAX_FRAME,
     max_body: Annotated[int, typer.Option(help="Largest message body accepted, bytes.", min=0, max=(1 << 32) - 1)] = defaults.MAX_BODY,

@@ -6,7 +6,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from .. import exitcodes
-from ..common import DEFAULT_BROKER, BrokerOpt, CliError, OutputOpt, TokenOpt, parse_duration
+from ..common import DEFAULT_BROKER, BrokerOpt, CliError, choices, OutputOpt, TokenOpt, parse_duration
 from ..console import emit_document, fmt_duration, fmt_ts, fmt_when, new_table, out, print_table, resolve_output
 
 app = typer.Typer(help="Read and change the check settings of a running broker.", no_args_is_help=True)
@@ -48,8 +48,9 @@ def human(key: str, value: Any) -> str:
     return str(value) if key == "max_checks" else fmt_duration(float(value))
 
 
-def _complete_key(incomplete: str) -> list[str]:
-    return [k for k in ("check-interval", "transaction-timeout", "max-checks", "retention", "outcomes-known-since") if k.startswith(incomplete)]
+_SETTABLE = ("check-interval", "transaction-timeout", "max-checks", "retention")
+_complete_key = choices(*_SETTABLE, "outcomes-known-since")  # get: every key; set: outcomes-known-since is read-only
+_complete_settable = choices(*_SETTABLE)
 
 
 @app.command(epilog="""Examples:
@@ -116,7 +117,7 @@ the effect and changes nothing (keys: key, old, new, dry_run, pending,
 would_discard, would_delete_pending).""")
 def set_(
     key: Annotated[str, typer.Argument(metavar="KEY", help="check-interval, transaction-timeout (alias timeout), max-checks or retention.",
-                                       show_default=False, autocompletion=_complete_key)],
+                                       show_default=False, autocompletion=_complete_settable)],
     value: Annotated[str, typer.Argument(metavar="VALUE", help="The new value: a duration, or a count for max-checks.", show_default=False)],
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Apply a change that discards pending transactions without asking.")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", "-n", help="Show what the change would discard; change nothing.")] = False,
