@@ -170,7 +170,7 @@ def get_message(core, msg_id: str | None, cl_offset: int | None) -> dict[str, An
         raise TxmqError(f"no message at commit-log offset {cl_offset} (the log holds {store.min_offset} to {store.max_offset})",
                         ErrorCode.NO_SUCH_MESSAGE)
     try:
-        rec = store.read(cl_offset)
+        rec = store.read_record(cl_offset)  # never a record forged inside a message body
     except Exception:
         raise TxmqError(f"no message starts at commit-log offset {cl_offset}", ErrorCode.NO_SUCH_MESSAGE) from None
     if is_system_topic(rec.topic):

@@ -23,6 +23,7 @@ import os
 import struct
 
 from .codec import HEADER_SIZE
+from .errors import CorruptRecordError
 from .files import fsync_dir, fsync_path, list_numbered, offset_name
 
 ENTRY = struct.Struct(
@@ -382,3 +383,20 @@ class ConsumeQueue:
                     return self.truncate(lo + j + 1) if lo + j + 1 < self.next else 0
             i = lo
         return self.truncate(self.base) if self.next > self.base else 0
+
+
+def stored_record_at(store, offset: int):
+    """The record that starts at offset (a Store or StoreReader), checked against its consume-queue entry.
+
+    ``read`` validates the bytes at offset, and a message body can hold any
+    bytes, including a valid record whose offset field names the place it
+    sits at: an offset inside another record's body, as a client may give,
+    would read back a record nobody stored. Every stored record has its
+    entry in its queue (topic, queue id, queue offset) pointing at it, and
+    a forged one does not. Raises CorruptRecordError when it does not.
+    """
+    rec = store.read(offset)
+    entry = store.cq_entries(rec.topic, rec.queue_id, rec.queue_offset, 1)
+    if not entry or entry[0][0] != offset:
+        raise CorruptRecordError(f"no stored record starts at {offset}: the bytes there lie inside another record")
+    return rec

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 from .checkpoint import CHECKPOINT, Checkpoint, decode_checkpoint, read_checkpoint
 from .codec import Record, tag_hash
-from .consumequeue import ENTRY, ENTRY_SIZE, ConsumeQueue, Entry, pick_entries
+from .consumequeue import ENTRY, ENTRY_SIZE, ConsumeQueue, Entry, pick_entries, stored_record_at
 from .damage import Damage, DamageLog
 from .errors import CorruptRecordError
 from .files import list_numbered, offset_name
@@ -231,6 +231,10 @@ class StoreReader(LogView):
         if offset >= self._readable_end():
             self._refresh()
         return super().read(offset)
+
+    def read_record(self, offset: int) -> Record:
+        """The record that starts at offset, for an offset a user gave (``stored_record_at``)."""
+        return stored_record_at(self, offset)
 
     def read_many(self, offsets: Sequence[int], raw: bool = False) -> list[Record] | list[memoryview]:
         if offsets and max(offsets) >= self._readable_end():

@@ -24,7 +24,7 @@ import msgpack
 from .checkpoint import Checkpoint, read_checkpoint, write_checkpoint
 from .codec import EMPTY_PROPS, HEADER, HEADER_SIZE, TAGS_PROPERTY, Message, RawCopy, Record, encode_raw, tag_hash
 from .commitlog import AT_START, CommitLog
-from .consumequeue import ENTRY, ENTRY_SIZE, ConsumeQueue, Entry, pick_entries
+from .consumequeue import ENTRY, ENTRY_SIZE, ConsumeQueue, Entry, pick_entries, stored_record_at
 from .damage import Damage, DamageLog
 from .errors import FULL_ERRNOS, CorruptRecordError, RecordTooLargeError, StoreError, StoreLockedError
 from .files import atomic_write_bytes, fsync_dir
@@ -501,6 +501,10 @@ class Store:
     def read_many(self, offsets: Sequence[int], raw: bool = False) -> list[Record] | list[memoryview]:
         """The records at offsets; with raw, (validated bytes, unpacked header) pairs for RawCopy."""
         return self._open_log().read_many(offsets, raw)
+
+    def read_record(self, offset: int) -> Record:
+        """The record that starts at offset, for an offset a client gave (``stored_record_at``)."""
+        return stored_record_at(self, offset)
 
     def scan(self, start: int = 0, end: int | None = None) -> Iterator[Record]:
         """Records from start (a record boundary, or below the log's start) up to end, in order.

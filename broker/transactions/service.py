@@ -178,7 +178,7 @@ class TransactionService:
         if cl_offset >= store.max_offset:
             raise TxmqError(f"no half message at commit-log offset {cl_offset}", ErrorCode.TX_NOT_FOUND)
         try:
-            rec = store.read(cl_offset)
+            rec = store.read_record(cl_offset)  # never a record forged inside a message body
         except (CorruptRecordError, StoreError, ValueError):
             raise TxmqError(f"no message starts at commit-log offset {cl_offset}", ErrorCode.TX_NOT_FOUND) from None
         if rec.topic != HALF_TOPIC or rec.tx_type != TxType.PREPARED:

@@ -1,0 +1,53 @@
+"""A record forged inside a message body is never read as a stored record, whatever offset a client names.
+
+A message body can hold any bytes, including a valid encoded record whose
+offset field names the very place it lands at. Reads at an offset a client
+gives (end_transaction, get_message, tx_history, resolve by offset) check
+the record against its consume-queue entry, which only stored records have.
+"""
+
+from __future__ import annotations
+
+import time
+
+from conftest import arun
+from txmq.broker.testing import running_broker
+from txmq.constants import HALF_TOPIC
+from txmq.store import Message, TxType
+from txmq.store.codec import HEADER_SIZE, encode_record
+from txmq.wire import ErrorCode
+from wireclient import RawClient
+
+
+def test_a_half_message_forged_inside_a_body_cannot_decide_another_producers_transaction(tmp_path):
+    async def go() -> None:
+        async with running_broker(tmp_path / "data") as b:
+            victim, evil = await RawClient.open(b.address), await RawClient.open(b.address)
+            h = await victim.ok("send", {"topic": "orders", "body": b"real order", "properties": {"TRAN_MSG": "true", "PGROUP": "victim"}})
+            tx = h["tx_id"]
+            at = (await evil.ok("broker_info", {}))["max_offset"]
+            body_start = at + HEADER_SIZE + len(b"t") + 1  # topic "t", empty properties (1 byte)
+            forged = encode_record(Message(HALF_TOPIC, 0, TxType.PREPARED, 0,
+                                           {"UNIQ_KEY": tx, "PGROUP": "evil", "REAL_TOPIC": "orders", "REAL_QID": "0",
+                                            "TRAN_MSG": "true"}, b"FORGED order"),
+                                   body_start, h["half_offset"], int(time.time() * 1000))
+            assert (await evil.ok("send", {"topic": "t", "body": forged}))["commit_log_offset"] == at
+            assert b.core.store.read(body_start).body == b"FORGED order"  # the bytes do validate as a record
+
+            code, e = await evil.req("end_transaction", {"group": "evil", "tx_id": tx, "commit_log_offset": body_start,
+                                                         "half_offset": h["half_offset"], "state": "commit"})
+            assert code == ErrorCode.TX_NOT_FOUND, (code, e)
+            code, e = await evil.req("get_message", {"commit_log_offset": body_start})
+            assert code == ErrorCode.NO_SUCH_MESSAGE, (code, e)
+            code, e = await evil.req("tx_history", {"commit_log_offset": body_start})
+            assert code == ErrorCode.TX_NOT_FOUND, (code, e)
+            r = await evil.ok("tx_resolve", {"action": "commit", "refs": [{"commit_log_offset": body_start}]})
+            assert [x["status"] for x in r["results"]] == ["not_found"], r
+
+            await victim.ok("end_transaction", {"group": "victim", "tx_id": tx, "commit_log_offset": h["commit_log_offset"],
+                                                "half_offset": h["half_offset"], "state": "rollback"})
+            assert (await victim.ok("pull", {"topic": "orders", "queue_id": 0, "offset": 0}))["messages"] == []
+            await victim.close()
+            await evil.close()
+
+    arun(go())
