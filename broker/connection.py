@@ -280,7 +280,7 @@ class BrokerConnection(asyncio.Protocol):
             self._reply_error(id_, self.core.store_error(exc))
             return
         if isinstance(result, dict):
-            self._send(reply(id_, result))
+            self._send_reply(id_, result)
             return
         self.inflight += 1
         if self.inflight == 1:
@@ -306,7 +306,7 @@ class BrokerConnection(asyncio.Protocol):
             self.core.busy_connections -= 1
         self._pull_bytes -= cost
         if not fut.cancelled() and fut.exception() is None:
-            self._send(reply(id_, fut.result()), now=not self.inflight)
+            self._send_reply(id_, fut.result(), now=not self.inflight)
             if self._read_paused:
                 self._maybe_resume_reading()
             return
@@ -315,7 +315,7 @@ class BrokerConnection(asyncio.Protocol):
         else:
             exc = fut.exception()
             if exc is None:
-                self._send(reply(id_, fut.result()))
+                self._send_reply(id_, fut.result())
             elif isinstance(exc, TxmqError):
                 self._reply_error(id_, exc)
             else:
@@ -357,6 +357,14 @@ class BrokerConnection(asyncio.Protocol):
             self._read_paused = False
             transport.resume_reading()  # drain what the client still sends (data_received drops it)
         self._loop.call_later(LINGER_S, transport.close)
+
+    def _send_reply(self, id_: int, result: dict[str, Any], now: bool = False) -> None:
+        try:
+            data = reply(id_, result)
+        except Exception as exc:  # a value no frame can carry (a bug): an error reply, and the connection goes on
+            self._reply_error(id_, self.core.store_error(exc))
+            return
+        self._send(data, now=now)
 
     def _send(self, data: bytes, now: bool = False) -> None:
         """Queue data for the write at the end of this loop iteration; ``now``: write what is queued at once."""

@@ -425,11 +425,21 @@ class BrokerCore:
             if remaining < 0.001:
                 break
             fut = loop.create_future()
-            self._pollers[(topic, queue_id)].append(fut)
+            key = (topic, queue_id)
+            self._pollers[key].append(fut)
             try:
                 await asyncio.wait_for(fut, remaining)
             except asyncio.TimeoutError:
                 pass
+            finally:  # a poll that timed out (or was cancelled) leaves nothing behind on a queue nobody sends to
+                waiters = self._pollers.get(key)
+                if waiters:
+                    try:
+                        waiters.remove(fut)
+                    except ValueError:  # woken: the list it was on is gone already
+                        pass
+                    if not waiters:
+                        del self._pollers[key]
         self.metrics.inc("messages_pulled", len(res.records))
         return {
             "status": res.status.name.lower(),

@@ -224,3 +224,38 @@ def test_long_poll_is_not_woken_by_other_queues(tmp_path):
             await p.close()
 
     arun(go())
+
+
+def test_a_reply_no_frame_can_carry_is_answered_with_an_internal_error_and_the_connection_goes_on(tmp_path, monkeypatch):
+    from txmq.broker import handlers
+
+    async def later(core, conn, f):
+        return {"n": 2 ** 70}
+
+    monkeypatch.setitem(handlers.HANDLERS, "heartbeat", lambda core, conn, f: {"n": 2 ** 70})  # answered at once
+    monkeypatch.setitem(handlers.HANDLERS, "list_topics", later)  # answered by a task
+
+    async def go() -> None:
+        async with running_broker(tmp_path / "data") as b:
+            c = await RawClient.open(b.address)
+            for op in ("heartbeat", "list_topics"):
+                code, fields = await c.req(op, {})
+                assert code == ErrorCode.INTERNAL, (op, code, fields)
+            assert "max_offset" in await c.ok("broker_info", {})
+            await c.close()
+
+    arun(go())
+
+
+def test_long_polls_that_time_out_leave_no_waiter_behind(tmp_path):
+    async def go() -> None:
+        async with running_broker(tmp_path / "data") as b:
+            c = await RawClient.open(b.address)
+            await c.ok("create_topic", {"topic": "idle", "queues": 1})
+            for _ in range(50):
+                r = await c.ok("pull", {"topic": "idle", "queue_id": 0, "offset": 0, "wait_ms": 2})
+                assert r["status"] == "no_message"
+            assert sum(len(w) for w in b.core._pollers.values()) == 0, dict(b.core._pollers)
+            await c.close()
+
+    arun(go())

@@ -51,3 +51,21 @@ def test_a_half_message_forged_inside_a_body_cannot_decide_another_producers_tra
             await evil.close()
 
     arun(go())
+
+
+def test_a_check_immunity_no_number_can_carry_leaves_pending_listings_and_history_answering(tmp_path):
+    """CHECK_IMMUNITY_TIME_IN_SECONDS is a producer's string: inf, nan or 1e20 seconds must not break replies."""
+    async def go() -> None:
+        async with running_broker(tmp_path / "data") as b:
+            c = await RawClient.open(b.address)
+            sent = [await c.ok("send", {"topic": "t", "body": b"x", "properties": {"TRAN_MSG": "true", "PGROUP": "g",
+                                                                                   "CHECK_IMMUNITY_TIME_IN_SECONDS": v}})
+                    for v in ("inf", "nan", "-inf", "1e308", "1e20", "60")]
+            listed = (await c.ok("tx_pending", {}))["transactions"]
+            assert sorted(t["tx_id"] for t in listed) == sorted(h["tx_id"] for h in sent)
+            assert all(0 < t["next_check_at"] < 2 ** 63 for t in listed), listed
+            for h in sent:
+                assert (await c.ok("tx_history", {"tx_id": h["tx_id"]}))["state"] == "pending"
+            await c.close()
+
+    arun(go())

@@ -26,6 +26,8 @@ Events, in commit-log order, and their effect:
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from enum import IntEnum
 from sys import intern
@@ -198,11 +200,20 @@ def _int(v: str | None, default: int) -> int:
     return n if _I64_MIN <= n <= _I64_MAX else default
 
 
+MAX_IMMUNITY_S = 86400 * 3650  # the longest retention: a transaction immune for longer is discarded by retention first
+
+
 def _float(v: str) -> float | None:
+    """A producer-set number of seconds (CHECK_IMMUNITY_TIME_IN_SECONDS), or None when absent, not a number or not finite.
+
+    Clamped to MAX_IMMUNITY_S: 1e20 seconds turns into a check time no
+    reply can carry (msgpack's integers stop at 2^64).
+    """
     try:
-        return float(v)
+        f = float(v)
     except ValueError:
         return None
+    return min(f, MAX_IMMUNITY_S) if math.isfinite(f) else None
 
 
 _OUTCOMES = list(Outcome)
