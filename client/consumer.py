@@ -295,6 +295,12 @@ class Consumer:
 
     async def poll(self, timeout: float = 1.0, max_messages: int | None = None) -> list[ReceivedMessage]:
         """Up to `max_messages` messages, waiting at most `timeout` seconds for the first."""
+        out = await self._take(timeout, max_messages)
+        self._outstanding.extend(out)
+        return out
+
+    async def _take(self, timeout: float, max_messages: int | None = None) -> list[ReceivedMessage]:
+        """poll's messages, not yet handed out: the caller adds each to ``_outstanding`` as it hands it out."""
         self._mark_processed()
         if not self._buffer and self._error is None and not self._closed:
             self._wakeup.clear()
@@ -309,10 +315,13 @@ class Consumer:
             raise self._error
         n = len(self._buffer) if max_messages is None else min(max_messages, len(self._buffer))
         out = [self._buffer.popleft() for _ in range(n)]
-        self._outstanding.extend(out)
         if out and not self._space.is_set():
             self._space.set()
         return out
+
+    async def _give_back(self, msgs: list[ReceivedMessage]) -> None:
+        """Messages taken and never handed out go back to the front of the buffer, in order."""
+        self._buffer.extendleft(reversed(msgs))
 
     def _mark_processed(self) -> None:
         if self._outstanding:
@@ -339,6 +348,8 @@ class Consumer:
         else:
             q, offset = what
         await self._commit_one(q, offset)
+        # an explicit position wins: auto-commit must not put back the older one it had for this queue
+        self._delivered[q] = offset
 
     async def _commit_one(self, q: int, offset: int) -> None:
         await self._client.request("commit_offset", {"group": self.group, "topic": self.topic, "queue_id": q, "offset": offset})

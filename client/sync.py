@@ -234,10 +234,26 @@ class SyncConsumer(_SyncBase):
         return self._call(_value(self._async.lag))
 
     def __iter__(self) -> Iterator[ReceivedMessage]:
+        """Messages one at a time, each counted as processed once the next is asked for (as ``async for``).
+
+        A batch is taken from the buffer at once, but a message is handed
+        out (and later committed) only when yielded: after a ``break`` or an
+        exception the rest of the batch goes back to the buffer, and a
+        ``commit()`` in the loop commits what was yielded, never beyond.
+        """
         stop = self._async.stop_when_caught_up
+        outstanding = self._async._outstanding  # only touched while this thread waits in _call, or here
         while not self._closed:
-            batch = self.poll(self.poll_timeout)
-            yield from batch
+            batch = self._call(self._async._take(self.poll_timeout))
+            handed = 0
+            try:
+                for msg in batch:
+                    handed += 1
+                    outstanding.append(msg)
+                    yield msg
+            finally:
+                if handed < len(batch) and not self._closed:
+                    self._call(self._async._give_back(batch[handed:]))
             if not batch and stop and self.caught_up():
                 return
 

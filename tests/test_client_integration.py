@@ -229,3 +229,54 @@ def test_producer_reregisters_after_a_broker_restart_and_gets_its_check_back(dat
             await proxy.stop()
 
     run(main())
+
+
+def test_an_explicit_commit_is_not_put_back_by_auto_commit(data_dir):
+    async def main():
+        async with running_broker(data_dir) as b:
+            async with Producer(b.address) as p:
+                await p.send_many([Message("t", b"%d" % i) for i in range(10)], queue_id=0)
+            c = await Consumer("g", "t", b.address, queues=[0], auto_commit_interval=0.05).start()
+            got = []
+            while len(got) < 10:
+                got += await c.poll(2.0)
+            await c.commit((0, 0))  # a poll after it would count the batch processed; before one, the position is 0
+            for m in got:
+                await c.commit(m)
+            await asyncio.sleep(0.3)  # several auto-commit ticks, no poll
+            async with Client(b.address) as admin:
+                offsets = (await admin.request("fetch_offsets", {"group": "g", "topic": "t"}))["offsets"]
+            assert offsets == {"0": 10}, offsets
+            await c.close()
+
+    run(main())
+
+
+def test_a_sync_consumer_left_by_break_or_committing_in_the_loop_commits_only_what_it_yielded(data_dir):
+    from txmq.client import SyncConsumer
+
+    async def main():
+        async with running_broker(data_dir) as b:
+            async with Producer(b.address) as p:
+                await p.send_many([Message("t", b"%d" % i) for i in range(20)], queue_id=0)
+
+            def user() -> tuple[list[bytes], dict, list[bytes], list[bytes]]:
+                seen = []
+                with SyncConsumer("g", "t", b.address, queues=[0]) as c:
+                    for msg in c:
+                        seen.append(msg.body)
+                        c.commit()  # everything yielded so far: never the rest of the batch
+                        if len(seen) == 3:
+                            break
+                    committed = c.request("fetch_offsets", {"group": "g", "topic": "t"})["offsets"]
+                    again = [m.body for m in c.poll(2.0)]  # the rest of the batch is still there
+                with SyncConsumer("g", "t", b.address, queues=[0], stop_when_caught_up=True) as c:
+                    rest = [m.body for m in c]
+                return seen, committed, again, rest
+
+            seen, committed, again, rest = await asyncio.to_thread(user)
+            assert seen == [b"0", b"1", b"2"] and committed == {"0": 3}, (seen, committed)
+            assert again[0] == b"3", again
+            assert rest == [], rest  # `again` was handed out by poll and committed at close
+
+    run(main())
