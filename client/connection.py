@@ -45,6 +45,13 @@ PushHandler = Callable[[str, dict[str, Any]], None]
 
 # Replies can hold a whole pull batch; the broker is trusted more than a peer.
 CLIENT_MAX_FRAME = 64 << 20
+# Requests queued in one loop iteration past this many bytes are written when the sender
+# drains (send_many), not at the iteration's end: the transport's flow control then sees
+# them, and a window of large messages is not all held in memory before the first write.
+EARLY_WRITE_BYTES = 256 << 10
+# How long close() lets the transport hand what is queued to a broker that reads nothing
+# (stopped, a stuck disk) before it drops the connection.
+CLOSE_GRACE_S = 5.0
 
 # Operations that may be repeated after a connection drop without changing
 # the outcome. `end_transaction` belongs here because the broker keeps one
@@ -171,6 +178,7 @@ class Connection(asyncio.Protocol):
         self._next_id = 0
         self._transport: asyncio.Transport | None = None
         self._wbuf: list[bytes] = []
+        self._wbuf_bytes = 0
         self._flush_handle: asyncio.Handle | None = None
         self._sent_early = False  # this iteration's first awaited request already went out (send_now)
         self._paused = False
@@ -260,6 +268,7 @@ class Connection(asyncio.Protocol):
         fut = self._loop.create_future()
         pending[i] = fut
         self._wbuf.append(data)
+        self._wbuf_bytes += len(data)
         if self._flush_handle is None:
             self._flush_handle = self._loop.call_soon(self._flush)
         if timeout is not None:
@@ -320,6 +329,7 @@ class Connection(asyncio.Protocol):
         if not buf or self._transport is None or self._closed:
             return
         self._wbuf = []
+        self._wbuf_bytes = 0
         self._transport.write(buf[0] if len(buf) == 1 else b"".join(buf))
         if self._poll_fd >= 0:
             self._schedule_poll()
@@ -344,12 +354,20 @@ class Connection(asyncio.Protocol):
             self._resumed.set_result(None)
         self._resumed = None
 
-    async def drain(self) -> None:
-        """Wait while the transport's write buffer is over its high-water mark."""
+    async def drain(self, timeout: float | None = None) -> None:
+        """Wait while the transport's write buffer is over its high-water mark; TimeoutError after ``timeout`` s.
+
+        Requests queued past EARLY_WRITE_BYTES are written first, so a
+        sender that queues many without yielding is held up here too.
+        """
+        if self._wbuf_bytes >= EARLY_WRITE_BYTES:
+            self._write_out()
         if self._paused and not self._closed:
             if self._resumed is None:
                 self._resumed = self._loop.create_future()
-            await asyncio.wait([self._resumed, self.lost], return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait([self._resumed, self.lost], timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            if not done:
+                raise TimeoutError(f"the broker at {self.peer} read nothing for {timeout:g} s: its connection stays full")
 
     @property
     def writing_paused(self) -> bool:
@@ -413,6 +431,7 @@ class Connection(asyncio.Protocol):
             self._poll_fd = -1
             Connection._polling -= 1
         self._wbuf.clear()
+        self._wbuf_bytes = 0
         if self._flush_handle is not None:
             self._flush_handle.cancel()
             self._flush_handle = None
@@ -441,6 +460,11 @@ class Connection(asyncio.Protocol):
         if self._transport is not None and not self._closed:
             self._flush()
             self._transport.close()
+
+    def abort(self) -> None:
+        """Drop the connection now, without writing what is queued."""
+        if self._transport is not None:
+            self._transport.abort()
 
     async def wait_closed(self) -> None:
         await asyncio.shield(self.lost)
@@ -486,6 +510,10 @@ class Client:
         self.max_retries = max_retries
         self.backoff_initial = backoff_initial
         self.backoff_max = backoff_max
+        # Reconnect pacing across connections: one that is lost soon after it was made (a proxy that
+        # accepts and drops, a broker refusing it right after hello) does not restart the backoff.
+        self._conn_since = 0.0
+        self._next_delay = 0.0
         self.reconnects = 0
         self._conn: Connection | None = None
         self._ready: asyncio.Event | None = None
@@ -548,7 +576,12 @@ class Client:
             self._ready.set()  # wake waiters so they see the client is closed
         if conn is not None:
             conn.close()
-            await conn.wait_closed()
+            try:
+                await asyncio.wait_for(conn.wait_closed(), CLOSE_GRACE_S)
+            except TimeoutError:  # the broker reads nothing: what is queued cannot leave
+                log.warning("connection to %s did not close within %g s; dropped", self.address, CLOSE_GRACE_S)
+                conn.abort()
+                await conn.wait_closed()
 
     # ---- requests -----------------------------------------------------
 
@@ -650,9 +683,10 @@ class Client:
             raise ConnectionLost(f"broker {self.address} unreachable for {wait:g} s") from None
 
     async def drain(self) -> None:
+        """Wait while the connection's write buffer is full, at most ``request_timeout`` (then TimeoutError)."""
         conn = self._conn
         if conn is not None:
-            await conn.drain()
+            await conn.drain(self.request_timeout)
 
     def _unavailable(self) -> TxmqError:
         if self._closed:
@@ -682,6 +716,7 @@ class Client:
 
     def _set_conn(self, conn: Connection) -> None:
         self._conn = conn
+        self._conn_since = asyncio.get_running_loop().time()
         assert self._ready is not None
         self._ready.set()
 
@@ -702,7 +737,14 @@ class Client:
             self._reconnect_task = asyncio.get_running_loop().create_task(self._reconnect_loop(), name="txmq-reconnect")
 
     async def _reconnect_loop(self) -> None:
+        # A connection that lasted at least backoff_max was a good one: start over at once. One lost
+        # sooner continues the backoff of the attempts that made it, first waiting.
+        lasted = asyncio.get_running_loop().time() - self._conn_since
         delay = self.backoff_initial
+        if lasted < self.backoff_max and self._next_delay > 0:
+            delay = self._next_delay
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, self.backoff_max)
         attempt = 0
         while not self._closed:
             attempt += 1
@@ -724,6 +766,7 @@ class Client:
                     return
                 self.reconnects += 1
                 log.info("reconnected to %s after %d attempt(s)", self.address, attempt)
+                self._next_delay = delay
                 self._set_conn(conn)
                 return
             await asyncio.sleep(delay)

@@ -177,11 +177,19 @@ class Consumer:
         return True
 
     async def _discover_loop(self) -> None:
+        client = self._client
         try:
             while True:
                 await asyncio.sleep(self.discover_interval)
-                if await self._discover():
-                    return
+                try:
+                    if await self._discover():
+                        return
+                except TimeoutError:
+                    continue
+                except TxmqError as exc:  # an outage while waiting for the topic: wait on, as the fetch loops do
+                    if not exc.retriable or (isinstance(exc, ConnectionLost) and not client.reconnect):
+                        raise
+                    log.debug("looking for topic %s failed (%s); trying again", self.topic, exc)
         except asyncio.CancelledError:
             raise
         except BaseException as exc:

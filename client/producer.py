@@ -106,7 +106,10 @@ class Producer:
         Results come back in order. With ``return_exceptions`` a failed send
         yields its exception in place of a `SendResult`; otherwise the first
         failure is raised once every request has been answered (the others
-        may have been stored).
+        may have been stored). A broker that reads nothing for
+        ``request_timeout`` (its connection stays full) raises TimeoutError,
+        whatever ``return_exceptions``: the messages after those in flight
+        were not sent.
         """
         client = self._client
         out: list[Any] = []
@@ -124,7 +127,12 @@ class Producer:
                 fields["queue_id"] = queue_id
             if len(in_flight) >= window:
                 await settle_one()
-            await client.drain()
+            try:
+                await client.drain()
+            except TimeoutError:  # the broker reads nothing: the rest is not sent, what is in flight times out
+                while in_flight:
+                    await settle_one()
+                raise
             await client.wait_connected()
             in_flight.append(client.send_request("send", fields))
         while in_flight:

@@ -178,6 +178,10 @@ class TransactionProducer:
         self._client = Client(address, token=token, producer_groups=(group,), push_handler=self._on_push, **client_options)
         self._check_sem: asyncio.Semaphore | None = None
         self._check_tasks: set[asyncio.Task[None]] = set()
+        # One check per transaction at a time: the broker pushes a pending one again on every check
+        # pass, and a slow check must not pile up a task (and a message body) per pass.
+        self._checks_queued: dict[str, dict[str, Any]] = {}  # tx_id -> its newest push, waiting for a slot
+        self._checks_running: set[str] = set()
         self.checks_answered = 0
 
     @property
@@ -421,31 +425,47 @@ class TransactionProducer:
         if op != "check_transaction":
             log.debug("push %r ignored", op)
             return
-        task = asyncio.get_running_loop().create_task(self._answer_check(fields))
+        tx_id = fields.get("tx_id")
+        if not isinstance(tx_id, str):
+            log.error("malformed check_transaction push (no tx_id): %s", fields)
+            return
+        if tx_id in self._checks_queued:  # still waiting for a slot: it answers for the newest copy
+            self._checks_queued[tx_id] = fields
+            return
+        if tx_id in self._checks_running:  # being answered: the broker asks again if it stays pending
+            return
+        self._checks_queued[tx_id] = fields
+        task = asyncio.get_running_loop().create_task(self._answer_check(tx_id))
         self._check_tasks.add(task)
         task.add_done_callback(self._check_tasks.discard)
 
-    async def _answer_check(self, fields: dict[str, Any]) -> None:
+    async def _answer_check(self, tx_id: str) -> None:
         assert self._check_sem is not None
         try:
-            view = ReceivedMessage.from_map(fields["message"])
-            half = HalfResult(
-                fields["tx_id"], view.msg_id, view.topic, view.queue_id, fields["half_offset"], fields["commit_log_offset"]
-            )
-        except (KeyError, TypeError, ValueError) as exc:
-            log.error("malformed check_transaction push (%r): %s", exc, fields)
-            return
-        group = fields.get("group", self.group)
-        if group != self.group:
-            log.warning("check_transaction for group %r reached producer of %r; answering anyway", group, self.group)
-        async with self._check_sem:
-            state = await self._run_check(view)
-            try:
-                await self.end_transaction(half, state, from_check=True)
-            except TxmqError as exc:
-                log.warning("answer to check of %s refused: %s", half.tx_id, exc)
-                return
-            self.checks_answered += 1
+            async with self._check_sem:
+                fields = self._checks_queued.pop(tx_id)
+                self._checks_running.add(tx_id)
+                try:
+                    view = ReceivedMessage.from_map(fields["message"])
+                    half = HalfResult(
+                        tx_id, view.msg_id, view.topic, view.queue_id, fields["half_offset"], fields["commit_log_offset"]
+                    )
+                except (KeyError, TypeError, ValueError) as exc:
+                    log.error("malformed check_transaction push (%r): %s", exc, fields)
+                    return
+                group = fields.get("group", self.group)
+                if group != self.group:
+                    log.warning("check_transaction for group %r reached producer of %r; answering anyway", group, self.group)
+                state = await self._run_check(view)
+                try:
+                    await self.end_transaction(half, state, from_check=True)
+                except TxmqError as exc:
+                    log.warning("answer to check of %s refused: %s", half.tx_id, exc)
+                    return
+                self.checks_answered += 1
+        finally:
+            self._checks_queued.pop(tx_id, None)  # cancelled while waiting for a slot
+            self._checks_running.discard(tx_id)
 
     async def _run_check(self, view: ReceivedMessage) -> LocalTransactionState:
         fn = self.listener.check_local_transaction

@@ -119,6 +119,7 @@ class FakeBroker:
         self.garble_ops: set[str] = set()
         self.fail_sends: list[ErrorCode] = []
         self.hold_sends = False  # never answer sends (simulates a broker dying mid-request)
+        self.after_hello: str | None = None  # "stop_reading" | "drop"
         self.topics: dict[str, list[list[dict]]] = {}
         self.offsets: dict[tuple[str, str], dict[int, int]] = defaultdict(dict)
         self.halves: dict[int, dict] = {}  # commit-log offset -> half message map
@@ -175,6 +176,10 @@ class FakeBroker:
         conn.authed = True
         conn.groups = list(f.get("producer_groups") or [])
         self.hellos.append(f)
+        if self.after_hello == "stop_reading":  # a stopped broker: the connection stays, nothing is read
+            conn.t.pause_reading()
+        elif self.after_hello == "drop":  # a proxy that lets the hello through and drops the connection
+            asyncio.get_running_loop().call_soon(conn.t.close)
         return {"version": "fake", "protocol": 1, "broker_id": "fake", "flush": "sync"}
 
     def op_heartbeat(self, conn, f):
@@ -855,3 +860,61 @@ def test_sync_facade_round_trip():
         assert sum(bt.b.offsets[("sg", "s")].values()) == 7
     finally:
         bt.stop()
+
+
+def test_send_many_and_close_return_when_the_broker_stops_reading(monkeypatch):
+    from txmq.client import connection
+
+    monkeypatch.setattr(connection, "CLOSE_GRACE_S", 0.5)
+
+    async def main():
+        b = await FakeBroker().start()
+        b.after_hello = "stop_reading"
+        p = await Producer(b.address, request_timeout=0.5, reconnect=False).start()
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError):
+            await p.send_many([Message("t", b"x" * (1 << 20)) for _ in range(256)], return_exceptions=True, window=16)
+        assert time.monotonic() - t0 < 5
+        t0 = time.monotonic()
+        await p.close()
+        assert time.monotonic() - t0 < 3
+        await b.stop()
+
+    run(main())
+
+
+def test_reconnects_to_a_peer_that_drops_every_connection_back_off():
+    async def main():
+        b = await FakeBroker().start()
+        c = await Client(b.address, backoff_initial=0.01, backoff_max=0.4).start()
+        b.after_hello = "drop"
+        b.drop_connections()
+        await asyncio.sleep(1.5)
+        # without a backoff carried across connections: thousands of connections a second
+        assert 3 <= len(b.hellos) <= 15, len(b.hellos)
+        await c.close()
+        await b.stop()
+
+    run(main())
+
+
+def test_a_consumer_waiting_for_its_topic_survives_a_broker_outage():
+    async def main():
+        b = await FakeBroker().start()
+        c = await Consumer("g", "later", b.address, create_topic=False, discover_interval=0.05,
+                           reconnect_wait=0.2, backoff_initial=0.01, backoff_max=0.05).start()
+        await asyncio.sleep(0.2)
+        await b.stop()
+        await asyncio.sleep(0.6)  # longer than reconnect_wait: requests fail with ConnectionLost meanwhile
+        await b.start()
+        b.queues("later", 1)
+        b.append("later", 0, b"first", {})
+        got = []
+        t0 = time.monotonic()
+        while not got and time.monotonic() - t0 < 5:
+            got = await c.poll(0.5)
+        assert [m.body for m in got] == [b"first"]
+        await c.close()
+        await b.stop()
+
+    run(main())

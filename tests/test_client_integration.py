@@ -280,3 +280,29 @@ def test_a_sync_consumer_left_by_break_or_committing_in_the_loop_commits_only_wh
             assert rest == [], rest  # `again` was handed out by poll and committed at close
 
     run(main())
+
+
+def test_a_slow_check_holds_one_task_per_pending_transaction_however_many_passes_ask(data_dir):
+    release = asyncio.Event()
+
+    class SlowCheck(TransactionListener):
+        def execute_local_transaction(self, msg, arg):
+            return U
+
+        async def check_local_transaction(self, msg):
+            await release.wait()  # the database is unreachable
+            return C
+
+    async def main():
+        async with running_broker(data_dir, check_interval_s=0.05, transaction_timeout_s=0, max_checks=100000) as b:
+            tp = await TransactionProducer("g", SlowCheck(), b.address, check_concurrency=2).start()
+            sent = [await tp.send_in_transaction(Message("t", b"x" * 1000)) for _ in range(5)]
+            await wait_until(lambda: len(tp._check_tasks) == 5, what="a check per transaction")
+            await asyncio.sleep(0.6)  # a dozen check passes push every transaction again
+            assert len(tp._check_tasks) == 5 and len(tp._checks_queued) == 3, (len(tp._check_tasks), len(tp._checks_queued))
+            release.set()
+            await wait_until(lambda: len(b.core.tx.index.pending) == 0, what="every transaction decided")
+            assert all(b.core.tx.index.outcome(s.tx_id) is not None for s in sent)
+            await tp.close()
+
+    run(main())
