@@ -125,8 +125,10 @@ def refs_of(f: dict, keys: tuple[str, ...]) -> list[dict[str, Any]]:
 def hello(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
     for key in ("producer_groups", "consumer_groups"):
         groups = f.get(key) or []
-        if not isinstance(groups, list) or not all(isinstance(g, str) and g for g in groups) or len(groups) > 64:
-            raise _bad(f"field {key!r} must be a list of group names")
+        if (not isinstance(groups, list) or len(groups) > 64
+                or not all(isinstance(g, str) and 0 < len(g) <= 255 for g in groups)):
+            raise _bad(f"field {key!r} must be a list of at most 64 group names (1 to 255 characters)")
+    # a repeated hello adds groups, up to registry.MAX_GROUPS_PER_CONN for the connection
     for g in f.get("producer_groups") or []:
         core.registry.register(g, conn)
     for g in f.get("consumer_groups") or []:
@@ -222,7 +224,12 @@ async def _commit_offset(core: BrokerCore, f: dict) -> dict:
 
 
 def commit_offset(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
-    req_str(f, "group"), req_str(f, "topic"), req_int(f, "queue_id", 0, 1023), req_int(f, "offset")
+    req_str(f, "group"), req_int(f, "offset")
+    topic, queue_id = canonical_topic(req_str(f, "topic")), req_int(f, "queue_id", 0, 1023)
+    n = core.topics.queues(topic)
+    if n is None or queue_id >= n:  # offsets of queues that do not exist would fill every group listing
+        raise TxmqError(f"topic {topic} has no queue {queue_id}" if n is not None else f"no topic {topic}",
+                        ErrorCode.NO_SUCH_QUEUE)
     return _commit_offset(core, f)
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from txmq.wire import ErrorCode, TxmqError
+
 
 class PushTarget(Protocol):
     conn_id: int
@@ -15,21 +17,35 @@ class PushTarget(Protocol):
     def send_frame(self, frame: bytes) -> None: ...
 
 
+# Groups one connection may be registered under: a hello names at most 64 of each kind, a
+# RocketMQ producer stream one per topic it declares. Bounds what one client can make every
+# broker_info reply, Prometheus scrape and connection close carry.
+MAX_GROUPS_PER_CONN = 1024
+
+
 class ProducerRegistry:
     def __init__(self) -> None:
         self._groups: dict[str, list[PushTarget]] = {}
         self._rr: dict[str, int] = {}
+        self._by_conn: dict[PushTarget, set[str]] = {}
 
     def register(self, group: str, conn: PushTarget) -> None:
-        conns = self._groups.setdefault(group, [])
-        if conn not in conns:
-            conns.append(conn)
+        mine = self._by_conn.setdefault(conn, set())
+        if group in mine:
+            return
+        if len(mine) >= MAX_GROUPS_PER_CONN:
+            raise TxmqError(f"a connection may be registered under at most {MAX_GROUPS_PER_CONN} groups", ErrorCode.INVALID_FIELD)
+        mine.add(group)
+        self._groups.setdefault(group, []).append(conn)
 
     def unregister_all(self, conn: PushTarget) -> None:
-        for group in [g for g, cs in self._groups.items() if conn in cs]:
-            self._groups[group].remove(conn)
-            if not self._groups[group]:
-                del self._groups[group]
+        for group in self._by_conn.pop(conn, ()):
+            conns = self._groups.get(group)
+            if conns is not None and conn in conns:
+                conns.remove(conn)
+                if not conns:
+                    del self._groups[group]
+                    self._rr.pop(group, None)
 
     def pick(self, group: str) -> PushTarget | None:
         """Round-robin over the group's connections, skipping ones not writable."""

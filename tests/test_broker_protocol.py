@@ -259,3 +259,47 @@ def test_long_polls_that_time_out_leave_no_waiter_behind(tmp_path):
             await c.close()
 
     arun(go())
+
+
+def test_hellos_register_a_bounded_number_of_groups_per_connection(tmp_path):
+    from txmq.broker.registry import MAX_GROUPS_PER_CONN
+
+    async def go() -> None:
+        async with running_broker(tmp_path / "data") as b:
+            c = await RawClient.open(b.address)
+            code, _ = await c.req("hello", {"producer_groups": ["g" * 256]})
+            assert code == ErrorCode.INVALID_FIELD
+            n = 0
+            while True:
+                code, e = await c.req("hello", {"producer_groups": [f"p{n + i}" for i in range(64)]})
+                if code:
+                    break
+                n += 64
+            assert code == ErrorCode.INVALID_FIELD and "at most" in e["error"], e
+            assert n == MAX_GROUPS_PER_CONN and len(b.core.registry.groups()) == MAX_GROUPS_PER_CONN
+            other = await RawClient.open(b.address)
+            await other.ok("hello", {"producer_groups": ["p0", "mine"]})  # another connection is not held back
+            await c.close()
+            for _ in range(100):
+                if len(b.core.registry.groups()) == 2:
+                    break
+                await asyncio.sleep(0.02)
+            assert b.core.registry.groups() == {"p0": 1, "mine": 1}
+            await other.close()
+
+    arun(go())
+
+
+def test_offsets_of_queues_that_do_not_exist_are_refused(tmp_path):
+    async def go() -> None:
+        async with running_broker(tmp_path / "data") as b:
+            c = await RawClient.open(b.address)
+            await c.ok("create_topic", {"topic": "two", "queues": 2})
+            for topic, q in (("no-such-topic", 0), ("two", 2), ("two", 1023)):
+                code, _ = await c.req("commit_offset", {"group": "g", "topic": topic, "queue_id": q, "offset": 1})
+                assert code == ErrorCode.NO_SUCH_QUEUE, (topic, q, code)
+            await c.ok("commit_offset", {"group": "g", "topic": "two", "queue_id": 1, "offset": 1})
+            assert [r["queue_id"] for r in (await c.ok("describe_group", {"group": "g"}))["queues"]] == [0, 1]
+            await c.close()
+
+    arun(go())
