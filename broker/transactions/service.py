@@ -61,6 +61,7 @@ class TxIds:
 
 
 HALF_CACHE_ENTRIES = 32768
+MAX_NAME = 255  # the longest transaction id or group a request field takes (handlers.req_str)
 
 
 def as_record(msg: Message, res: AppendResult) -> Record:
@@ -129,6 +130,12 @@ class TransactionService:
         group = props.get(PROP_PGROUP)
         if not group:
             raise TxmqError("a transactional message needs a producer group (PGROUP)", ErrorCode.INVALID_FIELD)
+        # end_transaction, check answers and tx_history take ids and groups of at most 255 characters:
+        # a longer one would make a transaction nobody can name
+        if len(group) > MAX_NAME:
+            raise TxmqError(f"producer group (PGROUP) is longer than {MAX_NAME} characters", ErrorCode.INVALID_FIELD)
+        if len(props.get(PROP_UNIQ_KEY) or "") > MAX_NAME:
+            raise TxmqError(f"transaction id (UNIQ_KEY) is longer than {MAX_NAME} characters", ErrorCode.INVALID_FIELD)
         core = self.core
         qid = core.pick_queue(topic, queue_id)
         props = dict(props)

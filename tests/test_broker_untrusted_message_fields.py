@@ -1,9 +1,12 @@
-"""A record forged inside a message body is never read as a stored record, whatever offset a client names.
+"""What a client writes into a message (its body's bytes, its properties) never becomes more than that message.
 
-A message body can hold any bytes, including a valid encoded record whose
-offset field names the very place it lands at. Reads at an offset a client
-gives (end_transaction, get_message, tx_history, resolve by offset) check
-the record against its consume-queue entry, which only stored records have.
+A body can hold any bytes, including a valid encoded record whose offset
+field names the very place it lands at: reads at an offset a client gives
+(end_transaction, get_message, tx_history, resolve by offset) check the
+record against its consume-queue entry, which only stored records have.
+Properties are strings a producer chose: a check immunity no number can
+carry, or an id or group longer than any request takes, must not break
+replies or make a transaction nobody can name.
 """
 
 from __future__ import annotations
@@ -66,6 +69,22 @@ def test_a_check_immunity_no_number_can_carry_leaves_pending_listings_and_histor
             assert all(0 < t["next_check_at"] < 2 ** 63 for t in listed), listed
             for h in sent:
                 assert (await c.ok("tx_history", {"tx_id": h["tx_id"]}))["state"] == "pending"
+            await c.close()
+
+    arun(go())
+
+
+def test_a_half_message_whose_id_or_group_no_request_could_name_is_refused(tmp_path):
+    async def go() -> None:
+        async with running_broker(tmp_path / "data") as b:
+            c = await RawClient.open(b.address)
+            for props in ({"UNIQ_KEY": "k" * 256, "PGROUP": "g"}, {"PGROUP": "g" * 256}):
+                code, e = await c.req("send", {"topic": "t", "body": b"x", "properties": {"TRAN_MSG": "true", **props}})
+                assert code == ErrorCode.INVALID_FIELD and "longer than 255" in e["error"], (code, e)
+            h = await c.ok("send", {"topic": "t", "body": b"x", "properties": {"TRAN_MSG": "true", "PGROUP": "g" * 255,
+                                                                               "UNIQ_KEY": "k" * 255}})
+            await c.ok("end_transaction", {"group": "g" * 255, "tx_id": h["tx_id"], "commit_log_offset": h["commit_log_offset"],
+                                           "half_offset": h["half_offset"], "state": "commit"})
             await c.close()
 
     arun(go())
