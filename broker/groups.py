@@ -23,6 +23,7 @@ from .core import msg_id_of, record_to_map
 OFFSET_ID = re.compile(r"[0-9A-Fa-f]{16}")
 MAX_SCAN = 1_000_000  # records one find_messages may read, at most
 DEFAULT_SCAN = 100_000
+FIND_MAX_BYTES = 16 << 20  # message bodies one find_messages reply carries, at most (the client takes 64 MiB frames)
 SCAN_BATCH = 256
 
 
@@ -203,10 +204,11 @@ async def find_messages(core, key: str, topic: str | None, since_ms: int, until_
     else:
         names = [t for t in sorted(core.topics.all()) if not is_system_topic(t)]
     found: list[dict[str, Any]] = []
-    scanned = 0
+    scanned = found_bytes = 0
     truncated = False
     for t in names:
         for q in range(core.topics.queues(t) or 0):
+            await asyncio.sleep(0)  # a binary search per queue: thousands of queues must not hold the loop
             pos = offset_for_time(core, t, q, since_ms)
             end = core.store.queue_max_offset(t, q)
             while pos < end and len(found) < limit:
@@ -224,9 +226,13 @@ async def find_messages(core, key: str, topic: str | None, since_ms: int, until_
                     scanned += 1
                     if _matches(rec.properties, key):
                         found.append(record_to_map(rec))
+                        found_bytes += len(rec.body)
+                        if found_bytes >= FIND_MAX_BYTES:  # one reply frame stays a size a client takes
+                            truncated = True
+                            break
                         if len(found) >= limit:
                             break
-                if stop:
+                if stop or truncated:
                     break
                 pos = res.next_offset if res.next_offset > pos else pos + 1
                 await asyncio.sleep(0)

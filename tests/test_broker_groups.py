@@ -71,3 +71,20 @@ def test_offset_for_time_binary_search_reads_few_records(tmp_path):
             await c.close()
 
     arun(go())
+
+
+def test_find_messages_stops_at_a_reply_a_client_can_take_and_says_so(tmp_path):
+    from txmq.broker.groups import FIND_MAX_BYTES
+
+    async def go() -> None:
+        async with running_broker(tmp_path / "data") as b:
+            c = await RawClient.open(b.address)
+            body = b"x" * (4 << 20)
+            n = FIND_MAX_BYTES // len(body) + 3
+            for _ in range(n):
+                await c.ok("send", {"topic": "big", "body": body, "queue_id": 0, "properties": {"KEYS": "k"}})
+            r = await c.ok("find_messages", {"key": "k", "since_ms": 0, "limit": 10000})
+            assert r["truncated"] and len(r["messages"]) == FIND_MAX_BYTES // len(body), (r["truncated"], len(r["messages"]))
+            await c.close()
+
+    arun(go())

@@ -93,7 +93,9 @@ class TransactionAdmin:
     async def resolve(self, action: str, refs: list[dict[str, Any]], dry_run: bool) -> list[dict[str, Any]]:
         commit = action == "commit"
         out = []
-        for ref in refs:
+        for i, ref in enumerate(refs):
+            if i % 256 == 255:  # refs that need no write (not found, dry run, decided) never await: serve others
+                await asyncio.sleep(0)
             row: dict[str, Any] = {"ref": ref, "tx_id": ref.get("tx_id")}
             try:
                 rec = self.find(ref)

@@ -111,6 +111,7 @@ def find(
     rows = [_row(m) for m in found["messages"]]
     _print(rows, out_fmt)
     if found["truncated"]:
-        err.print(f"[warn]warning:[/warn] stopped after reading {found['scanned']} records (--max-scan): there may be more")
+        err.print(f"[warn]warning:[/warn] stopped after reading {found['scanned']} records (--max-scan, or 16 MiB of "
+                  "messages found): there may be more")
     if not rows and out_fmt is Output.table:
         note(f"no message with key {key!r} in the last {since}")
