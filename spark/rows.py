@@ -25,13 +25,25 @@ from txmq.store import Record
 from .schema import DISCARD, HALF, NORMAL, record_kind
 
 
+_INT32 = range(-(1 << 31), 1 << 31)
+# Spark's timestamps run from year 1 to year 9999; born_ts is whatever a producer said
+_TS_MS = range(-62_135_596_800_000, 253_402_300_800_000)
+
+
 def _int(v: str | None) -> int | None:
+    """An int32 column's value from a producer-set property: None when absent, not a number or out of range."""
     if v is None:
         return None
     try:
-        return int(v)
+        n = int(v)
     except ValueError:
         return None
+    return n if n in _INT32 else None
+
+
+def _ts(ms: int) -> int:
+    """A producer's born_ts as a Spark timestamp can hold it: clamped to years 1 to 9999 (the column is not null)."""
+    return ms if ms in _TS_MS else min(max(ms, _TS_MS.start), _TS_MS.stop - 1)
 
 
 def record_filter(
@@ -86,7 +98,7 @@ def record_row(rec: Record) -> tuple:
         rec.commit_log_offset, rec.size, rec.topic, rec.queue_id, rec.queue_offset, kind,
         p.get(PROP_PGROUP), (p.get(PROP_UNIQ_KEY) or None) if kind != NORMAL else None,
         p.get(PROP_REAL_TOPIC), _int(p.get(PROP_REAL_QID)), p.get(PROP_TAGS), p.get(PROP_KEYS),
-        p, rec.body, rec.born_ts, rec.store_ts, 0 if check is None and kind in (HALF, DISCARD) else check,
+        p, rec.body, _ts(rec.born_ts), rec.store_ts, 0 if check is None and kind in (HALF, DISCARD) else check,
         rec.prepared_offset if rec.prepared_offset >= 0 else None,
     )  # fmt: skip
 
@@ -134,7 +146,7 @@ def records_to_batch(recs: Sequence[Record], arrow_schema):
             pa.binary(), len(recs),
             [None, pa.array([0, *accumulate(map(len, bodies))], pa.int32()).buffers()[1], pa.py_buffer(b"".join(bodies))],
         ),
-        pa.array(col("born_ts"), pa.int64()).cast(ms).cast(t[14]),
+        pa.array(list(map(_ts, col("born_ts"))), pa.int64()).cast(ms).cast(t[14]),
         pa.array(col("store_ts"), pa.int64()).cast(ms).cast(t[15]),
         pa.array([0 if c is None and k in (HALF, DISCARD) else c for c, k in zip(checks, kinds)], pa.int32()),
         pa.array([p if p >= 0 else None for p in col("prepared_offset")], pa.int64()),

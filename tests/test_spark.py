@@ -391,6 +391,25 @@ def test_arrow_batches_hold_the_same_rows_as_record_row(broker_dir):
         assert row == want
 
 
+def test_producer_set_values_a_column_cannot_hold_become_null_or_clamped_not_a_failed_batch(tmp_path):
+    pytest.importorskip("pyspark")
+    from pyspark.sql.pandas.types import to_arrow_schema
+
+    from txmq.spark.rows import records_to_batch
+    from txmq.store import Message, Store, TxType
+
+    store = Store(tmp_path / "d")
+    store.open()
+    store.append([Message("t", 0, TxType.NORMAL, 1 << 62, {"REAL_QID": "99999999999", "TRANSACTION_CHECK_TIMES": "3000000000"}, b"x"),
+                  Message("t", 0, TxType.NORMAL, -(1 << 62), {}, b"y"),
+                  Message("t", 0, TxType.NORMAL, 1_700_000_000_000, {"REAL_QID": "3"}, b"z")])
+    store.close()
+    rows = records_to_batch(log_records(tmp_path / "d"), to_arrow_schema(_messages_schema(), timezone="UTC")).to_pylist()
+    assert [r["real_queue_id"] for r in rows] == [None, None, 3]
+    assert rows[0]["check_count"] is None
+    assert [r["born_at"].year for r in rows] == [9999, 1, 2023]
+
+
 def _messages_schema():
     from txmq.spark.schema import messages_schema
 
