@@ -238,7 +238,7 @@ class BrokerConnection(asyncio.Protocol):
                 self._backlog.extend(payloads[i:])
                 return
             try:
-                frame = parse_payload(payload)
+                frame = parse_payload(payload, bounded=True)
             except FrameError as err:
                 self._fatal(0, err)
                 return

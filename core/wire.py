@@ -133,10 +133,54 @@ def push(op: str, fields: dict[str, Any]) -> bytes:
     return encode(PUSH, 0, op, fields)
 
 
-def parse_payload(payload: bytes | memoryview) -> Frame:
-    """Parse one frame's payload; raises FrameError on anything malformed."""
+# What one frame from an untrusted peer may decode to. msgpack spends one byte on an empty map or
+# string that costs Python 50-100 bytes, so an 8 MiB frame of them decoded to ~600 MB. Frames up to
+# BOUNDED_FROM bytes decode as they are (at most a few MB of objects); longer ones count what they
+# hold (every map and array its entries) and are refused past MAX_OBJECTS, with no array or map
+# longer than MAX_CONTAINER (checked before it is built). 100,000 refs of a tx_resolve are ~400,000.
+BOUNDED_FROM = 64 << 10
+MAX_OBJECTS = 1 << 20
+MAX_CONTAINER = 1 << 17
+
+
+class _TooManyObjects(Exception):
+    pass
+
+
+def _unpack_bounded(payload: bytes | memoryview) -> Any:
+    count = 0
+
+    def on_list(v: list) -> list:
+        nonlocal count
+        count += len(v) + 1
+        if count > MAX_OBJECTS:
+            raise _TooManyObjects
+        return v
+
+    def on_map(v: dict) -> dict:
+        nonlocal count
+        count += 2 * len(v) + 1
+        if count > MAX_OBJECTS:
+            raise _TooManyObjects
+        return v
+
+    return msgpack.unpackb(payload, raw=False, strict_map_key=True, use_list=True, list_hook=on_list, object_hook=on_map,
+                           max_array_len=MAX_CONTAINER, max_map_len=MAX_CONTAINER)
+
+
+def parse_payload(payload: bytes | memoryview, bounded: bool = False) -> Frame:
+    """Parse one frame's payload; raises FrameError on anything malformed.
+
+    ``bounded`` (a peer that is not trusted, i.e. the broker reading
+    requests): a long frame may hold at most MAX_OBJECTS values.
+    """
     try:
-        obj = msgpack.unpackb(payload, raw=False, strict_map_key=True, use_list=True)
+        if bounded and len(payload) > BOUNDED_FROM:
+            obj = _unpack_bounded(payload)
+        else:
+            obj = msgpack.unpackb(payload, raw=False, strict_map_key=True, use_list=True)
+    except _TooManyObjects:
+        raise FrameError(f"payload holds more than {MAX_OBJECTS} values") from None
     except Exception as exc:  # msgpack raises several unrelated types
         raise FrameError(f"payload is not valid msgpack ({type(exc).__name__})") from None
     if not isinstance(obj, list) or len(obj) != 4:

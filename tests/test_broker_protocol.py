@@ -37,6 +37,10 @@ BAD_FATAL = [
     (frame([0, 1, 42, {}]), ErrorCode.MALFORMED_FRAME),
     (frame([0, 1, "send", [1, 2]]), ErrorCode.MALFORMED_FRAME),
     (b"\xff\xff\xff\xff", ErrorCode.FRAME_TOO_LARGE),
+    # a few MB of one-byte empty maps would decode to hundreds of MB of Python objects
+    (frame([0, 1, "commit_offset", {"group": "g", "topic": "t", "queue_id": 0, "offset": 1, "x": [[{}] * 100_000] * 30}]),
+     ErrorCode.MALFORMED_FRAME),
+    (frame([0, 1, "commit_offset", {"x": [0] * 200_000}]), ErrorCode.MALFORMED_FRAME),  # one array too long
 ]
 
 
@@ -300,6 +304,18 @@ def test_offsets_of_queues_that_do_not_exist_are_refused(tmp_path):
                 assert code == ErrorCode.NO_SUCH_QUEUE, (topic, q, code)
             await c.ok("commit_offset", {"group": "g", "topic": "two", "queue_id": 1, "offset": 1})
             assert [r["queue_id"] for r in (await c.ok("describe_group", {"group": "g"}))["queues"]] == [0, 1]
+            await c.close()
+
+    arun(go())
+
+
+def test_a_long_frame_of_legitimate_size_still_decodes(tmp_path):
+    async def go():
+        async with running_broker(tmp_path / "d") as b:
+            c = await RawClient.open(b.address)
+            refs = [{"tx_id": f"missing-{i}"} for i in range(100_000)]  # the most tx_resolve takes: ~400,000 values
+            r = await c.ok("tx_resolve", {"action": "rollback", "refs": refs, "dry_run": True})
+            assert len(r["results"]) == 100_000
             await c.close()
 
     arun(go())
