@@ -150,21 +150,33 @@ def plan_partitions(
 ) -> list[TxmqPartition]:
     """Split the log up to its last complete record (or end_offset) by segment and byte range.
 
-    Each segment is cut into equal ranges of at most partition_bytes, so the
-    tasks of one segment are the same size.
+    Each segment is cut into ranges of about partition_bytes, each cut moved
+    to the next record start the consume queues know, so every task starts
+    at a stored record (StoreReader.record_start_from).
     """
+    parts = []
     with StoreReader(data_dir) as reader:
         segments = reader.segments()
         log_end = reader.last_record
-    parts = []
-    for seg_start, path, length in segments:
-        if end_offset is not None:
-            length = max(0, min(length, end_offset - seg_start))
-        if length <= 0:
-            continue
-        step = -(-length // -(-length // partition_bytes))  # equal ranges of at most partition_bytes
-        for lo in range(0, length, step):
-            parts.append(TxmqPartition(path, seg_start, seg_start + lo, seg_start + min(length, lo + step), log_end))
+        for seg_start, path, length in segments:
+            if end_offset is not None:
+                length = max(0, min(length, end_offset - seg_start))
+            if length <= 0:
+                continue
+            seg_end = seg_start + length
+            step = -(-length // -(-length // partition_bytes))  # equal ranges of at most partition_bytes
+            cuts = [seg_start]
+            for lo in range(step, length, step):
+                # A task starting inside a record would search the bytes for the next one and could take
+                # a record forged inside a message body for a stored one: cut where a record starts.
+                at = reader.record_start_from(seg_start + lo)
+                cut = seg_start + lo if at is None else min(at, seg_end)
+                if cut > cuts[-1]:
+                    cuts.append(cut)
+            cuts.append(seg_end)
+            for lo, hi in zip(cuts, cuts[1:]):
+                if hi > lo:
+                    parts.append(TxmqPartition(path, seg_start, lo, hi, log_end))
     return parts
 
 

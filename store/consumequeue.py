@@ -400,3 +400,20 @@ def stored_record_at(store, offset: int):
     if not entry or entry[0][0] != offset:
         raise CorruptRecordError(f"no stored record starts at {offset}: the bytes there lie inside another record")
     return rec
+
+
+def first_entry_from(store, topic: str, queue_id: int, offset: int) -> int:
+    """The first queue offset of (topic, queue_id) whose record starts at or after the commit-log offset.
+
+    A binary search (a consume queue is sorted by commit-log offset), on a
+    Store or a StoreReader; the queue's end when every record is before it.
+    """
+    lo, hi = store.queue_min_offset(topic, queue_id), store.queue_max_offset(topic, queue_id)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        e = store.cq_entries(topic, queue_id, mid, 1)
+        if e and e[0][0] < offset:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo

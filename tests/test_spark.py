@@ -329,7 +329,9 @@ def test_byte_range_partitions_cover_every_record_once(tmp_path):
         s.append([Message(f"t{i % 3}", i % 2, TxType.NORMAL, i, {"KEYS": str(i)}, os.urandom(i % 700)) for i in range(1500)])
     parts = plan_partitions(str(tmp_path / "d"), 5000)
     assert len({p.segment_start for p in parts}) > 3 and len(parts) > 2 * len({p.segment_start for p in parts})
-    assert all(p.end - p.start <= 5000 for p in parts)
+    assert all(p.end - p.start <= 5000 + 1024 for p in parts)  # about the size asked: a cut moves to the next record
+    starts = {r.commit_log_offset for r in log_records(tmp_path / "d")}
+    assert {p.start for p in parts} <= starts | {p.segment_start for p in parts}
     reader = TxmqReader(ReadOptions(str(tmp_path / "d"), 5000), _messages_schema())
     got = [o for p in reader.partitions() for b in reader.read(p) for o in b.column("commit_log_offset").to_pylist()]
     assert got == [r.commit_log_offset for r in log_records(tmp_path / "d")]
@@ -408,6 +410,38 @@ def test_producer_set_values_a_column_cannot_hold_become_null_or_clamped_not_a_f
     assert [r["real_queue_id"] for r in rows] == [None, None, 3]
     assert rows[0]["check_count"] is None
     assert [r["born_at"].year for r in rows] == [9999, 1, 2023]
+
+
+def test_partitions_start_at_stored_records_never_at_records_forged_inside_a_body(tmp_path):
+    import time as _time
+
+    from txmq.spark.source import ReadOptions, plan_partitions, read_records
+    from txmq.store import Message, Store, TxType
+    from txmq.store.codec import HEADER_SIZE, encode_record
+
+    store = Store(tmp_path / "d")
+    store.open()
+    first = store.append([Message("t", 0, TxType.NORMAL, 1, {}, b"first")])[0]
+    # a body tiled with valid commit records of topic "orders", each at the offset it lands at
+    body_at, total = first.commit_log_offset + first.size + HEADER_SIZE + 1 + 1, 60_000
+
+    def forged(at: int, n: int) -> bytes:
+        return encode_record(Message("orders", 0, TxType.COMMIT, 0, {"UNIQ_KEY": f"FAKE{n:06d}"}, b"phantom"), at, n,
+                             int(_time.time() * 1000))
+
+    size = len(forged(0, 0))
+    body = b"\0" * (total % size)
+    while len(body) < total:
+        body += forged(body_at + len(body), len(body) // size)
+    store.append([Message("t", 0, TxType.NORMAL, 1, {}, body)])
+    store.append([Message("t", 0, TxType.NORMAL, 1, {}, b"last")])
+    store.close()
+    parts = plan_partitions(str(tmp_path / "d"), 4096)
+    rows = [r for p in parts for r in read_records(ReadOptions(data_dir=str(tmp_path / "d")), p.start, p.end, p.log_end)]
+    starts = {r.commit_log_offset for r in log_records(tmp_path / "d")}
+    assert {p.start for p in parts} <= starts  # the cuts every 4096 bytes fell inside the body: each moved to a record
+    assert [r.topic for r in rows] == ["t", "t", "t"], [r.topic for r in rows][:5]
+    assert [r.body for r in rows] == [b"first", body, b"last"]
 
 
 def _messages_schema():

@@ -31,6 +31,7 @@ from txmq.constants import (
     PROP_UNIQ_KEY,
 )
 from txmq.store import CorruptRecordError, Record, StoreError
+from txmq.store.consumequeue import first_entry_from
 
 from .index import Outcome, PendingTx, TxIndex, _int
 
@@ -66,19 +67,6 @@ def find_tx_id(store, tx_id: str | None = None, half_offset: int | None = None, 
     else:
         return None
     return rec.properties.get(PROP_UNIQ_KEY) or None if rec is not None else None
-
-
-def _first_at_or_after(store, topic: str, qid: int, cl: int) -> int:
-    """The first queue offset whose record's commit-log offset is >= cl (consume queues are sorted by it)."""
-    lo, hi = store.queue_min_offset(topic, qid), store.queue_max_offset(topic, qid)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        e = store.cq_entries(topic, qid, mid, 1)
-        if e and e[0][0] < cl:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo
 
 
 class History:
@@ -130,7 +118,7 @@ class History:
         if p is not None:
             end_ho = p.half_offset
         elif d.outcome is Outcome.DISCARDED:  # type: ignore[union-attr]
-            end_ho = _first_at_or_after(store, HALF_TOPIC, 0, d.cl_offset) - 1  # type: ignore[union-attr]
+            end_ho = first_entry_from(store, HALF_TOPIC, 0, d.cl_offset) - 1  # type: ignore[union-attr]
         else:
             end_ho = d.half_offset  # type: ignore[union-attr]
         copies: list[dict[str, Any]] = []
@@ -232,7 +220,7 @@ class History:
         queues = store.queues().get(topic, [])
         order = [qid] + [q for q in queues if q != qid] if qid in queues else list(queues)
         for q in order:
-            i = _first_at_or_after(store, topic, q, op.commit_log_offset) - 1
+            i = first_entry_from(store, topic, q, op.commit_log_offset) - 1
             lo = max(store.queue_min_offset(topic, q), i - 63)
             while i >= lo:
                 e = store.cq_entries(topic, q, i, 1)

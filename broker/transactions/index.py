@@ -53,6 +53,7 @@ import msgpack
 
 from txmq.store import CorruptRecordError, Record, TxType, decode_record, record_problem
 from txmq.store.bulk import raw_queue_runs
+from txmq.store.consumequeue import first_entry_from as first_entry_at
 from txmq.store.codec import H_CRC, H_OFFSET, H_SIZE
 
 if TYPE_CHECKING:
@@ -518,15 +519,7 @@ def _last_valid_record(store, topic: str, end: int) -> tuple[int, int] | None:
 
 def first_entry_from(store, topic: str, offset: int) -> int:
     """The first queue offset of topic's queue 0 whose record starts at or after the commit-log offset (a search)."""
-    lo, hi = store.queue_min_offset(topic, 0), store.queue_max_offset(topic, 0)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        e = store.cq_entries(topic, 0, mid, 1)
-        if e and e[0][0] < offset:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo
+    return first_entry_at(store, topic, 0, offset)
 
 
 def agrees(store, meta: dict[str, Any]) -> str | None:
