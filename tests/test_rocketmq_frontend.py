@@ -217,6 +217,41 @@ def test_a_batch_goes_to_one_queue_and_mixed_topics_or_transactions_in_it_are_re
     with_frontend(tmp_path, body)
 
 
+def test_a_batch_of_gzip_bodies_is_held_to_the_frame_limit_once_inflated(tmp_path):
+    async def body(b, stub, ch):
+        bomb = zlib.compress(b"\0" * (1 << 20), 9)  # ~1 KB on the wire, 1 MiB inflated
+
+        def gz(i: int) -> d.Message:
+            m = message("bombs", bomb, f"G{i}")
+            m.system_properties.body_encoding = d.GZIP
+            return m
+
+        r = await stub.SendMessage(s.SendMessageRequest(messages=[gz(i) for i in range(200)]), metadata=MD)
+        assert r.status.code == d.MESSAGE_BODY_TOO_LARGE and "--max-frame" in r.status.message, r.status
+        assert b.core.store.max_offset == 0  # nothing was written
+        r = await stub.SendMessage(s.SendMessageRequest(messages=[gz(i) for i in range(4)]), metadata=MD)
+        assert r.status.code == OK  # 4 MiB inflated: under the 8 MiB frame
+
+    with_frontend(tmp_path, body)
+
+
+def test_an_unknown_client_type_and_an_invalid_born_time_get_a_status_not_an_internal_error(tmp_path):
+    async def body(b, stub, ch):
+        t = Telemetry(stub)
+        cmd = producer_settings("orders")
+        cmd.settings.client_type = 99
+        await t.send(cmd)
+        assert (await t.read()).status.code == d.UNRECOGNIZED_CLIENT_TYPE
+        await t.close()
+        m = message("orders", b"x", "B1")
+        m.system_properties.born_timestamp.seconds = 1 << 62
+        r = await stub.SendMessage(s.SendMessageRequest(messages=[m]), metadata=MD)
+        assert r.status.code == d.BAD_REQUEST and "born_timestamp" in r.status.message, r.status
+        assert b.core.metrics.counters.get("rmq_internal_errors", 0) == 0
+
+    with_frontend(tmp_path, body)
+
+
 def test_limits_and_reserved_properties_get_rocketmqs_codes(tmp_path):
     async def body(b, stub, ch):
         async def code(m: d.Message) -> int:

@@ -525,3 +525,54 @@ def test_after_a_restart_unacknowledged_messages_come_again_and_old_handles_are_
             await r.close()
 
     arun(go())
+
+
+class _Context:
+    """What ReceiveFrontend.receive reads of a gRPC servicer context."""
+
+    def invocation_metadata(self):
+        return META
+
+    def time_remaining(self):
+        return 10.0
+
+
+def test_messages_a_receive_stream_ended_before_sending_are_ready_again_at_once(tmp_path):
+    async def go():
+        async with running(tmp_path) as b:
+            c = await RawClient.open(b.address)
+            await native_send(c, 3)
+            r = Rmq(b)
+            fe = next(f for f in b.broker.frontends if hasattr(f, "service")).service.receive
+            req = s.ReceiveMessageRequest(batch_size=8, auto_renew=True)
+            req.group.name, req.message_queue.topic.name, req.message_queue.id = G, T, -1
+            req.filter_expression.type, req.filter_expression.expression = d.TAG, "*"
+            req.invisible_duration.FromSeconds(30)
+            req.long_polling_timeout.FromSeconds(0)
+            stream = fe.receive(req, _Context())
+            assert (await stream.__anext__()).status.code == d.Code.OK
+            first = (await stream.__anext__()).message
+            await stream.aclose()  # the client went away: the other two were never written
+            st, msgs, _ = await r.receive(invisible=30)
+            assert st.code == d.Code.OK and [m.body for m in msgs] == [b"m1", b"m2"], [m.body for m in msgs]
+            assert [m.system_properties.delivery_attempt for m in msgs] == [1, 1]  # never seen: not an attempt
+            assert first.body == b"m0" and r.pop.counters["released"] == 2
+            await r.close()
+            await c.close()
+
+    arun(go())
+
+
+def test_a_message_whose_born_time_no_protobuf_timestamp_holds_is_delivered_with_it_clamped(tmp_path):
+    async def go():
+        async with running(tmp_path) as b:
+            c = await RawClient.open(b.address)
+            await c.ok("send", {"topic": T, "body": b"micros", "queue_id": 0, "born_ts": int(time.time() * 1e6)})
+            r = Rmq(b)
+            st, msgs, _ = await r.receive()
+            assert st.code == d.Code.OK and [m.body for m in msgs] == [b"micros"]
+            assert msgs[0].system_properties.born_timestamp.ToDatetime().year == 9999
+            await r.close()
+            await c.close()
+
+    arun(go())

@@ -68,7 +68,6 @@ class Client:
     client_type: int = d.CLIENT_TYPE_UNSPECIFIED
     topics: tuple[str, ...] = ()
     group: str = ""
-    settings: Any = None  # the Settings the broker answered with (a d.Settings)
     streams: set = field(default_factory=set)
     last_seen: float = field(default_factory=time.monotonic)
 

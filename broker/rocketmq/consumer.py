@@ -120,18 +120,26 @@ class ReceiveFrontend:
             yield s.ReceiveMessageResponse(status=d.Status(code=Code.MESSAGE_NOT_FOUND, message="no new message"))
             return
         self.core.metrics.inc("rmq_messages_received", len(got))
-        yield s.ReceiveMessageResponse(status=d.Status(code=Code.OK, message="OK"))
-        language = self._language(client_id)
-        for m in got:
-            try:
-                msg = convert.record_to_message(m.record, language=language, delivery_attempt=m.attempt,
-                                                receipt_handle=m.receipt_handle,
-                                                invisible_duration_ms=int(m.invisible_s * 1000))
-            except Exception as exc:  # it stays in flight: received again later, after max attempts dead-lettered
-                log.error("event=rmq_message_unconvertible topic=%s queue_id=%d queue_offset=%d error=%r",
-                          m.record.topic, m.record.queue_id, m.record.queue_offset, exc)
-                continue
-            yield s.ReceiveMessageResponse(message=msg)
+        sent = 0
+        try:
+            yield s.ReceiveMessageResponse(status=d.Status(code=Code.OK, message="OK"))
+            language = self._language(client_id)
+            for m in got:
+                try:
+                    msg = convert.record_to_message(m.record, language=language, delivery_attempt=m.attempt,
+                                                    receipt_handle=m.receipt_handle,
+                                                    invisible_duration_ms=int(m.invisible_s * 1000))
+                except Exception as exc:  # in flight, not renewed: received again later, after max attempts dead-lettered
+                    log.error("event=rmq_message_unconvertible topic=%s queue_id=%d queue_offset=%d error=%r",
+                              m.record.topic, m.record.queue_id, m.record.queue_offset, exc)
+                    self.pop.release(group, topic, [m], unsent=False)
+                    sent += 1
+                    continue
+                sent += 1  # handed out once taken from the generator, even if the stream ends at this yield
+                yield s.ReceiveMessageResponse(message=msg)
+        finally:
+            if sent < len(got):  # the stream ended first (cancelled, deadline, connection lost): ready again
+                self.pop.release(group, topic, got[sent:], unsent=True)
         ts = s.ReceiveMessageResponse()
         ts.delivery_timestamp.FromMilliseconds(int(time.time() * 1000))
         yield ts

@@ -139,9 +139,9 @@ def to_message(
     sp.body_digest.CopyFrom(body_digest(msg.body, language))
     sp.body_encoding = d.IDENTITY
     sp.message_type = message_type_of(props) if message_type is None else message_type
-    sp.born_timestamp.FromMilliseconds(max(0, int(born_ts)))
+    sp.born_timestamp.FromMilliseconds(_proto_ms(born_ts))  # a native producer may have said anything
     if store_ts is not None:
-        sp.store_timestamp.FromMilliseconds(max(0, int(store_ts)))
+        sp.store_timestamp.FromMilliseconds(_proto_ms(store_ts))
     if store_host:
         sp.store_host = store_host
     sp.queue_id = int(queue_id)
@@ -257,8 +257,20 @@ def from_message(msg: d.Message, max_body: int, max_properties: int) -> Outgoing
                        f"properties of {size} bytes (keys and values, UTF-8) exceed the {max_properties}-byte limit")
     if len(props) > 256:
         raise RmqError(Code.MESSAGE_PROPERTIES_TOO_LARGE, "at most 256 properties")
-    born = sp.born_timestamp.ToMilliseconds() if sp.HasField("born_timestamp") else None
+    try:
+        born = sp.born_timestamp.ToMilliseconds() if sp.HasField("born_timestamp") else None
+    except ValueError:  # seconds or nanos outside what a protobuf Timestamp allows
+        raise RmqError(Code.BAD_REQUEST, "born_timestamp is not a valid timestamp (years 1 to 9999)") from None
     return Outgoing(msg.topic.name, body, props, born if born and born > 0 else None, transactional, message_id)
+
+
+# What a protobuf Timestamp holds (0001-01-01 to 9999-12-31); FromMilliseconds refuses the rest.
+_PROTO_MS_MAX = 253_402_300_799_999
+
+
+def _proto_ms(ms: int) -> int:
+    """A record's time for a protobuf Timestamp: clamped to 1970 .. 9999 (a message is never refused for it)."""
+    return min(max(0, int(ms)), _PROTO_MS_MAX)
 
 
 def _body(msg: d.Message, max_body: int) -> bytes:

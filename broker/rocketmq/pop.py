@@ -252,7 +252,7 @@ class PopService:
         self._topic_waiters: dict[str, set[asyncio.Future]] = {}
         self._armed: dict[str, tuple[asyncio.Future, int]] = {}
         self.counters: dict[str, int] = {"delivered": 0, "redelivered": 0, "acked": 0, "changed": 0, "expired": 0,
-                                         "renewed": 0, "dead_lettered": 0, "filtered": 0}
+                                         "renewed": 0, "released": 0, "dead_lettered": 0, "filtered": 0}
 
     # ---- settings --------------------------------------------------------
     def max_attempts(self, group: str) -> int:
@@ -622,6 +622,35 @@ class PopService:
         self.counters["changed"] += 1
         self._wake(sub)  # a waiting receive recomputes when to look again
         return self._handle(sub, q, offset, slot)
+
+    def release(self, group: str, topic: str, deliveries: list[Delivery], *, unsent: bool) -> None:
+        """Messages a receive took but did not hand to the client.
+
+        ``unsent`` (the stream ended before them): ready again at once, the
+        attempt not counted; RocketMQ's proxy nacks what it cannot write.
+        Otherwise (written to no client because it cannot be converted): it
+        stays in flight for its invisible duration without renewal, so its
+        attempts run out and it goes to the dead-letter topic, as a message
+        a client never acknowledges does. A stale delivery (settled since)
+        is left alone.
+        """
+        for dl in reversed(deliveries) if unsent else deliveries:  # back to the front of the ready queues, in order
+            try:
+                sub, q, offset, slot = self._find(group, topic, dl.receipt_handle)
+            except PopError:
+                continue
+            if slot.state != INFLIGHT:
+                continue
+            if not unsent:
+                slot.client = None
+                continue
+            slot.attempt -= 1
+            slot.version = next(self._versions)  # the handle nobody saw is refused from now on
+            slot.state = READY
+            sub.live -= 1
+            q.ready.appendleft(offset)
+            self.counters["released"] += 1
+            self._wake(sub)
 
     async def forward_to_dlq(self, group: str, topic: str, handle: str) -> None:
         """Write the message to %DLQ%<group> (durable), then settle it."""

@@ -154,6 +154,8 @@ class MessagingService:
         got = cmd.settings
         if not got.HasField("client_type") or got.client_type == d.CLIENT_TYPE_UNSPECIFIED:
             raise RmqError(Code.UNRECOGNIZED_CLIENT_TYPE, "settings must name the client_type")
+        if got.client_type not in d.ClientType.values():  # a number protobuf keeps but no SDK sends
+            raise RmqError(Code.UNRECOGNIZED_CLIENT_TYPE, f"unknown client_type {got.client_type}")
         client.client_type = got.client_type
         if got.user_agent.language:
             client.language = got.user_agent.language
@@ -168,8 +170,7 @@ class MessagingService:
                 raise RmqError(Code.BAD_REQUEST, f"a producer may publish to at most {MAX_TOPICS} topics")
             client.topics = tuple(dict.fromkeys(topics))
             client.group = ""
-        answer = answer_settings(client, got, self.settings)
-        client.settings = answer
+        answer = answer_settings(client, got, self.settings)  # not kept: a copy of what the client sent, of any size
         stream.register()
         reply = s.TelemetryCommand(status=ok(), settings=answer)
         stream.offer(reply)
