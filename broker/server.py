@@ -207,7 +207,10 @@ class Broker:
             # into a second delivery.
             window = core.config.max_body + core.config.max_properties + FRAME_OVERHEAD
             for offset in damaged:
-                await core.tx.repair_commits(core.store.scan_range(offset - window, offset))
+                # from a stored record: never one forged in a body, and other damage in the window is walked past
+                start = core.store.record_start_from(max(0, offset - window))
+                if start is not None and start < offset:
+                    await core.tx.repair_commits(core.store.scan_range(start, offset))
             await self._flush_index()
         except asyncio.CancelledError:
             raise

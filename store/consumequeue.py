@@ -417,3 +417,31 @@ def first_entry_from(store, topic: str, queue_id: int, offset: int) -> int:
         else:
             hi = mid
     return lo
+
+
+def record_start_from(store, offset: int) -> int | None:
+    """The first offset >= offset where a stored record starts, found by the consume queues (None: none).
+
+    On a Store or a StoreReader. Every record has its entry in its queue,
+    so this is where a sequential walk would find the next record, without
+    reading the log in between; unlike a resynchronising search of the
+    bytes, it never takes a record forged inside a message body for a
+    stored one. A binary search per queue; a damaged record is passed over
+    (the next one is looked for, up to 16 times).
+    """
+    queues = [(topic, qid) for topic, qids in store.queues().items() for qid in qids]
+    for _ in range(16):  # past a few damaged records at most: then no answer
+        best = None
+        for topic, qid in queues:
+            e = store.cq_entries(topic, qid, first_entry_from(store, topic, qid, offset), 1)
+            if e and e[0][0] >= offset and (best is None or e[0][0] < best):
+                best = e[0][0]
+        if best is None:
+            return None
+        try:
+            stored_record_at(store, best)
+        except (CorruptRecordError, ValueError, OSError):  # damaged (or an entry that does not fit): the next one
+            offset = best + 1
+            continue
+        return best
+    return None

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 from .checkpoint import CHECKPOINT, Checkpoint, decode_checkpoint, read_checkpoint
 from .codec import Record, tag_hash
-from .consumequeue import ENTRY, ENTRY_SIZE, ConsumeQueue, Entry, first_entry_from, pick_entries, stored_record_at
+from .consumequeue import ENTRY, ENTRY_SIZE, ConsumeQueue, Entry, pick_entries, record_start_from, stored_record_at
 from .damage import Damage, DamageLog
 from .errors import CorruptRecordError
 from .files import list_numbered, offset_name
@@ -233,28 +233,8 @@ class StoreReader(LogView):
         return super().read(offset)
 
     def record_start_from(self, offset: int) -> int | None:
-        """The first offset >= offset where a stored record starts, found by the consume queues (None: none).
-
-        Every record has its entry in its queue (on disk, or in the reader's
-        index of the tail), so this is where a sequential walk would find
-        the next record, without reading the log in between; unlike a
-        resynchronising search of the bytes, it never takes a record forged
-        inside a message body for a stored one. A binary search per queue.
-        """
-        best = None
-        for topic, qids in self.queues().items():
-            for qid in qids:
-                q = first_entry_from(self, topic, qid, offset)
-                e = self.cq_entries(topic, qid, q, 1)
-                if e and e[0][0] >= offset and (best is None or e[0][0] < best):
-                    best = e[0][0]
-        if best is None:
-            return None
-        try:
-            stored_record_at(self, best)
-        except (CorruptRecordError, ValueError, OSError):  # an entry that does not fit the log (damage): no answer
-            return None
-        return best
+        """The first offset >= offset where a stored record starts (``consumequeue.record_start_from``)."""
+        return record_start_from(self, offset)
 
     def read_record(self, offset: int) -> Record:
         """The record that starts at offset, for an offset a user gave (``stored_record_at``)."""

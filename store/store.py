@@ -24,9 +24,9 @@ import msgpack
 from .checkpoint import Checkpoint, read_checkpoint, write_checkpoint
 from .codec import EMPTY_PROPS, HEADER, HEADER_SIZE, TAGS_PROPERTY, Message, RawCopy, Record, encode_raw, tag_hash
 from .commitlog import AT_START, CommitLog
-from .consumequeue import ENTRY, ENTRY_SIZE, ConsumeQueue, Entry, pick_entries, stored_record_at
+from .consumequeue import ENTRY, ENTRY_SIZE, ConsumeQueue, Entry, pick_entries, record_start_from, stored_record_at
 from .damage import Damage, DamageLog
-from .errors import FULL_ERRNOS, CorruptRecordError, RecordTooLargeError, StoreError, StoreLockedError
+from .errors import FULL_ERRNOS, RecordTooLargeError, StoreError, StoreLockedError
 from .files import atomic_write_bytes, fsync_dir
 from .model import AppendResult, GetResult, GetStatus, RecoveryReport, StoreConfig
 from .recovery import MANIFEST, flush_all, load_queues, manifest_bytes, read_manifest, recover
@@ -506,6 +506,10 @@ class Store:
         """The record that starts at offset, for an offset a client gave (``stored_record_at``)."""
         return stored_record_at(self, offset)
 
+    def record_start_from(self, offset: int) -> int | None:
+        """The first offset >= offset where a stored record starts (``consumequeue.record_start_from``)."""
+        return record_start_from(self, offset)
+
     def scan(self, start: int = 0, end: int | None = None) -> Iterator[Record]:
         """Records from start (a record boundary, or below the log's start) up to end, in order.
 
@@ -515,12 +519,15 @@ class Store:
         return log._scan(start, log.end if end is None else end, self._log_damage)
 
     def scan_range(self, start: int, end: int) -> Iterator[Record]:
-        """Valid records whose offset is in [start, end); start may be any byte position (resynchronises)."""
+        """Valid records whose offset is in [start, end); start may be any byte position (resynchronises).
+
+        A damaged record is skipped and reported (``damage``), and the walk
+        goes on after it. Give a start where a record starts
+        (``record_start_from``) when the records matter: a search of the
+        bytes could take a record forged inside a message body for one.
+        """
         log = self._open_log()
-        try:
-            yield from log._scan_range(max(start, log.min_offset), min(end, log.end))
-        except CorruptRecordError as exc:
-            self.damage.report(Damage(start, "log", str(exc)))
+        return log._scan_range(max(start, log.min_offset), min(end, log.end), self._log_damage)
 
     def _log_damage(self, offset: int, reason: str, length: int) -> None:
         self.damage.report(Damage(offset, "log", reason, length))
