@@ -14,6 +14,7 @@ import gc
 import itertools
 import logging
 import socket
+import sqlite3
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -27,7 +28,7 @@ from .clock import Clock
 from .config import FRAME_OVERHEAD, BrokerConfig, read_settings_file
 from .connection import BrokerConnection
 from .core import BrokerCore, speedups_in_use
-from .transactions.indexfile import DB_FILE, IndexFileError, TxDatabase, remove_db
+from .transactions.indexfile import DB_FILE, IndexFileError, TxDatabase, damaged_index, remove_db
 from .transactions.index import TxIndex, agrees, log_position, replay_steps
 
 log = logging.getLogger("txmq.broker")
@@ -175,10 +176,21 @@ class Broker:
             core.tx.index = index
             starts = None
             if why is None:
-                await loop.run_in_executor(self._index_pool, index.load_pending, db.pending_rows())
-                starts = db.meta["queues"]
-                index.discarded = db.count_discarded()
-            else:
+                try:
+                    await loop.run_in_executor(self._index_pool, index.load_pending, db.pending_rows())
+                    index.discarded = await loop.run_in_executor(self._index_pool, db.count_discarded)
+                    starts = db.meta["queues"]
+                except sqlite3.DatabaseError as exc:
+                    if not damaged_index(exc):  # unreadable now (I/O, a full disk): not known to be damaged, kept
+                        raise
+                    # Pages past the header are damaged (a meta that reads fine says nothing of them):
+                    # derived data only, rebuilt from the log.
+                    await loop.run_in_executor(self._index_pool, db.close)
+                    why = f"damaged ({exc})"
+                    db = await loop.run_in_executor(None, self._new_index)
+                    index = TxIndex(db)
+                    core.tx.index = index
+            if why is not None:
                 # A new data directory has nothing to rebuild: not worth a warning.
                 (log.warning if core.store.max_offset > 0 else log.info)("event=txindex_rebuild reason=%r", why)
             self._writer = db.writer()
@@ -249,12 +261,16 @@ class Broker:
             if exc.io:  # not damaged, unreadable now (a full disk): kept for the next start
                 raise
             why = str(exc)
-        # Derived data only: the log has everything it held.
+        return self._new_index(), why
+
+    def _new_index(self) -> TxDatabase:
+        """A new, empty index file in place of the old one (derived data only: the log has everything it held)."""
+        data_dir = self.core.data_dir
         remove_db(data_dir)
         for stale in data_dir.glob("txindex.snap*"):  # the snapshot files of older versions
             stale.unlink(missing_ok=True)
         fsync_dir(data_dir)
-        return TxDatabase(data_dir / DB_FILE), why
+        return TxDatabase(data_dir / DB_FILE)
 
     async def _flush_index(self, upto: int | None = None) -> None:
         """Write the index rows changed since the last flush, once the log is durable past them.

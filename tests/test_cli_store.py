@@ -116,6 +116,24 @@ def test_verify_finds_garbage_queue_entries_an_unusable_index_and_bad_json(data)
     assert "U/0 entries 5-7 (3)" in q["detail"]
 
 
+def test_verify_finds_an_index_whose_pages_are_damaged_behind_a_good_header(data):
+    import sqlite3
+
+    from txmq.broker.transactions.indexfile import TxDatabase
+
+    d, _ = data
+    TxDatabase(d / "txindex.db").close()  # fits the log
+    db = sqlite3.connect(d / "txindex.db")
+    root = db.execute("SELECT rootpage FROM sqlite_master WHERE name = 'tx'").fetchone()[0]
+    page = db.execute("PRAGMA page_size").fetchone()[0]
+    db.close()
+    with open(d / "txindex.db", "r+b") as f:
+        f.seek((root - 1) * page)
+        f.write(b"\xa5" * page)
+    code, doc = verify(d)
+    assert code == DATA_PROBLEM and kinds(doc) == ["index"], doc["problems"]
+
+
 def test_repair_dry_run_changes_nothing(data):
     d, _ = data
     shutil.rmtree(d / "consumequeue" / "T" / "1")

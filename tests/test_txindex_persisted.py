@@ -288,3 +288,39 @@ def test_a_flush_that_cannot_take_the_log_position_keeps_its_rows_for_the_next_f
             assert b.core.tx.index.outcome(h["tx_id"]) is not None  # read back from the file
 
     arun(go())
+
+
+def test_an_index_file_with_a_damaged_page_behind_a_good_header_is_rebuilt_at_start(tmp_path):
+    import os
+    import sqlite3
+
+    data = tmp_path / "data"
+
+    async def fill() -> list[dict]:
+        async with running_broker(data, check_interval_s=3600) as b:
+            c = await RawClient.open(b.address)
+            sent = [await c.ok("send", {"topic": "t", "body": b"m", "properties": TX}) for _ in range(300)]
+            for h in sent[::2]:
+                await c.ok("end_transaction", {"group": "g", "tx_id": h["tx_id"], "commit_log_offset": h["commit_log_offset"],
+                                               "half_offset": h["half_offset"], "state": "commit"})
+            await c.close()
+            return sent
+
+    sent = arun(fill())
+    db = sqlite3.connect(data / "txindex.db")
+    root = db.execute("SELECT rootpage FROM sqlite_master WHERE name = 'tx'").fetchone()[0]
+    page = db.execute("PRAGMA page_size").fetchone()[0]
+    db.close()
+    with open(data / "txindex.db", "r+b") as f:  # the meta table (and so the start's check of it) is fine
+        f.seek((root - 1) * page + 8)
+        f.write(os.urandom(page - 8))
+
+    async def start() -> None:
+        async with running_broker(data, check_interval_s=3600) as b:
+            await b.core.tx_ready.wait()
+            assert b.core.tx_error is None, b.core.tx_error
+            assert len(b.core.tx.index.pending) == 150
+            assert all(b.core.tx.index.outcome(h["tx_id"]) is not None for h in sent[::2])
+
+    arun(start())
+    arun(start())

@@ -103,6 +103,14 @@ class IndexFileError(Exception):
     io = False
 
 
+def damaged_index(exc: sqlite3.DatabaseError) -> bool:
+    """Whether SQLite says the file's content is damaged (not an I/O error or a full disk, which may pass)."""
+    code = getattr(exc, "sqlite_errorcode", None)
+    if code is not None:
+        return code & 0xFF in (sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB, sqlite3.SQLITE_FORMAT)
+    return not isinstance(exc, sqlite3.OperationalError)  # no code (older Python): what I/O errors are not
+
+
 def db_files(data_dir: Path) -> list[Path]:
     return [data_dir / (DB_FILE + sfx) for sfx in ("", "-wal", "-shm", "-journal")]
 

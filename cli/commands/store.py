@@ -332,6 +332,9 @@ def _index_problems(path: Path, reader: Any) -> list[dict[str, Any]]:
     try:
         db.snapshot()
         why = agrees(reader, db.meta)
+        if why is None:  # a meta that reads fine says nothing of the other pages: SQLite's own check reads them all
+            bad = [r[0] for r in db.conn.execute("PRAGMA quick_check(5)").fetchall() if r[0] != "ok"]
+            why = f"damaged pages ({'; '.join(bad)})" if bad else None
         db.end_snapshot()
     except Exception as e:  # noqa: BLE001 - a damaged file
         why = f"unreadable ({e})"
