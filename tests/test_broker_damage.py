@@ -112,3 +112,25 @@ def test_a_damaged_op_record_leaves_transactions_available_and_its_commit_stays_
     assert other["status"] == "ok"
     assert [m["body"] for m in r["messages"]].count(b"committed") <= 1
     assert info["damaged_records"] == 1  # the op record; the other is not read at start, and no made-up place is
+
+
+def test_offline_inspection_builds_the_index_around_a_damaged_op_record(tmp_path):
+    from clihelpers import err, txmq
+
+    data = tmp_path / "data"
+
+    async def first():
+        async with running_broker(data, check_interval_s=3600) as b:
+            c = await RawClient.open(b.address)
+            h = await c.ok("send", half_fields(b"committed"))
+            await c.ok("end_transaction", end(h, "commit"))
+            await c.ok("send", half_fields(b"open"))
+            await c.ok("send", {"topic": T, "body": b"after"})
+            await c.close()
+
+    arun(first())
+    _damage_op_record(data)  # and no index file: it is built from the log
+    for what in ("half", "offsets", "tx"):
+        args = ["inspect", what, "--data-dir", str(data), "-o", "json"] + (["0"] if what == "tx" else [])
+        r = txmq(*args)
+        assert r.returncode == 0 and "damaged record(s) skipped" in err(r) and "Traceback" not in err(r), (what, err(r))

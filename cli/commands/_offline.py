@@ -125,6 +125,10 @@ def load_index(path: Path, reader: Any) -> Any:
     """The transaction index of a data directory, from its index file when that fits the log, else from the log alone."""
     from txmq.broker.transactions.indexfile import DB_FILE, IndexFileError, TxDatabase
     from txmq.broker.transactions.index import TxIndex, agrees, rebuild, replay_steps
+    from txmq.store.damage import Damage
+
+    def on_damage(offset: int, why: str) -> None:  # skipped, as the broker does; listed when the command ends
+        reader.damage.report(Damage(offset, "transaction index", why))
 
     if (path / DB_FILE).exists():
         try:
@@ -139,11 +143,11 @@ def load_index(path: Path, reader: Any) -> Any:
                     idx.load_pending(db.pending_rows())
                     idx.discarded = db.count_discarded()
                     db.end_snapshot()
-                    for _ in replay_steps(reader, idx, db.meta["queues"]):
+                    for _ in replay_steps(reader, idx, db.meta["queues"], on_damage=on_damage):
                         pass
                     return idx
                 db.end_snapshot()
             except Exception:  # damaged: the log alone answers
                 pass
             db.close()
-    return rebuild(reader)
+    return rebuild(reader, on_damage=on_damage)
