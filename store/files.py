@@ -25,7 +25,9 @@ def list_numbered(directory: str | os.PathLike) -> list[int]:
         names = os.listdir(directory)
     except FileNotFoundError:
         return []
-    return sorted(int(n) for n in names if len(n) == NAME_DIGITS and n.isdigit())
+    # ASCII digits only (int() takes other scripts' digits too), and files only (a directory of that name is not one)
+    return sorted(int(n) for n in names if len(n) == NAME_DIGITS and n.isascii() and n.isdigit()
+                  and os.path.isfile(os.path.join(directory, n)))
 
 
 def fsync_dir(directory: str | os.PathLike) -> None:

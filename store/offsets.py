@@ -41,7 +41,7 @@ class ConsumerOffsets:
                 if not isinstance(queues, dict):
                     continue
                 for qid, offset in queues.items():
-                    if str(qid).isdigit() and isinstance(offset, int):
+                    if str(qid).isascii() and str(qid).isdigit() and isinstance(offset, int):
                         self._offsets.setdefault(group, {}).setdefault(topic, {})[int(qid)] = offset
 
     def get(self, group: str, topic: str, queue_id: int) -> int | None:

@@ -365,7 +365,7 @@ class StoreReader(LogView):
             for topic in os.listdir(self._cq_root):
                 tdir = os.path.join(self._cq_root, topic)
                 if os.path.isdir(tdir):
-                    keys.update((topic, int(q)) for q in os.listdir(tdir) if q.isdigit())
+                    keys.update((topic, int(q)) for q in os.listdir(tdir) if q.isascii() and q.isdigit())
         out: dict[str, list[int]] = {}
         for topic, qid in sorted(keys):
             out.setdefault(topic, []).append(qid)

@@ -51,7 +51,7 @@ def load_queues(root: str) -> tuple[dict[tuple[str, int], ConsumeQueue], int]:
         if not os.path.isdir(tdir):
             continue
         for q in os.listdir(tdir):
-            if not q.isdigit() or not os.path.isdir(os.path.join(tdir, q)):
+            if not (q.isascii() and q.isdigit()) or not os.path.isdir(os.path.join(tdir, q)):
                 continue
             cq, orphans = ConsumeQueue.load(root, topic, int(q))
             dropped += cq.repair_files(orphans)
@@ -72,7 +72,7 @@ def read_manifest(path: str) -> tuple[dict[tuple[str, int], int], int | None]:
             doc = json.loads(f.read(64 << 20))
         log_min = doc.get("log_min")
         return {(str(t), int(q)): int(n) for t, q, n in doc["queues"]}, (int(log_min) if log_min is not None else None)
-    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+    except (OSError, ValueError, TypeError, KeyError, AttributeError, OverflowError):  # 1e400 is a float inf
         return {}, None
 
 

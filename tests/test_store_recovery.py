@@ -432,3 +432,17 @@ def test_damage_just_below_the_checkpoint_never_resyncs_into_a_torn_tail(tmp_pat
         assert [r.commit_log_offset for r in s.scan() if r.commit_log_offset >= synced_end] == []
     finally:
         s.close()
+
+
+def test_names_that_only_look_numbered_and_a_manifest_no_number_fits_are_ignored_at_open(tmp_path):
+    d = tmp_path / "d"
+    with Store(d) as s:
+        s.append([Message("A", 0, TxType.NORMAL, 1, {}, b"m%d" % i) for i in range(10)])
+        end = s.max_offset
+    (d / "commitlog" / ("0" * 19 + "\u0661")).write_bytes(b"")  # an Arabic-Indic digit: str.isdigit() says yes
+    (d / "commitlog" / "00000000000099999999").mkdir()  # a directory with a segment's name
+    (d / "consumequeue" / "A" / "\u00b2").mkdir()  # a superscript two
+    (d / "cqmanifest.json").write_text('{"version": 1, "log_min": 0, "queues": [["A", 0, 1e400]]}')
+    with Store(d) as s:
+        assert s.max_offset == end
+        assert len(s.get_messages("A", 0, 0, 100, 1 << 20).records) == 10
