@@ -338,6 +338,43 @@ class CommitLog(LogView):
         seg.length = seg.alloc = length
         return True
 
+    def records_end_at(self, seg: Segment, offset: int) -> bool | None:
+        """Whether seg's records, walked from its start, end exactly at offset (True), run past it (False),
+        or cannot tell (None: damage, or nothing but zeros, before it)."""
+        end = seg.start
+        for at, res in walk_segment(seg, seg.start, offset, validate_only=True):
+            if type(res) is str:
+                return None
+            end = at + res  # type: ignore[operator]
+        if end == offset:
+            return True
+        return False if end > offset else None
+
+    def cut_overlap(self, seg: Segment, length: int, quarantine: str | None) -> int:
+        """Cut seg's bytes past length, which overlap the next segment (copied to quarantine first); the bytes cut."""
+        n = seg.length - length
+        if n <= 0:
+            return 0
+        if quarantine is not None:
+            _copy_range(seg.fd, length, n, quarantine, f"commitlog-{offset_name(seg.start + length)}-overlap")
+        os.ftruncate(seg.fd, length)
+        os.fsync(seg.fd)
+        seg.length = seg.alloc = length
+        return n
+
+    def set_aside(self, seg: Segment, quarantine: str | None) -> None:
+        """Take a file that is not a segment of this log out of it (into quarantine when it holds bytes)."""
+        i = self._segs.index(seg)
+        del self._segs[i]
+        del self._starts[i]
+        os.close(seg.fd)
+        if quarantine is not None and seg.length:
+            os.makedirs(quarantine, exist_ok=True)
+            os.replace(seg.path, os.path.join(quarantine, f"commitlog-{offset_name(seg.start)}-stray"))
+        else:
+            os.unlink(seg.path)
+        fsync_dir(self.dir)
+
     def delete_front(self, count: int) -> list[Segment]:
         """Under the store lock: forget the first count segments and unlink their files."""
         gone = self._segs[:count]

@@ -151,14 +151,26 @@ def recover(
             rebuild = bool(out.queue_problems)
     segs = log.segments
     resync_below = ckpt.log_offset if ckpt is not None else _FAR
-    for a, b in zip(segs, segs[1:]):
+    i = 0
+    while i + 1 < len(segs):
+        a, b = segs[i], segs[i + 1]
+        i += 1
         if a.end > b.start and log.cut_zero_tail(a, b.start - a.start):
             continue  # a crash before a sealed segment's preallocated zeros were cut off: cut them now
-        if a.end > b.start:  # overlapping segments: the later ones cannot be placed
-            out.dropped_bytes, _ = log.truncate(a.end, quarantine)
-            out.reason = f"segment overlap at {b.start}: previous segment ends at {a.end}"
-            out.truncated_at = a.end
-            break
+        if a.end > b.start:
+            # The writer starts a segment where the last one's records end, so one of the two is not
+            # the log's: a stray file named inside a's range (empty, or a's records run past its
+            # start), or stray bytes after a's last record. Either is set aside, and the rest kept.
+            if b.length == 0 or log.records_end_at(a, b.start) is False:
+                why = f"{b.path} (starts inside the segment before it) is not part of the log: set aside"
+                out.damaged.append((b.start, why, b.length))
+                log.set_aside(b, quarantine)
+                i -= 1  # a against the segment after b
+                continue
+            n = log.cut_overlap(a, b.start - a.start, quarantine)
+            out.damaged.append((b.start, f"segment overlap at {b.start}: the {n} bytes of the segment before it past "
+                                         "that were cut (set aside)", n))
+            continue
         if a.end < b.start:
             why = f"segment gap at {a.end}: next segment starts at {b.start}"
             if a.end >= resync_below:  # a gap in the unsynced tail: the log ends there

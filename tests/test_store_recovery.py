@@ -446,3 +446,23 @@ def test_names_that_only_look_numbered_and_a_manifest_no_number_fits_are_ignored
     with Store(d) as s:
         assert s.max_offset == end
         assert len(s.get_messages("A", 0, 0, 100, 1 << 20).records) == 10
+
+
+@pytest.mark.parametrize("stray", ["byte after a sealed segment", "empty file inside a segment"])
+def test_a_stray_byte_or_file_between_segments_is_set_aside_and_every_record_kept(tmp_path, stray):
+    d = tmp_path / "d"
+    with Store(d, StoreConfig(segment_size=64 << 10)) as s:
+        s.append([Message("A", i % 2, TxType.NORMAL, 1, {}, b"x" * 300) for i in range(800)])
+        end = s.max_offset
+    names = sorted(os.listdir(d / "commitlog"))
+    assert len(names) >= 4
+    if stray == "byte after a sealed segment":
+        with open(d / "commitlog" / names[1], "ab") as f:
+            f.write(b"\x01")
+    else:
+        (d / "commitlog" / f"{int(names[0]) + 100:020d}").write_bytes(b"")
+    with Store(d, StoreConfig(segment_size=64 << 10)) as s:
+        assert s.max_offset == end
+        got = sum(len(s.get_messages("A", q, 0, 1000, 64 << 20).records) for q in (0, 1))
+        assert got == 800
+    assert sorted(os.listdir(d / "commitlog")) == names
