@@ -134,6 +134,14 @@ def test_verify_finds_an_index_whose_pages_are_damaged_behind_a_good_header(data
     assert code == DATA_PROBLEM and kinds(doc) == ["index"], doc["problems"]
 
 
+@pytest.mark.parametrize("name, content", [("offsets.json", "[]"), ("config.json", "[]"), ("config.json", '{"max_checks": -5}')])
+def test_verify_reports_json_files_the_broker_would_refuse_to_start_with(data, name, content):
+    d, _ = data
+    (d / name).write_text(content)
+    code, doc = verify(d)
+    assert code == DATA_PROBLEM and kinds(doc) == ["file"] and name in doc["problems"][0]["detail"], doc["problems"]
+
+
 def test_repair_dry_run_changes_nothing(data):
     d, _ = data
     shutil.rmtree(d / "consumequeue" / "T" / "1")

@@ -263,6 +263,7 @@ def _verify(path: Path) -> dict[str, Any]:
         p = path / name
         if not p.exists():
             continue
+        refused = "left alone: the broker refuses to start with it; fix or move it by hand"
         try:
             json.loads(p.read_bytes())
         except (OSError, ValueError) as e:
@@ -271,8 +272,12 @@ def _verify(path: Path) -> dict[str, Any]:
             elif name == "txcheck.json":
                 fix = "moved aside as txcheck.json.corrupt-<time> (the check progress restarts at 0)"
             else:
-                fix = "left alone: the broker refuses to start with it; fix or move it by hand"
+                fix = refused
             problems.append(_problem("file", None, f"{name} is not JSON ({e})", fix))
+            continue
+        why = _refused_by_the_broker(name, p)  # JSON, and what the broker's start reads from it
+        if why is not None:
+            problems.append(_problem("file", None, why, refused))
 
     qdir = path / QUARANTINE_DIR
     quarantine = sorted(({"name": f.name, "bytes": f.stat().st_size} for f in qdir.iterdir() if f.is_file()),
@@ -315,6 +320,24 @@ def _runs(bad: list[tuple[int, int, str]]) -> list[list[tuple[int, int, str]]]:
 
 def _reason_kind(reason: str) -> str:
     return re.sub(r"\d+", "N", reason)
+
+
+def _refused_by_the_broker(name: str, p: Path) -> str | None:
+    """Why a start refuses a JSON file (its own loader says), or None: config.json and offsets.json are checked."""
+    from txmq.store.errors import DataFileError
+
+    try:
+        if name == "config.json":
+            from txmq.broker.config import read_settings_file
+
+            read_settings_file(p)
+        elif name == "offsets.json":
+            from txmq.store.offsets import ConsumerOffsets
+
+            ConsumerOffsets(p)
+    except DataFileError as e:
+        return str(e)
+    return None
 
 
 def _index_problems(path: Path, reader: Any) -> list[dict[str, Any]]:
