@@ -140,9 +140,11 @@ def _verify(path: Path) -> dict[str, Any]:
     try:
         records = 0
         log_ends: dict[tuple[str, int], int] = {}  # per queue: 1 + the highest queue offset a record has
-        valid_end = reader.max_offset
         # zeros after the last segment's data are space the broker preallocated, not a torn tail
         data_end, preallocated = reader.files_end, reader.preallocated
+        # after the files' end: a broker writing meanwhile moves both, and the valid end read first
+        # would trail the files' end read second (a torn tail of 0 bytes, on a healthy log)
+        valid_end = reader.max_offset
         if segs and preallocated:
             segs[-1] = (segs[-1][0], segs[-1][1] - preallocated)
         for rec in reader.scan():
@@ -170,8 +172,8 @@ def _verify(path: Path) -> dict[str, Any]:
             if off in gaps:
                 continue
             problems.append(_problem("damaged_range", off, reason, "kept: readers skip it (the records in it are lost)", length))
-        if cut_at is not None:
-            tail = sum(max(0, s + n - max(s, cut_at)) for s, n in segs)
+        tail = sum(max(0, s + n - max(s, cut_at)) for s, n in segs) if cut_at is not None else 0
+        if cut_at is not None and (tail or cut_at != valid_end):  # 0 bytes past the valid end: a write that landed meanwhile
             problems.append(_problem("torn_tail", cut_at, f"{tail} bytes after the last valid record: {cut_why}",
                                      "the log is cut there; the bytes are moved to quarantine/", tail))
 
