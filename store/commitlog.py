@@ -296,16 +296,9 @@ class CommitLog(LogView):
         """
         dropped = zeros = 0
         while len(self._segs) > 1 and self._segs[-1].start > offset:
-            seg = self._segs.pop()
-            self._starts.pop()
+            seg = self._segs[-1]
             dropped += seg.length
-            os.close(seg.fd)
-            if quarantine is not None and seg.length:
-                os.makedirs(quarantine, exist_ok=True)
-                os.replace(seg.path, os.path.join(quarantine, f"commitlog-{offset_name(seg.start)}"))
-            else:
-                os.unlink(seg.path)
-            self.dir_dirty = True
+            self._remove(len(self._segs) - 1, quarantine, "")
         seg = self._segs[-1]
         keep = max(offset - seg.start, 0)
         if keep < seg.length:
@@ -364,16 +357,21 @@ class CommitLog(LogView):
 
     def set_aside(self, seg: Segment, quarantine: str | None) -> None:
         """Take a file that is not a segment of this log out of it (into quarantine when it holds bytes)."""
-        i = self._segs.index(seg)
-        del self._segs[i]
+        self._remove(self._segs.index(seg), quarantine, "-stray")
+        fsync_dir(self.dir)
+        self.dir_dirty = False
+
+    def _remove(self, i: int, quarantine: str | None, suffix: str) -> None:
+        """Forget segment i and move its file to quarantine (commitlog-<start><suffix>), or unlink it when empty or none."""
+        seg = self._segs.pop(i)
         del self._starts[i]
         os.close(seg.fd)
         if quarantine is not None and seg.length:
             os.makedirs(quarantine, exist_ok=True)
-            os.replace(seg.path, os.path.join(quarantine, f"commitlog-{offset_name(seg.start)}-stray"))
+            os.replace(seg.path, os.path.join(quarantine, f"commitlog-{offset_name(seg.start)}{suffix}"))
         else:
             os.unlink(seg.path)
-        fsync_dir(self.dir)
+        self.dir_dirty = True
 
     def delete_front(self, count: int) -> list[Segment]:
         """Under the store lock: forget the first count segments and unlink their files."""
