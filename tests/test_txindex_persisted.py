@@ -324,3 +324,43 @@ def test_an_index_file_with_a_damaged_page_behind_a_good_header_is_rebuilt_at_st
 
     arun(start())
     arun(start())
+
+
+def test_an_index_whose_every_transactional_record_is_damaged_is_kept_at_the_next_start(tmp_path, caplog):
+    import logging
+
+    from txmq.constants import HALF_TOPIC, OP_TOPIC
+    from txmq.store import StoreReader
+
+    data = tmp_path / "data"
+
+    async def fill() -> None:
+        async with running_broker(data, check_interval_s=3600) as b:
+            c = await RawClient.open(b.address)
+            await _tx(c, "commit")
+            await c.ok("send", {"topic": "t", "body": b"plain"})
+            await c.close()
+
+    arun(fill())
+    with StoreReader(data) as r:
+        tx_records = [rec for rec in r.scan() if rec.topic in (HALF_TOPIC, OP_TOPIC)]
+    for rec in tx_records:
+        seg = sorted((data / "commitlog").iterdir())[0]
+        with open(seg, "r+b") as f:
+            f.seek(rec.commit_log_offset + rec.size - 1)
+            b = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([b[0] ^ 1]))
+    for p in data.glob("txindex.db*"):
+        p.unlink()
+
+    async def start() -> None:
+        async with running_broker(data, check_interval_s=3600) as b:
+            await b.core.tx_ready.wait()
+            assert b.core.tx_error is None
+
+    arun(start())  # builds the index around the damage: no boundary record can be written
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="txmq.broker"):
+        arun(start())
+    assert not [r for r in caplog.records if "txindex_rebuild" in r.getMessage()], [r.getMessage() for r in caplog.records]

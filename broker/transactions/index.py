@@ -535,7 +535,10 @@ def agrees(store, meta: dict[str, Any]) -> str | None:
                 return f"the {name} queue ends before its position {queues[name]}"
         boundary = meta.get("boundary")
         if boundary is None:
-            return None if all(queues[name] == 0 for name, _ in _TX_QUEUES) else "no boundary record"
+            # none written when no transactional record below the positions reads back valid (all damaged)
+            if all(_last_valid_record(store, topic, queues[name]) is None for name, topic in _TX_QUEUES):
+                return None
+            return "no boundary record"
         try:
             _raw, head = store.read_many([boundary[0]], raw=True)[0]
         except Exception:  # cut away, or no record starts there any more
