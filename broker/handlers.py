@@ -218,19 +218,19 @@ def pull(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
     )
 
 
-async def _commit_offset(core: BrokerCore, f: dict) -> dict:
-    await core.commit_offset(req_str(f, "group"), canonical_topic(req_str(f, "topic")), req_int(f, "queue_id", 0, 1023), req_int(f, "offset"))
+async def _commit_offset(core: BrokerCore, group: str, topic: str, queue_id: int, offset: int) -> dict:
+    await core.commit_offset(group, topic, queue_id, offset)
     return {}
 
 
 def commit_offset(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
-    req_str(f, "group"), req_int(f, "offset")
+    group, offset = req_str(f, "group"), req_int(f, "offset")
     topic, queue_id = canonical_topic(req_str(f, "topic")), req_int(f, "queue_id", 0, 1023)
     n = core.topics.queues(topic)
     if n is None or queue_id >= n:  # offsets of queues that do not exist would fill every group listing
         raise TxmqError(f"topic {topic} has no queue {queue_id}" if n is not None else f"no topic {topic}",
                         ErrorCode.NO_SUCH_QUEUE)
-    return _commit_offset(core, f)
+    return _commit_offset(core, group, topic, queue_id, offset)
 
 
 def fetch_offsets(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:

@@ -39,6 +39,13 @@ from .message import ReceivedMessage
 log = logging.getLogger("txmq.client")
 
 
+def _retry(exc: TxmqError, client: Client) -> bool:
+    """Whether a request that failed so is worth repeating later (a lost connection only if the client reconnects)."""
+    if isinstance(exc, ConnectionLost) and not client.reconnect:
+        return False  # nobody will bring the connection back
+    return exc.retriable
+
+
 class Consumer:
     def __init__(
         self,
@@ -187,7 +194,7 @@ class Consumer:
                 except TimeoutError:
                     continue
                 except TxmqError as exc:  # an outage while waiting for the topic: wait on, as the fetch loops do
-                    if not exc.retriable or (isinstance(exc, ConnectionLost) and not client.reconnect):
+                    if not _retry(exc, client):
                         raise
                     log.debug("looking for topic %s failed (%s); trying again", self.topic, exc)
         except asyncio.CancelledError:
@@ -220,10 +227,8 @@ class Consumer:
                 except TimeoutError:
                     continue
                 except TxmqError as exc:
-                    if not (exc.retriable or exc.code == ErrorCode.NO_SUCH_QUEUE):
+                    if not (_retry(exc, client) or exc.code == ErrorCode.NO_SUCH_QUEUE):
                         raise
-                    if isinstance(exc, ConnectionLost) and not client.reconnect:
-                        raise  # nobody will bring the connection back
                     log.debug("pull %s/%d failed (%s); retrying in %.2fs", self.topic, q, exc, delay)
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, 2.0)

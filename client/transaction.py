@@ -445,27 +445,28 @@ class TransactionProducer:
             async with self._check_sem:
                 fields = self._checks_queued.pop(tx_id)
                 self._checks_running.add(tx_id)
-                try:
-                    view = ReceivedMessage.from_map(fields["message"])
-                    half = HalfResult(
-                        tx_id, view.msg_id, view.topic, view.queue_id, fields["half_offset"], fields["commit_log_offset"]
-                    )
-                except (KeyError, TypeError, ValueError) as exc:
-                    log.error("malformed check_transaction push (%r): %s", exc, fields)
-                    return
-                group = fields.get("group", self.group)
-                if group != self.group:
-                    log.warning("check_transaction for group %r reached producer of %r; answering anyway", group, self.group)
-                state = await self._run_check(view)
-                try:
-                    await self.end_transaction(half, state, from_check=True)
-                except TxmqError as exc:
-                    log.warning("answer to check of %s refused: %s", half.tx_id, exc)
-                    return
-                self.checks_answered += 1
+                await self._check_and_answer(tx_id, fields)
         finally:
             self._checks_queued.pop(tx_id, None)  # cancelled while waiting for a slot
             self._checks_running.discard(tx_id)
+
+    async def _check_and_answer(self, tx_id: str, fields: dict[str, Any]) -> None:
+        try:
+            view = ReceivedMessage.from_map(fields["message"])
+            half = HalfResult(tx_id, view.msg_id, view.topic, view.queue_id, fields["half_offset"], fields["commit_log_offset"])
+        except (KeyError, TypeError, ValueError) as exc:
+            log.error("malformed check_transaction push (%r): %s", exc, fields)
+            return
+        group = fields.get("group", self.group)
+        if group != self.group:
+            log.warning("check_transaction for group %r reached producer of %r; answering anyway", group, self.group)
+        state = await self._run_check(view)
+        try:
+            await self.end_transaction(half, state, from_check=True)
+        except TxmqError as exc:
+            log.warning("answer to check of %s refused: %s", half.tx_id, exc)
+            return
+        self.checks_answered += 1
 
     async def _run_check(self, view: ReceivedMessage) -> LocalTransactionState:
         fn = self.listener.check_local_transaction

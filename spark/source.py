@@ -38,6 +38,7 @@ from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 
 from txmq.constants import canonical_topic
 from txmq.store import Record, StoreReader
+from txmq.store.consumequeue import all_queues
 
 from .rows import record_filter, records_to_batch
 from .schema import KINDS, messages_schema
@@ -158,6 +159,7 @@ def plan_partitions(
     with StoreReader(data_dir) as reader:
         segments = reader.segments()
         log_end = reader.last_record
+        queues = all_queues(reader)
         for seg_start, path, length in segments:
             if end_offset is not None:
                 length = max(0, min(length, end_offset - seg_start))
@@ -169,8 +171,10 @@ def plan_partitions(
             for lo in range(step, length, step):
                 # A task starting inside a record would search the bytes for the next one and could take
                 # a record forged inside a message body for a stored one: cut where a record starts.
-                at = reader.record_start_from(seg_start + lo)
-                cut = seg_start + lo if at is None else min(at, seg_end)
+                at = reader.record_start_from(seg_start + lo, queues)
+                if at is not None and at >= seg_end:
+                    break  # no record starts in the rest of this segment
+                cut = seg_start + lo if at is None else at
                 if cut > cuts[-1]:
                     cuts.append(cut)
             cuts.append(seg_end)

@@ -419,7 +419,7 @@ def first_entry_from(store, topic: str, queue_id: int, offset: int) -> int:
     return lo
 
 
-def record_start_from(store, offset: int) -> int | None:
+def record_start_from(store, offset: int, queues: list[tuple[str, int]] | None = None) -> int | None:
     """The first offset >= offset where a stored record starts, found by the consume queues (None: none).
 
     On a Store or a StoreReader. Every record has its entry in its queue,
@@ -427,9 +427,12 @@ def record_start_from(store, offset: int) -> int | None:
     reading the log in between; unlike a resynchronising search of the
     bytes, it never takes a record forged inside a message body for a
     stored one. A binary search per queue; a damaged record is passed over
-    (the next one is looked for, up to 16 times).
+    (the next one is looked for, up to 16 times). ``queues``: the (topic,
+    queue id) pairs to search, for a caller asking many times (listing them
+    reads directories).
     """
-    queues = [(topic, qid) for topic, qids in store.queues().items() for qid in qids]
+    if queues is None:
+        queues = all_queues(store)
     for _ in range(16):  # past a few damaged records at most: then no answer
         best = None
         for topic, qid in queues:
@@ -445,3 +448,8 @@ def record_start_from(store, offset: int) -> int | None:
             continue
         return best
     return None
+
+
+def all_queues(store) -> list[tuple[str, int]]:
+    """Every (topic, queue id) of a Store or StoreReader."""
+    return [(topic, qid) for topic, qids in store.queues().items() for qid in qids]

@@ -232,9 +232,9 @@ class StoreReader(LogView):
             self._refresh()
         return super().read(offset)
 
-    def record_start_from(self, offset: int) -> int | None:
+    def record_start_from(self, offset: int, queues: list[tuple[str, int]] | None = None) -> int | None:
         """The first offset >= offset where a stored record starts (``consumequeue.record_start_from``)."""
-        return record_start_from(self, offset)
+        return record_start_from(self, offset, queues)
 
     def read_record(self, offset: int) -> Record:
         """The record that starts at offset, for an offset a user gave (``stored_record_at``)."""

@@ -506,9 +506,9 @@ class Store:
         """The record that starts at offset, for an offset a client gave (``stored_record_at``)."""
         return stored_record_at(self, offset)
 
-    def record_start_from(self, offset: int) -> int | None:
+    def record_start_from(self, offset: int, queues: list[tuple[str, int]] | None = None) -> int | None:
         """The first offset >= offset where a stored record starts (``consumequeue.record_start_from``)."""
-        return record_start_from(self, offset)
+        return record_start_from(self, offset, queues)
 
     def scan(self, start: int = 0, end: int | None = None) -> Iterator[Record]:
         """Records from start (a record boundary, or below the log's start) up to end, in order.

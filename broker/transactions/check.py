@@ -43,13 +43,14 @@ import msgpack
 from txmq.constants import HALF_TOPIC, OP_TOPIC, PROP_CHECK_TIMES
 from txmq.store import RawCopy, StoreError, atomic_write_json, read_json
 from txmq.store.files import move_aside
+from txmq.store.consumequeue import first_entry_from
 from txmq.store.codec import H_BORN_TS, H_PREPARED_OFFSET, H_PROPS_LEN, H_TOPIC_LEN, HEADER_SIZE, TAGS_PROPERTY
 from txmq.wire import TxmqError
 
 from .checkcopy import check_push, pack_group, patch_properties
 from ..config import CheckSettings
 from .service import TransactionService, copy_properties
-from .index import PendingTx, first_entry_from
+from .index import PendingTx
 
 if TYPE_CHECKING:
     from ..core import BrokerCore
@@ -364,7 +365,7 @@ class CheckService:
         hi = store.queue_max_offset(OP_TOPIC, 0)
         entry = store.cq_entries(HALF_TOPIC, 0, half, 1) if half < store.queue_max_offset(HALF_TOPIC, 0) else None
         if entry:
-            hi = first_entry_from(store, OP_TOPIC, entry[0][0])
+            hi = first_entry_from(store, OP_TOPIC, 0, entry[0][0])
         if hi > self.progress.op:
             self.progress.op = hi
 

@@ -27,7 +27,6 @@ Events, in commit-log order, and their effect:
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass
 from enum import IntEnum
 from sys import intern
@@ -53,7 +52,7 @@ import msgpack
 
 from txmq.store import CorruptRecordError, Record, TxType, decode_record, record_problem
 from txmq.store.bulk import raw_queue_runs
-from txmq.store.consumequeue import first_entry_from as first_entry_at
+from txmq.store.consumequeue import first_entry_from
 from txmq.store.codec import H_CRC, H_OFFSET, H_SIZE
 
 if TYPE_CHECKING:
@@ -487,7 +486,7 @@ def log_position(store, upto: int | None = None) -> dict[str, Any]:
     if upto is None:
         queues = {name: store.queue_max_offset(topic, 0) for name, topic in _TX_QUEUES}
     else:
-        queues = {name: first_entry_from(store, topic, upto) for name, topic in _TX_QUEUES}
+        queues = {name: first_entry_from(store, topic, 0, upto) for name, topic in _TX_QUEUES}
     boundary = None
     for name, topic in _TX_QUEUES:
         found = _last_valid_record(store, topic, queues[name])
@@ -515,11 +514,6 @@ def _last_valid_record(store, topic: str, end: int) -> tuple[int, int] | None:
             continue
         return entry[0][0], head[H_CRC]
     return None
-
-
-def first_entry_from(store, topic: str, offset: int) -> int:
-    """The first queue offset of topic's queue 0 whose record starts at or after the commit-log offset (a search)."""
-    return first_entry_at(store, topic, 0, offset)
 
 
 def agrees(store, meta: dict[str, Any]) -> str | None:
