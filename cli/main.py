@@ -11,7 +11,10 @@ import typer
 from txmq import __version__
 
 from . import exitcodes
-from .common import CliError
+from .commands import register_all
+from .commands.completion import COMPLETE_VAR, answer_tab
+from .common import CliError, utf8_arguments
+from .globalopts import normalize_args, state
 
 app = typer.Typer(
     name="txmq",
@@ -44,17 +47,7 @@ def root(
     debug: bool = typer.Option(False, "--debug", envvar="TXMQ_DEBUG", help="Show tracebacks on errors."),
 ) -> None:
     """Operate a txmq transactional message broker."""
-    _state["debug"] = debug
-
-
-_state: dict[str, Any] = {"debug": False, "context": None}
-
-
-def _register() -> None:
-    from .commands import register_all
-
-    register_all(app)
-    _require_utf8(app)
+    state["debug"] = debug
 
 
 _BRACKET = re.compile(r"(?<!\\)\[(?=[A-Za-z#/@])")
@@ -72,8 +65,6 @@ def _escape_help_brackets(command: Any) -> None:
 
 def _require_utf8(group: typer.Typer) -> None:
     """Every command refuses text arguments that are not valid UTF-8 (exit 2) before doing anything."""
-    from .common import utf8_arguments
-
     for cmd in group.registered_commands:
         if cmd.callback is not None:
             cmd.callback = utf8_arguments(cmd.callback)
@@ -82,88 +73,8 @@ def _require_utf8(group: typer.Typer) -> None:
             _require_utf8(sub.typer_instance)
 
 
-_register()
-
-
-COMPLETE_VAR = "_TXMQ_COMPLETE"
-
-
-# Options every broker command takes, accepted before the command name too
-# (`txmq -b HOST:PORT topics`, `txmq -o json topics`): moved after it.
-_GLOBAL_VALUE = ("-b", "--broker", "--token", "-o", "--output")
-
-
-def normalize_args(args: list[str]) -> tuple[list[str], str | None, bool]:
-    """Global options anywhere: returns (args for click, --context NAME, --debug given).
-
-    `--debug` and `--context NAME` may come before or after the command
-    (they are taken out here); -b/--broker, --token, -o/--output given
-    before the command name are moved after it. Nothing after `--` is touched.
-    """
-    rest, moved, tail, context, debug = _split_globals(args)
-    return (["--debug"] if debug else []) + rest + moved + tail, context, debug
-
-
-def _split_globals(args: list[str]) -> tuple[list[str], list[str], list[str], str | None, bool]:
-    """(the command's words, the global options given before it, what follows `--`, --context NAME, --debug given)."""
-    cut = args.index("--") if "--" in args else len(args)
-    head, tail = args[:cut], args[cut:]
-    rest: list[str] = []
-    moved: list[str] = []
-    context: str | None = None
-    debug = False
-    in_command = False
-    i = 0
-    while i < len(head):
-        a = head[i]
-        if a == "--debug":
-            debug = True
-        elif a == "--context" and i + 1 < len(head):
-            context = head[i + 1]
-            i += 1
-        elif a.startswith("--context="):
-            context = a.partition("=")[2]
-        elif not in_command and a in _GLOBAL_VALUE and i + 1 < len(head):
-            moved += [a, head[i + 1]]
-            i += 1
-        elif not in_command and (a.startswith(("--broker=", "--token=", "--output="))
-                                 or (a[:2] in ("-b", "-o") and len(a) > 2)):
-            moved.append(a)
-        else:
-            if not a.startswith("-"):
-                in_command = True
-            rest.append(a)
-        i += 1
-    return rest, moved, tail, context, debug
-
-
-_GLOBAL_FLAGS = ("--context", "--debug")
-
-
-def _install_completion() -> None:
-    """Typer's shell completion, taught the global options: skipped before the command, --context NAME completed."""
-    from typer._click.shell_completion import CompletionItem, add_completion_class
-    from typer._completion_classes import BashComplete, FishComplete, ZshComplete
-
-    def get_completion_args(self: Any) -> tuple[list[str], str]:
-        args, incomplete = super(type(self), self).get_completion_args()
-        self._after_context = bool(args) and args[-1] == "--context"
-        rest, _moved, tail, _context, _debug = _split_globals(args[:-1] if self._after_context else args)
-        return rest + tail, incomplete
-
-    def get_completions(self: Any, args: list[str], incomplete: str) -> list[Any]:
-        if self._after_context:
-            from .commands.context import _complete_name
-
-            return [CompletionItem(n) for n in _complete_name(incomplete)]
-        items = super(type(self), self).get_completions(args, incomplete)
-        if incomplete.startswith("--"):
-            items += [CompletionItem(f) for f in _GLOBAL_FLAGS if f.startswith(incomplete)]
-        return items
-
-    for shell, cls in (("bash", BashComplete), ("zsh", ZshComplete), ("fish", FishComplete)):
-        add_completion_class(type(cls.__name__, (cls,), {"get_completion_args": get_completion_args,
-                                                         "get_completions": get_completions}), shell)
+register_all(app)
+_require_utf8(app)
 
 
 def main() -> None:
@@ -176,15 +87,12 @@ def main() -> None:
     if os.environ.get(COMPLETE_VAR):
         # A shell asks for completions (the scripts in completions/ set this);
         # use Typer's completion classes, which those scripts were written for.
-        from typer._completion_classes import completion_init
-
-        completion_init()
-        _install_completion()
+        answer_tab()
         app(prog_name="txmq")
         return
     args, context_name, debug_flag = normalize_args(sys.argv[1:])
-    _state["context"] = context_name
-    _state["debug"] = debug_flag or os.environ.get("TXMQ_DEBUG", "").lower() in ("1", "true", "yes", "on")
+    state["context"] = context_name
+    state["debug"] = debug_flag or os.environ.get("TXMQ_DEBUG", "").lower() in ("1", "true", "yes", "on")
     try:
         command = typer.main.get_command(app)
         _escape_help_brackets(command)
@@ -227,12 +135,12 @@ def main() -> None:
 
             ce = cli_error(e, "broker")
             _fail(ce.message, ce.code)
-        _fail(f"{type(e).__name__}: {e}" + ("" if _state["debug"] else " (run with --debug for the traceback)"), exitcodes.ERROR)
+        _fail(f"{type(e).__name__}: {e}" + ("" if state["debug"] else " (run with --debug for the traceback)"), exitcodes.ERROR)
 
 
 def _debug_traceback() -> None:
     """With --debug (TXMQ_DEBUG=1) the traceback goes to stderr; the exit code stays the documented one."""
-    if _state["debug"]:
+    if state["debug"]:
         import traceback
 
         traceback.print_exc(file=sys.stderr)

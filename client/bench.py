@@ -75,6 +75,21 @@ class Stats:
     def error(self, name: str) -> None:
         self.errors[name] = self.errors.get(name, 0) + 1
 
+    def results(self, elapsed: float, unit: str) -> dict[str, Any]:
+        """The figures of a run, as every mode's summary ends: completed units, throughput, latency percentiles, errors, outcomes."""
+        return {
+            "completed": self.done, "elapsed_s": round(elapsed, 3),
+            "throughput": round(self.done / elapsed, 1) if elapsed > 0 else 0.0, "unit": unit,
+            "latency_ms": {op: percentiles(v) for op, v in self.lat.items()},
+            "errors": self.errors, "outcomes": self.outcomes,
+        }
+
+    async def report_progress(self, progress: Callable[[int, int], None], total: int) -> None:
+        """Call progress(completed units, total) every 0.2 s until cancelled (the CLI's progress bar)."""
+        while True:
+            await asyncio.sleep(0.2)
+            progress(self.done, total)
+
 
 def percentiles(values: array) -> dict[str, float | int]:
     if not values:
@@ -324,7 +339,7 @@ class Bench:
         if cfg.rate:
             self._tokens = 0.0
             ticker = loop.create_task(self._pace())
-        reporter = loop.create_task(self._report()) if self.progress else None
+        reporter = loop.create_task(self.stats.report_progress(self.progress, cfg.messages or 0)) if self.progress else None
         for g in self.gens:
             g.fill()
         if cfg.duration:
@@ -391,23 +406,12 @@ class Bench:
                 g.fill()
             self._check_done()
 
-    async def _report(self) -> None:
-        total = self.cfg.messages or 0
-        while True:
-            await asyncio.sleep(0.2)
-            assert self.progress is not None
-            self.progress(self.stats.done, total)
-
     def summary(self, elapsed: float) -> dict[str, Any]:
         cfg, st = self.cfg, self.stats
         return {
             "mode": cfg.mode, "address": cfg.address, "connections": cfg.connections, "inflight": cfg.inflight,
             "size": cfg.size, "batch": cfg.batch, "rate": cfg.rate, "mix": cfg.mix if cfg.mode == "tx" else None,
-            "completed": st.done, "elapsed_s": round(elapsed, 3),
-            "throughput": round(st.done / elapsed, 1) if elapsed > 0 else 0.0,
-            "unit": {"tx": "transactions/s", "send": "messages/s", "consume": "messages/s"}[cfg.mode],
-            "latency_ms": {op: percentiles(v) for op, v in st.lat.items()},
-            "errors": st.errors, "outcomes": st.outcomes,
+            **st.results(elapsed, {"tx": "transactions/s", "send": "messages/s", "consume": "messages/s"}[cfg.mode]),
             **({"unknown_rolled_back": self.rolled_back} if cfg.mode == "tx" and cfg.mix.get("unknown") else {}),
         }
 

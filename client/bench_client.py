@@ -21,7 +21,7 @@ import random
 import time
 from typing import Any, Callable
 
-from .bench import BenchConfig, Stats, percentiles
+from .bench import BenchConfig, Stats
 
 
 class ClientBench:
@@ -96,7 +96,7 @@ class ClientBench:
                 if r.end is not None:
                     r.end.add_done_callback(lambda f, s=started: ended(s, f))
 
-        reporter = loop.create_task(self._report()) if self.progress else None
+        reporter = loop.create_task(st.report_progress(self.progress, cfg.messages or 0)) if self.progress else None
         await asyncio.gather(*(worker(tp) for tp in producers for _ in range(cfg.inflight)))
         for tp in producers:
             await tp.flush()
@@ -109,19 +109,9 @@ class ClientBench:
         return {
             "mode": "tx-client", "end": self.end, "address": cfg.address, "connections": cfg.connections,
             "inflight": cfg.inflight, "size": cfg.size, "batch": 1, "rate": None, "mix": cfg.mix,
-            "completed": st.done, "elapsed_s": round(elapsed, 3),
-            "throughput": round(st.done / elapsed, 1) if elapsed > 0 else 0.0, "unit": "transactions/s",
-            "latency_ms": {op: percentiles(v) for op, v in st.lat.items()},
-            "errors": st.errors, "outcomes": st.outcomes,
+            **st.results(elapsed, "transactions/s"),
             "client_cpu_s": round(client_cpu, 3),  # this process: the producers, listener and event loop
         }
-
-    async def _report(self) -> None:
-        total = self.cfg.messages or 0
-        while True:
-            await asyncio.sleep(0.2)
-            assert self.progress is not None
-            self.progress(self.stats.done, total)
 
 
 __all__ = ["ClientBench"]

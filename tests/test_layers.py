@@ -62,20 +62,6 @@ def test_the_old_module_paths_still_import():
     assert txhistory.History is history.History and txhistory.held_by is history.held_by
 
 
-def test_the_cli_modules_that_moved_still_import():
-    """The log formatter moved to broker/logs.py, the load generator to client/bench.py and client/bench_client.py."""
-    from txmq.broker import logs
-    from txmq.cli import bench as old_bench
-    from txmq.cli import bench_client as old_bench_client
-    from txmq.cli import logs as old_logs
-    from txmq.client import bench, bench_client
-
-    assert old_logs.KeyValueFormatter is logs.KeyValueFormatter and old_logs.JsonFormatter is logs.JsonFormatter
-    assert old_logs.setup is logs.setup and old_logs._KV is logs._KV
-    assert old_bench.percentiles is bench.percentiles and old_bench.Bench is bench.Bench and old_bench.EmbeddedBroker is bench.EmbeddedBroker
-    assert old_bench_client.ClientBench is bench_client.ClientBench
-
-
 def test_broker_start_option_defaults_are_the_broker_configs():
     """`txmq broker start` shows and uses BrokerConfig's and CheckSettings' defaults (both read txmq.defaults)."""
     from typer.main import get_command

@@ -26,7 +26,7 @@ from brokerproc import BrokerProcess, free_port
 from conftest import arun
 from faultload import PipeClient
 from clihelpers import txmq
-from txmq.cli.logs import JsonFormatter, KeyValueFormatter, _KV
+from txmq.broker.logs import JsonFormatter, KeyValueFormatter, _KV
 
 pytestmark = pytest.mark.slow
 

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import typer
 
+from . import bench, broker, checker, completion, config, consume, context, discard, groups, inspect, message, read, resolve, send, spark
+from . import stats, store, topics
+
 
 def register_all(app: typer.Typer) -> None:
-    from . import bench, broker, checker, completion, config, consume, discard, inspect, resolve, send, spark, stats, store, topics
-    from . import groups, message, read
-
     with _panel(app, "Messages"):
         send.register(app)
         consume.register(app)
@@ -37,8 +37,6 @@ def register_all(app: typer.Typer) -> None:
         spark.register(app)  # txmq spark-export (cli/commands/spark.py)
     with _panel(app, "Shell"):
         completion.register(app)
-        from . import context
-
         app.add_typer(context.app, name="context")  # txmq context add|list|use|remove|show
 
 

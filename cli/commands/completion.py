@@ -1,22 +1,23 @@
-"""txmq completion bash|zsh|fish: print a shell completion script.
+"""Shell completion: `txmq completion bash|zsh|fish` prints a script, and `txmq` answers each Tab.
 
 The scripts call `txmq` with _TXMQ_COMPLETE set on each Tab (Typer's
 completion protocol), so they always match the installed commands; each
-also records the command tree it was generated from. The copies in
-completions/ are regenerated with `scripts/gen-completions.sh` (or
-`python -m txmq.cli.commands.completion completions/`), and
+also records the command tree it was generated from. main.py hands such a
+call to `answer_tab`. The copies in completions/ are regenerated with
+`scripts/gen-completions.sh` (`txmq completion SHELL` for each shell), and
 tests/test_cli_completion.py fails when they are out of date.
 """
 
 import sys
 from enum import Enum
-from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
+from ..globalopts import FLAGS, split_globals
+from .context import complete_name
+
 COMPLETE_VAR = "_TXMQ_COMPLETE"
-FILES = {"bash": "txmq.bash", "zsh": "_txmq", "fish": "txmq.fish"}
 
 EPILOG = """Examples:
 
@@ -75,20 +76,17 @@ def register(app: typer.Typer) -> None:
     app.command("completion", epilog=EPILOG)(completion)
 
 
-def completion(shell: Annotated[Shell, typer.Argument(metavar="SHELL", help="bash, zsh or fish.", show_default=False)]) -> None:
+def completion(
+    ctx: typer.Context,
+    shell: Annotated[Shell, typer.Argument(metavar="SHELL", help="bash, zsh or fish.", show_default=False)],
+) -> None:
     """Print the shell completion script for txmq."""
-    sys.stdout.write(script(shell.value))
+    sys.stdout.write(script(shell.value, ctx.find_root().command))
     sys.stdout.flush()
 
 
-def command_tree(command: Any = None, prefix: str = "txmq") -> list[str]:
-    """One line per command of the app, e.g. 'txmq inspect half'."""
-    if command is None:
-        from typer.main import get_command
-
-        from ..main import app
-
-        command = get_command(app)
+def command_tree(command: Any, prefix: str = "txmq") -> list[str]:
+    """One line per command under the click command given (the app's, for the root), e.g. 'txmq inspect half'."""
     subs = getattr(command, "commands", None)
     if not subs:
         return [prefix]
@@ -99,29 +97,41 @@ def command_tree(command: Any = None, prefix: str = "txmq") -> list[str]:
     return lines
 
 
-def script(shell: str) -> str:
+def script(shell: str, root: Any) -> str:
+    """The completion script for shell, listing the commands of the app's click command root."""
     body = {"bash": _BASH, "zsh": _ZSH, "fish": _FISH}[shell]
     head = [
         f"# txmq completion for {shell}: generated from the app by `txmq completion {shell}`; do not edit.",
         f"# Install: {_INSTALL[shell]}",
         "# On each Tab the shell asks `txmq` itself (with _TXMQ_COMPLETE set). Commands when generated:",
-        *(f"#   {line}" for line in command_tree()),
+        *(f"#   {line}" for line in command_tree(root)),
     ]
     first = "#compdef txmq\n" if shell == "zsh" else ""
     return first + "\n".join(head) + "\n\n" + body
 
 
-def write_all(directory: Path) -> list[Path]:
-    directory.mkdir(parents=True, exist_ok=True)
-    written = []
-    for shell, name in FILES.items():
-        path = directory / name
-        path.write_text(script(shell))
-        written.append(path)
-    return written
+def answer_tab() -> None:
+    """Set up Typer's shell completion for a Tab (_TXMQ_COMPLETE set), taught the global options:
+    skipped before the command, --context NAME completed. Then running the app answers the Tab."""
+    from typer._click.shell_completion import CompletionItem, add_completion_class
+    from typer._completion_classes import BashComplete, FishComplete, ZshComplete, completion_init
 
+    completion_init()
 
-if __name__ == "__main__":
-    target = Path(sys.argv[1] if len(sys.argv) > 1 else "completions")
-    for p in write_all(target):
-        print(p)
+    def get_completion_args(self: Any) -> tuple[list[str], str]:
+        args, incomplete = super(type(self), self).get_completion_args()
+        self._after_context = bool(args) and args[-1] == "--context"
+        rest, _moved, tail, _context, _debug = split_globals(args[:-1] if self._after_context else args)
+        return rest + tail, incomplete
+
+    def get_completions(self: Any, args: list[str], incomplete: str) -> list[Any]:
+        if self._after_context:
+            return [CompletionItem(n) for n in complete_name(incomplete)]
+        items = super(type(self), self).get_completions(args, incomplete)
+        if incomplete.startswith("--"):
+            items += [CompletionItem(f) for f in FLAGS if f.startswith(incomplete)]
+        return items
+
+    for shell, cls in (("bash", BashComplete), ("zsh", ZshComplete), ("fish", FishComplete)):
+        add_completion_class(type(cls.__name__, (cls,), {"get_completion_args": get_completion_args,
+                                                         "get_completions": get_completions}), shell)

@@ -9,6 +9,7 @@ import typer
 from .. import exitcodes
 from ..common import CliError, OutputOpt, parse_address
 from ..console import Output, emit_json, emit_line, note, out, render, resolve_output
+from ..globalopts import state
 
 app = typer.Typer(
     help="Named broker profiles (address, token), chosen with --context NAME or TXMQ_CONTEXT.",
@@ -29,7 +30,7 @@ which wins over the context, which wins over the default.""",
 )
 
 
-def _complete_name(incomplete: str) -> list[str]:
+def complete_name(incomplete: str) -> list[str]:
     from .. import contexts
 
     try:
@@ -38,7 +39,7 @@ def _complete_name(incomplete: str) -> list[str]:
         return []
 
 
-NameArg = Annotated[str, typer.Argument(metavar="NAME", help="The context's name.", show_default=False, autocompletion=_complete_name)]
+NameArg = Annotated[str, typer.Argument(metavar="NAME", help="The context's name.", show_default=False, autocompletion=complete_name)]
 
 
 def _row(name: str, ctx: dict, current: str | None, show_token: bool = False) -> dict:
@@ -87,7 +88,7 @@ def list_(output: OutputOpt = None) -> None:
 @app.command(epilog="Examples:\n\n  txmq context use prod\n\n  txmq context use --none     # back to TXMQ_BROKER / the default")
 def use(
     name: Annotated[Optional[str], typer.Argument(metavar="NAME", help="The context to use.", show_default=False,
-                                                  autocompletion=_complete_name)] = None,
+                                                  autocompletion=complete_name)] = None,
     none: Annotated[bool, typer.Option("--none", help="Use no context.")] = False,
 ) -> None:
     """Make a context the current one (used when neither --context nor TXMQ_CONTEXT is given)."""
@@ -122,7 +123,7 @@ def remove(name: NameArg) -> None:
              "Keys: name, broker, token (\"set\" or null; with --token the token itself), current, file.")
 def show(
     name: Annotated[Optional[str], typer.Argument(metavar="NAME", help="A context [default: the one commands would use now].",
-                                                  show_default=False, autocompletion=_complete_name)] = None,
+                                                  show_default=False, autocompletion=complete_name)] = None,
     show_token: Annotated[bool, typer.Option("--token", help="Print the token itself.")] = False,
     output: OutputOpt = None,
 ) -> None:
@@ -132,9 +133,7 @@ def show(
 
     doc = contexts.load()
     if name is None:
-        from ..main import _state
-
-        name, _ = contexts.selected(_state.get("context"))  # type: ignore[arg-type]
+        name, _ = contexts.selected(state["context"])
         if name is None:
             fmt = resolve_output(output)
             if fmt is Output.table:

@@ -11,13 +11,17 @@ import time
 from datetime import datetime
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 
 from .. import exitcodes
 from ..common import CliError, OutputOpt, parse_duration
 from ..console import Output, default_output, emit_document, err, esc, out
+
+if TYPE_CHECKING:  # the export (pyspark, the store) is imported only when the command runs
+    from txmq.spark.export import ExportOptions, ExportResult
+    from txmq.spark.session import Session
 
 
 class Format(str, Enum):
@@ -107,6 +111,18 @@ def spark_export(
     output: OutputOpt = None,
 ) -> None:
     """Export the commit log as [key]messages[/key] and [key]transactions[/key] tables with PySpark."""
+    _require_spark()
+    output = output or default_output()
+    opts = _export_options(out_path, data_dir, fmt, table, since, until, topic, partition_by, mode, partition_bytes, skip_damaged)
+    _check_export_options(opts)
+    spark_conf = parse_conf(conf or [])
+    t0 = time.perf_counter()
+    result, startup_s = _export_with_spark(opts, master, spark_conf)
+    _report(_summary(opts, master, result, startup_s, time.perf_counter() - t0), output)
+
+
+def _require_spark() -> None:
+    """pyspark and Java must be there (exit 9), before anything imports pyspark."""
     from txmq.spark import session as sess
 
     problem = sess.missing_dependency()
@@ -115,16 +131,20 @@ def spark_export(
     if problem is not None:
         raise CliError(problem, exitcodes.MISSING_DEPENDENCY)
 
+
+def _export_options(out_path: str, data_dir: Optional[Path], fmt: Format, table: Table, since: Optional[str], until: Optional[str],
+                    topic: Optional[list[str]], partition_by: Optional[list[str]], mode: Mode, partition_bytes: str,
+                    skip_damaged: bool) -> ExportOptions:
+    """The command's options as the export's ExportOptions: paths made absolute, times and sizes parsed (exit 2)."""
     from txmq.broker.config import default_data_dir
-    from txmq.spark.export import ExportOptions, check_options, export
+    from txmq.spark.export import ExportOptions
     from txmq.spark.source import parse_size
 
-    output = output or default_output()
     try:
         pbytes = parse_size(partition_bytes)
     except ValueError as e:
         raise CliError(str(e), exitcodes.USAGE) from None
-    opts = ExportOptions(
+    return ExportOptions(
         data_dir=str((data_dir or default_data_dir()).expanduser().absolute()),
         out=out_path if "://" in out_path else str(Path(out_path).expanduser().absolute()),
         fmt=fmt.value,
@@ -137,6 +157,13 @@ def spark_export(
         partition_bytes=max(pbytes, 4096),
         skip_damaged=skip_damaged,
     )
+
+
+def _check_export_options(opts: ExportOptions) -> None:
+    """Before Spark starts: the options agree (exit 2), the data directory holds a commit log (exit 5), a table folder that
+    --mode error would refuse is not there yet (exit 2)."""
+    from txmq.spark.export import check_options
+
     try:
         check_options(opts)
     except FileNotFoundError as e:
@@ -144,60 +171,89 @@ def spark_export(
     except (ValueError, FileExistsError) as e:
         raise CliError(str(e), exitcodes.USAGE) from None
 
-    spark_conf = parse_conf(conf or [])
-    t0 = time.perf_counter()
+
+def _export_with_spark(opts: ExportOptions, master: str, spark_conf: dict[str, str]) -> tuple[ExportResult, float]:
+    """Start Spark, export the tables, stop Spark, with a progress display on a terminal: (the export's result, Spark's
+    start-up seconds). Ctrl-C ends it with one line, no py4j traceback and no temporary output left (exit 130)."""
     progress = _Progress(enabled=err.is_terminal)
     progress.begin("starting Spark")
     _quiet_py4j()
     try:
-        try:
-            session = sess.start(master, spark_conf)
-        except sess.SparkStartError as e:
-            lines = [ln for ln in e.log.splitlines() if ln.strip() and not ln.strip().startswith("at ")]
-            log = "".join(f"\n  {ln.strip()}" for ln in lines[-8:])
-            raise CliError(f"could not start Spark (master {master}): {e.message}{log}") from None
-        except Exception as e:
-            raise CliError(f"could not start Spark (master {master}): {_first_line(e)}") from None
+        session = _start_spark(master, spark_conf)
         progress.watch(session.spark)
         ok = False
         try:
-            result = export(session.spark, opts, on_table=progress.table)
+            result = _export_tables(session, opts, progress)
             ok = True
-        except FileExistsError as e:  # created by someone else since the check
-            raise CliError(str(e), exitcodes.USAGE) from None
-        except KeyboardInterrupt:
-            raise
-        except Exception as e:
-            hint = f" (Spark's log: {session.log_path})" if session.log_path else ""
-            why = spark_error(e)
-            if "CorruptRecordError" in why:
-                hint += "; --skip-damaged exports every other record and lists the damaged ones"
-            raise CliError(f"spark-export failed: {why}{hint}") from None
         finally:
             progress.stop()
-            try:
-                session.stop()
-            except (Exception, KeyboardInterrupt):  # the JVM got the Ctrl-C too and is gone
-                if ok:
-                    raise
-            if ok:
-                sess.cleanup(session)
-    except KeyboardInterrupt:  # one line, no py4j traceback, no temporary output left (exit 130)
+            _stop_spark(session, exported=ok)
+    except KeyboardInterrupt:
         progress.stop()
-        from txmq.spark.export import staging_path
-
-        staging = staging_path(opts)
-        if staging:  # again, now that Spark is stopped: a task may have written after the first removal
-            import shutil
-
-            shutil.rmtree(staging, ignore_errors=True)
-        err.print(f"[warn]interrupted: nothing written to {esc(str(opts.out))}[/warn]" if opts.mode != "append"
-                  else f"[warn]interrupted: {esc(str(opts.out))} may hold part of the appended rows[/warn]")
+        _clean_up_interrupted(opts)
         raise
     finally:
         progress.stop()
-    total = time.perf_counter() - t0
-    _report(_summary(opts, master, result, session.startup_s, total), output)
+    return result, session.startup_s
+
+
+def _start_spark(master: str, spark_conf: dict[str, str]) -> Session:
+    """Spark on master with the --conf settings; a failure to start is one error with the end of Spark's log."""
+    from txmq.spark import session as sess
+
+    try:
+        return sess.start(master, spark_conf)
+    except sess.SparkStartError as e:
+        lines = [ln for ln in e.log.splitlines() if ln.strip() and not ln.strip().startswith("at ")]
+        log = "".join(f"\n  {ln.strip()}" for ln in lines[-8:])
+        raise CliError(f"could not start Spark (master {master}): {e.message}{log}") from None
+    except Exception as e:
+        raise CliError(f"could not start Spark (master {master}): {_first_line(e)}") from None
+
+
+def _export_tables(session: Session, opts: ExportOptions, progress: _Progress) -> ExportResult:
+    """Run the export; a failure is one line (Spark's informative one) with where Spark's log is."""
+    from txmq.spark.export import export
+
+    try:
+        return export(session.spark, opts, on_table=progress.table)
+    except FileExistsError as e:  # created by someone else since the check
+        raise CliError(str(e), exitcodes.USAGE) from None
+    except KeyboardInterrupt:
+        raise
+    except Exception as e:
+        hint = f" (Spark's log: {session.log_path})" if session.log_path else ""
+        why = spark_error(e)
+        if "CorruptRecordError" in why:
+            hint += "; --skip-damaged exports every other record and lists the damaged ones"
+        raise CliError(f"spark-export failed: {why}{hint}") from None
+
+
+def _stop_spark(session: Session, exported: bool) -> None:
+    """Stop Spark; after an export, also remove its temporary files. After a failure (or Ctrl-C) that failure is the one
+    reported, not the stop's."""
+    from txmq.spark import session as sess
+
+    try:
+        session.stop()
+    except (Exception, KeyboardInterrupt):  # the JVM got the Ctrl-C too and is gone
+        if exported:
+            raise
+    if exported:
+        sess.cleanup(session)
+
+
+def _clean_up_interrupted(opts: ExportOptions) -> None:
+    """After Ctrl-C: remove the export's staging output and say what is left in --out."""
+    from txmq.spark.export import staging_path
+
+    staging = staging_path(opts)
+    if staging:  # again, now that Spark is stopped: a task may have written after the first removal
+        import shutil
+
+        shutil.rmtree(staging, ignore_errors=True)
+    err.print(f"[warn]interrupted: nothing written to {esc(str(opts.out))}[/warn]" if opts.mode != "append"
+              else f"[warn]interrupted: {esc(str(opts.out))} may hold part of the appended rows[/warn]")
 
 
 def _quiet_py4j() -> None:
