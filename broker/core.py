@@ -18,6 +18,7 @@ import os
 import time
 from collections import defaultdict
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -46,7 +47,7 @@ from txmq.wire import ErrorCode, TxmqError
 from .busypoll import BusyPoll
 from .clock import Clock
 from .config import BrokerConfig, CheckSettings
-from .flush import DiskState, Flusher
+from .flush import DescriptorState, DiskState, Flusher
 from .metrics import Metrics
 from .registry import ProducerRegistry
 from .topics import TopicTable
@@ -58,6 +59,9 @@ from .transactions.service import TransactionService
 log = logging.getLogger("txmq.broker")
 
 MAX_WAIT_MS = 30_000
+# A pull that meets a long rebuild of damaged queue entries answers within this (or its wait), with no
+# messages and its own offset as next_offset: the client pulls again and the rebuild goes on.
+REPAIR_WAIT_S = 1.0
 
 
 def msg_id(properties: dict[str, str], commit_log_offset: int) -> str:
@@ -255,6 +259,7 @@ class BrokerCore:
         self.draining: bool = False  # refuse new requests; in-flight ones finish
         self.shutting_down: bool = False  # refuse appends
         self.disk: DiskState = DiskState()  # a full disk, logged once per change of state
+        self.fds: DescriptorState = DescriptorState()  # no descriptor left for a request, logged once per change of state
         # Built by open() (they read the data directory):
         self.topics: TopicTable  # topics.json: queue counts
         self.offsets: ConsumerOffsets  # offsets.json: consumer groups' offsets
@@ -300,6 +305,7 @@ class BrokerCore:
             observe=self.metrics.flush.observe,
             observe_checkpoint=self.metrics.checkpoint.observe,
             disk=self.disk,
+            count_error=partial(self.metrics.inc, "flush_errors"),
         )
         self.flusher.lone_client = lambda: self.busy_connections <= 1
 
@@ -332,6 +338,7 @@ class BrokerCore:
         self.wake_all_pollers()
         await self.flusher.stop()
         self.busy_poll.stop()
+        self.fds.close()
         try:
             self.offsets.persist()
         except OSError as exc:  # e.g. the disk is still full: offsets since the last persist are lost, nothing else
@@ -353,6 +360,9 @@ class BrokerCore:
             return TxmqError("store full: the data directory's disk has no space left; nothing was written", ErrorCode.STORE_FULL)
         if isinstance(exc, RecordTooLargeError):
             return TxmqError(str(exc), ErrorCode.BODY_TOO_LARGE)
+        if self.fds.failed("request", exc):
+            self.metrics.inc("fd_exhausted_errors")
+            return TxmqError(f"store error: {exc}", ErrorCode.STORE_ERROR)
         if isinstance(exc, (StoreError, OSError)):
             log.error("event=store_error error=%r", exc)
             return TxmqError(f"store error: {exc}", ErrorCode.STORE_ERROR)
@@ -412,8 +422,13 @@ class BrokerCore:
             return {"status": "no_queue", "messages": [], "next_offset": offset, "min_offset": 0, "max_offset": 0}
         loop = asyncio.get_running_loop()
         deadline = loop.time() + min(wait_ms, MAX_WAIT_MS) / 1000.0
+        repair_until = loop.time() + REPAIR_WAIT_S
         while True:
             res = self.store.get_messages(topic, queue_id, offset, max_count, max_bytes)
+            if res.repairing and not res.records and not self.draining and loop.time() < max(deadline, repair_until):
+                # damaged entries rebuilt from the log, a bounded step per read: the next step after other work
+                await asyncio.sleep(0)
+                continue
             if res.status is GetStatus.NO_QUEUE:  # a known topic whose queue has no entry yet
                 res = GetResult(GetStatus.NO_MESSAGE if offset == 0 else GetStatus.OFFSET_OVERFLOW, [], offset, 0, 0)
             if res.status is not GetStatus.NO_MESSAGE or wait_ms <= 0 or self.draining:

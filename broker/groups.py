@@ -216,7 +216,7 @@ async def find_messages(core, key: str, topic: str | None, since_ms: int, until_
                     truncated = True
                     break
                 res = core.store.get_messages(t, q, pos, min(SCAN_BATCH, max_scan - scanned), 4 << 20)
-                if not res.records and res.next_offset <= pos:
+                if not res.records and res.next_offset <= pos and not res.repairing:
                     break
                 stop = False
                 for rec in res.records:
@@ -234,7 +234,7 @@ async def find_messages(core, key: str, topic: str | None, since_ms: int, until_
                             break
                 if stop or truncated:
                     break
-                pos = res.next_offset if res.next_offset > pos else pos + 1
+                pos = res.next_offset if res.next_offset > pos or res.repairing else pos + 1
                 await asyncio.sleep(0)
             if truncated or len(found) >= limit:
                 break

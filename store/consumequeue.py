@@ -303,6 +303,31 @@ class ConsumeQueue:
         self._min_cache = (log_min, self.base, lo)
         return lo
 
+    def rewrite(self, entries: list[tuple[int, Entry]]) -> list[int]:
+        """Write entries in place, as (queue offset, entry) pairs below ``flushed``; returns the starts of the files written.
+
+        Under the store lock (a checkpoint may be writing later entries of the
+        last file meanwhile: other bytes). For entries rebuilt from the log
+        after a read found them damaged; the caller has the files fsynced.
+        """
+        fds: dict[int, int] = {}
+        try:
+            for q, e in entries:
+                if not self.base <= q < self.flushed:
+                    raise ValueError(f"queue offset {q} is not on disk in {self.dir}")
+                start = self.starts[self._file_of(q)]
+                fd = fds.get(start)
+                if fd is None:
+                    fd = fds[start] = os.open(self._path(start), os.O_WRONLY)
+                if os.pwrite(fd, ENTRY.pack(*e), (q - start) * ENTRY_SIZE) != ENTRY_SIZE:
+                    raise OSError(f"short write of queue entry {q} in {self.dir}")
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+            self._vcache = b""
+            self._min_cache = None
+        return list(fds)
+
     # ---- truncating and deleting -------------------------------------------
     def truncate(self, index: int) -> int:
         """Drop entries from index on; returns how many were dropped.

@@ -48,6 +48,9 @@ class GetResult:
     # entries skipped because their record is damaged: (queue offset, commit-log offset, reason);
     # next_offset is past them, so a consumer moves on
     skipped: list[tuple[int, int, str]] = field(default_factory=list)
+    # damaged entries at next_offset are being rebuilt from the log, a bounded step per read: read again
+    # (records may be empty, with next_offset where the read started)
+    repairing: bool = False
 
 
 @dataclass(frozen=True, slots=True)

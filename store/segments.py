@@ -251,8 +251,8 @@ class LogView:
         """The records of consume-queue entries first_q, first_q + 1, ... (given as (offset, size) pairs).
 
         An entry that does not lead to this queue's record with that queue
-        offset (a damaged record, an entry pointing outside the log, a
-        garbage entry) is skipped and reported as (queue offset, commit-log
+        offset and that size (a damaged record, an entry pointing outside the
+        log, a garbage entry) is skipped and reported as (queue offset, commit-log
         offset, reason) in the second list, so one bad record never holds
         back the good ones around it. Neighbouring records are read with one
         pread (holes up to GAP, runs up to SPAN).
@@ -268,12 +268,14 @@ class LogView:
             first = run[0][1]
             chunk = os.pread(run_seg.fd, run_end - first, first - run_seg.start)  # type: ignore[union-attr]
             mv = memoryview(chunk)
-            for q, o, _size in run:
+            for q, o, size in run:
                 rec = decode(chunk, o - first, o, mv)
                 if type(rec) is str:
                     bad.append((q, o, rec))
                 elif rec.topic != topic or rec.queue_id != queue_id or rec.queue_offset != q:
                     bad.append((q, o, f"queue entry {topic}/{queue_id}:{q} points at another record ({rec.topic}/{rec.queue_id}:{rec.queue_offset}) at {o}"))
+                elif rec.size != size:
+                    bad.append((q, o, f"queue entry {topic}/{queue_id}:{q} has size {size}, its record at {o} has {rec.size}"))
                 else:
                     good.append(rec)
 

@@ -27,8 +27,9 @@ from .commitlog import AT_START, CommitLog
 from .consumequeue import ENTRY, ENTRY_SIZE, ConsumeQueue, Entry, pick_entries, record_start_from, stored_record_at
 from .damage import Damage, DamageLog
 from .errors import FULL_ERRNOS, RecordTooLargeError, StoreError, StoreLockedError
-from .files import atomic_write_bytes, fsync_dir
+from .files import atomic_write_bytes, fsync_dir, fsync_path
 from .model import AppendResult, GetResult, GetStatus, RecoveryReport, StoreConfig
+from .queuerepair import QueueRepairs
 from .recovery import MANIFEST, flush_all, load_queues, manifest_bytes, read_manifest, recover
 
 _log = logging.getLogger("txmq.store")
@@ -90,6 +91,8 @@ class Store:
         self.damage = DamageLog()  # damaged records met since open (recovery and reads)
         self._manifest_queues = -1  # queues listed in the manifest file
         self._manifest_failing = False
+        self._repairs = QueueRepairs()  # damaged consume-queue entries met by reads, rebuilt from the log
+        self._cq_repaired: set[tuple[ConsumeQueue, int]] = set()  # queue files rewritten in place, for the next checkpoint to fsync
 
     def __enter__(self) -> Store:
         self.open()
@@ -190,6 +193,8 @@ class Store:
             self._queues = {}
             self._dirty = set()
             self._cq_held, self._cq_backlog = 0, False
+            self._repairs = QueueRepairs()
+            self._cq_repaired = set()
             if self._lock_fd is not None:
                 os.close(self._lock_fd)  # releases the flock
                 self._lock_fd = None
@@ -421,6 +426,7 @@ class Store:
         with self._ckpt_lock:
             done: list = []
             plans: list = []
+            repaired: set[tuple[ConsumeQueue, int]] = set()
             failed: OSError | None = None
             queue_stage = False
             try:
@@ -429,6 +435,7 @@ class Store:
                         target, fds, dir_dirty = log.capture_sync()
                         plans = [(cq, cq.plan_flush()) for cq in self._dirty]
                         self._dirty = set()
+                        repaired, self._cq_repaired = self._cq_repaired, set()
                     self._fsync_log(log, fds, dir_dirty, target)
                     with self._lock:
                         durable = log.synced(target)
@@ -448,11 +455,13 @@ class Store:
                     else:
                         if plan is not None:
                             done.append((cq, plan[0], len(plan[1]) // ENTRY_SIZE, new))
+                self._sync_repaired(repaired)
                 queue_stage = True  # reached the end: the backlog below is this cycle's
             finally:
                 with self._lock:
                     for cq, base, count, new in done:
                         cq.commit_flush(base, count, new)
+                    self._cq_repaired |= repaired  # not fsynced (the log's fsync failed): the next checkpoint's
                     if self._cq_held and failed is None and done:
                         _log.info("event=consume_queue_entries_written entries=%d", self._cq_held)
                         self._cq_held = 0
@@ -474,6 +483,24 @@ class Store:
                 self._write_manifest()
         with self._sync_lock:
             log.close_retired()
+
+    @staticmethod
+    def _sync_repaired(repaired: set[tuple[ConsumeQueue, int]]) -> None:
+        """fsync the queue files that reads rewrote entries of (emptying the set as they are done).
+
+        A failure is logged and not retried: a failed fsync may leave the
+        pages clean and unwritten, and an entry still damaged on disk after a
+        restart is rebuilt again by the read that meets it.
+        """
+        while repaired:
+            cq, start = repaired.pop()
+            try:
+                fsync_path(cq._path(start))
+            except FileNotFoundError:  # deleted by retention since
+                pass
+            except OSError as exc:
+                _log.warning("event=consume_queue_repair_not_synced topic=%s queue_id=%d file=%d error=%r",
+                             cq.topic, cq.queue_id, start, exc)
 
     @property
     def _manifest_path(self) -> str:
@@ -564,6 +591,14 @@ class Store:
     def get_messages(
         self, topic: str, queue_id: int, queue_offset: int, max_count: int = 32, max_bytes: int = 1 << 20
     ) -> GetResult:
+        """Records of queue offsets [queue_offset, ...): at least one entry, up to max_count and max_bytes.
+
+        An entry that does not lead to its record is rebuilt from the log
+        (``queuerepair``) and the record served; one whose record is damaged
+        is skipped (``skipped``, ``damage``). While a rebuild goes on past
+        this read's step, the batch stops before the entries it rebuilds
+        (``repairing``): read again.
+        """
         log = self._open_log()
         cq = self._queues.get((topic, queue_id))
         if cq is None:
@@ -581,9 +616,37 @@ class Store:
             return GetResult(status, [], hi, lo, hi)
         entries = pick_entries(ENTRY.iter_unpack(raw), max_bytes)
         records, bad = log.read_queue(topic, queue_id, queue_offset, entries)
+        if not bad:
+            return GetResult(GetStatus.FOUND, records, queue_offset + len(entries), lo, hi)
+        rewritten, stop = self._repairs.meet(self, cq, queue_offset, entries, bad)
+        if rewritten:
+            with self._lock:
+                raw = cq.read_raw(queue_offset, queue_offset + len(entries))
+            entries = pick_entries(ENTRY.iter_unpack(raw), max_bytes)
+            records, bad = log.read_queue(topic, queue_id, queue_offset, entries)
+        if stop is not None:
+            del entries[stop - queue_offset :]
+            records = [r for r in records if r.queue_offset < stop]
+            bad = [b for b in bad if b[0] < stop]
         for _q, off, why in bad:
             self.damage.report(Damage(off, f"queue {topic}/{queue_id}", why))
-        return GetResult(GetStatus.FOUND, records, queue_offset + len(entries), lo, hi, bad)
+        return GetResult(GetStatus.FOUND, records, queue_offset + len(entries), lo, hi, bad, stop is not None)
+
+    def _rewrite_entries(self, cq: ConsumeQueue, changes: list[tuple[int, Entry]]) -> set[int]:
+        """Write rebuilt entries in place (the next checkpoint fsyncs them); returns the queue offsets written.
+
+        Entries not on disk yet (``pending``, which a checkpoint may be
+        writing out meanwhile) are left as they are.
+        """
+        with self._lock:
+            on_disk = [(q, e) for q, e in changes if cq.base <= q < cq.flushed]
+            try:
+                starts = cq.rewrite(on_disk)
+            except OSError as exc:
+                _log.warning("event=consume_queue_repair_failed topic=%s queue_id=%d error=%r", cq.topic, cq.queue_id, exc)
+                return set()
+            self._cq_repaired.update((cq, s) for s in starts)
+        return {q for q, _ in on_disk}
 
     # ---- retention ---------------------------------------------------------
     def delete_expired(self, now: float, protect_from: int) -> list[str]:

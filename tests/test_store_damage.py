@@ -147,18 +147,23 @@ def test_a_zeroed_or_truncated_consume_queue_file_is_rebuilt_from_the_log(tmp_pa
             s.close()
 
 
-def test_a_garbage_queue_entry_is_skipped_by_reads(tmp_path):
+def test_a_garbage_queue_entry_is_rebuilt_from_the_log_and_skipped_only_when_its_record_is_damaged(tmp_path):
     d = tmp_path / "d"
     with Store(d, SMALL) as s:
-        s.append([msg(i) for i in range(10)])
+        results = s.append([msg(i) for i in range(10)])
         f = d / "consumequeue" / "T" / "0" / f"{0:020d}"
         s.checkpoint()
-        with open(f, "r+b") as fh:  # entry 4 now points far outside the log
-            fh.seek(4 * ENTRY.size)
-            fh.write(ENTRY.pack(8581873820936893689, 0xFFFFFFF0, 0))
+        good = f.read_bytes()
+        for victim in (4, 6):  # both entries now point far outside the log
+            with open(f, "r+b") as fh:
+                fh.seek(victim * ENTRY.size)
+                fh.write(ENTRY.pack(8581873820936893689, 0xFFFFFFF0, 0))
+        flip(d, results[6].commit_log_offset + 100)  # and record 6 itself is damaged
         got, res = all_bodies(s)
-        assert got == [b"m%04d" % i for i in range(10) if i != 4]
-        assert res.skipped[0][0] == 4 and "outside the log" in res.skipped[0][2]
+        assert got == [b"m%04d" % i for i in range(10) if i != 6]
+        assert [q for q, _, _ in res.skipped] == [6] and "outside the log" in res.skipped[0][2]
+        s.checkpoint()
+        assert f.read_bytes()[: 6 * ENTRY.size] == good[: 6 * ENTRY.size]  # entry 4 is its record's again
 
 
 def test_a_torn_tail_is_moved_to_quarantine_not_deleted(tmp_path):
