@@ -9,10 +9,11 @@ One concept per module, in Apache RocketMQ's vocabulary:
 | ``check`` | ``CheckService`` (TransactionalMessageCheckService) and its progress file ``txcheck.json`` |
 | ``checkcopy`` | the check pass's byte-level hot path: check-copy properties and check-back pushes |
 | ``index`` | ``TxIndex``: pending transactions in memory, outcomes, the replay of the log |
-| ``indexfile`` | ``TxDatabase``: the index file ``txindex.db`` (SQLite) |
+| ``indexfile`` | ``TxDatabase``: the index file ``txindex.db`` (SQLite), each row with its checksum |
+| ``indexcheck`` | the index file's rows checked against the log (a start's last decisions, ``txmq store verify``) |
 | ``history`` | one transaction's history, read from the log and the index |
 
 The broker core (broker/core.py) builds them, in ``BrokerCore.open``.
-``index``, ``indexfile``, ``history`` and ``check``'s ``CheckProgress`` are
+``index``, ``indexfile``, ``indexcheck``, ``history`` and ``check``'s ``CheckProgress`` are
 synchronous and also serve the CLI on a data directory offline.
 """

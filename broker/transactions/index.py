@@ -26,6 +26,7 @@ Events, in commit-log order, and their effect:
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from enum import IntEnum
@@ -54,9 +55,22 @@ from txmq.store import CorruptRecordError, Record, TxType, decode_record, record
 from txmq.store.bulk import raw_queue_runs
 from txmq.store.consumequeue import first_entry_from
 from txmq.store.codec import H_CRC, H_OFFSET, H_SIZE
+from txmq.wire import ErrorCode, TxmqError
+
+from .indexfile import DamagedRow
 
 if TYPE_CHECKING:
     from .indexfile import TxDatabase
+
+log = logging.getLogger("txmq.txdb")
+
+
+class IndexRowDamaged(TxmqError):
+    """A transaction's row in the index file is damaged and the records it names do not give its outcome back."""
+
+    def __init__(self, tx_id: str, why: str) -> None:
+        super().__init__(f"the index row of transaction {tx_id} is damaged ({why}); its outcome is known again once a restart "
+                         "has rebuilt the index from the log", ErrorCode.STORE_ERROR)
 
 
 class Outcome(IntEnum):
@@ -229,7 +243,7 @@ class TxIndex:
     a decision leaves memory once it is on disk.
     """
 
-    def __init__(self, db: TxDatabase | None = None, track: bool | None = None) -> None:
+    def __init__(self, db: TxDatabase | None = None, track: bool | None = None, store: Any = None) -> None:
         self.pending: dict[str, PendingTx] = {}
         # half-queue offset of each pending transaction's latest copy -> tx id.
         # Filled in increasing half offset (copies are applied in log order,
@@ -243,19 +257,39 @@ class TxIndex:
         self.dirty: dict[str, PendingTx | Decided] | None = {} if (db is not None if track is None else track) else None
         self.discarded = 0  # transactions whose outcome is "discarded" now
         self.replay_end = 0  # a replay in progress (replay_steps) has applied every record before this log offset
+        # The log (a Store or StoreReader) a damaged row's decision is read back from (decision_from_log).
+        self.store = store
+        # The first damaged row a lookup met: the broker's next flush records it, and the next start rebuilds the file.
+        self.damaged: str | None = None
 
     # ---- looking up --------------------------------------------------------
     def lookup(self, tx_id: str) -> Decided | None:
         """The outcome of a decided transaction (from memory, else from disk); None if pending or unknown.
 
         Costs a dict lookup, and for a transaction decided before the last
-        flush one indexed SQLite query (~8 us).
+        flush one indexed SQLite query (~8 us). A damaged row's decision is
+        read back from the record it names; IndexRowDamaged when it cannot be.
         """
         d = self.decided.get(tx_id)
         if d is not None or self.db is None or tx_id in self.pending:
             return d
-        row = self.db.by_tx_id(tx_id)
+        try:
+            row = self.db.by_tx_id(tx_id)
+        except DamagedRow as exc:
+            return self._from_damaged_row(tx_id, exc)
         return Decided.from_db_row(row) if row is not None and row[2] != 0 else None
+
+    def _from_damaged_row(self, tx_id: str, exc: DamagedRow) -> Decided:
+        d = decision_from_log(self.store, tx_id, exc.row) if self.store is not None else None
+        self.damaged = self.damaged or str(exc)
+        log.warning("event=txindex_row_damaged tx_id=%s origin=%s reason=%r outcome=%s msg=%s", tx_id, exc.row[0], str(exc),
+                    d.outcome.label if d is not None else "unknown",
+                    "'read back from the log; the next start rebuilds the index file'" if d is not None
+                    else "'its deciding record is not where the row says; the next start rebuilds the index file from the log'")
+        if d is None:
+            raise IndexRowDamaged(tx_id, str(exc))
+        self.decided[tx_id] = d  # answers from memory until the rebuild
+        return d
 
     def outcome(self, tx_id: str) -> Outcome | None:
         if tx_id in self.pending:
@@ -296,7 +330,7 @@ class TxIndex:
         if self.db is not None:
             shadow = self.decided.keys() | self.pending.keys()  # changed since the last flush: memory wins
             while len(out) < limit + len(mem):
-                rows = self.db.discarded(after, limit)
+                rows = self._listed(self.db.discarded, after, limit)
                 if not rows:
                     break
                 out += [(r[1], Decided.from_db_row(r)) for r in rows if r[1] not in shadow]
@@ -309,10 +343,20 @@ class TxIndex:
             if d.outcome is Outcome.DISCARDED and d.discard_offset == discard_offset:
                 return t, d
         if self.db is not None:
-            row = self.db.discarded_at(discard_offset)
+            row = self._listed(self.db.discarded_at, discard_offset)
             if row is not None and row[1] not in self.decided and row[1] not in self.pending:
                 return row[1], Decided.from_db_row(row)
         return None
+
+    def _listed(self, read: Callable[..., Any], *args: Any) -> Any:
+        """Rows read by something else than an id (the discard listing): a damaged one is an error of the listing."""
+        try:
+            return read(*args)
+        except DamagedRow as exc:
+            self.damaged = self.damaged or str(exc)
+            log.warning("event=txindex_row_damaged tx_id=%s origin=%s reason=%r msg=%s", exc.row[1], exc.row[0], str(exc),
+                        "'in a listing of discarded transactions; the next start rebuilds the index file from the log'")
+            raise IndexRowDamaged(str(exc.row[1]), str(exc)) from None
 
     # ---- applying records ------------------------------------------------
     def apply_half(self, rec: Record) -> PendingTx | None:
@@ -327,7 +371,10 @@ class TxIndex:
         else:
             d = self.decided.get(tx_id)
             if d is None and self.db is not None and PROP_ORIGIN_CL_OFFSET in props:
-                d = self.lookup(tx_id)  # a copy of a transaction decided before the last flush
+                try:
+                    d = self.lookup(tx_id)  # a copy of a transaction decided before the last flush
+                except IndexRowDamaged:
+                    return None  # decided, how is not known: a copy never re-opens it
             if d is not None:
                 if not reopens(d, props.get(PROP_REPLAYED)):
                     return None  # a stale copy
@@ -370,7 +417,10 @@ class TxIndex:
         if not tx_id:
             return
         if tx_id not in self.pending:
-            d = self.lookup(tx_id)
+            try:
+                d = self.lookup(tx_id)
+            except IndexRowDamaged:
+                return  # decided before, how is not known: the first outcome wins all the same
             if d is not None and d.outcome is not Outcome.DISCARDED:
                 return  # first outcome wins: a discard written after the decision (same batch) changes nothing
         self._decide(tx_id, Outcome.DISCARDED, rec, rec.properties.get(PROP_DISCARD_REASON, "max-checks"), rec.queue_offset)
@@ -385,7 +435,10 @@ class TxIndex:
         else:
             # Decided before (a commit of a discarded transaction, or a record
             # read again): keep its row's key.
-            prev = self.lookup(tx_id)
+            try:
+                prev = self.lookup(tx_id)
+            except IndexRowDamaged:
+                prev = None
             if prev is not None:
                 if prev.outcome is Outcome.DISCARDED:
                     self.discarded -= 1
@@ -467,6 +520,45 @@ class TxIndex:
                     dirty[tx_id] = cur
 
 
+def decision_from_log(store, tx_id: str, row: tuple) -> Decided | None:
+    """The decision a damaged index row held, read from the record the row names as deciding it (``cl_offset``).
+
+    What the replay enters for that op or discard record (``_decide``), the
+    origin from the record's copy. None when no op or discard record of
+    tx_id is there (the offset itself is damaged, or the record is).
+    """
+    rec = _stored(store, row[6])
+    if rec is None or rec.properties.get(PROP_UNIQ_KEY) != tx_id:
+        return None
+    props = rec.properties
+    if rec.topic == OP_TOPIC and rec.tx_type in (TxType.COMMIT, TxType.ROLLBACK):
+        outcome = Outcome.COMMITTED if rec.tx_type == TxType.COMMIT else Outcome.ROLLED_BACK
+        by = props.get(PROP_DECIDED_BY, "producer")
+        queue_offset = _int(rec.body.decode("ascii", "replace") if rec.body else None, -1)
+        half = _stored(store, _int(props.get(PROP_HALF_CL_OFFSET), rec.prepared_offset))
+        if half is not None and half.topic == HALF_TOPIC and half.properties.get(PROP_UNIQ_KEY) == tx_id:
+            origin = _int(half.properties.get(PROP_ORIGIN_CL_OFFSET), half.commit_log_offset)
+        else:
+            origin = row[0]
+    elif rec.topic == DISCARD_TOPIC:
+        outcome, by, queue_offset = Outcome.DISCARDED, props.get(PROP_DISCARD_REASON, "max-checks"), rec.queue_offset
+        origin = _int(props.get(PROP_ORIGIN_CL_OFFSET), row[0])
+    else:
+        return None
+    return Decided(outcome, rec.store_ts, intern(by), queue_offset, rec.commit_log_offset, intern(props.get(PROP_PGROUP, "")),
+                   intern(props.get(PROP_REAL_TOPIC, "")), _int(props.get(PROP_CHECK_TIMES), 0), origin)
+
+
+def _stored(store, offset: int) -> Record | None:
+    """The stored record at offset, or None (damaged, deleted by retention, none starts there)."""
+    if not isinstance(offset, int) or offset < 0:
+        return None
+    try:
+        return store.read_record(offset)
+    except Exception:  # noqa: BLE001 - any reason a record is not there
+        return None
+
+
 _TX_QUEUES = (("op", OP_TOPIC), ("discard", DISCARD_TOPIC), ("half", HALF_TOPIC))
 
 
@@ -519,6 +611,8 @@ def _last_valid_record(store, topic: str, end: int) -> tuple[int, int] | None:
 def agrees(store, meta: dict[str, Any]) -> str | None:
     """None if the index file's meta fits this log, else why not (then it is rebuilt from the log)."""
     try:
+        if meta.get("damaged"):
+            return f"a broker found a damaged row in it ({meta['damaged']})"
         queues = meta["queues"]
         if set(queues) != {name for name, _ in _TX_QUEUES}:
             return "no queue positions"

@@ -25,6 +25,13 @@ broker writes. Cost measured on the development VM: ~4 us per changed row
 written (in a thread off the event loop), ~8 us per lookup by id, ~110
 bytes per transaction on disk.
 
+Every row carries a checksum (``crc``, version 2): SQLite checks its own
+page structure, not the values in a row, and one flipped bit in a row's
+``state`` turned a committed transaction into an unknown one whose id a
+producer's resend could use again. Each read of a row checks it: the
+pending rows a start loads, a bounded set of other rows at start
+(``check_rows``), every lookup. A mismatch raises ``DamagedRow``.
+
 Schema (``docs/store-format.md`` describes it for people):
 
 - ``meta(key, value)``: ``version``, ``applied_to``, ``queues`` (the op,
@@ -34,7 +41,8 @@ Schema (``docs/store-format.md`` describes it for people):
   first copy is below it were deleted with their records by retention).
 - ``tx``: one row per transaction, keyed by ``origin``, the commit-log
   offset of its first half copy (unique, and increasing with time, so
-  retention deletes a range).
+  retention deletes a range), and ``crc``, the CRC-32 of the msgpack array
+  of its other columns (bin for bytes, str for text; ``TxDatabase.checked``).
 """
 
 from __future__ import annotations
@@ -42,14 +50,21 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import random
 import sqlite3
+import zlib
 from pathlib import Path
 from typing import Any, Iterable, Iterator
+
+import msgpack
 
 log = logging.getLogger("txmq.txdb")
 
 DB_FILE = "txindex.db"
-VERSION = 1
+VERSION = 2
+# Read-only connections (`txmq store verify`, `inspect --data-dir`) also read version 1, whose rows have
+# no checksum; a broker rebuilds such a file from the log.
+READABLE_VERSIONS = (1, 2)
 
 # Row layout, in the table's column order. A pending row describes the
 # transaction's latest half copy (half_offset, cl_offset, stored_ts,
@@ -74,23 +89,24 @@ CREATE TABLE IF NOT EXISTS tx (
     grp TEXT NOT NULL,
     topic TEXT NOT NULL,
     checks INTEGER NOT NULL,
-    pending BLOB
+    pending BLOB,
+    crc INTEGER NOT NULL
 );
 CREATE INDEX IF NOT EXISTS tx_by_id ON tx (tx_id);
 CREATE INDEX IF NOT EXISTS tx_pending ON tx (half_offset) WHERE state = 0;
 CREATE INDEX IF NOT EXISTS tx_discarded ON tx (half_offset) WHERE state = 3;
 """
 
-_INSERT = f"INSERT OR REPLACE INTO tx ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))})"
-_SELECT = f"SELECT {', '.join(COLUMNS)} FROM tx"
+STORED = (*COLUMNS, "crc")
+_INSERT = f"INSERT OR REPLACE INTO tx ({', '.join(STORED)}) VALUES ({', '.join('?' * len(STORED))})"
 # Rows go in as multi-row INSERTs: executemany steps once per row, and the sqlite3 module gives up
 # the GIL around every step and takes it back after, so a flush of 15,000 rows made 15,000 GIL
 # hand-overs with the event loop (measured: loop stalls of 5-13 ms during each flush at 14,600 tx/s).
 # A statement of ROWS_PER_INSERT rows binds them all at once (SQLite >= 3.32 takes 32,766 variables,
 # older ones 999).
-ROWS_PER_INSERT = 256 if sqlite3.sqlite_version_info >= (3, 32) else 999 // len(COLUMNS)
-_INSERT_MANY = f"INSERT OR REPLACE INTO tx ({', '.join(COLUMNS)}) VALUES " + ", ".join(
-    ["(" + ", ".join("?" * len(COLUMNS)) + ")"] * ROWS_PER_INSERT)
+ROWS_PER_INSERT = 256 if sqlite3.sqlite_version_info >= (3, 32) else 999 // len(STORED)
+_INSERT_MANY = f"INSERT OR REPLACE INTO tx ({', '.join(STORED)}) VALUES " + ", ".join(
+    ["(" + ", ".join("?" * len(STORED)) + ")"] * ROWS_PER_INSERT)
 
 
 class IndexFileError(Exception):
@@ -101,6 +117,18 @@ class IndexFileError(Exception):
     """
 
     io = False
+
+
+class DamagedRow(IndexFileError):
+    """A row whose checksum does not match its values (or that a lookup by id found under another id).
+
+    ``row`` holds the values as read (``COLUMNS``): the records they name
+    may still give the transaction's state back (``index.decision_from_log``).
+    """
+
+    def __init__(self, row: tuple, why: str) -> None:
+        super().__init__(f"row origin={row[0]} tx_id={row[1]!r}: {why}")
+        self.row = row
 
 
 def damaged_index(exc: sqlite3.DatabaseError) -> bool:
@@ -131,6 +159,7 @@ class TxDatabase:
     def __init__(self, path: Path, readonly: bool = False) -> None:
         self.path = path
         self.readonly = readonly
+        self._pack = msgpack.Packer(use_bin_type=True).pack  # one per connection: a connection serves one thread at a time
         try:
             if readonly:
                 # No WAL file: no broker has the file open, and a clean stop
@@ -162,9 +191,13 @@ class TxDatabase:
                 raise IndexFileError(f"{path}: empty")
             self.meta = {"version": VERSION, "applied_to": 0, "queues": {"op": 0, "discard": 0, "half": 0}, "boundary": None, "log_min": 0}
             self._write_meta(self.conn, self.meta)
-        elif self.meta.get("version") != VERSION:
+        elif self.meta.get("version") not in (READABLE_VERSIONS if readonly else (VERSION,)):
+            version = self.meta.get("version")
             self.close()
-            raise IndexFileError(f"{path}: version {self.meta.get('version')!r}, this broker reads version {VERSION}")
+            old = ", whose rows carry no checksum" if version == 1 else ""
+            raise IndexFileError(f"{path}: version {version!r}{old}; this broker reads version {VERSION}")
+        self.checksums = self.meta.get("version", VERSION) >= 2
+        self._select = f"SELECT {', '.join(STORED if self.checksums else COLUMNS)} FROM tx"
 
     def writer(self) -> TxDatabase:
         """A second connection to the same file, for a flushing thread."""
@@ -192,18 +225,65 @@ class TxDatabase:
                          [(k, v if isinstance(v, int) else json.dumps(v)) for k, v in meta.items()])
 
     # ---- reading ---------------------------------------------------------------
+    def checked(self, stored: tuple) -> tuple:
+        """A row as read (``STORED``) without its checksum (``COLUMNS``), once the checksum matches; raises DamagedRow."""
+        if not self.checksums:
+            return stored
+        row = stored[:-1]
+        if zlib.crc32(self._pack(row)) != stored[-1]:
+            raise DamagedRow(row, "checksum mismatch")
+        return row
+
+    def checked_many(self, stored: list[tuple]) -> list[tuple]:
+        """``checked`` for a batch, without a Python call per row (a start loads a million pending rows this way)."""
+        if not self.checksums:
+            return stored
+        rows = [r[:-1] for r in stored]
+        if list(map(zlib.crc32, map(self._pack, rows))) != [r[-1] for r in stored]:
+            for r in stored:
+                self.checked(r)  # raises at the first damaged one
+        return rows
+
     def pending_rows(self) -> Iterator[tuple]:
         """Every pending row, in the order of its latest copy's half offset, with the meta it goes with.
 
         One read transaction: a reader in another process sees rows and
-        ``applied_to`` of the same flush.
+        ``applied_to`` of the same flush. A damaged row raises DamagedRow.
         """
-        cur = self.conn.execute(f"{_SELECT} WHERE state = 0 ORDER BY half_offset")
+        cur = self.conn.execute(f"{self._select} WHERE state = 0 ORDER BY half_offset")
+        while True:
+            rows = cur.fetchmany(4096)
+            if not rows:
+                return
+            yield from self.checked_many(rows)
+
+    def rows(self) -> Iterator[tuple]:
+        """Every row as stored (``STORED``, or ``COLUMNS`` for version 1), by origin, unchecked (``store verify``)."""
+        cur = self.conn.execute(f"{self._select} ORDER BY origin")
         while True:
             rows = cur.fetchmany(4096)
             if not rows:
                 return
             yield from rows
+
+    def check_rows(self, newest: int, sampled: int, runs: int = 16) -> int:
+        """Check the checksums of the newest rows and of ``sampled`` others, in ``runs`` runs from random places.
+
+        What a start checks beyond the pending rows, in a time that does not
+        grow with the history. Returns how many rows were read; a damaged
+        row raises DamagedRow.
+        """
+        if not self.checksums:
+            return 0
+        conn = self.conn
+        n = len(self.checked_many(conn.execute(f"{self._select} ORDER BY origin DESC LIMIT ?", (newest,)).fetchall()))
+        top = conn.execute("SELECT max(origin) FROM tx").fetchone()[0]
+        if top is not None and sampled > 0:
+            per = max(1, sampled // runs)
+            for _ in range(runs):
+                at = random.randint(0, top)  # noqa: S311 - a sample, not a secret
+                n += len(self.checked_many(conn.execute(f"{self._select} WHERE origin >= ? ORDER BY origin LIMIT ?", (at, per)).fetchall()))
+        return n
 
     def snapshot(self) -> None:
         """Start a read transaction (readers: meta and rows of one flush)."""
@@ -217,15 +297,23 @@ class TxDatabase:
             pass
 
     def by_tx_id(self, tx_id: str) -> tuple | None:
-        """The newest row of this transaction id (ids are unique while their records are in the log)."""
-        return self.conn.execute(f"{_SELECT} WHERE tx_id = ? ORDER BY origin DESC LIMIT 1", (tx_id,)).fetchone()
+        """The newest row of this transaction id (ids are unique while their records are in the log); DamagedRow if damaged."""
+        stored = self.conn.execute(f"{self._select} WHERE tx_id = ? ORDER BY origin DESC LIMIT 1", (tx_id,)).fetchone()
+        if stored is None:
+            return None
+        row = self.checked(stored)
+        if row[1] != tx_id:  # the id index led to another row
+            raise DamagedRow(row, f"a lookup of the id {tx_id!r} found it")
+        return row
 
     def discarded(self, after: int = -1, limit: int = 1000) -> list[tuple]:
         """Discarded rows by discard-queue offset (``half_offset`` of a discarded row), from after+1."""
-        return self.conn.execute(f"{_SELECT} WHERE state = 3 AND half_offset > ? ORDER BY half_offset LIMIT ?", (after, limit)).fetchall()
+        return self.checked_many(
+            self.conn.execute(f"{self._select} WHERE state = 3 AND half_offset > ? ORDER BY half_offset LIMIT ?", (after, limit)).fetchall())
 
     def discarded_at(self, discard_offset: int) -> tuple | None:
-        return self.conn.execute(f"{_SELECT} WHERE state = 3 AND half_offset = ?", (discard_offset,)).fetchone()
+        stored = self.conn.execute(f"{self._select} WHERE state = 3 AND half_offset = ?", (discard_offset,)).fetchone()
+        return None if stored is None else self.checked(stored)
 
     def count_discarded(self) -> int:
         return self.conn.execute("SELECT count(*) FROM tx WHERE state = 3").fetchone()[0]
@@ -233,12 +321,12 @@ class TxDatabase:
     # ---- writing (the writer connection, in one thread at a time) --------------
     def flush(self, rows: Iterable[tuple], meta: dict[str, Any], prune_below: int | None = None) -> None:
         """Write changed rows and the meta they bring the file to, as one SQLite transaction."""
-        conn = self.conn
+        conn, pack, crc32 = self.conn, self._pack, zlib.crc32
         conn.execute("BEGIN IMMEDIATE")
         try:
             it = iter(rows)
             while True:
-                chunk = list(itertools.islice(it, ROWS_PER_INSERT))
+                chunk = [(*row, crc32(pack(row))) for row in itertools.islice(it, ROWS_PER_INSERT)]
                 if len(chunk) < ROWS_PER_INSERT:
                     if chunk:
                         conn.executemany(_INSERT, chunk)

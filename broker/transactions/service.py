@@ -37,7 +37,7 @@ from txmq.constants import (
 from txmq.store import AppendResult, CorruptRecordError, Message, Record, StoreError, TxType
 from txmq.wire import ErrorCode, TxmqError
 
-from .index import Decided, Outcome, PendingTx, TxIndex
+from .index import Decided, IndexRowDamaged, Outcome, PendingTx, TxIndex
 
 if TYPE_CHECKING:
     from ..core import BrokerCore
@@ -145,7 +145,10 @@ class TransactionService:
             tx_id = self.new_tx_id()  # unique by construction: no lookup of the decided ones on disk
             taken = tx_id in self.index.pending or tx_id in self._sending
         else:
-            taken = tx_id in self._deciding or tx_id in self._sending or self.index.outcome(tx_id) is not None
+            try:
+                taken = tx_id in self._deciding or tx_id in self._sending or self.index.outcome(tx_id) is not None
+            except IndexRowDamaged:
+                taken = True  # a row holds this id, whatever its damaged values say
         if taken:
             raise TxmqError(f"transaction id {tx_id} is already in use", ErrorCode.INVALID_FIELD)
         self._sending.add(tx_id)

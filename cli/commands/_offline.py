@@ -139,7 +139,7 @@ def load_index(path: Path, reader: Any) -> Any:
             try:
                 db.snapshot()  # rows and meta of one flush, while a broker may be writing
                 if agrees(reader, db.meta) is None:
-                    idx = TxIndex(db, track=False)
+                    idx = TxIndex(db, track=False, store=reader)  # a damaged row's decision is read back from the log
                     idx.load_pending(db.pending_rows())
                     idx.discarded = db.count_discarded()
                     db.end_snapshot()

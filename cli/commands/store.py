@@ -18,7 +18,7 @@ import os
 import re
 from bisect import bisect_right
 from pathlib import Path
-from typing import Annotated, Any, Iterator
+from typing import Annotated, Any, Callable, Iterator
 
 import typer
 
@@ -257,7 +257,8 @@ def _verify(path: Path) -> dict[str, Any]:
                     problems.append(_problem("queue_files", None, f"queue {topic}/{qid}: {last.name} ends inside an entry",
                                              "the partial entry is cut"))
 
-        problems.extend(_index_problems(path, reader))
+        index_problems, index_doc = _index_problems(path, reader, lambda off: in_damage(off) is not None)
+        problems.extend(index_problems)
     finally:
         reader.close()
 
@@ -295,6 +296,7 @@ def _verify(path: Path) -> dict[str, Any]:
         "log": {"min_offset": segs[0][0] if segs else 0, "end": data_end, "valid_end": valid_end, "preallocated": preallocated},
         "quarantine": quarantine,
         "broker_running": broker_running(path),
+        "index": index_doc,
     }
 
 
@@ -342,30 +344,69 @@ def _refused_by_the_broker(name: str, p: Path) -> str | None:
     return None
 
 
-def _index_problems(path: Path, reader: Any) -> list[dict[str, Any]]:
-    """Whether txindex.db fits the log (opened read-only, as `inspect --data-dir` opens it)."""
+_INDEX_ROWS_LISTED = 20  # rows that disagree with the log, listed one by one; the rest are counted
+
+
+def _index_problems(path: Path, reader: Any, in_damage: Callable[[int], bool] = lambda _off: False
+                    ) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    """Whether txindex.db is sound, fits the log and agrees with it row by row (read-only, as `inspect --data-dir` opens it).
+
+    SQLite's integrity check (every page, and every index against its
+    table), the meta against the log (what a start checks), then every row
+    against its checksum and the record it names, and every commit or
+    rollback record against its transaction's row (indexcheck.py). Returns
+    the problems and the document's ``index`` summary (None without a file).
+    """
+    from txmq.broker.transactions.indexcheck import check_decisions, check_rows
     from txmq.broker.transactions.indexfile import DB_FILE, IndexFileError, TxDatabase
     from txmq.broker.transactions.index import agrees
 
     if not (path / DB_FILE).exists():
-        return []
+        return [], None
     fix = "removed (the broker rebuilds it from the log at start)"
+    doc: dict[str, Any] = {"version": None, "checksums": False, "integrity": None, "rows": 0, "rows_damaged": 0, "decisions_checked": 0}
     try:
         db = TxDatabase(path / DB_FILE, readonly=True)
     except IndexFileError as e:
-        return [_problem("index", None, f"{DB_FILE} cannot be read: {e}", fix)]
+        return [_problem("index", None, f"{DB_FILE} cannot be read: {e}", fix)], doc
+    problems: list[dict[str, Any]] = []
+    bad_rows: list[tuple[int | None, str]] = []
     try:
         db.snapshot()
+        doc.update(version=db.meta.get("version"), checksums=db.checksums)
+        try:
+            bad = [r[0] for r in db.conn.execute("PRAGMA integrity_check(5)").fetchall() if r[0] != "ok"]
+        except Exception as e:  # noqa: BLE001 - pages too damaged to walk
+            bad = [str(e)]
+        doc["integrity"] = "ok" if not bad else "; ".join(bad)
+        if bad:
+            problems.append(_problem("index", None, f"{DB_FILE} has damaged pages (SQLite's integrity check: {'; '.join(bad)})", fix))
         why = agrees(reader, db.meta)
-        if why is None:  # a meta that reads fine says nothing of the other pages: SQLite's own check reads them all
-            bad = [r[0] for r in db.conn.execute("PRAGMA quick_check(5)").fetchall() if r[0] != "ok"]
-            why = f"damaged pages ({'; '.join(bad)})" if bad else None
+        if why is not None:
+            problems.append(_problem("index", None, f"{DB_FILE} does not fit the log: {why}", fix))
+        else:
+            try:
+                for row, detail in check_rows(db, reader, in_damage):
+                    bad_rows.append((row[0] if isinstance(row[0], int) else None, f"row of transaction {row[1]!r} (first copy at {row[0]}): {detail}"))
+                doc["rows"] = db.conn.execute("SELECT count(*) FROM tx").fetchone()[0]
+                counts: dict[str, int] = {}
+                for at, tx_id, detail in check_decisions(db, reader, db.meta["applied_to"], db.meta.get("log_min", 0), counts):
+                    bad_rows.append((at, f"transaction {tx_id!r}: {detail}"))
+                doc["decisions_checked"] = counts["decisions"]
+            except Exception as e:  # noqa: BLE001 - a damaged file
+                if not bad:
+                    problems.append(_problem("index", None, f"{DB_FILE} is unreadable ({e})", fix))
         db.end_snapshot()
     except Exception as e:  # noqa: BLE001 - a damaged file
-        why = f"unreadable ({e})"
+        problems.append(_problem("index", None, f"{DB_FILE} does not fit the log: unreadable ({e})", fix))
     finally:
         db.close()
-    return [] if why is None else [_problem("index", None, f"{DB_FILE} does not fit the log: {why}", fix)]
+    doc["rows_damaged"] = len(bad_rows)
+    for off, detail in bad_rows[:_INDEX_ROWS_LISTED]:
+        problems.append(_problem("index_row", off, f"{DB_FILE}: {detail}", fix))
+    if len(bad_rows) > _INDEX_ROWS_LISTED:
+        problems.append(_problem("index_row", None, f"{DB_FILE}: {len(bad_rows) - _INDEX_ROWS_LISTED} more rows that disagree with the log", fix))
+    return problems, doc
 
 
 # ---- output ------------------------------------------------------------------
@@ -415,7 +456,8 @@ def _print_verify(doc: dict[str, Any]) -> None:
   txmq store verify -d /var/lib/txmq -o json | jq '.problems[] | .kind'
 
 Keys: ok, problems (each: kind, offset, length, detail, repair), records, segments, queues,
-log (min_offset, end, valid_end), quarantine (name, bytes), broker_running.
+log (min_offset, end, valid_end), quarantine (name, bytes), broker_running, index (null without
+txindex.db; version, checksums, integrity, rows, rows_damaged, decisions_checked).
 Exit 0 when clean, 10 when problems were found, 5 when D is not a data directory.""")
 def verify(data_dir: DataDirOpt, output: OutputOpt = None) -> None:
     """Check a data directory for damage, read-only (safe beside a running broker)."""
@@ -442,7 +484,7 @@ def _plan(problems: list[dict[str, Any]]) -> list[str]:
             plan.append(f"cut the log at {p['offset']} and move {p['length']} bytes to quarantine/")
     if kinds & _FIXED_BY_OPEN:
         plan.append("re-read the whole log and rebuild every consume queue that disagrees with it, then write a new checkpoint")
-    if "index" in kinds:
+    if kinds & {"index", "index_row"}:
         plan.append("remove txindex.db (the broker rebuilds it from the log at start)")
     if any(p["kind"] == "file" and p["detail"].startswith("txcheck.json") for p in problems):
         plan.append("move txcheck.json aside as txcheck.json.corrupt-<time>")
@@ -532,7 +574,7 @@ def _run_repair(path: Path, found: dict[str, Any]) -> dict[str, Any]:
         index_removed = False
         if (path / DB_FILE).exists():
             with StoreReader(path) as reader:
-                bad = _index_problems(path, reader)
+                bad, _ = _index_problems(path, reader)
             if bad:
                 remove_db(path)
                 index_removed = True
