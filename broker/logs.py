@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
 import sys
 import time
+from typing import Any
 
 _KV = re.compile(r"(\w+)=('(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"|\S+)")
 _SPEC = re.compile(r"%[-#0 +]*\d*(?:\.\d+)?[sdifrxXeEgG]")
@@ -83,6 +85,10 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(obj)
 
 
+# Libraries that log on the broker's stderr: through the same formatter, so their records are one line too.
+FOREIGN_LOGGERS = ("asyncio", "grpc")
+
+
 def setup(fmt: str = "kv", level: str = "info") -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter() if fmt == "json" else KeyValueFormatter())
@@ -90,3 +96,25 @@ def setup(fmt: str = "kv", level: str = "info") -> None:
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
     root.propagate = False
+    for name in FOREIGN_LOGGERS:
+        other = logging.getLogger(name)
+        other.handlers[:] = [handler]
+        other.propagate = False
+
+
+_loop_log = logging.getLogger("txmq.broker")
+
+
+def loop_exception_handler(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+    """The event loop's handler (broker/main.py installs it): an error nobody handled is one line, not asyncio's traceback.
+
+    asyncio calls it for a task or future whose exception was never
+    retrieved, a callback that raised, and the like; its default handler
+    writes a multi-line report. The traceback, if any, is the line's
+    ``exc`` field (a JSON string).
+    """
+    exc = context.get("exception")
+    source = context.get("task") or context.get("future") or context.get("handle")
+    where = source.get_name() if isinstance(source, asyncio.Task) else type(source).__name__ if source is not None else "-"
+    _loop_log.error("event=loop_exception msg=%r error=%r where=%r", context.get("message", ""), exc, where,
+                    exc_info=(type(exc), exc, exc.__traceback__) if isinstance(exc, BaseException) else None)

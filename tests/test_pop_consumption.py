@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import shutil
 import time
 
 import pytest
@@ -396,23 +398,85 @@ def test_the_window_of_unsettled_messages_is_bounded_per_queue(tmp_path):
     arun(go())
 
 
-def test_after_a_restart_unacknowledged_messages_are_delivered_again(tmp_path):
+def test_after_a_restart_only_unacknowledged_messages_are_delivered_again(tmp_path):
+    async def go():
+        async with running_broker(tmp_path / "d") as b:
+            c = await RawClient.open(b.address)
+            await send(c, 6)
+            pop = PopService(b.core)
+            got = await pop.receive(G, T, -1, None, 6, 300, 0)
+            for i in (0, 2, 4, 5):  # m2, m4 and m5 lie past the unacknowledged m1 and m3
+                pop.ack(G, T, got[i].receipt_handle)
+            handle = got[1].receipt_handle
+            await pop.close()
+            await c.close()
+        assert json.loads((tmp_path / "d" / "acks.json").read_text()) == {"format": 1, "acked": {G: {T: {"0": [1, 1, 1, 1, 2]}}}}
+        async with running_broker(tmp_path / "d") as b:
+            pop = PopService(b.core)
+            assert codes(lambda: pop.ack(G, T, handle)) == "INVALID_RECEIPT_HANDLE"
+            again = await pop.receive(G, T, -1, None, 10, 300, 0)
+            assert [(d.record.body, d.attempt) for d in again] == [(b"m1", 1), (b"m3", 1)]
+            assert pop.counters["restored_settled"] == 3
+            pop.ack(G, T, again[1].receipt_handle)
+            pop.ack(G, T, again[0].receipt_handle)
+            assert b.core.offsets.get(G, T, 0) == 6
+            assert await pop.receive(G, T, -1, None, 10, 300, 0) == []
+            await pop.close()
+        assert json.loads((tmp_path / "d" / "acks.json").read_text()) == {"format": 1, "acked": {}}  # the offset covers them
+
+    arun(go())
+
+
+def test_acknowledgements_past_the_committed_offset_are_on_disk_within_a_flush_interval_without_a_shutdown(tmp_path):
+    interval = 1.0
+
+    async def go():
+        async with running_broker(tmp_path / "d", flush_interval_s=interval) as b:
+            c = await RawClient.open(b.address)
+            await send(c, 4)
+            pop = PopService(b.core)
+            got = await pop.receive(G, T, 0, None, 4, 300, 0)
+            pop.ack(G, T, got[0].receipt_handle)  # in order: only the committed offset moves
+            await asyncio.sleep(interval * 0.75)  # past the half interval an out-of-order ack is handed over in
+            assert not (tmp_path / "d" / "acks.json").exists()
+            t0 = time.monotonic()
+            pop.ack(G, T, got[2].receipt_handle)
+            acks = tmp_path / "d" / "acks.json"
+            while not (acks.exists() and json.loads(acks.read_text())["acked"]):
+                assert time.monotonic() - t0 < interval, "the acknowledgement is not on disk after a flush interval"
+                await asyncio.sleep(0.01)
+            # What a SIGKILL now would leave: the files as they are.
+            shutil.copytree(tmp_path / "d", tmp_path / "crashed", ignore=shutil.ignore_patterns("LOCK"))
+            await c.close()
+        async with running_broker(tmp_path / "crashed") as b:
+            pop = PopService(b.core)
+            again = await pop.receive(G, T, -1, None, 10, 300, 0)
+            assert [d.record.body for d in again] == [b"m1", b"m3"]
+
+    arun(go())
+
+
+def test_an_offset_reset_forgets_the_acknowledgements_past_the_old_offset(tmp_path):
     async def go():
         async with running_broker(tmp_path / "d") as b:
             c = await RawClient.open(b.address)
             await send(c, 4)
             pop = PopService(b.core)
-            got = await pop.receive(G, T, -1, None, 4, 300, 0)
+            got = await pop.receive(G, T, 0, None, 4, 300, 0)
             pop.ack(G, T, got[0].receipt_handle)
             pop.ack(G, T, got[2].receipt_handle)
-            handle = got[1].receipt_handle
+            pop.capture_settled()
+            await b.core.flusher.wait_persisted()
+            assert b.core.offsets.acked(G, T, 0) == [2, 3]
+            # back to the first message: everything from there comes again, m2 too
+            await c.ok("reset_offsets", {"group": G, "topic": T, "to": "offset", "offset": 0, "queue_ids": [0]})
+            assert b.core.offsets.acked(G, T, 0) == []
             await c.close()
+        assert json.loads((tmp_path / "d" / "acks.json").read_text())["acked"] == {}
         async with running_broker(tmp_path / "d") as b:
             pop = PopService(b.core)
-            assert codes(lambda: pop.ack(G, T, handle)) == "INVALID_RECEIPT_HANDLE"
             again = await pop.receive(G, T, -1, None, 10, 300, 0)
-            # from the committed offset on: m2 was acknowledged but lies past m1, so it comes again (at-least-once)
-            assert [(d.record.body, d.attempt) for d in again] == [(b"m1", 1), (b"m2", 1), (b"m3", 1)]
+            assert [d.record.body for d in again] == [b"m0", b"m1", b"m2", b"m3"]
 
     arun(go())
 
@@ -547,3 +611,24 @@ def test_messages_deleted_by_retention_are_skipped_and_their_handles_refused(tmp
             await c.close()
 
     arun(go())
+
+
+def test_a_damaged_acks_file_starts_the_broker_and_delivers_from_the_committed_offset(tmp_path, caplog):
+    async def go():
+        async with running_broker(tmp_path / "d") as b:
+            c = await RawClient.open(b.address)
+            await send(c, 3)
+            pop = PopService(b.core)
+            got = await pop.receive(G, T, 0, None, 3, 300, 0)
+            pop.ack(G, T, got[2].receipt_handle)
+            await pop.close()
+            await c.close()
+        (tmp_path / "d" / "acks.json").write_bytes(b"\x00garbage")
+        async with running_broker(tmp_path / "d") as b:
+            pop = PopService(b.core)
+            again = await pop.receive(G, T, -1, None, 10, 300, 0)
+            assert [d.record.body for d in again] == [b"m0", b"m1", b"m2"]  # at-least-once without it
+
+    with caplog.at_level("WARNING", logger="txmq"):
+        arun(go())
+    assert [r for r in caplog.records if "event=rmq_acks_unusable" in r.getMessage()]

@@ -267,6 +267,28 @@ class TelemetryStream:
         self.client.streams.discard(self)
 
 
+def write_command(context: Any, cmd: s.TelemetryCommand, client_id: str) -> asyncio.Task:
+    """``context.write(cmd)`` as a task whose failure is always retrieved.
+
+    The stream's handler may give up on the write (the stream was closed
+    while the client did not read) or be cancelled before it ends (the
+    client went away): the write then fails in gRPC (ExecuteBatchError on
+    a dead stream) with nobody awaiting it, which asyncio would report as a
+    multi-line "Task exception was never retrieved" on stderr.
+    """
+    task = asyncio.ensure_future(context.write(cmd))
+    task.add_done_callback(lambda t: _write_done(t, client_id))
+    return task
+
+
+def _write_done(task: asyncio.Task, client_id: str) -> None:
+    if task.cancelled():
+        return
+    exc = task.exception()
+    if exc is not None:
+        log.debug("event=rmq_telemetry_write_failed client_id=%s error=%r", client_id, exc)
+
+
 def transaction_id(tx_id: str, cl_offset: int, half_offset: int) -> str:
     """The transaction_id txmq gives SDK producers: the transaction id and the half copy's offsets.
 

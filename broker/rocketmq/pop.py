@@ -22,9 +22,22 @@ State, per (group, topic, queue):
 
 The window [committed, next) is bounded (``PopConfig.max_window`` per queue,
 ``max_slots`` over all groups): a queue whose window is full hands out no
-new message until the oldest is acknowledged or given up. In-flight state is
-in memory only: after a restart every message from the committed offset on
-is delivered again (at-least-once) with attempts counted from 1.
+new message until the oldest is acknowledged or given up. In-flight state
+(deadlines, attempts, handles) is in memory only: after a restart the
+unsettled messages from the committed offset on are delivered again
+(at-least-once) with attempts counted from 1.
+
+What is settled above the committed offset (acknowledged out of order,
+dead-lettered) is not delivered again after a restart or a crash: a queue
+whose settled set changed is handed to the consumer offsets as ranges
+(``ConsumerOffsets.set_acked``) within half a flush interval, and a persist
+of the offsets is asked for, which writes them to acks.json after the log's
+fsync and offsets.json (store/offsets.py; docs/store-format.md). An
+acknowledgement answered a flush interval before a crash is therefore on
+disk. Acknowledging in order costs nothing more: only the committed offset
+moves. After a restart a queue's state starts from the committed offset and
+its ranges: the offsets between them are received again, those in them are
+not.
 
 Costs: receiving, acknowledging or changing a message is O(log n) (one heap
 push per in-flight deadline); expiries are popped from the heap lazily, so
@@ -46,6 +59,7 @@ import re
 import struct
 import time
 import zlib
+from array import array
 from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
@@ -118,7 +132,7 @@ class Slot:
 
 
 class QueueState:
-    __slots__ = ("qid", "committed", "next", "stored", "slots", "ready")
+    __slots__ = ("qid", "committed", "next", "stored", "slots", "ready", "dirty")
 
     def __init__(self, qid: int, start: int) -> None:
         self.qid = qid
@@ -127,6 +141,7 @@ class QueueState:
         self.stored = start  # what was last written to the consumer offsets (an operator's reset differs)
         self.slots: dict[int, Slot] = {}
         self.ready: deque[int] = deque()  # offsets to deliver again (checked against the slot's state when taken)
+        self.dirty = False  # settled above the committed offset since its ranges were last handed to the consumer offsets
 
 
 class Subscription:
@@ -252,7 +267,12 @@ class PopService:
         self._topic_waiters: dict[str, set[asyncio.Future]] = {}
         self._armed: dict[str, tuple[asyncio.Future, int]] = {}
         self.counters: dict[str, int] = {"delivered": 0, "redelivered": 0, "acked": 0, "changed": 0, "expired": 0,
-                                         "renewed": 0, "released": 0, "dead_lettered": 0, "filtered": 0}
+                                         "renewed": 0, "released": 0, "dead_lettered": 0, "filtered": 0,
+                                         "restored_settled": 0}
+        # Queues whose settled ranges changed, and the timer that hands them to the consumer offsets.
+        self._dirty: list[tuple[Subscription, QueueState]] = []
+        self._persist_timer: asyncio.TimerHandle | None = None
+        self._acks_checked = False
 
     # ---- settings --------------------------------------------------------
     def max_attempts(self, group: str) -> int:
@@ -288,6 +308,12 @@ class PopService:
                     raise PopError("TOO_MANY_REQUESTS",
                                    f"{len(self.subs)} group and topic pairs hold messages in flight: the limit")
             sub = self.subs[key] = Subscription(group, topic)
+            if not self._acks_checked:
+                self._acks_checked = True
+                problem = getattr(self.core.offsets, "acks_problem", None)
+                if problem:
+                    log.warning("event=rmq_acks_unusable reason=%r msg=%s", problem,
+                                "'messages acknowledged past the committed offsets before the restart are delivered again'")
         if sub is not None:
             sub.used = self.now()
         return sub
@@ -310,8 +336,37 @@ class PopService:
         start = stored if stored is not None else self.core.store.queue_min_offset(sub.topic, qid)
         q = sub.queues[qid] = QueueState(qid, start)
         if stored is None:
-            self.core.offsets.commit(sub.group, sub.topic, qid, start)
+            self.core.offsets.commit(sub.group, sub.topic, qid, start, keep_acked=True)
+        else:
+            self._restore(sub, q)
         return q
+
+    def _restore(self, sub: Subscription, q: QueueState) -> None:
+        """The ranges settled past the committed offset before a restart (acks.json): skipped; the offsets between them come again."""
+        acked = self.core.offsets.acked(sub.group, sub.topic, q.qid)
+        if not acked:
+            return
+        c = self.config
+        hi = min(self.core.store.queue_max_offset(sub.topic, q.qid), q.committed + c.max_window)
+        pos, skipped = q.committed, 0
+        it = iter(acked)
+        for start, end in zip(it, it):
+            start, end = max(start, pos), min(end, hi)
+            if start >= end:
+                if start >= hi:
+                    break
+                continue
+            if self.slots + (start - pos) > c.max_slots:
+                break
+            for off in range(pos, start):  # in offset order, as _take_new makes slots (_settled relies on it)
+                q.slots[off] = Slot()
+                q.ready.append(off)
+            self.slots += start - pos
+            skipped += end - start
+            pos = end
+        q.next = pos
+        self.counters["restored_settled"] += skipped
+        self._advance(sub, q)
 
     def _drop_all(self, sub: Subscription, q: QueueState) -> None:
         for slot in q.slots.values():
@@ -331,7 +386,9 @@ class PopService:
         slot.version = 0
         self.slots -= 1
         if offset == q.committed:
-            self._advance(sub, q)
+            self._advance(sub, q)  # the committed offset covers it: no range to keep
+        elif not q.dirty:
+            self._mark(sub, q)
 
     def _advance(self, sub: Subscription, q: QueueState) -> None:
         full = q.next - q.committed >= self.config.max_window
@@ -343,7 +400,7 @@ class PopService:
                 c += 1
         if c != q.committed:
             q.committed = q.stored = c
-            self.core.offsets.commit(sub.group, sub.topic, q.qid, c)
+            self.core.offsets.commit(sub.group, sub.topic, q.qid, c, keep_acked=True)
             if full:
                 self._wake(sub)
 
@@ -351,6 +408,40 @@ class PopService:
         for fut in sub.waiters:
             if not fut.done():
                 fut.set_result(None)
+
+    # ---- settled ranges on disk -------------------------------------------
+    def _mark(self, sub: Subscription, q: QueueState) -> None:
+        """q settled an offset past its committed one: its ranges go to the consumer offsets within half a flush interval."""
+        q.dirty = True
+        self._dirty.append((sub, q))
+        if self._persist_timer is None and not self.closed:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:  # no loop (a synchronous caller): close() hands them over
+                return
+            # Half an interval, so that with the persist cycle's own time an acknowledgement answered one
+            # flush interval before a crash is on disk; the regular checkpoint alone can take longer than that.
+            self._persist_timer = loop.call_later(self.core.config.flush_interval_s / 2, self._persist_settled)
+
+    def _persist_settled(self) -> None:
+        self._persist_timer = None
+        self.capture_settled()
+        flusher = getattr(self.core, "flusher", None)
+        if flusher is None or self.core.shutting_down:
+            return
+        flusher.wait_persisted().add_done_callback(_retrieve)  # a failed persist is the flusher's to log
+
+    def capture_settled(self) -> None:
+        """Hand the settled ranges of the queues changed since the last call to the consumer offsets, which persist them."""
+        dirty, self._dirty = self._dirty, []
+        offsets = self.core.offsets
+        for sub, q in dirty:
+            q.dirty = False
+            if self.subs.get((sub.group, sub.topic)) is not sub or sub.queues.get(q.qid) is not q:
+                continue  # forgotten since: reset from outside, or idle (its committed offset then covers all it settled)
+            if offsets.get(sub.group, sub.topic, q.qid) != q.stored:
+                continue  # moved from outside: that commit dropped the ranges, and the next access starts the queue over
+            offsets.set_acked(sub.group, sub.topic, q.qid, _settled(q))
 
     def _push(self, sub: Subscription, q: QueueState, offset: int, slot: Slot) -> None:
         heapq.heappush(sub.heap, (slot.deadline, slot.version, q.qid, offset))
@@ -470,6 +561,10 @@ class PopService:
             if slot is None or slot.state != READY:
                 continue
             res = store.get_messages(sub.topic, q.qid, offset, 1, self.config.max_bytes)
+            if res.repairing:  # its damaged entry is being rebuilt from the log: again after other work
+                ready.appendleft(offset)
+                budget[0] = 0
+                return
             rec = res.records[0] if res.records and res.records[0].queue_offset == offset else None
             if rec is None or (tags is not None and rec.tags not in tags):  # gone (retention, damage) or no longer subscribed
                 self._remove(sub, q, offset)
@@ -495,7 +590,7 @@ class PopService:
                 q.committed = max(q.committed, lo) if res.status is GetStatus.OFFSET_TOO_SMALL else lo
                 self._advance(sub, q)
                 q.stored = q.committed
-                self.core.offsets.commit(sub.group, sub.topic, q.qid, q.committed)
+                self.core.offsets.commit(sub.group, sub.topic, q.qid, q.committed, keep_acked=True)
                 continue
             if res.status is not GetStatus.FOUND:
                 return
@@ -514,6 +609,8 @@ class PopService:
                 budget[1] -= len(rec.body)
                 self.counters["delivered"] += 1
                 self._deliver(sub, q, rec.queue_offset, slot, rec, inv, now, renew_s, client, out)
+            if res.repairing:  # damaged entries at nxt are being rebuilt from the log: the receive goes on after other work
+                budget[0] = 0
             if nxt <= q.next:
                 return
             q.next = nxt
@@ -718,12 +815,16 @@ class PopService:
 
     # ---- lifecycle and state --------------------------------------------
     async def close(self) -> None:
-        """Answer the waiting receives and finish the dead-letter writes under way."""
+        """Answer the waiting receives, finish the dead-letter writes under way, hand over the settled ranges."""
         self.closed = True
         for sub in self.subs.values():
             self._wake(sub)
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=5)
+        if self._persist_timer is not None:
+            self._persist_timer.cancel()
+            self._persist_timer = None
+        self.capture_settled()  # the broker's last flush writes them
 
     def in_flight(self, group: str, topic: str) -> dict[int, dict[str, Any]]:
         """Per queue: committed, next, unsettled messages and how many are in flight (for status and tests)."""
@@ -736,3 +837,23 @@ class PopService:
 
     def stats(self) -> dict[str, Any]:
         return {"subscriptions": len(self.subs), "unsettled": self.slots, **self.counters}
+
+
+def _settled(q: QueueState) -> array:
+    """The ranges settled in q's window past its committed offset, flat: [start0, end0, ...], ends exclusive."""
+    out = array("q")
+    prev = q.committed
+    for off in sorted(q.slots):  # made in offset order already: sorted() only checks the run
+        if off > prev:
+            out.append(prev)
+            out.append(off)
+        prev = max(prev, off + 1)
+    if q.next > prev:
+        out.append(prev)
+        out.append(q.next)
+    return out
+
+
+def _retrieve(fut: asyncio.Future) -> None:
+    if not fut.cancelled():
+        fut.exception()
