@@ -177,10 +177,10 @@ def run_interruptible(coro: Coroutine[Any, Any, T], grace: float = INTERRUPT_GRA
     still running then is left with the event loop, not awaited, so a broker
     connection whose close never completes cannot hold the command up.
 
-    The event loop's own handler takes SIGINT (loop.add_signal_handler), so
-    this holds whatever SIGINT's disposition was when the process started:
-    Python's KeyboardInterrupt, or ignored (a background job of a script),
-    in which case asyncio.run would not see it at all.
+    Its own handler takes SIGINT, so this holds whatever SIGINT's disposition
+    was when the process started: Python's KeyboardInterrupt, or ignored (a
+    background job of a script), in which case asyncio.run would not see it
+    at all.
     """
     import threading
 
@@ -190,7 +190,16 @@ def run_interruptible(coro: Coroutine[Any, Any, T], grace: float = INTERRUPT_GRA
 
 
 class _Interruptible:
-    """The event loop of `run_interruptible`: its SIGINT handler, and a clean-up that never waits past a deadline."""
+    """The event loop of `run_interruptible`: its SIGINT handler, and a clean-up that never waits past a deadline.
+
+    SIGINT goes to a Python handler that hands it to the loop
+    (call_soon_threadsafe), not to loop.add_signal_handler: uvloop's handler
+    only notes the signal, and acts on it when its wake-up pipe has data,
+    which it is given only while the loop runs, so a SIGINT just before the
+    loop started was never acted on (the command went on waiting on stdin).
+    A Python handler runs in the main thread wherever the signal lands; while
+    the loop waits, its wake-up pipe or the interrupted poll runs it at once.
+    """
 
     def __init__(self, grace: float) -> None:
         import asyncio
@@ -205,6 +214,12 @@ class _Interruptible:
         self.interrupts = 0
         self.task: Any = None  # the command's coroutine, as a task
         self.cut: Any = None  # a future: done when nothing more is to be awaited (grace over, or a second Ctrl-C)
+
+    def on_signal(self, _signum: int, _frame: Any) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.on_sigint)
+        except RuntimeError:  # the loop is closed: the command is over
+            pass
 
     def on_sigint(self) -> None:
         self.interrupts += 1
@@ -225,8 +240,8 @@ class _Interruptible:
         loop = self.loop
         previous = signal.getsignal(signal.SIGINT)
         try:
-            loop.add_signal_handler(signal.SIGINT, self.on_sigint)
-        except (NotImplementedError, RuntimeError, ValueError):  # no signal handlers on this platform's loop
+            signal.signal(signal.SIGINT, self.on_signal)
+        except (OSError, ValueError):  # no SIGINT handler here
             loop.close()
             return run(coro)
         finished = False
@@ -242,15 +257,11 @@ class _Interruptible:
                 raise KeyboardInterrupt
             return self.task.result()
         finally:
-            try:
-                loop.remove_signal_handler(signal.SIGINT)
-            finally:
-                if previous is not None:
-                    signal.signal(signal.SIGINT, previous)
-                if not finished:  # tasks left pending are not worth a message each as they are collected
-                    loop.set_exception_handler(lambda _loop, _context: None)
-                asyncio.set_event_loop(None)
-                loop.close()
+            signal.signal(signal.SIGINT, previous if previous is not None else signal.default_int_handler)
+            if not finished:  # tasks left pending are not worth a message each as they are collected
+                loop.set_exception_handler(lambda _loop, _context: None)
+            asyncio.set_event_loop(None)
+            loop.close()
 
     def _finish(self) -> bool:
         """What asyncio.run does after the coroutine (cancel the tasks left, close async generators, the

@@ -198,8 +198,9 @@ def test_send_of_stdin_lines_after_ctrl_c_says_what_was_sent_and_exits_130(broke
         got = [json.loads(p.stdout.readline()) for _ in range(3)]
         assert sorted(r["line"] for r in got) == [1, 2, 3]
         p.send_signal(signal.SIGINT)
-        code = p.wait(15)
-        e = p.stderr.read().decode()
+        _, e = p.communicate(timeout=15)  # never p.wait() with output still to read: a full pipe would hold the exit up
+        code = p.returncode
+        e = e.decode()
     finally:
         if p.poll() is None:
             p.kill()
@@ -282,9 +283,10 @@ def _interrupted_send(broker: str, big_lines: int = 0, preexec=None):
             p.stdin.flush()  # read by the command, all but the last few sent: far more than the socket buffers hold
         started = time.monotonic()
         p.send_signal(signal.SIGINT)
-        code = p.wait(15)
+        _, e = p.communicate(timeout=15)
+        code = p.returncode
         took = time.monotonic() - started
-        e = p.stderr.read().decode()
+        e = e.decode()
     finally:
         if p.poll() is None:
             p.kill()

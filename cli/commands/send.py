@@ -5,14 +5,14 @@ import sys
 import time
 from dataclasses import dataclass
 from enum import Enum
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any, AsyncIterator, Callable, Optional
 
 import typer
 
 from txmq.constants import TOPIC_RE, is_system_topic
 
 from .. import exitcodes
-from ..common import DEFAULT_BROKER, BrokerOpt, CliError, OutputOpt, TokenOpt, run, run_interruptible
+from ..common import DEFAULT_BROKER, INTERRUPT_GRACE_S, BrokerOpt, CliError, OutputOpt, TokenOpt, run, run_interruptible
 from ..console import Output, RowSink, err, esc, kv_table, out, resolve_output
 
 EPILOG = """Examples:
@@ -36,6 +36,9 @@ class TxState(str, Enum):
 
 
 _OUTCOME = {"commit": "committed", "rollback": "rolled_back", "unknown": "pending"}
+
+# After Ctrl-C, how long the lines in flight may take to finish, within the grace run_interruptible gives.
+FINISH_AFTER_INTERRUPT_S = INTERRUPT_GRACE_S - 0.5
 
 
 def register(app: typer.Typer) -> None:
@@ -91,7 +94,7 @@ def send(
     stream = body == "-" or (body is None and not sys.stdin.isatty())
     if body is None and not stream:
         raise CliError("no message body: give BODY, or pipe lines on stdin (BODY '-')", exitcodes.USAGE)
-    spec = _Spec(topic, props, queue, group if tx else None, (state or TxState.unknown).value)
+    spec = _Spec(topic, props, queue, group if tx else None, (state or TxState.unknown).value, _tx_ids(props) if tx else None)
     out_fmt = resolve_output(output)
     if stream:
         st = _Tally(RowSink(out_fmt, table=_print_sent))
@@ -105,8 +108,16 @@ def send(
         except BaseException:
             st.sink.abort()
             raise
+        finally:
+            _name_unended(st.unended, spec, broker)
     else:
-        kv_table(run(_send_one(broker, token, spec, (body or "").encode())), out_fmt)
+        unended: dict[int, _Unended] = {}
+        try:
+            row = run(_send_one(broker, token, spec, (body or "").encode(), unended))
+        except BaseException:
+            _name_unended(unended, spec, broker)
+            raise
+        kv_table(row, out_fmt)
 
 
 def _print_sent(row: dict[str, Any]) -> None:
@@ -124,6 +135,7 @@ class _Tally:
         self.line = 0  # the last input line read
         self.sink = sink  # each line's result, as it comes
         self.unconfirmed = 0  # lines in flight when it stopped
+        self.unended: dict[int, _Unended] = {}  # --tx, by line: the transactions started whose row is not printed
 
     def stopped(self, why: str) -> str:
         return (f"stopped ({why}): {self.sent} sent, {self.failed} failed"
@@ -141,23 +153,73 @@ class _Spec:
     queue: int | None
     group: str | None  # set for --tx
     state: str  # commit | rollback | unknown
+    new_tx_id: Callable[[], str] | None = None  # --tx: each half's id is chosen here, so an unacknowledged one has a name
 
-    def fields(self, body: bytes) -> dict[str, Any]:
+    def fields(self, body: bytes, tx_id: str | None = None) -> dict[str, Any]:
         f: dict[str, Any] = {"topic": self.topic, "body": body, "born_ts": time.time_ns() // 1_000_000}
-        if self.props:
+        if self.props or tx_id is not None:
             f["properties"] = dict(self.props)
+            if tx_id is not None:
+                f["properties"]["UNIQ_KEY"] = tx_id
         if self.queue is not None:
             f["queue_id"] = self.queue
         return f
 
 
-async def _deliver(client: Any, spec: _Spec, body: bytes, end_queued: Any = None) -> dict[str, Any]:
+@dataclass(slots=True)
+class _Unended:
+    """A transaction `send --tx` started and has no outcome for yet (its line's row is not printed)."""
+
+    tx_id: str
+    half_offset: int | None = None  # once the half is acknowledged
+
+
+def _tx_ids(props: dict[str, str]) -> Callable[[], str]:
+    """Where each half's id comes from: the --prop UNIQ_KEY given, else ids chosen here."""
+    given = props.get("UNIQ_KEY")
+    if given is not None:
+        return lambda: given
+    from txmq.client.transaction import TxIds
+
+    return TxIds()
+
+
+def _settled(exc: BaseException) -> bool:
+    """Whether a refused send or end leaves nothing to end: refused before anything was stored, or decided
+    already (CONFLICT, TX_NOT_FOUND). A lost connection, a timeout or a failed write may have stored it."""
+    from txmq.client.connection import ConnectionLost
+    from txmq.wire import ErrorCode, TxmqError
+
+    return isinstance(exc, TxmqError) and not isinstance(exc, ConnectionLost) and exc.code is not ErrorCode.STORE_ERROR
+
+
+async def _deliver(client: Any, spec: _Spec, body: bytes, end_queued: Any = None,
+                   unended: dict[int, _Unended] | None = None, line: int = 0) -> dict[str, Any]:
     """Send one message; with --tx, end it too. ``end_queued`` is called once the end request is queued
-    (pipelined: the caller may start the next line while the end's reply is on its way)."""
-    r = await client.request("send", spec.fields(body))
+    (pipelined: the caller may start the next line while the end's reply is on its way). With --tx the
+    line's transaction is in ``unended`` from before its half is sent until its outcome is known."""
+    tx_id = spec.new_tx_id() if spec.new_tx_id is not None else None
+    if tx_id is None:
+        return await _send_and_end(client, spec, body, None, end_queued)
+    track = unended if unended is not None else {}
+    track[line] = started = _Unended(tx_id)
+    try:
+        row = await _send_and_end(client, spec, body, started, end_queued)
+    except Exception as exc:
+        if _settled(exc):
+            del track[line]
+        raise
+    del track[line]
+    return row
+
+
+async def _send_and_end(client: Any, spec: _Spec, body: bytes, started: _Unended | None, end_queued: Any) -> dict[str, Any]:
+    r = await client.request("send", spec.fields(body, started.tx_id if started is not None else None))
     if spec.group is None:
         return {"msg_id": r["msg_id"], "topic": r["topic"], "queue_id": r["queue_id"],
                 "queue_offset": r["queue_offset"], "commit_log_offset": r["commit_log_offset"]}
+    if started is not None:
+        started.half_offset = r["half_offset"]
     row = {"msg_id": r.get("msg_id", r["tx_id"]), "topic": r["topic"], "queue_id": r["queue_id"],
            "commit_log_offset": r["commit_log_offset"], "tx_id": r["tx_id"], "half_offset": r["half_offset"],
            "state": "pending"}
@@ -181,15 +243,48 @@ async def _deliver(client: Any, spec: _Spec, body: bytes, end_queued: Any = None
     return row
 
 
-async def _send_one(broker: str, token: str | None, spec: _Spec, body: bytes) -> dict[str, Any]:
+def _name_unended(unended: dict[int, _Unended], spec: _Spec, broker: str) -> None:
+    """On stderr: each transaction the run started and did not see ended, and the command that ends them.
+
+    `send` is no producer of its group, so nothing checks them back: left
+    alone they stay pending, holding the half progress back until retention.
+    """
+    if not unended or spec.group is None:
+        return
+    import shlex
+
+    from ._bulk import ref_argument
+
+    txs = sorted(unended.items())
+    n = len(txs)
+    err.print(f"[warn]{n} transaction{'s' if n != 1 else ''} of this run not ended: each may be pending, "
+              f"and no check-back comes to `send`:[/warn]")
+    for line, u in txs:
+        what = (f"half stored (half_offset {u.half_offset}), its end ({spec.state}) not confirmed" if u.half_offset is not None
+                else "half sent, not acknowledged (stored or not)")
+        err.print(f"  line {line}: tx_id {esc(u.tx_id)}: {what}")
+    action = "commit" if spec.state == "commit" else "rollback"
+    if action == "commit":
+        err.print("end them as asked, then resend only the lines it answers not_found for (that half was never stored):")
+    elif spec.state == "rollback":
+        err.print("end them as asked, then resend their lines:")
+    else:  # unknown: pending as asked, but their lines printed no tx_id
+        err.print("roll them back before resending their lines:")
+    target = "" if broker == DEFAULT_BROKER else f" --broker {shlex.quote(broker)}"
+    ids = " ".join(ref_argument(tx_id) for tx_id in dict.fromkeys(u.tx_id for _, u in txs))
+    err.print(f"  txmq resolve --{action} --yes{esc(target)} {esc(ids)}", soft_wrap=True)
+
+
+async def _send_one(broker: str, token: str | None, spec: _Spec, body: bytes, unended: dict[int, _Unended]) -> dict[str, Any]:
     from ..client_ops import connect
 
     async with connect(broker, token) as client:
-        return await _deliver(client, spec, body)
+        return await _deliver(client, spec, body, unended=unended, line=1)
 
 
 async def _send_stream(broker: str, token: str | None, spec: _Spec, window: int, out_fmt: Output, st: _Tally) -> None:
     import asyncio
+    import contextlib
 
     from ..client_ops import cli_error, connect, exit_code_of
 
@@ -221,7 +316,7 @@ async def _send_stream(broker: str, token: str | None, spec: _Spec, window: int,
                 if spec.group is not None and spec.state != "unknown":
                     await ends.acquire()
                     end_slot = True
-                row = await _deliver(client, spec, body, end_queued if end_slot else None)
+                row = await _deliver(client, spec, body, end_queued if end_slot else None, st.unended, line_no)
             except asyncio.CancelledError:  # Ctrl-C: in flight, answer unknown
                 st.unconfirmed += 1
                 raise
@@ -247,26 +342,31 @@ async def _send_stream(broker: str, token: str | None, spec: _Spec, window: int,
 
         line_no = 0
         try:
-            async for line in _stdin_lines():
-                line_no += 1
-                st.line = line_no
-                if not line.strip():
-                    continue
-                await sem.acquire()
-                if lost or closed:
-                    sem.release()
-                    break
-                t = asyncio.get_running_loop().create_task(one(line_no, line))
-                tasks.add(t)
-                t.add_done_callback(tasks.discard)
+            async with contextlib.aclosing(_stdin_lines()) as lines:
+                async for line in lines:
+                    line_no += 1
+                    st.line = line_no
+                    if not line.strip():
+                        continue
+                    await sem.acquire()
+                    if lost or closed:
+                        sem.release()
+                        break
+                    t = asyncio.get_running_loop().create_task(one(line_no, line))
+                    tasks.add(t)
+                    t.add_done_callback(tasks.discard)
             if tasks:
                 await asyncio.gather(*tasks, return_exceptions=True)
-        except asyncio.CancelledError:  # Ctrl-C: the lines in flight end as unconfirmed, before the connection closes
+        except asyncio.CancelledError:
+            # Ctrl-C: no line more. Those in flight may finish for a while (a --tx half acknowledged gets its
+            # end, whose reply prints the row); then the rest end as unconfirmed, before the connection closes.
             flying = list(tasks)
-            for t in flying:
-                t.cancel()
             if flying:
-                await asyncio.wait(flying)
+                _, left = await asyncio.wait(flying, timeout=FINISH_AFTER_INTERRUPT_S)
+                for t in left:
+                    t.cancel()
+                if left:
+                    await asyncio.wait(left)
             raise
     if closed:
         raise BrokenPipeError  # main() exits quietly
@@ -292,44 +392,82 @@ def _msg(exc: BaseException) -> str:
     return escape(getattr(exc, "message", None) or str(exc) or type(exc).__name__)
 
 
-async def _stdin_lines():
-    """Lines of stdin (bytes, without the newline) read by a thread, in chunks as they arrive."""
+# Batches of stdin lines the reader thread may hold ahead of the sender.
+_READ_AHEAD = 16
+
+
+async def _stdin_lines() -> AsyncIterator[bytes]:
+    """Lines of stdin (bytes, without the newline) read by a thread, in chunks as they arrive.
+
+    The thread never waits on the event loop: it hands each batch over with
+    call_soon_threadsafe and waits only for room (a semaphore the consumer
+    releases, and releases once more when it stops), so a loop that stopped
+    or closed cannot strand it, nor leave a coroutine of it unawaited. It is
+    a daemon blocked in read(), left behind at exit, and it blocks SIGINT so
+    Ctrl-C always lands on the main thread, where the loop's handler runs.
+    """
     import asyncio
+    import collections
+    import signal
     import threading
 
     loop = asyncio.get_running_loop()
-    q: asyncio.Queue[list[bytes] | None] = asyncio.Queue(maxsize=16)
+    batches: collections.deque[list[bytes] | None] = collections.deque()
+    arrived = asyncio.Event()
+    room = threading.Semaphore(_READ_AHEAD)
+    stop = threading.Event()
     fd = sys.stdin.fileno()
 
-    def put(item: list[bytes] | None) -> bool:
+    def hand(batch: list[bytes] | None) -> bool:
+        batches.append(batch)
         try:
-            asyncio.run_coroutine_threadsafe(q.put(item), loop).result()
-            return True
-        except (RuntimeError, Exception):  # the loop is gone: the command ended early
+            loop.call_soon_threadsafe(arrived.set)
+        except RuntimeError:  # the loop is closed: the command ended
             return False
+        return True
 
     def reader() -> None:
         buf = b""
         try:
-            while True:
+            while not stop.is_set():
                 chunk = os.read(fd, 1 << 16)
                 if not chunk:
                     break
                 buf += chunk
                 *lines, buf = buf.split(b"\n")
-                if lines and not put([ln[:-1] if ln.endswith(b"\r") else ln for ln in lines]):
-                    return
-            if buf:
-                put([buf[:-1] if buf.endswith(b"\r") else buf])
+                if lines:
+                    room.acquire()
+                    if stop.is_set() or not hand([ln[:-1] if ln.endswith(b"\r") else ln for ln in lines]):
+                        return
+            if buf and not stop.is_set():
+                room.acquire()
+                hand([buf[:-1] if buf.endswith(b"\r") else buf])
         except OSError:
             pass
         finally:
-            put(None)
+            hand(None)
 
-    threading.Thread(target=reader, name="txmq-stdin", daemon=True).start()
-    while True:
-        batch = await q.get()
-        if batch is None:
-            return
-        for line in batch:
-            yield line
+    thread = threading.Thread(target=reader, name="txmq-stdin", daemon=True)
+    if hasattr(signal, "pthread_sigmask"):  # the thread starts with SIGINT blocked (a thread inherits the mask)
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            thread.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+    else:
+        thread.start()
+    try:
+        while True:
+            while not batches:
+                arrived.clear()
+                if not batches:
+                    await arrived.wait()
+            batch = batches.popleft()
+            if batch is None:
+                return
+            room.release()
+            for line in batch:
+                yield line
+    finally:
+        stop.set()
+        room.release()  # a reader waiting for room sees the stop
