@@ -136,7 +136,7 @@ class BrokerConfig:
     max_preauth_frame: int = defaults.MAX_PREAUTH_FRAME  # largest frame before a successful hello, with auth_token
     auth_timeout_s: float = defaults.AUTH_TIMEOUT_S  # connect -> first request (a successful hello with auth_token); 0 = none
     frame_timeout_s: float = defaults.FRAME_TIMEOUT_S  # first byte of a frame -> its last; 0 = none
-    max_connections: int | None = None  # None: derived from RLIMIT_NOFILE (server.default_max_connections)
+    max_connections: int | None = None  # None: derived from RLIMIT_NOFILE (server.connection_limits)
     max_connections_per_ip: int = defaults.MAX_CONNECTIONS_PER_IP  # 0 = unlimited
     partial_frame_budget: int = defaults.PARTIAL_FRAME_BUDGET  # bytes all connections together may hold in partly received frames
     # RocketMQ 5's gRPC service on this port too (None: not served; docs/rocketmq.md), on the same host;
@@ -144,6 +144,8 @@ class BrokerConfig:
     rocketmq_port: int | None = None
     rocketmq_tls_cert: Path | None = None
     rocketmq_tls_key: Path | None = None
+    # Open connections to rocketmq_port at most (None: derived from RLIMIT_NOFILE, server.connection_limits).
+    rocketmq_max_connections: int | None = None
     # Seconds one CPU keeps spinning (lowest priority) after a lone client's request or reply; 0 = off
     # (broker/busypoll.py; docs/architecture.md, "Busy polling").
     busy_poll_s: float = defaults.BUSY_POLL_S
@@ -176,6 +178,11 @@ class BrokerConfig:
             raise ValueError("--rocketmq-tls-cert and --rocketmq-tls-key go together: give both for TLS, or neither")
         if self.rocketmq_port is None and self.rocketmq_tls_cert is not None:
             raise ValueError("--rocketmq-tls-cert and --rocketmq-tls-key need --rocketmq-port")
+        if self.rocketmq_max_connections is not None:
+            if self.rocketmq_port is None:
+                raise ValueError("--rocketmq-max-connections needs --rocketmq-port")
+            if self.rocketmq_max_connections < 1:
+                raise ValueError(f"--rocketmq-max-connections must be at least 1, not {self.rocketmq_max_connections}")
         if self.rocketmq_port is not None:
             if not (0 <= self.rocketmq_port <= 65535):
                 raise ValueError(f"--rocketmq-port must be between 0 (a free port) and 65535, not {self.rocketmq_port}")

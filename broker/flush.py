@@ -80,6 +80,89 @@ class DiskState:
             _disk_log.warning("event=disk_ok where=%s msg=%s", where, "'writes work again'")
 
 
+FD_ERRNOS = (errno.EMFILE, errno.ENFILE)
+FD_PROBE_S = 1.0  # while out of descriptors: how often to look whether some are free again
+FD_HEADROOM = 16  # descriptors that must open at once for "free again"
+
+
+def is_out_of_descriptors(exc: BaseException) -> bool:
+    """exc says the process (EMFILE) or the system (ENFILE) has no file descriptor left."""
+    for e in (exc, exc.__cause__):
+        if isinstance(e, OSError) and e.errno in FD_ERRNOS:
+            return True
+    return False
+
+
+def descriptors_free(n: int) -> bool:
+    """Whether n more descriptors can be opened right now (they are closed again at once)."""
+    fds: list[int] = []
+    try:
+        for _ in range(n):
+            fds.append(os.open(os.devnull, os.O_RDONLY))
+        return True
+    except OSError:
+        return False
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+class DescriptorState:
+    """No file descriptor left, met by a request (a new topic's files, a segment, a queue file), logged once per change of state.
+
+    The first failure logs ``event=fds_exhausted``; ``event=fds_available``
+    follows once FD_HEADROOM descriptors can be opened again, which is
+    looked at every FD_PROBE_S meanwhile (a failed request is not retried,
+    so no success would say it). Nothing in between is logged again; every
+    failure is counted (``fd_exhausted_errors``). The flusher and the check
+    service log their own failures once per spell too.
+    """
+
+    def __init__(self) -> None:
+        self.since: float | None = None  # monotonic time of the first failure of this spell
+        self.errors = 0  # failures in this spell
+        self._probe: asyncio.TimerHandle | None = None
+
+    @property
+    def exhausted(self) -> bool:
+        return self.since is not None
+
+    def failed(self, where: str, exc: BaseException) -> bool:
+        """Note exc if it is a lack of descriptors (True); anything else is the caller's to report (False)."""
+        if not is_out_of_descriptors(exc):
+            return False
+        self.errors += 1
+        if self.since is None:
+            self.since = time.monotonic()
+            _disk_log.error("event=fds_exhausted where=%s error=%r msg=%s", where, exc,
+                            "'no file descriptor left: requests that open a file fail (STORE_ERROR); logged once until some are free'")
+            self._schedule()
+        return True
+
+    def _schedule(self) -> None:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no loop (a synchronous caller): the next failure on the loop schedules it
+            return
+        if self._probe is None:
+            self._probe = loop.call_later(FD_PROBE_S, self._look)
+
+    def _look(self) -> None:
+        self._probe = None
+        if self.since is None:
+            return
+        if not descriptors_free(FD_HEADROOM):
+            self._schedule()
+            return
+        _disk_log.warning("event=fds_available failed_requests=%d took_s=%.1f", self.errors, time.monotonic() - self.since)
+        self.since, self.errors = None, 0
+
+    def close(self) -> None:
+        if self._probe is not None:
+            self._probe.cancel()
+            self._probe = None
+
+
 def _settle(fut: asyncio.Future, ok: bool, value: Any) -> None:
     if not fut.done():
         if ok:
@@ -156,9 +239,14 @@ class Flusher:
         observe: Callable[[float], None] | None = None,
         observe_checkpoint: Callable[[float], None] | None = None,
         disk: DiskState | None = None,
+        count_error: Callable[[], None] | None = None,
     ) -> None:
         self.store = store
         self.disk = disk or DiskState()
+        self._count_error = count_error  # every failed fsync or checkpoint cycle (the flush_errors counter)
+        # Stages failing now ("sync": the fsyncs that acknowledge sends; "checkpoint": the checkpoint
+        # thread's cycles) -> [logged as flush_failed, failed cycles]: each spell is logged once.
+        self._failing: dict[str, list] = {}
         self.sync_mode = sync
         self.interval_s = interval_s
         self._on_persist = on_persist  # e.g. ConsumerOffsets.persist, run in the flush thread
@@ -299,15 +387,36 @@ class Flusher:
                 durable = await wait
         except (StoreError, OSError) as exc:
             self._busy = False
-            if not self.disk.failed("flush", exc):  # a full disk is logged once, not every cycle
-                log.error("event=flush_failed error=%r", exc)
+            self._cycle_failed("sync", exc)
             self._fail_all(TxmqError(f"flush failed: {exc}", ErrorCode.STORE_ERROR), [])
             await asyncio.sleep(0.05)
             return
         self._busy = False
         if self._observe:
             self._observe(time.perf_counter() - t0)
+        if self._failing:
+            self._cycle_ok("sync")
         self._resolve(durable, ())
+
+    def _cycle_failed(self, stage: str, exc: BaseException) -> None:
+        """Count a failed cycle; log it once per failing spell of its stage (a full disk: once broker-wide, DiskState)."""
+        if self._count_error is not None:
+            self._count_error()
+        full = self.disk.failed("flush", exc)
+        spell = self._failing.get(stage)
+        if spell is not None:
+            spell[1] += 1
+            return
+        self._failing[stage] = [not full, 1]
+        if not full:
+            event = "flush_failed" if isinstance(exc, (StoreError, OSError)) else "checkpoint_failed"
+            log.error("event=%s stage=%s error=%r msg=%s", event, stage, exc,
+                      "'retried every cycle; logged once until a cycle succeeds (counter flush_errors)'")
+
+    def _cycle_ok(self, stage: str) -> None:
+        spell = self._failing.pop(stage, None)
+        if spell is not None and spell[0]:
+            log.warning("event=flush_recovered stage=%s failed_cycles=%d", stage, spell[1])
 
     def _native_submit(self) -> SyncJob | None:
         """Hand this cycle's fsyncs to the C thread; None to run them in the Python thread instead.
@@ -425,10 +534,7 @@ class Flusher:
             self._next_ckpt = self._loop.time() + self.interval_s
         exc = fut.exception() if not fut.cancelled() else asyncio.CancelledError()
         if exc is not None:
-            if not isinstance(exc, (StoreError, OSError)):
-                log.error("event=checkpoint_failed error=%r", exc)
-            elif not self.disk.failed("flush", exc):
-                log.error("event=flush_failed error=%r", exc)
+            self._cycle_failed("checkpoint", exc)
             err = TxmqError(f"flush failed: {exc}", ErrorCode.STORE_ERROR)
             for w in persist_waiters:
                 if not w.done():
@@ -438,6 +544,8 @@ class Flusher:
             self._observe_checkpoint(time.perf_counter() - t0)
         if checkpoint:
             self.disk.ok("flush")
+            if self._failing:
+                self._cycle_ok("checkpoint")
         self._resolve(fut.result(), persist_waiters)
 
     async def _final_cycle(self) -> bool:
@@ -451,8 +559,7 @@ class Flusher:
         try:
             durable = await self._ckpt_thread.run(self._full_cycle, True)
         except (StoreError, OSError) as exc:
-            if not self.disk.failed("flush", exc):
-                log.error("event=flush_failed error=%r", exc)
+            self._cycle_failed("checkpoint", exc)
             self._fail_all(TxmqError(f"flush failed: {exc}", ErrorCode.STORE_ERROR), persist_waiters)
             return False
         if self._observe_checkpoint:

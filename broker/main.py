@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import ipaddress
 import logging
 import signal
 import sys
@@ -26,6 +27,7 @@ from txmq.store import StoreLockedError
 from txmq.store.errors import DataFileError
 
 from .config import BrokerConfig
+from .logs import loop_exception_handler
 from .server import Broker, bind, install_uvloop, raise_fd_limit
 
 log = logging.getLogger("txmq.broker")
@@ -66,15 +68,30 @@ class MissingDependency(StartError):
     """An option needs a package that is not installed (--rocketmq-port without the ``rocketmq`` extra)."""
 
 
+def is_loopback(host: str) -> bool:
+    """Whether host is only reachable from this machine (127.0.0.0/8, ::1, localhost)."""
+    if host in LOOPBACK_HOSTS:
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a name: it may resolve to any address
+        return False
+
+
 def run(config: BrokerConfig) -> None:
     """Run a broker in the foreground until SIGINT/SIGTERM, then stop it cleanly."""
-    if config.host not in LOOPBACK_HOSTS and not config.auth_token:
-        log.warning("event=insecure_listen host=%s msg=%s", config.host,
-                    "'listening beyond loopback without --auth-token: anyone who can reach the port can send, commit and roll back'")
     try:
         config.validated()
     except ValueError as e:
         raise InvalidConfig(str(e)) from None
+    if not is_loopback(config.host) and not config.auth_token:
+        # RocketMQ's own model without ACLs: the network is the boundary (README, docs/rocketmq.md).
+        log.warning("event=insecure_listen host=%s port=%d rocketmq_port=%s msg=%s", config.host, config.port,
+                    "-" if config.rocketmq_port is None else str(config.rocketmq_port),
+                    "'no --auth-token: any client that reaches these ports can send to any topic, register as a producer of a topic "
+                    "and receive its uncommitted half messages in check-backs (spending their checks), and through --rocketmq-port "
+                    "commit or roll back a transaction knowing only its message id; give --auth-token or keep the ports on a trusted "
+                    "network'")
     if config.rocketmq_port is not None:
         from .rocketmq import missing_dependency
 
@@ -100,6 +117,7 @@ def run(config: BrokerConfig) -> None:
 
 
 async def _serve(config: BrokerConfig, sock, loop_name: str) -> None:
+    asyncio.get_running_loop().set_exception_handler(loop_exception_handler)  # one log line, never asyncio's traceback
     shutdown = _stop_event()
     broker = Broker(config)
     log.info("event=starting loop=%s data_dir=%s", loop_name, config.data_dir)

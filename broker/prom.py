@@ -28,6 +28,8 @@ COUNTERS = (
     ("bytes_appended", "Bytes appended to the commit log"),
     ("records_appended", "Records appended to the commit log"),
     ("store_full_errors", "Appends refused because the disk was full"),
+    ("flush_errors", "Failed fsync or checkpoint cycles (logged once per failing spell: event=flush_failed, event=flush_recovered)"),
+    ("fd_exhausted_errors", "Requests failed for lack of a file descriptor (logged once per spell: event=fds_exhausted, event=fds_available)"),
     ("connections_accepted", "Client connections accepted"),
     ("auth_failures", "Connections refused for a wrong token"),
     ("connections_refused", "Connections closed as soon as accepted: --max-connections reached"),
@@ -111,6 +113,9 @@ class BrokerCollector:
         yield GaugeMetricFamily("txmq_connections", "Open client connections", value=core.connections)
         yield GaugeMetricFamily("txmq_max_connections", "Connection limit (--max-connections, or derived from RLIMIT_NOFILE)",
                                 value=core.config.max_connections or 0)
+        yield GaugeMetricFamily("txmq_rocketmq_max_connections",
+                                "RocketMQ front end's connection limit (--rocketmq-max-connections, or derived from RLIMIT_NOFILE); 0 without --rocketmq-port",
+                                value=core.config.rocketmq_max_connections or 0)
         yield GaugeMetricFamily("txmq_partial_frame_bytes", "Bytes held in partly received frames, all connections",
                                 value=core.partial_frame_bytes)
         online = GaugeMetricFamily("txmq_producer_connections", "Live connections registered for check-backs, by producer group", labels=["group"])

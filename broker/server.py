@@ -28,6 +28,7 @@ from .clock import Clock
 from .config import FRAME_OVERHEAD, BrokerConfig, read_settings_file
 from .connection import BrokerConnection
 from .core import BrokerCore, speedups_in_use
+from .transactions.indexcheck import check_decisions
 from .transactions.indexfile import DB_FILE, IndexFileError, TxDatabase, damaged_index, remove_db
 from .transactions.index import TxIndex, agrees, log_position, replay_steps
 
@@ -45,25 +46,63 @@ FLUSHED_SLICE = 2048  # decisions dropped from memory between two turns of the l
 # changes them all, and 100,000 at once held the loop ~50 ms.
 CAPTURE_SLICE = 4096
 MAX_COMMIT_REPAIRS = 1000  # damaged transactional records whose committed message is looked for at start
+# What a start checks of the index file besides the pending rows, in a fixed amount (its time does not grow
+# with the history): the checksums of the newest rows and of a random sample of the others, and the log's
+# last decisions (op records) against their rows: those a producer's resend is likely to meet, lost rows
+# included. Every other row's checksum is checked when a lookup reads it.
+START_CHECK_NEWEST = 4096
+START_CHECK_SAMPLED = 4096
+START_CHECK_DECISIONS = 4096
 INDEX_WRITER_NICE = 10
 
 
-# Descriptors the default connection limit leaves to the broker's own files
-# (commit-log segments, consume-queue files, txindex.db, config files, the
-# metrics endpoint); at most half of RLIMIT_NOFILE.
+# Descriptors the default connection limits leave to the broker's own files, whatever clients do: at most
+# half of RLIMIT_NOFILE. At start, with both ports and the metrics endpoint, the broker holds ~35 (Python,
+# uvloop, gRPC's pollers and eventfds, the LOCK file, one commit-log segment, txindex.db with its WAL and
+# shm); then one more per commit-log segment, per consume-queue file read, per file being replaced at that
+# moment (the checkpoint, offsets.json, topics.json, txcheck.json, config.json: a temporary file, then the
+# directory), per Prometheus scrape, and one for each connection past a limit while it is being closed.
 FD_RESERVE = 512
 FD_LIMIT_WANTED = 65536  # the soft RLIMIT_NOFILE `txmq broker start` raises itself to (within the hard limit)
 REFUSAL_LOG_EVERY_S = 10.0
 
 
-def default_max_connections() -> int:
-    """The connection limit when none is given: RLIMIT_NOFILE (soft) minus what the broker's own files need."""
+def fd_soft_limit() -> int:
+    """The soft RLIMIT_NOFILE (an unlimited one counts as 2**24)."""
     import resource
 
     soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY or soft > 1 << 24:
         soft = 1 << 24
-    return max(1, soft - min(FD_RESERVE, soft // 2))
+    return soft
+
+
+def fd_budget(fd_limit: int) -> int:
+    """The descriptors both ports' connections may take together by default: fd_limit minus FD_RESERVE (at most half)."""
+    return max(1, fd_limit - min(FD_RESERVE, fd_limit // 2))
+
+
+def connection_limits(fd_limit: int, rocketmq: bool, max_connections: int | None = None,
+                      rocketmq_max_connections: int | None = None) -> tuple[int, int | None]:
+    """(native cap, RocketMQ front end's cap or None): the caps given, else shares of fd_budget(fd_limit).
+
+    The native port alone gets the whole budget; with the RocketMQ front end
+    each port gets half, and a cap that is given leaves the rest to the
+    other port (at least 1). Connections past a cap are closed as soon as
+    accepted, so with the default caps a flood on either port is refused
+    before the other port, the store, the index, the checkpoints or the
+    check service run out of descriptors.
+    """
+    budget = fd_budget(fd_limit)
+    if not rocketmq:
+        return (budget if max_connections is None else max_connections), None
+    if max_connections is None and rocketmq_max_connections is None:
+        rocketmq_max_connections = max(1, budget // 2)
+    if max_connections is None:
+        max_connections = max(1, budget - rocketmq_max_connections)
+    if rocketmq_max_connections is None:
+        rocketmq_max_connections = max(1, budget - max_connections)
+    return max_connections, rocketmq_max_connections
 
 
 def raise_fd_limit(wanted: int = FD_LIMIT_WANTED) -> tuple[int, int]:
@@ -123,8 +162,14 @@ def _close_index(writer: TxDatabase, db: TxDatabase | None) -> None:
 class Broker:
     def __init__(self, config: BrokerConfig, clock: Clock | None = None) -> None:
         config = config.validated()
-        if config.max_connections is None:
-            config = replace(config, max_connections=default_max_connections())
+        self.fd_limit = fd_soft_limit()
+        rocketmq = config.rocketmq_port is not None
+        native, rmq = connection_limits(self.fd_limit, rocketmq, config.max_connections, config.rocketmq_max_connections)
+        config = replace(config, max_connections=native, rocketmq_max_connections=rmq)
+        if native + (rmq or 0) > fd_budget(self.fd_limit):
+            log.warning("event=fd_budget_exceeded max_connections=%d rocketmq_max_connections=%d fd_limit=%d fd_reserve=%d msg=%s",
+                        native, rmq or 0, self.fd_limit, self.fd_limit - fd_budget(self.fd_limit),
+                        "'connections may take the descriptors the store needs: its writes then fail with EMFILE'")
         self.config = config
         self.core = BrokerCore(config, clock)
         self.state = ServerState()
@@ -164,31 +209,39 @@ class Broker:
         and half records written after its last flush are read; with no
         usable file (missing, damaged, another version, not this log's),
         every transactional record is read and the file is written anew as
-        it goes. Transactional operations wait for this (core.tx_ready);
-        the check service starts after it. Batches alternate with other
-        work, so sends and pulls are answered from the first moment.
+        it goes. The file is checked as it is loaded, in a fixed amount of
+        work (``_check_index``); a damaged row, or a decision of the log the
+        rows do not hold, makes it unusable as well. Transactional
+        operations wait for this (core.tx_ready); the check service starts
+        after it. Batches alternate with other work, so sends and pulls are
+        answered from the first moment.
         """
         core = self.core
         loop = asyncio.get_running_loop()
+        checked = (0, 0)  # rows, decisions
         try:
             db, why = await loop.run_in_executor(None, self._open_index)
-            index = TxIndex(db)
+            index = TxIndex(db, store=core.store)
             core.tx.index = index
             starts = None
             if why is None:
                 try:
                     await loop.run_in_executor(self._index_pool, index.load_pending, db.pending_rows())
                     index.discarded = await loop.run_in_executor(self._index_pool, db.count_discarded)
+                    rows, decisions = await loop.run_in_executor(self._index_pool, self._check_index, db)
+                    checked = (len(index.pending) + rows, decisions)
                     starts = db.meta["queues"]
-                except sqlite3.DatabaseError as exc:
-                    if not damaged_index(exc):  # unreadable now (I/O, a full disk): not known to be damaged, kept
-                        raise
-                    # Pages past the header are damaged (a meta that reads fine says nothing of them):
-                    # derived data only, rebuilt from the log.
+                except (sqlite3.DatabaseError, IndexFileError) as exc:
+                    if (isinstance(exc, sqlite3.DatabaseError) and not damaged_index(exc)) or getattr(exc, "io", False):
+                        raise  # unreadable now (I/O, a full disk): not known to be damaged, kept
+                    # Pages past the header are damaged (a meta that reads fine says nothing of them), a row's
+                    # values no longer match its checksum, or a decision in the log is not in the rows: derived
+                    # data only, rebuilt from the log.
                     await loop.run_in_executor(self._index_pool, db.close)
                     why = f"damaged ({exc})"
+                    checked = (0, 0)
                     db = await loop.run_in_executor(None, self._new_index)
-                    index = TxIndex(db)
+                    index = TxIndex(db, store=core.store)
                     core.tx.index = index
             if why is not None:
                 # A new data directory has nothing to rebuild: not worth a warning.
@@ -242,8 +295,23 @@ class Broker:
         core.tx_ready.set()
         core.check.start()
         self._index_flusher = loop.create_task(self._index_flush_loop(), name="txmq-txindex-flush")
-        log.info("event=broker_ready pending=%d index=%s records_read=%d took_s=%.3f", len(index.pending),
-                 "loaded" if starts is not None else "rebuilt", replayed, time.perf_counter() - t0)
+        log.info("event=broker_ready pending=%d index=%s records_read=%d took_s=%.3f rows_checked=%d decisions_checked=%d",
+                 len(index.pending), "loaded" if starts is not None else "rebuilt", replayed, time.perf_counter() - t0, *checked)
+
+    def _check_index(self, db: TxDatabase) -> tuple[int, int]:
+        """What a start checks of a loaded index file besides its pending rows: (rows, decisions) checked.
+
+        The checksums of the newest rows and of a sample, and the log's last
+        decisions against their rows (docs/store-format.md, "Checksums"). In
+        the index thread, before any transactional request (nothing else
+        uses db). IndexFileError when a row is damaged or disagrees.
+        """
+        rows = db.check_rows(START_CHECK_NEWEST, START_CHECK_SAMPLED)
+        meta, counts = db.meta, {"decisions": 0}
+        for _at, tx_id, why in check_decisions(db, self.core.store, meta["applied_to"], meta.get("log_min", 0), counts,
+                                               first=meta["queues"]["op"] - START_CHECK_DECISIONS, damaged_rows=True):
+            raise IndexFileError(f"transaction {tx_id}: {why}")
+        return rows, counts["decisions"]
 
     def _open_index(self) -> tuple[TxDatabase, str | None]:
         """The index file and None if it fits the log, else a new empty one and why the old one was dropped."""
@@ -291,6 +359,8 @@ class Broker:
             changed = index.capture()
             try:
                 meta = log_position(core.store, upto)  # no await since the capture: every change before this is in changed
+                if index.damaged:  # a lookup met a damaged row: the next start rebuilds the file (agrees)
+                    meta["damaged"] = index.damaged
                 store_min = core.store.min_offset
                 prune = store_min if store_min > self._writer.meta.get("log_min", 0) else None
                 if prune is not None:
@@ -359,8 +429,14 @@ class Broker:
         for frontend in self.frontends:
             await frontend.start()
         host, port = sock.getsockname()[:2]
-        log.info("event=listening host=%s port=%d flush=%s data_dir=%s speedups=%s max_connections=%d", host, port, self.config.flush,
-                 self.core.data_dir, speedups_in_use(), self.config.max_connections)
+        cfg = self.config
+        if cfg.rocketmq_max_connections is None:
+            log.info("event=listening host=%s port=%d flush=%s data_dir=%s speedups=%s max_connections=%d fd_limit=%d", host, port,
+                     cfg.flush, self.core.data_dir, speedups_in_use(), cfg.max_connections, self.fd_limit)
+        else:
+            log.info("event=listening host=%s port=%d flush=%s data_dir=%s speedups=%s max_connections=%d rocketmq_max_connections=%d "
+                     "fd_limit=%d", host, port, cfg.flush, self.core.data_dir, speedups_in_use(), cfg.max_connections,
+                     cfg.rocketmq_max_connections, self.fd_limit)
         self.ready.set()
         try:
             await (shutdown or asyncio.Event()).wait()

@@ -14,6 +14,15 @@ transport error; any error while serving becomes the response's status
 once are bounded (``MAX_CONCURRENT_RPCS``); a Telemetry stream's outbound
 queue is bounded (clients.py). Keepalive pings find dead clients, whose
 Telemetry streams then leave the producer registry.
+
+Connections, before any authentication, are held by gRPC core itself:
+at most --rocketmq-max-connections open (``grpc.max_allowed_incoming_connections``:
+past it gRPC accepts and closes at once, so the descriptors the rest of
+the broker needs stay free; server.connection_limits), the TLS handshake
+and HTTP/2's preface and SETTINGS within --auth-timeout
+(``grpc.server_handshake_timeout_ms``), and a connection with no RPC open
+for IDLE_TIMEOUT_S gets a GOAWAY (``grpc.max_connection_idle_ms``; SDK
+clients keep a Telemetry stream open and reconnect when they need to).
 """
 
 from __future__ import annotations
@@ -29,9 +38,10 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 import grpc
 from grpc import aio
 
+from txmq.store import StoreError
 from txmq.wire import TxmqError
 
-from .clients import TelemetryStream
+from .clients import TelemetryStream, write_command
 from .pb import service_pb2 as s
 from .service import MessagingService, client_id_of, metadata
 from .settings import FrontendSettings
@@ -45,6 +55,10 @@ log = logging.getLogger("txmq.rocketmq")
 
 SERVICE = "apache.rocketmq.v2.MessagingService"
 MAX_CONCURRENT_RPCS = 16384  # open RPCs (Telemetry streams and long polls included); more get RESOURCE_EXHAUSTED
+# A connection with no RPC open this long is closed (a GOAWAY): one that finished the handshake and never
+# sends a request does not hold its descriptor and its place under the cap for good. SDK clients never
+# get there (a Telemetry stream stays open, a heartbeat every 10 s); a client that does reconnects.
+IDLE_TIMEOUT_S = 60.0
 SHUTDOWN_GRACE_S = 2.0
 
 
@@ -61,6 +75,8 @@ class RocketMQServer:
         self.server: aio.Server | None = None
         self.port = 0
         self.tls = config.rocketmq_tls_cert is not None
+        # The Broker derived it (server.connection_limits); a config that did not go through it gets the same default.
+        self.max_connections = config.rocketmq_max_connections or _default_max_connections(config)
         self.ready = asyncio.Event()  # set once the broker serves: requests that come earlier wait for it
         self.stopping = False
 
@@ -77,7 +93,11 @@ class RocketMQServer:
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
             ("grpc.http2.max_pings_without_data", 0),
+            ("grpc.max_allowed_incoming_connections", self.max_connections),
+            ("grpc.max_connection_idle_ms", int(IDLE_TIMEOUT_S * 1000)),
         ]
+        if cfg.auth_timeout_s:  # else gRPC's own: 2 minutes
+            options.append(("grpc.server_handshake_timeout_ms", max(1, int(cfg.auth_timeout_s * 1000))))
         self.server = aio.server(options=options, maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS)
         host = cfg.host
         address = f"[{host}]:{cfg.rocketmq_port}" if ":" in host else f"{host}:{cfg.rocketmq_port}"
@@ -106,8 +126,10 @@ class RocketMQServer:
         """The broker serves: let the requests through."""
         assert self.server is not None, "bind() first"
         self.ready.set()
-        log.info("event=rocketmq_listening host=%s port=%d tls=%s max_message=%d", self.config.host, self.port,
-                 "on" if self.tls else "off", self.settings.max_receive_message)
+        cfg = self.config
+        log.info("event=rocketmq_listening host=%s port=%d tls=%s max_message=%d max_connections=%d handshake_timeout_s=%g idle_timeout_s=%g",
+                 cfg.host, self.port, "on" if self.tls else "off", self.settings.max_receive_message, self.max_connections,
+                 cfg.auth_timeout_s or 120, IDLE_TIMEOUT_S)
 
     async def stop(self) -> None:
         """Stop serving (at shutdown, or when the start failed after bind); once."""
@@ -175,6 +197,8 @@ class RocketMQServer:
                 return await impl(req, context)
             except (RmqError, TxmqError) as exc:
                 return resp_cls(status=of_error(exc))
+            except (OSError, StoreError) as exc:  # as on the native port: a full disk or no descriptor left is logged once
+                return resp_cls(status=of_error(self.core.store_error(exc)))
             except Exception as exc:
                 log.exception("event=rmq_internal_error rpc=%s", name)
                 metrics.inc("rmq_internal_errors")
@@ -203,6 +227,8 @@ class RocketMQServer:
                     yield resp
             except (RmqError, TxmqError) as exc:
                 yield resp_cls(status=of_error(exc))
+            except (OSError, StoreError) as exc:
+                yield resp_cls(status=of_error(self.core.store_error(exc)))
             except Exception as exc:
                 log.exception("event=rmq_internal_error rpc=%s", name)
                 metrics.inc("rmq_internal_errors")
@@ -259,7 +285,7 @@ class RocketMQServer:
                 cmd = await stream.next_command()
                 if cmd is None:
                     break
-                writer = asyncio.ensure_future(context.write(cmd))
+                writer = write_command(context, cmd, cid)  # its failure is retrieved even if this handler is cancelled
                 closed = asyncio.ensure_future(stream.closed.wait())
                 try:
                     await asyncio.wait((writer, closed), return_when=asyncio.FIRST_COMPLETED)
@@ -298,6 +324,12 @@ def signed(md: dict[str, str], token: str) -> bool:
     return hmac.compare_digest(given.encode(), want.encode())
 
 
+def _default_max_connections(config: BrokerConfig) -> int:
+    from txmq.broker.server import connection_limits, fd_soft_limit
+
+    return connection_limits(fd_soft_limit(), True, config.max_connections)[1] or 1
+
+
 def _read(path: Path | None, option: str) -> bytes:
     try:
         return Path(path).read_bytes()  # type: ignore[arg-type]
@@ -308,10 +340,12 @@ def _read(path: Path | None, option: str) -> bytes:
 async def attach(broker: Any, config: BrokerConfig) -> RocketMQServer:
     """Bind the front end for ``config.rocketmq_port`` and hand it to the broker, which starts and stops it.
 
-    ``broker`` is a ``txmq.broker.server.Broker`` not yet serving; raises
-    BindError when the port cannot be bound or the TLS files read.
+    ``broker`` is a ``txmq.broker.server.Broker`` not yet serving, built
+    from ``config``; the front end takes ``broker.config``, where the
+    connection caps are derived. Raises BindError when the port cannot be
+    bound or the TLS files read.
     """
-    frontend = RocketMQServer(broker.core, config)
+    frontend = RocketMQServer(broker.core, broker.config)  # the broker's: its connection caps are derived
     await frontend.bind()
     broker.frontends.append(frontend)
     return frontend

@@ -53,19 +53,27 @@ def start(
                                                 "--max-frame must hold --max-body + --max-properties + 4096.")] = defaults.MAX_PROPERTIES,
     max_preauth_frame: Annotated[int, typer.Option(help="With --auth-token: largest frame accepted before a successful hello, bytes.")] = defaults.MAX_PREAUTH_FRAME,
     auth_timeout: Annotated[str, typer.Option(help="Time a new connection has to send its first request (with --auth-token: a "
-                                              "successful hello) before it is closed; 0 = no limit. Connections that said hello may idle forever.")] = _duration(defaults.AUTH_TIMEOUT_S),
+                                              "successful hello) before it is closed; 0 = no limit. Connections that said hello may idle forever. "
+                                              "On --rocketmq-port: the time to finish TLS and HTTP/2's handshake (0: gRPC's 2 minutes).")] = _duration(defaults.AUTH_TIMEOUT_S),
     frame_timeout: Annotated[str, typer.Option(help="Time a frame may take from its first byte to its last before the connection "
                                                "is closed; 0 = no limit.")] = _duration(defaults.FRAME_TIMEOUT_S),
     max_connections: Annotated[Optional[int], typer.Option(help="Open connections at most; more are accepted and closed at once with "
                                                            "a BUSY reply [default: RLIMIT_NOFILE minus 512 descriptors kept for the "
-                                                           "broker's own files (at most half of it); the broker first raises its soft "
-                                                           "RLIMIT_NOFILE to the hard limit, up to 65536].", show_default=False)] = None,
+                                                           "broker's own files (at most half of it), or half of that with "
+                                                           "--rocketmq-port, or what --rocketmq-max-connections leaves of it; the broker "
+                                                           "first raises its soft RLIMIT_NOFILE to the hard limit, up to 65536].",
+                                                           show_default=False)] = None,
     max_connections_per_ip: Annotated[int, typer.Option(help="Open connections at most from one remote address; 0 = no limit.")] = defaults.MAX_CONNECTIONS_PER_IP,
     partial_frame_budget: Annotated[int, typer.Option(help="Bytes all connections together may hold in frames still being received; "
                                                       "a connection whose frame would pass it is closed with a BUSY reply.")] = defaults.PARTIAL_FRAME_BUDGET,
     rocketmq_port: Annotated[Optional[int], typer.Option(help="Also serve Apache RocketMQ 5's gRPC service (its official SDKs) on this port, "
                                                          "same host as --host; needs the extra txmq[rocketmq] (docs/rocketmq.md).",
                                                          show_default=False, min=1, max=65535)] = None,
+    rocketmq_max_connections: Annotated[Optional[int], typer.Option(help="With --rocketmq-port: open connections to that port at "
+                                                                    "most, counted before any authentication; more are accepted and "
+                                                                    "closed at once [default: (RLIMIT_NOFILE - 512) / 2, the other half "
+                                                                    "going to --max-connections, or what a given --max-connections "
+                                                                    "leaves of RLIMIT_NOFILE - 512].", show_default=False, min=1)] = None,
     rocketmq_tls_cert: Annotated[Optional[Path], typer.Option(help="With --rocketmq-port: serve it over TLS with this certificate "
                                                               "chain (PEM); needs --rocketmq-tls-key.", show_default=False)] = None,
     rocketmq_tls_key: Annotated[Optional[Path], typer.Option(help="With --rocketmq-port: the TLS private key (PEM) of "
@@ -115,6 +123,7 @@ def start(
         auth_timeout_s=parse_duration(auth_timeout), frame_timeout_s=parse_duration(frame_timeout),
         max_connections=max_connections, max_connections_per_ip=max_connections_per_ip, partial_frame_budget=partial_frame_budget,
         rocketmq_port=rocketmq_port, rocketmq_tls_cert=rocketmq_tls_cert, rocketmq_tls_key=rocketmq_tls_key,
+        rocketmq_max_connections=rocketmq_max_connections,
         busy_poll_s=parse_duration(busy_poll),
     )
     try:
