@@ -369,10 +369,6 @@ class Connection(asyncio.Protocol):
             if not done:
                 raise TimeoutError(f"the broker at {self.peer} read nothing for {timeout:g} s: its connection stays full")
 
-    @property
-    def writing_paused(self) -> bool:
-        return self._paused
-
     # ---- incoming -----------------------------------------------------
 
     def data_received(self, data: bytes) -> None:
@@ -771,10 +767,3 @@ class Client:
                 return
             await asyncio.sleep(delay)
             delay = min(delay * 2, self.backoff_max)
-
-    def set_groups(self, producer_groups: Iterable[str] | None = None, consumer_groups: Iterable[str] | None = None) -> None:
-        """Change the groups sent in the next `hello` (takes effect on reconnect)."""
-        if producer_groups is not None:
-            self.producer_groups = tuple(producer_groups)
-        if consumer_groups is not None:
-            self.consumer_groups = tuple(consumer_groups)
