@@ -93,7 +93,7 @@ def parse_address(addr: str) -> str:
     from txmq.client.connection import parse_address as split_address
 
     try:
-        split_address(addr)
+        split_address(addr, default_port=None)
     except ValueError as exc:
         raise CliError(str(exc), exitcodes.USAGE) from None
     return addr

@@ -98,23 +98,27 @@ _HOST = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9.\-_]*[A-Za-z0-9])?")
 _PORT = re.compile(r"[0-9]{1,5}")
 
 
-def parse_address(address: str) -> tuple[str, int]:
+def parse_address(address: str, default_port: int | None = DEFAULT_PORT) -> tuple[str, int]:
     """Split "HOST:PORT" or "[IPV6]:PORT" into (host, port); anything else is a ValueError.
 
     HOST is a name or an IPv4 address: ASCII letters, digits, '.', '-' and '_',
     a letter or digit at each end. An IPv6 address goes in brackets, with an
-    optional zone ("[fe80::1%eth0]:10911"). PORT is required: 1 to 65535 in
-    ASCII digits. The CLI's --broker is checked by this function too.
+    optional zone ("[fe80::1%eth0]:10911"). PORT is 1 to 65535 in ASCII
+    digits; a bare HOST or [IPV6] takes ``default_port`` (10911, RocketMQ's
+    broker port) unless it is None, as for the CLI's --broker, which checks
+    addresses with this function too.
 
-    These were the CLI's rules. The client used to take more, each a way to
-    connect somewhere other than meant: a missing or empty port as 10911
-    ("host", "host:", "[::1]"), an empty host as 127.0.0.1 (":1234", ""), a
+    The client used to take more, each a way to connect somewhere other
+    than meant: an empty port as 10911 ("host:"), an empty host as
+    127.0.0.1 (":1234", ""), a
     bare IPv6 address ("::1", so "::1:10911" was a host and not a port),
     anything between brackets ("[nonsense]"), any host text ("bad host"),
     white space around the address, and any port int() reads ("+5", "1_0",
     non-ASCII digits).
     """
-    text = address or ""
+    text = given = address or ""
+    if default_port is not None and (_HOST.fullmatch(text) or (text.startswith("[") and text.endswith("]"))):
+        text = f"{text}:{default_port}"  # a bare name or [IPV6]: the default port (RocketMQ's 10911)
     host, sep, port = text.rpartition(":")
     ok = bool(sep) and _PORT.fullmatch(port) is not None and 0 < int(port) < 65536
     if ok and host.startswith("["):
@@ -126,8 +130,8 @@ def parse_address(address: str) -> tuple[str, int]:
     elif ok:
         ok = _HOST.fullmatch(host) is not None
     if not ok:
-        hint = " (an IPv6 address goes in brackets: [::1]:10911)" if text.count(":") > 1 else ""
-        raise ValueError(f"bad broker address {text!r}: expected HOST:PORT with a port from 1 to 65535{hint}")
+        hint = " (an IPv6 address goes in brackets: [::1]:10911)" if given.count(":") > 1 else ""
+        raise ValueError(f"bad broker address {given!r}: expected HOST:PORT with a port from 1 to 65535{hint}")
     return host, int(port)
 
 

@@ -86,10 +86,18 @@ def test_parse_address_accepts_host_port_forms(text, expected):
     assert parse_address(text) == expected
 
 
-# The port is required, the host too, and an IPv6 address goes in brackets (the CLI's rules).
+def test_a_bare_host_takes_the_default_port_unless_the_port_is_required():
+    assert parse_address("localhost") == ("localhost", 10911)
+    assert parse_address("[::1]") == ("::1", 10911)
+    for text in ("localhost", "[::1]"):
+        with pytest.raises(ValueError, match="bad broker address"):
+            parse_address(text, default_port=None)
+
+
+# The host is required, and an IPv6 address goes in brackets (the CLI's rules).
 @pytest.mark.parametrize("text", ["host:port", "host:0", "host:70000", "host:+5", "host:1_0", "host:\u0661\u0662", "host:",
-                                  "localhost", ":1234", "", " host:1", "bad host:1", "-host:1",
-                                  "[::1", "[::1]x", "[::1]", "::1", "::1:10911", "[nonsense]:1", "[127.0.0.1]:1", "[]:1"])
+                                  ":1234", "", " host:1", "bad host:1", "-host:1",
+                                  "[::1", "[::1]x", "::1", "::1:10911", "[nonsense]:1", "[127.0.0.1]:1", "[]:1", "[]"])
 def test_parse_address_rejects_anything_else(text):
     with pytest.raises(ValueError, match="bad broker address"):
         parse_address(text)
