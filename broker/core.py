@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from txmq import __version__
-from txmq.constants import PROP_UNIQ_KEY, is_system_topic
+from txmq.constants import is_system_topic
 from txmq.store import (
     HEADER_SIZE,
     AppendResult,
@@ -32,7 +32,6 @@ from txmq.store import (
     GetStatus,
     Message,
     RawCopy,
-    Record,
     RecordTooLargeError,
     RecoveryReport,
     Store,
@@ -49,6 +48,7 @@ from .clock import Clock
 from .config import BrokerConfig, CheckSettings
 from .flush import DescriptorState, DiskState, Flusher
 from .metrics import Metrics
+from .records import record_to_map
 from .registry import ProducerRegistry
 from .topics import TopicTable
 from .transactions.admin import TransactionAdmin
@@ -62,32 +62,6 @@ MAX_WAIT_MS = 30_000
 # A pull that meets a long rebuild of damaged queue entries answers within this (or its wait), with no
 # messages and its own offset as next_offset: the client pulls again and the rebuild goes on.
 REPAIR_WAIT_S = 1.0
-
-
-def msg_id(properties: dict[str, str], commit_log_offset: int) -> str:
-    """The UNIQ_KEY property, or the commit-log offset in 16 hex digits (docs/protocol.md)."""
-    return properties.get(PROP_UNIQ_KEY) or f"{commit_log_offset:016X}"
-
-
-def msg_id_of(rec: Record) -> str:
-    return msg_id(rec.properties, rec.commit_log_offset)
-
-
-def record_to_map(rec: Record) -> dict[str, Any]:
-    return {
-        "topic": rec.topic,
-        "queue_id": rec.queue_id,
-        "queue_offset": rec.queue_offset,
-        "commit_log_offset": rec.commit_log_offset,
-        "size": rec.size,
-        "msg_id": msg_id_of(rec),
-        "born_ts": rec.born_ts,
-        "store_ts": rec.store_ts,
-        "tx_type": int(rec.tx_type),
-        "prepared_offset": rec.prepared_offset,
-        "properties": rec.properties,
-        "body": rec.body,
-    }
 
 
 def speedups_in_use() -> str:

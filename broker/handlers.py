@@ -15,11 +15,12 @@ from txmq.constants import PROP_TRAN_MSG, canonical_topic, is_system_topic
 from txmq.store import Message, TxType
 from txmq.wire import PROTOCOL_VERSION, ErrorCode, TxmqError
 
-from .core import BrokerCore, msg_id
+from .records import msg_id
 from .topics import check_topic_name
 
 if TYPE_CHECKING:
     from .connection import BrokerConnection
+    from .core import BrokerCore
 
 # What this broker supports beyond protocol 1's first requests (additive, in `hello`):
 # "config_set_dry_run": config_set takes dry_run and answers what the change would discard.
