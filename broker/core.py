@@ -49,7 +49,7 @@ from .config import BrokerConfig, CheckSettings
 from .flush import DescriptorState, DiskState, Flusher
 from .metrics import Metrics
 from .records import record_to_map
-from .registry import ProducerRegistry
+from .registry import ClientRegistry
 from .topics import TopicTable
 from .transactions.admin import TransactionAdmin
 from .transactions.check import CheckProgress, CheckService
@@ -213,8 +213,8 @@ class BrokerCore:
             clock=self.clock,
         )
         self.metrics: Metrics = Metrics()
-        self.registry: ProducerRegistry = ProducerRegistry()  # live producer connections by group (check-backs go to them)
-        self.consumer_registry: ProducerRegistry = ProducerRegistry()  # live consumer connections by group (hello consumer_groups)
+        self.registry: ClientRegistry = ClientRegistry()  # live producer connections by group (check-backs go to them)
+        self.consumer_registry: ClientRegistry = ClientRegistry()  # live consumer connections by group (hello consumer_groups)
         self.broker_id: str = f"txmq-{os.getpid()}"
         self.started_at: float = time.time()
         self.recovery: RecoveryReport | None = None

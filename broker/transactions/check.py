@@ -155,11 +155,6 @@ class CheckService:
                 "pending": len(self.tx.index.pending), "would_discard": by_checks + by_age,
                 "would_delete_pending": by_age}
 
-    @property
-    def passing(self) -> bool:
-        """A pass is running now."""
-        return self._pass_lock.locked()
-
     # ---- background loop --------------------------------------------------
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="txmq-check")
