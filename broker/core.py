@@ -12,7 +12,6 @@ durability according to the flush policy.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import os
 import time
@@ -43,6 +42,7 @@ from txmq.store.codec import H_QUEUE_ID, H_TOPIC_LEN, HEADER
 from txmq.store.errors import FULL_ERRNOS
 from txmq.wire import ErrorCode, TxmqError
 
+from .appender import Appender
 from .busypoll import BusyPoll
 from .clock import Clock
 from .config import BrokerConfig, CheckSettings
@@ -71,121 +71,6 @@ def speedups_in_use() -> str:
     from .transactions import checkcopy
 
     return "native" if codec.speedups is not None and checkcopy.speedups is not None else "python"
-
-
-class Appender:
-    """Batches appends submitted in one loop iteration into one store.append.
-
-    ``submit`` returns a future and creates no task: ``shape`` turns the
-    append results into the caller's value right after the write (index
-    updates happen there, so they always match the log), and with
-    ``durable`` the future resolves only once the flusher has fsynced past
-    the batch (sync flush mode). A request on the hot path costs one future.
-    """
-
-    def __init__(self, core: "BrokerCore") -> None:
-        self.core = core
-        self._batch: list[Message] = []
-        self._subs: list[tuple[asyncio.Future, int, int, Callable[[list[AppendResult]], Any] | None, bool]] = []
-        self._scheduled = False
-        self._loop = asyncio.get_running_loop()
-
-    def submit(self, msgs: Sequence[Message], shape: Callable[[list[AppendResult]], Any] | None = None, durable: bool = True) -> asyncio.Future:
-        loop = self._loop
-        fut = loop.create_future()
-        if self.core.shutting_down:
-            fut.set_exception(TxmqError("broker is shutting down", ErrorCode.SHUTTING_DOWN))
-            return fut
-        self._subs.append((fut, len(self._batch), len(msgs), shape, durable))
-        self._batch.extend(msgs)
-        if not self._scheduled:
-            self._scheduled = True
-            loop.call_soon(self._drain)
-        return fut
-
-    def _drain(self) -> None:
-        self._scheduled = False
-        batch, subs = self._batch, self._subs
-        self._batch, self._subs = [], []
-        if not batch:
-            return
-        store = self.core.store
-        before = store.max_offset
-        try:
-            results = store.append(batch)
-        except Exception as exc:  # one bad batch must not kill the loop
-            if len(subs) > 1 and isinstance(exc, RecordTooLargeError):
-                # Retry each submission alone so only the offender fails.
-                for sub in subs:
-                    fut, start, count = sub[0], sub[1], sub[2]
-                    try:
-                        res = store.append(batch[start : start + count])
-                    except Exception as exc2:
-                        fut.set_exception(self.core.store_error(exc2))
-                    else:
-                        self._settle_written(sub, res)
-                        self.core.notify_appended(batch[start : start + count])
-                return
-            err = self.core.store_error(exc)
-            for sub in subs:
-                if not sub[0].done():
-                    sub[0].set_exception(err)
-            return
-        m = self.core.metrics.counters
-        m["records_appended"] += len(results)
-        m["bytes_appended"] += store.max_offset - before
-        # Durable submissions of the batch wait for one fsync past its end
-        # together: one waiter per batch, not one per request.
-        wait: list[tuple[asyncio.Future, Any]] = []
-        for sub in subs:
-            self._settle_written(sub, results[sub[1] : sub[1] + sub[2]], wait)
-        self.core.notify_appended(batch)
-        if wait:
-            waiter = self.core.flusher.wait_durable(results[-1].end_offset)
-            if waiter is None:
-                for fut, value in wait:
-                    if not fut.done():
-                        fut.set_result(value)
-            else:
-                waiter.add_done_callback(lambda w: _settle_durable(wait, w))
-
-    def _settle_written(self, sub, results: list[AppendResult], wait: list | None = None) -> None:
-        """Shape the results; resolve the future now, or put it in wait (durable, sync flush)."""
-        fut, _, _, shape, durable = sub
-        # shape runs even if the caller gave up (cancelled): the records are
-        # in the log, so the index must learn of them.
-        try:
-            value = shape(results) if shape is not None else results
-        except Exception as exc:
-            if not fut.done():
-                fut.set_exception(self.core.store_error(exc))
-            return
-        if fut.done():
-            return
-        if durable and self.core.flusher.sync_mode:
-            if wait is not None:
-                wait.append((fut, value))
-                return
-            waiter = self.core.flusher.wait_durable(results[-1].end_offset)
-            if waiter is not None:
-                waiter.add_done_callback(lambda w: _settle_durable([(fut, value)], w))
-                return
-        fut.set_result(value)
-
-
-def _settle_durable(wait: list[tuple[asyncio.Future, Any]], waiter: asyncio.Future) -> None:
-    exc = waiter.exception()
-    for fut, value in wait:
-        if fut.done():
-            continue
-        if exc is None:
-            fut.set_result(value)
-        elif isinstance(exc, TxmqError) and isinstance(value, dict):
-            # Written but not known durable: say which record, so a producer can end it.
-            extra = {k: value[k] for k in ("tx_id", "commit_log_offset", "half_offset") if k in value}
-            fut.set_exception(TxmqError(exc.message, exc.code, **extra))
-        else:
-            fut.set_exception(exc)
 
 
 class BrokerCore:
@@ -218,7 +103,6 @@ class BrokerCore:
         self.broker_id: str = f"txmq-{os.getpid()}"
         self.started_at: float = time.time()
         self.recovery: RecoveryReport | None = None
-        self._rr = itertools.count()
         self._pollers: dict[tuple[str, int], list[asyncio.Future]] = defaultdict(list)
         self.connections: int = 0
         self.busy_connections: int = 0  # connections with requests in flight
@@ -270,7 +154,6 @@ class BrokerCore:
                                   settings, stored={k: v for k, v in stored.items() if k in settings.to_dict()})
         self.admin = TransactionAdmin(self, self.tx, self.check)
         self.store.config = replace(self.store.config, retention_s=settings.retention_s)
-        self.appender = Appender(self)
         self.flusher = Flusher(
             self.store,
             sync=self.config.flush == "sync",
@@ -282,6 +165,7 @@ class BrokerCore:
             count_error=partial(self.metrics.inc, "flush_errors"),
         )
         self.flusher.lone_client = lambda: self.busy_connections <= 1
+        self.appender = Appender(self.store, self.flusher, self.metrics, self.notify_appended, self.store_error)
 
     def _settings(self, stored: dict) -> CheckSettings:
         """Defaults < config.json (what `txmq config set` stored) < explicit start options.
@@ -309,6 +193,7 @@ class BrokerCore:
 
     async def stop(self) -> None:
         self.shutting_down = True
+        self.appender.close()
         self.wake_all_pollers()
         await self.flusher.stop()
         self.busy_poll.stop()
@@ -351,14 +236,6 @@ class BrokerCore:
     def append_written(self, msgs: Sequence[Message], shape: Callable[[list[AppendResult]], Any] | None = None) -> asyncio.Future:
         """Write msgs; the future resolves once written (not necessarily durable)."""
         return self.appender.submit(msgs, shape, durable=False)
-
-    def pick_queue(self, topic: str, queue_id: int | None) -> int:
-        n, _ = self.topics.ensure(topic)
-        if queue_id is None or queue_id < 0:
-            return next(self._rr) % n
-        if queue_id >= n:
-            raise TxmqError(f"queue {queue_id} does not exist: topic {topic} has {n} queues", ErrorCode.NO_SUCH_QUEUE)
-        return queue_id
 
     def notify_appended(self, msgs: Sequence[Message | RawCopy]) -> None:
         """Wake the long polls waiting on the queues these messages went to.

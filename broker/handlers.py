@@ -160,7 +160,7 @@ def send(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
         if not core.tx_ready.is_set() or core.tx_queued:
             return _when_ready(core, lambda: core.tx.send_half(topic, qid, body, props, born))
         return core.tx.send_half(topic, qid, body, props, born)
-    qid = core.pick_queue(topic, qid)
+    qid = core.topics.pick_queue(topic, qid)
     return _send_plain(core, [Message(topic, qid, TxType.NORMAL, born, props, body)], single=True)
 
 
@@ -169,7 +169,7 @@ def send_batch(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
     items = f.get("messages")
     if not isinstance(items, list) or not items or len(items) > 10_000:
         raise _bad("field 'messages' must be a non-empty list of at most 10000 messages")
-    qid = core.pick_queue(topic, opt_int(f, "queue_id", None, -1, 1023))
+    qid = core.topics.pick_queue(topic, opt_int(f, "queue_id", None, -1, 1023))
     now = int(core.clock() * 1000)
     msgs = []
     for m in items:

@@ -137,7 +137,7 @@ class TransactionService:
         if len(props.get(PROP_UNIQ_KEY) or "") > MAX_NAME:
             raise TxmqError(f"transaction id (UNIQ_KEY) is longer than {MAX_NAME} characters", ErrorCode.INVALID_FIELD)
         core = self.core
-        qid = core.pick_queue(topic, queue_id)
+        qid = core.topics.pick_queue(topic, queue_id)
         props = dict(props)
         props.pop(PROP_DELAY, None)  # delay levels do not apply to transactional messages
         tx_id = props.get(PROP_UNIQ_KEY)
@@ -236,7 +236,7 @@ class TransactionService:
         inflight = self._deciding.get(tx_id)
         if inflight is not None:
             return asyncio.ensure_future(self._decide_after(inflight, rec, commit, source, allow_discarded))
-        loop = self.core.appender._loop
+        loop = self.core.appender.loop
         want = Outcome.COMMITTED if commit else Outcome.ROLLED_BACK
         d = None if tx_id in self.index.pending else self.index.lookup(tx_id)
         if d is not None and not (allow_discarded and d.outcome is Outcome.DISCARDED):
