@@ -53,7 +53,6 @@ from .registry import ClientRegistry
 from .topics import TopicTable
 from .transactions.admin import TransactionAdmin
 from .transactions.check import CheckProgress, CheckService
-from .transactions.index import TxIndex
 from .transactions.service import TransactionService
 
 log = logging.getLogger("txmq.broker")
@@ -149,10 +148,6 @@ class BrokerCore:
             self.store.close()
             raise
         settings = self._settings(stored)
-        self.tx = TransactionService(self, TxIndex())  # the index file's index replaces it once built (Broker._build_index)
-        self.check = CheckService(self, self.tx, CheckProgress(self.data_dir / "txcheck.json", repair=True), self.data_dir / "config.json",
-                                  settings, stored={k: v for k, v in stored.items() if k in settings.to_dict()})
-        self.admin = TransactionAdmin(self, self.tx, self.check)
         self.store.config = replace(self.store.config, retention_s=settings.retention_s)
         self.flusher = Flusher(
             self.store,
@@ -166,6 +161,11 @@ class BrokerCore:
         )
         self.flusher.lone_client = lambda: self.busy_connections <= 1
         self.appender = Appender(self.store, self.flusher, self.metrics, self.notify_appended, self.store_error)
+        self.tx = TransactionService(self.appender, self.store, self.topics, self.flusher, self.metrics, self.clock)
+        self.check = CheckService(self.tx, self.appender, self.store, self.flusher, self.metrics, self.clock, self.registry, self.disk,
+                                  CheckProgress(self.data_dir / "txcheck.json", repair=True), self.data_dir / "config.json", settings,
+                                  self.config.check_batch, stored={k: v for k, v in stored.items() if k in settings.to_dict()})
+        self.admin = TransactionAdmin(self.tx, self.check, self.store, self.metrics, self.clock, self.registry)
 
     def _settings(self, stored: dict) -> CheckSettings:
         """Defaults < config.json (what `txmq config set` stored) < explicit start options.
@@ -232,10 +232,6 @@ class BrokerCore:
     def append(self, msgs: Sequence[Message], shape: Callable[[list[AppendResult]], Any] | None = None) -> asyncio.Future:
         """Write msgs (one batch); the future resolves once durable per the flush policy."""
         return self.appender.submit(msgs, shape, durable=True)
-
-    def append_written(self, msgs: Sequence[Message], shape: Callable[[list[AppendResult]], Any] | None = None) -> asyncio.Future:
-        """Write msgs; the future resolves once written (not necessarily durable)."""
-        return self.appender.submit(msgs, shape, durable=False)
 
     def notify_appended(self, msgs: Sequence[Message | RawCopy]) -> None:
         """Wake the long polls waiting on the queues these messages went to.

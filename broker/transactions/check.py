@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 import msgpack
 
 from txmq.constants import HALF_TOPIC, OP_TOPIC, PROP_CHECK_TIMES
-from txmq.store import RawCopy, StoreError, atomic_write_json, read_json
+from txmq.store import RawCopy, Store, StoreError, atomic_write_json, read_json
 from txmq.store.files import move_aside
 from txmq.store.consumequeue import first_entry_from
 from txmq.store.codec import H_BORN_TS, H_PREPARED_OFFSET, H_PROPS_LEN, H_TOPIC_LEN, HEADER_SIZE, TAGS_PROPERTY
@@ -53,7 +53,11 @@ from .service import TransactionService, copy_properties
 from .index import PendingTx
 
 if TYPE_CHECKING:
-    from ..core import BrokerCore
+    from ..appender import Appender
+    from ..clock import Clock
+    from ..flush import DiskState, Flusher
+    from ..metrics import Metrics
+    from ..registry import ClientRegistry
 
 log = logging.getLogger("txmq.check")
 
@@ -98,9 +102,17 @@ class CheckProgress:
 
 
 class CheckService:
-    def __init__(self, core: BrokerCore, tx: TransactionService, progress: CheckProgress, settings_path: Path, settings: CheckSettings,
-                 stored: dict[str, Any] | None = None) -> None:
-        self.core = core
+    def __init__(self, tx: TransactionService, appender: Appender, store: Store, flusher: Flusher, metrics: Metrics, clock: Clock,
+                 producers: ClientRegistry, disk: DiskState, progress: CheckProgress, settings_path: Path, settings: CheckSettings,
+                 batch: int, stored: dict[str, Any] | None = None) -> None:
+        self.appender = appender
+        self.store = store
+        self.flusher = flusher
+        self.metrics = metrics
+        self.clock = clock
+        self.producers = producers  # check-backs go to them
+        self.disk = disk  # a full disk is logged once, broker-wide
+        self.batch = max(1, batch)  # pending transactions walked between two turns of the loop
         # What config.json holds (`config set` changes): start options are in
         # `settings` for this run only and are never written there.
         self.stored: dict[str, Any] = dict(stored if stored is not None else settings.to_dict())
@@ -142,7 +154,7 @@ class CheckService:
         new_settings = self.settings.with_value(key, value)  # KeyError / ValueError as set() raises them
         old = getattr(self.settings, key)
         s, n = self.settings, new_settings
-        now_ms = int(self.core.clock() * 1000)
+        now_ms = int(self.clock() * 1000)
         pending = self.tx.index.pending.values()
         by_checks = by_age = 0
         if key == "max_checks" and n.max_checks < s.max_checks:
@@ -211,7 +223,7 @@ class CheckService:
         failure already logged since the last pass that succeeded is not
         logged again.
         """
-        disk = self.core.disk
+        disk = self.disk
         if disk.failed("check", exc) or (disk.full and isinstance(exc, TxmqError)):
             return  # a full disk (or the flush this pass waited for, failed by it): logged once, broker-wide
         kind = f"{type(exc).__name__}:{getattr(exc, 'errno', None) or getattr(exc, 'code', None)}"
@@ -223,7 +235,7 @@ class CheckService:
                   exc_info=None if expected else exc)
 
     def _pass_ok(self) -> None:
-        self.core.disk.ok("check")
+        self.disk.ok("check")
         if self._failing:
             log.info("event=check_pass_recovered")
             self._failing.clear()
@@ -234,9 +246,9 @@ class CheckService:
             return await self._pass()
 
     async def _pass(self) -> dict[str, Any]:
-        core, idx, s = self.core, self.tx.index, self.settings
-        store = core.store
-        now = core.clock()
+        idx, s = self.tx.index, self.settings
+        store = self.store
+        now = self.clock()
         now_ms = int(now * 1000)
         t0 = asyncio.get_running_loop().time()
         half_max = store.queue_max_offset(HALF_TOPIC, 0)
@@ -245,7 +257,7 @@ class CheckService:
         self._stuck.clear()  # left by a check_now between passes: that one is seen again below
         stats = {"walked": 0, "checked": 0, "discarded": 0, "no_producer": 0, "immune": 0, "unreadable": 0}
         stop = False
-        batch = max(1, core.config.check_batch)
+        batch = self.batch
         # The pending transactions' latest copies at the start of the pass, in
         # half-queue order (by_half is kept in that order; the sort only
         # checks it). Copies written by this pass are past half_max.
@@ -253,8 +265,8 @@ class CheckService:
         offs.sort()
         i, last = bisect_left(offs, start), bisect_left(offs, half_max)
         # Hoisted out of the walk, which visits every pending transaction.
-        by_half_get, pending, deciding = idx.by_half.get, idx.pending, self.tx._deciding
-        targets = core.registry.targets
+        by_half_get, pending, deciding = idx.by_half.get, idx.pending, self.tx.deciding
+        targets = self.producers.targets
         max_checks, retention_ms = s.max_checks, s.retention_s * 1000
         timeout_s = s.transaction_timeout_s
         timeout_ms = timeout_s * 1000
@@ -333,7 +345,7 @@ class CheckService:
         # The progress is persisted only once everything it skips past (the
         # decisions, check copies and discards behind it) is on disk: a
         # rebuild after a power cut reads the half queue from it.
-        waiter = core.flusher.wait_synced(store.max_offset)
+        waiter = self.flusher.wait_synced(store.max_offset)
         if waiter is not None:
             await waiter
         if new_half > self.progress.half:
@@ -343,7 +355,7 @@ class CheckService:
         self.passes += 1
         took = asyncio.get_running_loop().time() - t0
         self.last_pass = {**stats, "took_s": round(took, 4), "half_progress": self.progress.half, "op_progress": self.progress.op, "at": now_ms}
-        core.metrics.inc("check_passes")
+        self.metrics.inc("check_passes")
         if stats["checked"] or stats["discarded"]:
             log.info("event=check_pass %s", " ".join(f"{k}={v}" for k, v in self.last_pass.items()))
         return self.last_pass
@@ -355,7 +367,7 @@ class CheckService:
         so one below the half progress. A binary search over the op queue's
         entries by commit-log offset: no list of op records is kept.
         """
-        store = self.core.store
+        store = self.store
         half = self.progress.half
         hi = store.queue_max_offset(OP_TOPIC, 0)
         entry = store.cq_entries(HALF_TOPIC, 0, half, 1) if half < store.queue_max_offset(HALF_TOPIC, 0) else None
@@ -366,7 +378,7 @@ class CheckService:
 
     def _read(self, items: list, raw: bool = False) -> list:
         """The half records of items, skipping any that can no longer be read (logged)."""
-        store = self.core.store
+        store = self.store
         offsets = [it[0].cl_offset for it in items]
         try:
             return list(zip(items, store.read_many(offsets, raw)))
@@ -401,7 +413,7 @@ class CheckService:
         copies are not put in the half cache: the answer to a check-back
         reads its copy back.
         """
-        core, idx = self.core, self.tx.index
+        idx = self.tx.index
         todo: list[tuple[PendingTx, Any, int, bytes, memoryview, tuple, int]] = []
         copies: list[RawCopy] = []
         for (p, conn), (raw, head) in self._read(items, raw=True):
@@ -448,10 +460,10 @@ class CheckService:
                 sent += 1
             for conn, out in frames.items():
                 conn.send_frame(b"".join(out))
-            core.metrics.counters["checks_sent"] += sent
+            self.metrics.counters["checks_sent"] += sent
 
         if copies:
-            await core.append_written(copies, shape)
+            await self.appender.submit(copies, shape, durable=False)
 
     async def _discard(self, items: list[tuple[PendingTx, str]]) -> None:
         pairs = self._read(items)
@@ -468,18 +480,18 @@ class CheckService:
         """
         if self._next_pass_mono is None:
             return 0.0
-        return self.core.clock() + max(0.0, self._next_pass_mono - asyncio.get_running_loop().time())
+        return self.clock() + max(0.0, self._next_pass_mono - asyncio.get_running_loop().time())
 
     def next_check_at(self, p: PendingTx) -> int | None:
         s = self.settings
         immunity = p.immunity_s if p.immunity_s is not None else s.transaction_timeout_s
-        now = self.core.clock()
+        now = self.clock()
         eligible = min(p.first_stored_ts / 1000.0, now) + immunity  # stored ahead of the clock: counts from now
         at = max(eligible, self.next_pass_at or now)
         return int(at * 1000)
 
     def offsets(self) -> dict[str, Any]:
-        store = self.core.store
+        store = self.store
         idx = self.tx.index
         discarded = idx.discarded
         return {
@@ -495,12 +507,12 @@ class CheckService:
         p = self.tx.index.pending.get(tx_id)
         if p is None:
             raise TxmqError(f"no pending transaction {tx_id}", ErrorCode.TX_NOT_FOUND)
-        conn = self.core.registry.pick(p.group)
+        conn = self.producers.pick(p.group)
         if conn is None:
             p.last_check_result = "no producer online"
             raise TxmqError(f"no producer of group {p.group!r} is online", ErrorCode.NO_PRODUCER)
         stuck = len(self._stuck)
-        await self._check([(p, conn)], int(self.core.clock() * 1000))
+        await self._check([(p, conn)], int(self.clock() * 1000))
         if len(self._stuck) > stuck:
             raise TxmqError(f"the half message of {tx_id} could not be read ({p.last_check_result})", ErrorCode.STORE_ERROR)
         log.info("event=operator_check_now tx_id=%s group=%s checks=%d", tx_id, p.group, p.checks)
