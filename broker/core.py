@@ -5,8 +5,10 @@ another front end could call them just as well. Every method runs on the
 event loop thread; blocking work (fsync) happens in the flusher's thread.
 
 Appends from all connections that arrive in one loop iteration are written
-with one store.append (one write syscall) by the Appender, then wait for
-durability according to the flush policy.
+with one store.append (one write syscall) by the Appender
+(broker/appender.py), then wait for durability according to the flush
+policy. The core builds the transaction subsystem (broker/transactions/) and
+hands each service only what it uses; nothing there calls back into the core.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from txmq.wire import ErrorCode, TxmqError
 from .appender import Appender
 from .busypoll import BusyPoll
 from .clock import Clock
-from .config import BrokerConfig, CheckSettings
+from .config import FRAME_OVERHEAD, BrokerConfig, CheckSettings
 from .flush import DescriptorState, DiskState, Flusher
 from .metrics import Metrics
 from .records import record_to_map
@@ -53,6 +55,7 @@ from .registry import ClientRegistry
 from .topics import TopicTable
 from .transactions.admin import TransactionAdmin
 from .transactions.check import CheckProgress, CheckService
+from .transactions.keeper import IndexKeeper
 from .transactions.service import TransactionService
 
 log = logging.getLogger("txmq.broker")
@@ -79,7 +82,7 @@ class BrokerCore:
     are built by ``open`` once the store holds it (the store's open takes
     the directory's lock and runs recovery): the topic table, consumer
     offsets, the flusher and the Appender, and the transaction subsystem
-    (broker/transactions/: ``tx``, ``check``, ``admin``).
+    (broker/transactions/: ``tx``, ``check``, ``admin``, ``keeper``).
     """
 
     def __init__(self, config: BrokerConfig, clock: Clock | None = None) -> None:
@@ -107,12 +110,6 @@ class BrokerCore:
         self.busy_connections: int = 0  # connections with requests in flight
         self.busy_poll: BusyPoll = BusyPoll(0)  # the spinner, started in start()
         self.partial_frame_bytes: int = 0  # held by all connections in frames not yet complete
-        self.tx_ready: asyncio.Event = asyncio.Event()  # set once the transaction index is rebuilt (or failed to be)
-        self.tx_error: TxmqError | None = None  # why it failed
-        # Transactional requests queued behind tx_ready and not yet run: while
-        # any are, later ones queue too, so a connection's requests keep their
-        # order across the moment the index becomes ready.
-        self.tx_queued: int = 0
         self.draining: bool = False  # refuse new requests; in-flight ones finish
         self.shutting_down: bool = False  # refuse appends
         self.disk: DiskState = DiskState()  # a full disk, logged once per change of state
@@ -125,6 +122,7 @@ class BrokerCore:
         self.tx: TransactionService  # half messages, end transaction, decide, discard
         self.check: CheckService  # check-backs and discards, a pass every check interval
         self.admin: TransactionAdmin  # the operator's transaction operations
+        self.keeper: IndexKeeper  # the index file, and the gate transactional requests wait at until it is built
 
     # ---- lifecycle -------------------------------------------------------
     def open(self, stored: dict[str, Any] | None = None) -> None:
@@ -166,6 +164,8 @@ class BrokerCore:
                                   CheckProgress(self.data_dir / "txcheck.json", repair=True), self.data_dir / "config.json", settings,
                                   self.config.check_batch, stored={k: v for k, v in stored.items() if k in settings.to_dict()})
         self.admin = TransactionAdmin(self.tx, self.check, self.store, self.metrics, self.clock, self.registry)
+        self.keeper = IndexKeeper(self.tx, self.check, self.store, self.flusher, self.disk, self.metrics, self.data_dir, self.recovery,
+                                  self.config.max_body + self.config.max_properties + FRAME_OVERHEAD)
 
     def _settings(self, stored: dict) -> CheckSettings:
         """Defaults < config.json (what `txmq config set` stored) < explicit start options.

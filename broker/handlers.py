@@ -155,10 +155,8 @@ def send(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
     qid = opt_int(f, "queue_id", None, -1, 1023)
     born = opt_int(f, "born_ts", None) or int(core.clock() * 1000)
     if props.get(PROP_TRAN_MSG) == "true":
-        if core.tx_error is not None:
-            raise core.tx_error
-        if not core.tx_ready.is_set() or core.tx_queued:
-            return _when_ready(core, lambda: core.tx.send_half(topic, qid, body, props, born))
+        if core.keeper.must_wait():
+            return core.keeper.when_ready(lambda: core.tx.send_half(topic, qid, body, props, born))
         return core.tx.send_half(topic, qid, body, props, born)
     qid = core.topics.pick_queue(topic, qid)
     return _send_plain(core, [Message(topic, qid, TxType.NORMAL, born, props, body)], single=True)
@@ -349,10 +347,8 @@ def config_set(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TxmqError("field 'value' must be a number", ErrorCode.INVALID_CONFIG)
     if opt_bool(f, "dry_run"):  # additive: what the change would discard or delete, nothing applied
-        if core.tx_error is not None:
-            raise core.tx_error
-        if not core.tx_ready.is_set() or core.tx_queued:  # the counts come from the index
-            return _when_ready(core, lambda: _setting(core.check.preview, key, value))
+        if core.keeper.must_wait():  # the counts come from the index
+            return core.keeper.when_ready(lambda: _setting(core.check.preview, key, value))
         return _setting(core.check.preview, key, value)
     old, new = _setting(core.check.set, key, value)
     return {"key": key, "old": old, "new": new}
@@ -371,36 +367,11 @@ def stats(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
     return core.stats()
 
 
-def _when_ready(core: BrokerCore, call: Callable[[], Reply]) -> Awaitable[dict[str, Any]]:
-    """Run a transactional operation once the index is rebuilt (only right after a start).
-
-    Counted in core.tx_queued from now until it runs: callers send later
-    requests here too while the count is non-zero, so requests that arrive
-    just after the index became ready do not overtake the ones still waking
-    up (the waiters resume in arrival order, one loop iteration later).
-    """
-    core.tx_queued += 1
-    return _run_when_ready(core, call)
-
-
-async def _run_when_ready(core: BrokerCore, call: Callable[[], Reply]) -> dict[str, Any]:
-    try:
-        await core.tx_ready.wait()
-        if core.tx_error is not None:
-            raise core.tx_error
-        result = call()
-    finally:
-        core.tx_queued -= 1
-    return result if isinstance(result, dict) else await result
-
-
 def _needs_index(handler: Handler) -> Handler:
     def gated(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
-        if core.tx_error is not None:
-            raise core.tx_error
-        if core.tx_ready.is_set() and not core.tx_queued:
-            return handler(core, conn, f)
-        return _when_ready(core, lambda: handler(core, conn, f))
+        if core.keeper.must_wait():
+            return core.keeper.when_ready(lambda: handler(core, conn, f))
+        return handler(core, conn, f)
 
     gated.__name__ = handler.__name__
     return gated

@@ -135,7 +135,7 @@ def _sent_before(core: BrokerCore, topic: str, message_id: str) -> s.SendResultE
     second send gets the first's receipt instead of a refusal (an id in use
     otherwise is refused, as for native producers).
     """
-    if not core.tx_ready.is_set() or core.tx_error is not None:
+    if not core.keeper.ready.is_set() or core.keeper.error is not None:
         return None
     p = core.tx.index.pending.get(message_id)
     if p is None or p.topic != topic or p.group != topic:
@@ -162,12 +162,10 @@ async def end_transaction(core: BrokerCore, req: s.EndTransactionRequest) -> s.E
     topic = topic_of(req.topic)
     state = _STATES.get(req.resolution, "unknown")  # RocketMQ: anything but COMMIT / ROLLBACK leaves it pending
     source = "check" if req.source == d.SOURCE_SERVER_CHECK else "producer"
-    if core.tx_error is not None:
-        raise core.tx_error
-    if not core.tx_ready.is_set():  # right after a start: the index is being built
-        await core.tx_ready.wait()
-        if core.tx_error is not None:
-            raise core.tx_error
+    if core.keeper.must_wait():  # right after a start: the index is being built
+        await core.keeper.ready.wait()
+        if core.keeper.error is not None:
+            raise core.keeper.error
     ref = parse_transaction_id(req.transaction_id)
     if ref is None:
         ref = _lookup(core, req.transaction_id or req.message_id)
