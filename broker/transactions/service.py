@@ -211,6 +211,8 @@ class TransactionService:
     def end_transaction(
         self, group: str, tx_id: str, cl_offset: int, half_offset: int, state: str, source: str
     ) -> dict[str, Any] | asyncio.Future:
+        if state not in ("commit", "rollback", "unknown"):  # before the half is read: a bad request is refused as such
+            raise TxmqError("field 'state' must be commit, rollback or unknown", ErrorCode.INVALID_FIELD)
         rec = self.read_half(cl_offset)
         props = rec.properties
         if props.get(PROP_PGROUP) != group:
@@ -229,8 +231,6 @@ class TransactionService:
                 p.last_check_result = "unknown"
             out = self.index.outcome(tx_id)
             return {"status": "noop", "outcome": (out or Outcome.PENDING).label}
-        if state not in ("commit", "rollback"):
-            raise TxmqError(f"state must be commit, rollback or unknown, not {state!r}", ErrorCode.INVALID_FIELD)
         if source == "check":
             p = self.index.pending.get(tx_id)
             if p is not None:
