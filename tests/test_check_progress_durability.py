@@ -5,7 +5,7 @@ the half progress past the old copies. A rebuild after a power cut reads
 the half queue from the progress, so saving it before the copies (or the
 decisions it passes) are fsynced would lose the transaction: neither
 pending nor decided, never checked again, the producer's own
-end_transaction refused with TX_NOT_FOUND. CheckService._pass waits for
+end_transaction refused with TX_NOT_FOUND. CheckService._finish waits for
 the flusher before saving txcheck.json.
 """
 import asyncio
