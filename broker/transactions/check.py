@@ -46,7 +46,7 @@ from txmq.store import RawCopy, Store, StoreError, atomic_write_json, read_json
 from txmq.store.files import move_aside
 from txmq.store.consumequeue import first_entry_from
 from txmq.store.codec import H_BORN_TS, H_PREPARED_OFFSET, H_PROPS_LEN, H_TOPIC_LEN, HEADER_SIZE, TAGS_PROPERTY
-from txmq.wire import TxmqError
+from txmq.wire import ErrorCode, TxmqError
 
 from .checkcopy import check_push, pack_group, patch_properties
 from ..config import CheckSettings
@@ -123,6 +123,7 @@ class CheckService:
     def __init__(self, tx: TransactionService, appender: Appender, store: Store, flusher: Flusher, metrics: Metrics, clock: Clock,
                  producers: ClientRegistry, disk: DiskState, progress: CheckProgress, settings_path: Path, settings: CheckSettings,
                  batch: int, stored: dict[str, Any] | None = None) -> None:
+        self.tx = tx
         self.appender = appender
         self.store = store
         self.flusher = flusher
@@ -134,7 +135,6 @@ class CheckService:
         # What config.json holds (`config set` changes): start options are in
         # `settings` for this run only and are never written there.
         self.stored: dict[str, Any] = dict(stored if stored is not None else settings.to_dict())
-        self.tx = tx
         self.progress = progress
         self.settings_path = settings_path
         self.settings = settings
@@ -540,8 +540,6 @@ class CheckService:
         }
 
     async def check_now(self, tx_id: str) -> dict[str, Any]:
-        from txmq.wire import ErrorCode, TxmqError
-
         p = self.tx.index.pending.get(tx_id)
         if p is None:
             raise TxmqError(f"no pending transaction {tx_id}", ErrorCode.TX_NOT_FOUND)

@@ -109,7 +109,7 @@ class TransactionService:
         self.clock = clock
         self.index: TxIndex = TxIndex()  # empty until the keeper (keeper.py) has built the index file's
         self.new_tx_id = TxIds()
-        self._deciding: dict[str, asyncio.Future] = {}
+        self.deciding: dict[str, asyncio.Future] = {}  # tx ids whose outcome is being written now (a check pass leaves them alone)
         self._sending: set[str] = set()  # tx ids of half messages submitted but not yet written
         # Recently stored half records by commit-log offset, so the common
         # end_transaction needs no read. Bounded by two generations of plain
@@ -119,11 +119,6 @@ class TransactionService:
         # oldest of a plain dict that had many deletions is O(n)).
         self._half_young: dict[int, Record] = {}
         self._half_old: dict[int, Record] = {}
-
-    @property
-    def deciding(self) -> dict[str, asyncio.Future]:
-        """Transactions whose outcome is being written now, by id (a check pass leaves them alone)."""
-        return self._deciding
 
     def remember(self, rec: Record) -> None:
         young = self._half_young
@@ -159,7 +154,7 @@ class TransactionService:
             taken = tx_id in self.index.pending or tx_id in self._sending
         else:
             try:
-                taken = tx_id in self._deciding or tx_id in self._sending or self.index.outcome(tx_id) is not None
+                taken = tx_id in self.deciding or tx_id in self._sending or self.index.outcome(tx_id) is not None
             except IndexRowDamaged:
                 taken = True  # a row holds this id, whatever its damaged values say
         if taken:
@@ -243,10 +238,10 @@ class TransactionService:
         Returns a future of the reply. The outcome is entered in the index
         as soon as the records are written, before the fsync, so a
         concurrent duplicate sees it; a duplicate that arrives while the
-        write is pending waits for it (``_deciding``).
+        write is pending waits for it (``deciding``).
         """
         tx_id = rec.properties[PROP_UNIQ_KEY]
-        inflight = self._deciding.get(tx_id)
+        inflight = self.deciding.get(tx_id)
         if inflight is not None:
             return asyncio.ensure_future(self._decide_after(inflight, rec, commit, source, allow_discarded))
         loop = self.appender.loop
@@ -276,7 +271,7 @@ class TransactionService:
             msgs.append(self._rebuild(rec))
         msgs.append(self._op(rec, commit, source))
         gate = loop.create_future()
-        self._deciding[tx_id] = gate
+        self.deciding[tx_id] = gate
 
         def shape(results: list[AppendResult]) -> dict[str, Any]:
             self.index.apply_op(as_record(msgs[-1], results[-1]))
@@ -304,8 +299,8 @@ class TransactionService:
             fut.set_result(self._already(d))
 
     def _release(self, tx_id: str, gate: asyncio.Future) -> None:
-        if self._deciding.get(tx_id) is gate:
-            del self._deciding[tx_id]
+        if self.deciding.get(tx_id) is gate:
+            del self.deciding[tx_id]
         if not gate.done():
             gate.set_result(None)
 
