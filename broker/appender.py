@@ -1,11 +1,8 @@
-"""Every write to the commit log: appends submitted in one loop iteration go out as one store.append.
+"""Every write to the commit log: what is submitted in one loop iteration goes out as one store.append.
 
-The core, the transaction service and the check service all write through
-one Appender, so a batch holds what every connection sent in that loop
-iteration (one write syscall) and the index is updated right after the
-write, in the order of the log. It knows the store, the flusher (to wait
-for durability), the metrics, and two callbacks of the core: one wakes the
-long polls, one turns an exception into the wire error the callers get.
+The core and the transaction services write through one Appender, built
+with what it uses, so a batch holds what every connection sent in that
+iteration (one write syscall) and the index learns of it in log order.
 """
 
 from __future__ import annotations

@@ -21,13 +21,12 @@ from collections import defaultdict
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 from txmq import __version__
 from txmq.constants import is_system_topic
 from txmq.store import (
     HEADER_SIZE,
-    AppendResult,
     ConsumerOffsets,
     GetResult,
     GetStatus,
@@ -228,11 +227,7 @@ class BrokerCore:
         log.exception("event=internal_error", exc_info=exc)
         return TxmqError(f"internal error: {type(exc).__name__}", ErrorCode.INTERNAL)
 
-    # ---- appending -------------------------------------------------------
-    def append(self, msgs: Sequence[Message], shape: Callable[[list[AppendResult]], Any] | None = None) -> asyncio.Future:
-        """Write msgs (one batch); the future resolves once durable per the flush policy."""
-        return self.appender.submit(msgs, shape, durable=True)
-
+    # ---- long polls ------------------------------------------------------
     def notify_appended(self, msgs: Sequence[Message | RawCopy]) -> None:
         """Wake the long polls waiting on the queues these messages went to.
 

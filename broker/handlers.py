@@ -190,7 +190,7 @@ def _send_plain(core: BrokerCore, msgs: list[Message], single: bool) -> Reply:
         ]
         return rows[0] if single else {"results": rows}
 
-    return core.append(msgs, shape)
+    return core.appender.submit(msgs, shape)
 
 
 # ---- transactions ----------------------------------------------------------

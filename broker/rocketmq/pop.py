@@ -787,7 +787,7 @@ class PopService:
             if not TOPIC_RE.match(topic):
                 raise PopError("ILLEGAL_CONSUMER_GROUP", f"the dead-letter topic {topic!r} would be longer than 127 characters")
             core.topics.ensure(topic, 1)
-            await core.append(msgs)
+            await core.appender.submit(msgs)
         except Exception as exc:
             log.warning("event=rmq_dead_letter_failed group=%s topic=%s messages=%d error=%r", sub.group, sub.topic, len(msgs), exc)
             for q, offset, slot in done:

@@ -1,13 +1,9 @@
-"""The transaction index's lifecycle: txindex.db opened, checked, replayed, flushed and closed.
+"""The transaction index's lifecycle in a live broker: txindex.db loaded or rebuilt, flushed, closed.
 
-The index in memory (index.py) and its file (indexfile.py) are data; this
-module runs them for a live broker. At start it loads the file (or rebuilds
-it from the log) while plain traffic is served, then lets transactional
-requests through and starts the check service; while the broker runs it
-flushes the changed rows every second; at shutdown it stops the check
-service and leaves the file reflecting the whole log. Until the index is
-ready, or once it failed, transactional requests wait or fail here
-(``ready``, ``error``, ``when_ready``). The server only starts and stops it.
+At start the index is built while plain traffic is served; transactional
+requests wait at the keeper's gate until then (or fail, if it failed), and
+the check service starts after it. The changed rows are flushed every
+second; at shutdown the file is left reflecting the whole log.
 """
 
 from __future__ import annotations
