@@ -12,7 +12,7 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING, Any
 
-from txmq.constants import HALF_TOPIC, PROP_ORIGIN_CL_OFFSET, PROP_UNIQ_KEY
+from txmq.constants import HALF_TOPIC, OP_TOPIC, PROP_ORIGIN_CL_OFFSET, PROP_UNIQ_KEY
 from txmq.store import CorruptRecordError, Record, Store, StoreError
 from txmq.wire import ErrorCode, TxmqError
 
@@ -212,10 +212,13 @@ class TransactionAdmin:
     # ---- inspection ----------------------------------------------------------
     def offsets(self) -> dict[str, Any]:
         """The check progress and the queues' ends (``txmq inspect offsets``), with what holds the half progress back."""
-        doc = self.check.offsets()
-        doc["held_by"] = held_by(self.index, doc["half"]["progress"], doc["half"]["max"], int(self.clock() * 1000),
-                                 self.check.settings.transaction_timeout_s, self.producers.online)
-        return doc
+        progress, idx = self.check.progress, self.index
+        half_max = self.store.queue_max_offset(HALF_TOPIC, 0)
+        return {"half": {"progress": progress.half, "max": half_max},
+                "op": {"progress": progress.op, "max": self.store.queue_max_offset(OP_TOPIC, 0)},
+                "pending": len(idx.pending), "discarded": idx.discarded,
+                "held_by": held_by(idx, progress.half, half_max, int(self.clock() * 1000), self.check.settings.transaction_timeout_s,
+                                   self.producers.online)}
 
     def history(self, tx_id: str | None, half_offset: int | None, cl_offset: int | None, max_scan: int, summary: bool) -> History | None:
         """The history of the transaction one of the references names (``txmq tx history``), or None when none names one.

@@ -528,17 +528,6 @@ class CheckService:
         at = max(eligible, self.next_pass_at or now)
         return int(at * 1000)
 
-    def offsets(self) -> dict[str, Any]:
-        store = self.store
-        idx = self.tx.index
-        discarded = idx.discarded
-        return {
-            "half": {"progress": self.progress.half, "max": store.queue_max_offset(HALF_TOPIC, 0)},
-            "op": {"progress": self.progress.op, "max": store.queue_max_offset(OP_TOPIC, 0)},
-            "pending": len(idx.pending),
-            "discarded": discarded,
-        }
-
     async def check_now(self, tx_id: str) -> dict[str, Any]:
         p = self.tx.index.pending.get(tx_id)
         if p is None:
