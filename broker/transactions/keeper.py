@@ -12,6 +12,7 @@ import asyncio
 import gc
 import itertools
 import logging
+import os
 import sqlite3
 import threading
 import time
@@ -373,8 +374,6 @@ def _close(writer: TxDatabase, db: TxDatabase | None) -> None:
 
 
 def _lower_priority() -> None:
-    import os
-
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), INDEX_WRITER_NICE)
     except (AttributeError, OSError):  # not Linux, or not allowed: normal priority
