@@ -87,28 +87,16 @@ def parse_duration(text: str) -> float:
     return total
 
 
-_HOST = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9.\-_]*[A-Za-z0-9])?")
-_PORT = re.compile(r"[0-9]{1,5}")
-
-
 def parse_address(addr: str) -> str:
-    """HOST:PORT or [IPV6]:PORT, with a port from 1 to 65535; anything else is a usage error."""
-    text = addr or ""
-    host, sep, port = text.rpartition(":")
-    ok = bool(sep) and _PORT.fullmatch(port) is not None and 0 < int(port) < 65536
-    if ok and host.startswith("["):
-        import ipaddress
+    """The broker address as given, once the client's `parse_address` accepts it
+    (HOST:PORT or [IPV6]:PORT, a port from 1 to 65535); anything else is a usage error."""
+    from txmq.client.connection import parse_address as split_address
 
-        try:
-            ok = host.endswith("]") and ipaddress.ip_address(host[1:-1].partition("%")[0]).version == 6
-        except ValueError:
-            ok = False
-    elif ok:
-        ok = _HOST.fullmatch(host) is not None
-    if not ok:
-        hint = " (an IPv6 address goes in brackets: [::1]:10911)" if text.count(":") > 1 else ""
-        raise CliError(f"bad broker address {text!r}: expected HOST:PORT with a port from 1 to 65535{hint}", exitcodes.USAGE)
-    return text
+    try:
+        split_address(addr, default_port=None)
+    except ValueError as exc:
+        raise CliError(str(exc), exitcodes.USAGE) from None
+    return addr
 
 
 def check_utf8(value: Any, what: str) -> None:

@@ -27,8 +27,10 @@ raises `ClientClosed` (same code, but not retriable).
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import os
+import re
 import socket
 import time
 from collections.abc import Callable, Iterable
@@ -92,34 +94,45 @@ class ClientClosed(ConnectionLost):
         return False
 
 
-def parse_address(address: str, default_port: int = DEFAULT_PORT) -> tuple[str, int]:
-    """Split "host:port" (or "host", "[::1]:port", ":port") into (host, port)."""
-    address = address.strip()
-    if not address:
-        return DEFAULT_HOST, default_port
-    if address.startswith("["):
-        host, sep, rest = address[1:].partition("]")
-        if not sep:
-            raise ValueError(f"bad address {address!r}: missing ']'")
-        port = rest[1:] if rest.startswith(":") else ""
-        if rest and not rest.startswith(":"):
-            raise ValueError(f"bad address {address!r}")
-    elif address.count(":") == 1:
-        host, port = address.split(":")
-    elif ":" in address:  # a bare IPv6 address
-        host, port = address, ""
-    else:
-        host, port = address, ""
-    host = host or DEFAULT_HOST
-    if not port:
-        return host, default_port
-    try:
-        p = int(port)
-    except ValueError:
-        raise ValueError(f"bad port in address {address!r}") from None
-    if not 0 < p < 65536:
-        raise ValueError(f"port out of range in address {address!r}")
-    return host, p
+_HOST = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9.\-_]*[A-Za-z0-9])?")
+_PORT = re.compile(r"[0-9]{1,5}")
+
+
+def parse_address(address: str, default_port: int | None = DEFAULT_PORT) -> tuple[str, int]:
+    """Split "HOST:PORT" or "[IPV6]:PORT" into (host, port); anything else is a ValueError.
+
+    HOST is a name or an IPv4 address: ASCII letters, digits, '.', '-' and '_',
+    a letter or digit at each end. An IPv6 address goes in brackets, with an
+    optional zone ("[fe80::1%eth0]:10911"). PORT is 1 to 65535 in ASCII
+    digits; a bare HOST or [IPV6] takes ``default_port`` (10911, RocketMQ's
+    broker port) unless it is None, as for the CLI's --broker, which checks
+    addresses with this function too.
+
+    The client used to take more, each a way to connect somewhere other
+    than meant: an empty port as 10911 ("host:"), an empty host as
+    127.0.0.1 (":1234", ""), a
+    bare IPv6 address ("::1", so "::1:10911" was a host and not a port),
+    anything between brackets ("[nonsense]"), any host text ("bad host"),
+    white space around the address, and any port int() reads ("+5", "1_0",
+    non-ASCII digits).
+    """
+    text = given = address or ""
+    if default_port is not None and (_HOST.fullmatch(text) or (text.startswith("[") and text.endswith("]"))):
+        text = f"{text}:{default_port}"  # a bare name or [IPV6]: the default port (RocketMQ's 10911)
+    host, sep, port = text.rpartition(":")
+    ok = bool(sep) and _PORT.fullmatch(port) is not None and 0 < int(port) < 65536
+    if ok and host.startswith("["):
+        host = host[1:-1] if host.endswith("]") else ""
+        try:
+            ok = ipaddress.ip_address(host.partition("%")[0]).version == 6
+        except ValueError:
+            ok = False
+    elif ok:
+        ok = _HOST.fullmatch(host) is not None
+    if not ok:
+        hint = " (an IPv6 address goes in brackets: [::1]:10911)" if given.count(":") > 1 else ""
+        raise ValueError(f"bad broker address {given!r}: expected HOST:PORT with a port from 1 to 65535{hint}")
+    return host, int(port)
 
 
 def default_client_id() -> str:
@@ -368,10 +381,6 @@ class Connection(asyncio.Protocol):
             done, _ = await asyncio.wait([self._resumed, self.lost], timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
             if not done:
                 raise TimeoutError(f"the broker at {self.peer} read nothing for {timeout:g} s: its connection stays full")
-
-    @property
-    def writing_paused(self) -> bool:
-        return self._paused
 
     # ---- incoming -----------------------------------------------------
 
@@ -771,10 +780,3 @@ class Client:
                 return
             await asyncio.sleep(delay)
             delay = min(delay * 2, self.backoff_max)
-
-    def set_groups(self, producer_groups: Iterable[str] | None = None, consumer_groups: Iterable[str] | None = None) -> None:
-        """Change the groups sent in the next `hello` (takes effect on reconnect)."""
-        if producer_groups is not None:
-            self.producer_groups = tuple(producer_groups)
-        if consumer_groups is not None:
-            self.consumer_groups = tuple(consumer_groups)

@@ -303,10 +303,6 @@ class TransactionProducer:
             "from_check": from_check,
         }
 
-    def half_view(self, message: Message, half: HalfResult) -> ReceivedMessage:
-        """The message as the listener sees it: the sent message plus its transaction id and offsets."""
-        return self._view(message.send_fields(self._tx_props), half)
-
     @staticmethod
     def _view(fields: dict[str, Any], half: HalfResult) -> ReceivedMessage:
         # The request is already encoded, so its properties map can be reused.

@@ -143,6 +143,17 @@ def start_broker(root: Path, *args: str, name: str = "broker") -> BrokerProcess:
     raise RuntimeError(f"could not start a broker: {last}")
 
 
+def refused_start(tmp_path: Path, *args: str) -> str:
+    """`txmq broker start ARGS` on tmp_path/data exits 2, without a traceback, before it creates the
+    data directory; its stderr."""
+    data = tmp_path / "data"
+    r = txmq("broker", "start", "--data-dir", str(data), *args, subprocess_=True)
+    text = err(r)
+    assert r.returncode == USAGE and "Traceback" not in text, f"exit {r.returncode}: {text}"
+    assert not data.exists()
+    return text
+
+
 def wait_for(pred, timeout: float = 10.0, every: float = 0.2, what: str = "condition") -> Any:
     deadline = time.monotonic() + timeout
     while True:

@@ -77,21 +77,29 @@ def run(coro):
     [
         ("127.0.0.1:10911", ("127.0.0.1", 10911)),
         ("broker.example:9000", ("broker.example", 9000)),
-        ("localhost", ("localhost", 10911)),
-        (":1234", ("127.0.0.1", 1234)),
+        ("broker_1:1", ("broker_1", 1)),
         ("[::1]:10912", ("::1", 10912)),
-        ("[::1]", ("::1", 10911)),
-        ("::1", ("::1", 10911)),
-        ("", ("127.0.0.1", 10911)),
+        ("[fe80::1%eth0]:65535", ("fe80::1%eth0", 65535)),
     ],
 )
 def test_parse_address_accepts_host_port_forms(text, expected):
     assert parse_address(text) == expected
 
 
-@pytest.mark.parametrize("text", ["host:port", "host:0", "host:70000", "[::1", "[::1]x"])
-def test_parse_address_rejects_bad_ports(text):
-    with pytest.raises(ValueError):
+def test_a_bare_host_takes_the_default_port_unless_the_port_is_required():
+    assert parse_address("localhost") == ("localhost", 10911)
+    assert parse_address("[::1]") == ("::1", 10911)
+    for text in ("localhost", "[::1]"):
+        with pytest.raises(ValueError, match="bad broker address"):
+            parse_address(text, default_port=None)
+
+
+# The host is required, and an IPv6 address goes in brackets (the CLI's rules).
+@pytest.mark.parametrize("text", ["host:port", "host:0", "host:70000", "host:+5", "host:1_0", "host:\u0661\u0662", "host:",
+                                  ":1234", "", " host:1", "bad host:1", "-host:1",
+                                  "[::1", "[::1]x", "::1", "::1:10911", "[nonsense]:1", "[127.0.0.1]:1", "[]:1", "[]"])
+def test_parse_address_rejects_anything_else(text):
+    with pytest.raises(ValueError, match="bad broker address"):
         parse_address(text)
 
 

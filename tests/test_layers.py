@@ -47,21 +47,6 @@ def test_packages_import_from_outside_the_repo(tmp_path):
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
 
 
-def test_the_old_module_paths_still_import():
-    """broker/transactions/ holds the transaction subsystem; the modules' earlier names re-export it."""
-    from txmq.broker import check, checkcopy, tx, txdb, txhistory, txindex
-    from txmq.broker.transactions import check as new_check
-    from txmq.broker.transactions import checkcopy as new_checkcopy
-    from txmq.broker.transactions import history, index, indexfile, service
-
-    assert tx.TransactionService is service.TransactionService and tx.half_copy is service.half_copy
-    assert check.CheckProgress is new_check.CheckProgress and check.CheckService is new_check.CheckService
-    assert checkcopy.speedups is new_checkcopy.speedups and checkcopy.patch_properties_py is new_checkcopy.patch_properties_py
-    assert txindex.rebuild is index.rebuild and txindex.Outcome is index.Outcome and txindex._int is index._int
-    assert txdb.TxDatabase is indexfile.TxDatabase and txdb.remove_db is indexfile.remove_db and txdb.DB_FILE == indexfile.DB_FILE
-    assert txhistory.History is history.History and txhistory.held_by is history.held_by
-
-
 def test_broker_start_option_defaults_are_the_broker_configs():
     """`txmq broker start` shows and uses BrokerConfig's and CheckSettings' defaults (both read txmq.defaults)."""
     from typer.main import get_command

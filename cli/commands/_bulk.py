@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import re
 import sys
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import typer
 
@@ -346,7 +346,3 @@ def finish(rows: list[dict[str, Any]], output: Output, verb: str, tally: Tally |
 def _status_cell(s: Any) -> str:
     colour = {"ok": "ok", "already": "dim", "conflict": "err", "not_found": "warn"}.get(str(s), "err")
     return f"[{colour}]{s}[/{colour}]"
-
-
-def dedupe(seq: Iterable[str]) -> list[str]:
-    return list(dict.fromkeys(seq))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
@@ -14,6 +14,9 @@ from txmq.constants import DEFAULT_HOST, DEFAULT_PORT
 from .. import exitcodes
 from ..common import DEFAULT_BROKER, BrokerOpt, CliError, choices, OutputOpt, TokenOpt, parse_duration
 from ..console import default_output, kv_table, warn
+
+if TYPE_CHECKING:
+    from txmq.broker.config import BrokerConfig, CheckSettings
 
 app = typer.Typer(help="Run a broker or ask one how it is.", no_args_is_help=True)
 
@@ -85,12 +88,27 @@ def start(
     index_snapshot_records: Annotated[Optional[int], typer.Option(min=0, hidden=True, help="Deprecated, no effect: the transaction index is flushed to txindex.db every second.", show_default=False)] = None,
 ) -> None:
     """Run a broker in the foreground until SIGINT/SIGTERM (logs on stderr)."""
-    import logging
+    from txmq.broker.config import BrokerConfig, default_data_dir
 
-    from txmq.broker import logs
-    from txmq.broker.config import BrokerConfig, CheckSettings, default_data_dir
-    from txmq.broker.main import InvalidConfig, MissingDependency, StartError, run
+    _check_start_options(flush, log_format, log_level, data_dir)
+    _start_logging(log_format, log_level, index_snapshot_records)
+    check, overrides = _check_settings_from_options(check_interval, transaction_timeout, retention, max_checks)
+    config = BrokerConfig(
+        data_dir=data_dir or default_data_dir(), host=host or DEFAULT_HOST, port=port, flush=flush,
+        flush_interval_s=parse_duration(flush_interval), check=check, check_overrides=overrides,
+        auth_token=auth_token or None, metrics_port=metrics_port, segment_size=segment_size,
+        max_frame=max_frame, max_body=max_body, max_properties=max_properties, max_preauth_frame=max_preauth_frame,
+        auth_timeout_s=parse_duration(auth_timeout), frame_timeout_s=parse_duration(frame_timeout),
+        max_connections=max_connections, max_connections_per_ip=max_connections_per_ip, partial_frame_budget=partial_frame_budget,
+        rocketmq_port=rocketmq_port, rocketmq_tls_cert=rocketmq_tls_cert, rocketmq_tls_key=rocketmq_tls_key,
+        rocketmq_max_connections=rocketmq_max_connections,
+        busy_poll_s=parse_duration(busy_poll),
+    )
+    _run_broker(config)
 
+
+def _check_start_options(flush: str, log_format: str, log_level: str, data_dir: Path | None) -> None:
+    """The checks of `broker start`'s options that come before anything is logged."""
     if flush not in ("sync", "async"):
         raise CliError(f"--flush must be sync or async, not {flush!r}", exitcodes.USAGE)
     if log_format not in ("kv", "json"):
@@ -99,10 +117,24 @@ def start(
         raise CliError(f"--log-level must be debug, info, warning or error, not {log_level!r}", exitcodes.USAGE)
     if data_dir is not None and data_dir.exists() and not data_dir.is_dir():
         raise CliError(f"data directory {data_dir} is not a directory", exitcodes.NOT_FOUND)
+
+
+def _start_logging(log_format: str, log_level: str, index_snapshot_records: int | None) -> None:
+    import logging
+
+    from txmq.broker import logs
+
     logs.setup(log_format, log_level)
     if index_snapshot_records is not None:
         logging.getLogger("txmq.broker").warning("event=deprecated_option option=--index-snapshot-records msg=%s",
                                                  "'no effect: the transaction index is flushed to txindex.db every second'")
+
+
+def _check_settings_from_options(check_interval: str | None, transaction_timeout: str | None, retention: str | None,
+                                 max_checks: int | None) -> tuple[CheckSettings, tuple[str, ...]]:
+    """The check settings the options give, over the defaults, and the names of those they give."""
+    from txmq.broker.config import CheckSettings
+
     check = CheckSettings()
     overrides = []
     try:
@@ -115,17 +147,13 @@ def start(
             overrides.append("max_checks")
     except ValueError as e:
         raise CliError(str(e), exitcodes.USAGE) from None
-    config = BrokerConfig(
-        data_dir=data_dir or default_data_dir(), host=host or DEFAULT_HOST, port=port, flush=flush,
-        flush_interval_s=parse_duration(flush_interval), check=check, check_overrides=tuple(overrides),
-        auth_token=auth_token or None, metrics_port=metrics_port, segment_size=segment_size,
-        max_frame=max_frame, max_body=max_body, max_properties=max_properties, max_preauth_frame=max_preauth_frame,
-        auth_timeout_s=parse_duration(auth_timeout), frame_timeout_s=parse_duration(frame_timeout),
-        max_connections=max_connections, max_connections_per_ip=max_connections_per_ip, partial_frame_budget=partial_frame_budget,
-        rocketmq_port=rocketmq_port, rocketmq_tls_cert=rocketmq_tls_cert, rocketmq_tls_key=rocketmq_tls_key,
-        rocketmq_max_connections=rocketmq_max_connections,
-        busy_poll_s=parse_duration(busy_poll),
-    )
+    return check, tuple(overrides)
+
+
+def _run_broker(config: BrokerConfig) -> None:
+    """Serve until a signal; a broker that cannot start is a usage error, a missing extra or an error, each with its exit code."""
+    from txmq.broker.main import InvalidConfig, MissingDependency, StartError, run
+
     try:
         run(config)  # txmq.broker.main: fd limit, uvloop, GC, bind, metrics, serve until a signal, clean shutdown
     except InvalidConfig as e:

@@ -1,11 +1,13 @@
 """txmq send: one message, or one per stdin line with many in flight; --tx for half messages."""
 
+from __future__ import annotations
+
 import os
 import sys
 import time
 from dataclasses import dataclass
 from enum import Enum
-from typing import Annotated, Any, AsyncIterator, Callable, Optional
+from typing import TYPE_CHECKING, Annotated, Any, AsyncIterator, Callable, Optional
 
 import typer
 
@@ -13,7 +15,10 @@ from txmq.constants import TOPIC_RE, is_system_topic
 
 from .. import exitcodes
 from ..common import DEFAULT_BROKER, INTERRUPT_GRACE_S, BrokerOpt, CliError, OutputOpt, TokenOpt, run, run_interruptible
-from ..console import Output, RowSink, err, esc, kv_table, out, resolve_output
+from ..console import RowSink, err, esc, kv_table, out, resolve_output
+
+if TYPE_CHECKING:
+    import asyncio
 
 EPILOG = """Examples:
 
@@ -99,7 +104,7 @@ def send(
     if stream:
         st = _Tally(RowSink(out_fmt, table=_print_sent))
         try:
-            run_interruptible(_send_stream(broker, token, spec, window, out_fmt, st))
+            run_interruptible(_send_stream(broker, token, spec, window, st))
         except KeyboardInterrupt:  # the summary line, as resolve and discard replay print it; exit 130
             st.sink.close()
             if st.line:
@@ -282,107 +287,137 @@ async def _send_one(broker: str, token: str | None, spec: _Spec, body: bytes, un
         return await _deliver(client, spec, body, unended=unended, line=1)
 
 
-async def _send_stream(broker: str, token: str | None, spec: _Spec, window: int, out_fmt: Output, st: _Tally) -> None:
+async def _send_stream(broker: str, token: str | None, spec: _Spec, window: int, st: _Tally) -> None:
     import asyncio
-    import contextlib
 
-    from ..client_ops import cli_error, connect, exit_code_of
-
-    failures: list[tuple[int, BaseException]] = []
-    sent = 0
-    lost: list[BaseException] = []
-    closed: list[int] = []
-
-    show = st.sink.add
+    from ..client_ops import connect
 
     async with connect(broker, token) as client:
-        sem = asyncio.Semaphore(window)
-        ends = asyncio.Semaphore(window)  # --tx: ends whose reply is awaited after their line's slot was freed
-        tasks: set[asyncio.Task[None]] = set()
-
-        async def one(line_no: int, body: bytes) -> None:
-            nonlocal sent
-            freed = False
-            end_slot = False
-
-            def end_queued() -> None:
-                # The half is acknowledged and its end queued: the next line may go (its half shares
-                # the broker's group-commit fsync with this end); at most `window` such ends wait.
-                nonlocal freed
-                freed = True
-                sem.release()
-
-            try:
-                if spec.group is not None and spec.state != "unknown":
-                    await ends.acquire()
-                    end_slot = True
-                row = await _deliver(client, spec, body, end_queued if end_slot else None, st.unended, line_no)
-            except asyncio.CancelledError:  # Ctrl-C: in flight, answer unknown
-                st.unconfirmed += 1
-                raise
-            except Exception as exc:
-                if exit_code_of(exc) == exitcodes.UNREACHABLE:
-                    lost.append(exc)  # reported once, at the end
-                else:
-                    failures.append((line_no, exc))
-                    st.failed += 1
-                    err.print(f"[err]error:[/err] line {line_no}: {esc(_msg(exc))}")
-            else:
-                sent += 1
-                st.sent = sent
-                try:
-                    show({"line": line_no, **row})
-                except BrokenPipeError:  # the reader went away (`| head`): stop sending
-                    closed.append(line_no)
-            finally:
-                if not freed:
-                    sem.release()
-                if end_slot:
-                    ends.release()
-
-        line_no = 0
+        stream = _Stream(client, spec, window, st)
         try:
-            async with contextlib.aclosing(_stdin_lines()) as lines:
-                async for line in lines:
-                    line_no += 1
-                    st.line = line_no
-                    if not line.strip():
-                        continue
-                    await sem.acquire()
-                    if lost or closed:
-                        sem.release()
-                        break
-                    t = asyncio.get_running_loop().create_task(one(line_no, line))
-                    tasks.add(t)
-                    t.add_done_callback(tasks.discard)
-            if tasks:
-                await asyncio.gather(*tasks, return_exceptions=True)
+            await stream.send_lines()
         except asyncio.CancelledError:
-            # Ctrl-C: no line more. Those in flight may finish for a while (a --tx half acknowledged gets its
-            # end, whose reply prints the row); then the rest end as unconfirmed, before the connection closes.
-            flying = list(tasks)
-            if flying:
-                _, left = await asyncio.wait(flying, timeout=FINISH_AFTER_INTERRUPT_S)
-                for t in left:
-                    t.cancel()
-                if left:
-                    await asyncio.wait(left)
+            await stream.finish_after_interrupt()
             raise
-    if closed:
+    if stream.closed:
         raise BrokenPipeError  # main() exits quietly
-    st.sink.close()
-    if line_no:  # the one-line summary of a bulk run (docs/cli.md, "Summary of a bulk run")
-        if lost:
-            err.print(f"[warn]stopped (broker lost): {sent} sent, {len(failures)} failed, input read up to line {line_no}; "
-                      f"to resume, resend the lines with no printed result and those after line {line_no}[/warn]")
+    _report_stream(stream, broker)
+
+
+class _Stream:
+    """The lines of one `send` from stdin, each sent by a task of its own, at most `window` in flight."""
+
+    def __init__(self, client: Any, spec: _Spec, window: int, st: _Tally) -> None:
+        import asyncio
+
+        self.client = client
+        self.spec = spec
+        self.st = st
+        self.slots = asyncio.Semaphore(window)
+        self.ends = asyncio.Semaphore(window)  # --tx: ends whose reply is awaited after their line's slot was freed
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.lost: list[BaseException] = []  # the broker was lost: reported once, at the end
+        self.closed = False  # stdout's reader went away (`| head`): stop sending
+
+    async def send_lines(self) -> None:
+        """Start a task for each non-blank stdin line as a slot frees, until the input ends or the run stops; then wait for them."""
+        import asyncio
+        import contextlib
+
+        async with contextlib.aclosing(_stdin_lines()) as lines:
+            async for line in lines:
+                self.st.line += 1
+                if not line.strip():
+                    continue
+                await self.slots.acquire()
+                if self.lost or self.closed:
+                    self.slots.release()
+                    break
+                t = asyncio.get_running_loop().create_task(self.send_line(self.st.line, line))
+                self.tasks.add(t)
+                t.add_done_callback(self.tasks.discard)
+        if self.tasks:
+            await asyncio.gather(*self.tasks, return_exceptions=True)
+
+    async def send_line(self, line_no: int, body: bytes) -> None:
+        import asyncio
+
+        freed = False
+        end_slot = False
+
+        def end_queued() -> None:
+            # The half is acknowledged and its end queued: the next line may go (its half shares
+            # the broker's group-commit fsync with this end); at most `window` such ends wait.
+            nonlocal freed
+            freed = True
+            self.slots.release()
+
+        try:
+            if self.spec.group is not None and self.spec.state != "unknown":
+                await self.ends.acquire()
+                end_slot = True
+            row = await _deliver(self.client, self.spec, body, end_queued if end_slot else None, self.st.unended, line_no)
+        except asyncio.CancelledError:  # Ctrl-C: in flight, answer unknown
+            self.st.unconfirmed += 1
+            raise
+        except Exception as exc:
+            self._failed(line_no, exc)
         else:
-            err.print(f"{sent} sent, {len(failures)} failed, 0 not attempted")
-    if lost:
-        raise CliError(f"{cli_error(lost[0], broker).message}; {sent} message(s) were acknowledged (printed above), "
+            self._sent(line_no, row)
+        finally:
+            if not freed:
+                self.slots.release()
+            if end_slot:
+                self.ends.release()
+
+    def _failed(self, line_no: int, exc: Exception) -> None:
+        from ..client_ops import exit_code_of
+
+        if exit_code_of(exc) == exitcodes.UNREACHABLE:
+            self.lost.append(exc)
+        else:
+            self.st.failed += 1
+            err.print(f"[err]error:[/err] line {line_no}: {esc(_msg(exc))}")
+
+    def _sent(self, line_no: int, row: dict[str, Any]) -> None:
+        self.st.sent += 1
+        try:
+            self.st.sink.add({"line": line_no, **row})
+        except BrokenPipeError:
+            self.closed = True
+
+    async def finish_after_interrupt(self) -> None:
+        """After Ctrl-C no line more is read. The lines in flight may finish for a while (a --tx half acknowledged
+        gets its end, whose reply prints the row); then the rest end as unconfirmed, before the connection closes."""
+        import asyncio
+
+        flying = list(self.tasks)
+        if flying:
+            _, left = await asyncio.wait(flying, timeout=FINISH_AFTER_INTERRUPT_S)
+            for t in left:
+                t.cancel()
+            if left:
+                await asyncio.wait(left)
+
+
+def _report_stream(stream: _Stream, broker: str) -> None:
+    """The one-line summary of a bulk run (docs/cli.md, "Summary of a bulk run"), and its exit code."""
+    from ..client_ops import cli_error
+
+    st = stream.st
+    st.sink.close()
+    if st.line:
+        if stream.lost:
+            err.print(f"[warn]stopped (broker lost): {st.sent} sent, {st.failed} failed, input read up to line {st.line}; "
+                      f"to resume, resend the lines with no printed result and those after line {st.line}[/warn]")
+        else:
+            err.print(f"{st.sent} sent, {st.failed} failed, 0 not attempted")
+    if stream.lost:
+        raise CliError(f"{cli_error(stream.lost[0], broker).message}; {st.sent} message(s) were acknowledged (printed above), "
                        f"the rest were not sent or not acknowledged", exitcodes.UNREACHABLE)
-    if failures:
-        raise CliError(f"{len(failures)} of {len(failures) + sent} message(s) failed", exitcodes.PARTIAL)
-    if line_no == 0:
+    if st.failed:
+        raise CliError(f"{st.failed} of {st.failed + st.sent} message(s) failed", exitcodes.PARTIAL)
+    if st.line == 0:
         err.print("[dim]no input lines: nothing sent[/dim]")
 
 

@@ -17,6 +17,7 @@ import logging
 import os
 import re
 from bisect import bisect_right
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Callable, Iterator
 
@@ -89,19 +90,61 @@ def verify_dir(path: Path) -> dict[str, Any]:
         return _verify(path)
 
 
+@dataclass
+class _Log:
+    """The commit log as recovery would see it: where it cuts, what it skips, what the records hold."""
+
+    segs: list[tuple[int, int]]  # (start offset, bytes of data) per segment file
+    resync_below: int  # the checkpoint's fsynced offset: damage below it is skipped, past it the log is cut
+    cut_at: int | None = None
+    cut_why: str = ""
+    gaps: dict[int, int] = field(default_factory=dict)  # segment gaps below resync_below: offset -> length
+    damaged: list[tuple[int, int, str]] = field(default_factory=list)  # (offset, length, reason) inside the log
+    records: int = 0
+    log_ends: dict[tuple[str, int], int] = field(default_factory=dict)  # per queue: 1 + the highest queue offset a record has
+    data_end: int = 0
+    valid_end: int = 0
+    preallocated: int = 0
+
+
 def _verify(path: Path) -> dict[str, Any]:
     from txmq.store import StoreReader
-    from txmq.store.checkpoint import CHECKPOINT, read_checkpoint
-    from txmq.store.consumequeue import ENTRY_SIZE, ConsumeQueue
+
+    segs = _segments(path / "commitlog")
+    problems, resync_below = _checkpoint_problems(path, segs)
+    log = _Log(segs, resync_below)
+    problems += _segment_problems(path / "commitlog", log)
+    reader = StoreReader(path)
+    try:
+        _scan_records(reader, log)
+        problems += _damage_problems(reader, log)
+        in_damage = _damage_lookup(log)
+        queues = reader.queues()
+        keys = [(t, q) for t, qids in queues.items() for q in qids]
+        entry_problems, folded = _queue_entry_problems(reader, keys, in_damage)
+        problems += entry_problems
+        _count_entries_into_damage(problems, folded)
+        problems += _queue_length_problems(path, reader, keys, log)
+        problems += _queue_file_problems(path, keys)
+        index_problems, index_doc = _index_problems(path, reader, lambda off: in_damage(off) is not None)
+        problems.extend(index_problems)
+    finally:
+        reader.close()
+    problems += _json_file_problems(path)
+    return _verify_doc(path, problems, log, len(keys), index_doc)
+
+
+def _segments(cl_dir: Path) -> list[tuple[int, int]]:
     from txmq.store.files import list_numbered, offset_name
-    from txmq.store.recovery import MANIFEST, read_manifest
-    from txmq.store.store import QUARANTINE_DIR
+
+    return [(s, (cl_dir / offset_name(s)).stat().st_size) for s in list_numbered(cl_dir)]
+
+
+def _checkpoint_problems(path: Path, segs: list[tuple[int, int]]) -> tuple[list[dict[str, Any]], int]:
+    """The checkpoint's problems, and its fsynced offset (_FAR without one: recovery then checks the whole log)."""
+    from txmq.store.checkpoint import CHECKPOINT, read_checkpoint
 
     problems: list[dict[str, Any]] = []
-    cl_dir = path / "commitlog"
-    segs = [(s, (cl_dir / offset_name(s)).stat().st_size) for s in list_numbered(cl_dir)]
-
-    # the checkpoint: below its fsynced offset damage is skipped, past it the log is cut
     ck_path = path / "checkpoint"
     ckpt = read_checkpoint(ck_path)
     files_end = segs[-1][0] + segs[-1][1] if segs else 0
@@ -114,154 +157,197 @@ def _verify(path: Path) -> dict[str, Any]:
     elif segs and (ckpt.log_offset > files_end or ckpt.cq_offset > files_end):
         problems.append(_problem("checkpoint", max(ckpt.log_offset, ckpt.cq_offset),
                                  f"checkpoint points past the end of the log ({files_end})", "rewritten"))
-    resync_below = ckpt.log_offset if ckpt is not None else _FAR
+    return problems, ckpt.log_offset if ckpt is not None else _FAR
 
-    # segments: contiguous, or recovery cuts (gap in the unsynced tail, overlap) or skips (gap below)
-    cut_at: int | None = None
-    cut_why = ""
-    gaps: dict[int, int] = {}
+
+def _segment_problems(cl_dir: Path, log: _Log) -> list[dict[str, Any]]:
+    """Segments are contiguous, or recovery cuts the log (a gap in the unsynced tail, an overlap) or skips a gap below it."""
+    from txmq.store.files import offset_name
+
+    problems: list[dict[str, Any]] = []
+    segs = log.segs
     for i, ((a, alen), (b, _)) in enumerate(zip(segs, segs[1:])):
         a_end = a + alen
         if a_end > b and _zeros_from(cl_dir / offset_name(a), b - a):
             segs[i] = (a, b - a)  # preallocated zeros a crash left in a sealed segment: the next start cuts them
             continue
         if a_end > b:
-            cut_at, cut_why = a_end, f"segment overlap at {b}: previous segment ends at {a_end}"
+            log.cut_at, log.cut_why = a_end, f"segment overlap at {b}: previous segment ends at {a_end}"
             break
         if a_end < b:
-            if a_end >= resync_below:
-                cut_at, cut_why = a_end, f"segment gap at {a_end}: next segment starts at {b}"
+            if a_end >= log.resync_below:
+                log.cut_at, log.cut_why = a_end, f"segment gap at {a_end}: next segment starts at {b}"
                 break
-            gaps[a_end] = b - a_end
+            log.gaps[a_end] = b - a_end
             problems.append(_problem("segment_gap", a_end, f"segment gap at {a_end}: next segment starts at {b}",
                                      "kept: readers skip it (the records it held are lost)", b - a_end))
+    return problems
 
-    reader = StoreReader(path)
-    try:
-        records = 0
-        log_ends: dict[tuple[str, int], int] = {}  # per queue: 1 + the highest queue offset a record has
-        # zeros after the last segment's data are space the broker preallocated, not a torn tail
-        data_end, preallocated = reader.files_end, reader.preallocated
-        # after the files' end: a broker writing meanwhile moves both, and the valid end read first
-        # would trail the files' end read second (a torn tail of 0 bytes, on a healthy log)
-        valid_end = reader.max_offset
-        if segs and preallocated:
-            segs[-1] = (segs[-1][0], segs[-1][1] - preallocated)
-        for rec in reader.scan():
-            if cut_at is not None and rec.commit_log_offset >= cut_at:
-                break
-            records += 1
-            key = (rec.topic, rec.queue_id)
-            if rec.queue_offset >= log_ends.get(key, 0):
-                log_ends[key] = rec.queue_offset + 1
-        damaged: list[tuple[int, int, str]] = []  # (offset, length, reason) inside the log
-        for d in sorted(reader.damage.places.values(), key=lambda d: d.offset):
-            if cut_at is not None and d.offset >= cut_at:
-                continue
-            if d.offset >= resync_below:  # recovery does not resynchronise in the unsynced tail
-                cut_at, cut_why = d.offset, d.reason
-                continue
-            damaged.append((d.offset, d.length or 0, d.reason))
-        if cut_at is None and valid_end < data_end:
-            cut_at = valid_end
-            cut_why = "the last segment ends inside a record (a torn write)"
-        if reader.damage.count > len(reader.damage.places):
-            problems.append(_problem("damaged_range", None, f"{reader.damage.count - len(reader.damage.places)} more damaged places not listed",
-                                     "kept: readers skip them"))
-        for off, length, reason in damaged:
-            if off in gaps:
-                continue
-            problems.append(_problem("damaged_range", off, reason, "kept: readers skip it (the records in it are lost)", length))
-        tail = sum(max(0, s + n - max(s, cut_at)) for s, n in segs) if cut_at is not None else 0
-        if cut_at is not None and (tail or cut_at != valid_end):  # 0 bytes past the valid end: a write that landed meanwhile
-            problems.append(_problem("torn_tail", cut_at, f"{tail} bytes after the last valid record: {cut_why}",
-                                     "the log is cut there; the bytes are moved to quarantine/", tail))
 
-        # consume queues: every entry must lead to its record
-        ranges = sorted([(o, n) for o, n, _ in damaged] + list(gaps.items()))
-        starts = [o for o, _ in ranges]
-        folded: dict[int, int] = {}  # damaged range -> queue entries that lead into it
+def _scan_records(reader: Any, log: _Log) -> None:
+    """Count the records up to where recovery cuts, and each queue's highest offset in the log."""
+    # zeros after the last segment's data are space the broker preallocated, not a torn tail
+    log.data_end, log.preallocated = reader.files_end, reader.preallocated
+    # after the files' end: a broker writing meanwhile moves both, and the valid end read first
+    # would trail the files' end read second (a torn tail of 0 bytes, on a healthy log)
+    log.valid_end = reader.max_offset
+    if log.segs and log.preallocated:
+        log.segs[-1] = (log.segs[-1][0], log.segs[-1][1] - log.preallocated)
+    for rec in reader.scan():
+        if log.cut_at is not None and rec.commit_log_offset >= log.cut_at:
+            break
+        log.records += 1
+        key = (rec.topic, rec.queue_id)
+        if rec.queue_offset >= log.log_ends.get(key, 0):
+            log.log_ends[key] = rec.queue_offset + 1
 
-        def in_damage(off: int) -> int | None:
-            i = bisect_right(starts, off) - 1
-            if i >= 0 and off < ranges[i][0] + max(ranges[i][1], 1):
-                return ranges[i][0]
-            return None
 
-        queues = reader.queues()
-        keys = [(t, q) for t, qids in queues.items() for q in qids]
-        for topic, qid in keys:
-            lo, hi = reader.queue_min_offset(topic, qid), reader.queue_max_offset(topic, qid)
-            bad: list[tuple[int, int, str]] = []
-            q = lo
-            while q < hi:
-                try:
-                    res = reader.get_messages(topic, qid, q, _BATCH, _BATCH_BYTES)
-                except Exception as e:  # noqa: BLE001 - reported, and the walk of this queue ends
-                    problems.append(_problem("queue_entries", None, f"queue {topic}/{qid}: cannot read entry {q}: {e}",
-                                             "queue rebuilt from the log"))
-                    break
-                if res.next_offset <= q:
-                    break
-                for sq, off, why in res.skipped:
-                    d = in_damage(off)
-                    if d is not None:
-                        folded[d] = folded.get(d, 0) + 1
-                    else:
-                        bad.append((sq, off, why))
-                q = res.next_offset
-            for run in _runs(bad):
-                first, last = run[0], run[-1]
-                span = f"entry {first[0]}" if len(run) == 1 else f"entries {first[0]}-{last[0]} ({len(run)})"
-                problems.append(_problem("queue_entries", first[1], f"queue {topic}/{qid} {span} do not lead to their record: {first[2]}",
-                                         "queue rebuilt from the log"))
-        for p in problems:
-            if p["kind"] in ("damaged_range", "segment_gap") and p["offset"] in folded:
-                n = folded[p["offset"]]
-                p["detail"] += f"; {n} queue entr{'y leads' if n == 1 else 'ies lead'} into it"
+def _damage_problems(reader: Any, log: _Log) -> list[dict[str, Any]]:
+    """Damaged ranges inside the log (readers skip them) and the torn tail recovery cuts."""
+    problems: list[dict[str, Any]] = []
+    for d in sorted(reader.damage.places.values(), key=lambda d: d.offset):
+        if log.cut_at is not None and d.offset >= log.cut_at:
+            continue
+        if d.offset >= log.resync_below:  # recovery does not resynchronise in the unsynced tail
+            log.cut_at, log.cut_why = d.offset, d.reason
+            continue
+        log.damaged.append((d.offset, d.length or 0, d.reason))
+    if log.cut_at is None and log.valid_end < log.data_end:
+        log.cut_at = log.valid_end
+        log.cut_why = "the last segment ends inside a record (a torn write)"
+    if reader.damage.count > len(reader.damage.places):
+        problems.append(_problem("damaged_range", None, f"{reader.damage.count - len(reader.damage.places)} more damaged places not listed",
+                                 "kept: readers skip them"))
+    for off, length, reason in log.damaged:
+        if off in log.gaps:
+            continue
+        problems.append(_problem("damaged_range", off, reason, "kept: readers skip it (the records in it are lost)", length))
+    cut_at = log.cut_at
+    tail = sum(max(0, s + n - max(s, cut_at)) for s, n in log.segs) if cut_at is not None else 0
+    if cut_at is not None and (tail or cut_at != log.valid_end):  # 0 bytes past the valid end: a write that landed meanwhile
+        problems.append(_problem("torn_tail", cut_at, f"{tail} bytes after the last valid record: {log.cut_why}",
+                                 "the log is cut there; the bytes are moved to quarantine/", tail))
+    return problems
 
-        # queues shorter than the manifest says they were, or than the log's records need
-        manifest, was_min = read_manifest(str(path / MANIFEST))
-        if segs and was_min is not None and segs[0][0] > was_min:
-            problems.append(_problem("log_start", was_min, f"the log starts at {segs[0][0]}, it started at {was_min} at the last close: "
-                                     "its first segment files were removed", "kept: the new start is recorded (the records in them are lost)",
-                                     segs[0][0] - was_min))
-        present = set(keys)
-        short: dict[tuple[str, int], list[str]] = {}
-        for key, n in manifest.items():
-            if key not in present or reader.queue_max_offset(*key) < n:
-                short.setdefault(key, []).append(f"it had {n} entries at the last close")
-        for key, n in log_ends.items():
-            if key not in present or reader.queue_max_offset(*key) < n:
-                short.setdefault(key, []).append(f"the log holds its records up to queue offset {n - 1}")
-        for (topic, qid), whys in sorted(short.items()):
-            if (topic, qid) in present:
-                kind, what = "queue_short", f"ends at {reader.queue_max_offset(topic, qid)}"
+
+def _damage_lookup(log: _Log) -> Callable[[int], int | None]:
+    """The start of the damaged range or segment gap a log offset falls in, or None."""
+    ranges = sorted([(o, n) for o, n, _ in log.damaged] + list(log.gaps.items()))
+    starts = [o for o, _ in ranges]
+
+    def in_damage(off: int) -> int | None:
+        i = bisect_right(starts, off) - 1
+        if i >= 0 and off < ranges[i][0] + max(ranges[i][1], 1):
+            return ranges[i][0]
+        return None
+
+    return in_damage
+
+
+def _queue_entry_problems(reader: Any, keys: list[tuple[str, int]], in_damage: Callable[[int], int | None]
+                          ) -> tuple[list[dict[str, Any]], dict[int, int]]:
+    """Queue entries that do not lead to their record, and per damaged range the entries that lead into it."""
+    problems: list[dict[str, Any]] = []
+    folded: dict[int, int] = {}  # damaged range -> queue entries that lead into it
+    for topic, qid in keys:
+        bad, unreadable = _walk_queue(reader, topic, qid, in_damage, folded)
+        if unreadable is not None:
+            problems.append(unreadable)
+        for run in _runs(bad):
+            first, last = run[0], run[-1]
+            span = f"entry {first[0]}" if len(run) == 1 else f"entries {first[0]}-{last[0]} ({len(run)})"
+            problems.append(_problem("queue_entries", first[1], f"queue {topic}/{qid} {span} do not lead to their record: {first[2]}",
+                                     "queue rebuilt from the log"))
+    return problems, folded
+
+
+def _walk_queue(reader: Any, topic: str, qid: int, in_damage: Callable[[int], int | None], folded: dict[int, int]
+                ) -> tuple[list[tuple[int, int, str]], dict[str, Any] | None]:
+    """One queue's entries that lead nowhere but into no damaged range (queue offset, log offset, why), and the
+    problem that ended the walk early, if one did; entries into a damaged range are counted in ``folded``."""
+    lo, hi = reader.queue_min_offset(topic, qid), reader.queue_max_offset(topic, qid)
+    bad: list[tuple[int, int, str]] = []
+    q = lo
+    while q < hi:
+        try:
+            res = reader.get_messages(topic, qid, q, _BATCH, _BATCH_BYTES)
+        except Exception as e:  # noqa: BLE001 - reported, and the walk of this queue ends
+            return bad, _problem("queue_entries", None, f"queue {topic}/{qid}: cannot read entry {q}: {e}", "queue rebuilt from the log")
+        if res.next_offset <= q:
+            break
+        for sq, off, why in res.skipped:
+            d = in_damage(off)
+            if d is not None:
+                folded[d] = folded.get(d, 0) + 1
             else:
-                kind, what = "queue_missing", "is missing"
-            problems.append(_problem(kind, None, f"queue {topic}/{qid} {what}: " + "; ".join(whys), "queue rebuilt from the log"))
+                bad.append((sq, off, why))
+        q = res.next_offset
+    return bad, None
 
-        # consume-queue files: contiguous, whole entries
-        for topic, qid in keys:
-            cq_dir = path / "consumequeue" / topic / str(qid)
-            if not cq_dir.is_dir():
-                continue
-            cq, orphans = ConsumeQueue.load(str(path / "consumequeue"), topic, qid)
-            cq.close()
-            if orphans:
-                problems.append(_problem("queue_files", None, f"queue {topic}/{qid}: {len(orphans)} file(s) after a gap between files",
-                                         "removed (entries only; the queue is rebuilt from the log)"))
-            if cq.starts:
-                last = cq_dir / offset_name(cq.starts[-1])
-                if last.stat().st_size % ENTRY_SIZE:
-                    problems.append(_problem("queue_files", None, f"queue {topic}/{qid}: {last.name} ends inside an entry",
-                                             "the partial entry is cut"))
 
-        index_problems, index_doc = _index_problems(path, reader, lambda off: in_damage(off) is not None)
-        problems.extend(index_problems)
-    finally:
-        reader.close()
+def _count_entries_into_damage(problems: list[dict[str, Any]], folded: dict[int, int]) -> None:
+    for p in problems:
+        if p["kind"] in ("damaged_range", "segment_gap") and p["offset"] in folded:
+            n = folded[p["offset"]]
+            p["detail"] += f"; {n} queue entr{'y leads' if n == 1 else 'ies lead'} into it"
 
+
+def _queue_length_problems(path: Path, reader: Any, keys: list[tuple[str, int]], log: _Log) -> list[dict[str, Any]]:
+    """A log whose first segments were removed, and queues shorter than the manifest says they were or than the log's records need."""
+    from txmq.store.recovery import MANIFEST, read_manifest
+
+    problems: list[dict[str, Any]] = []
+    segs = log.segs
+    manifest, was_min = read_manifest(str(path / MANIFEST))
+    if segs and was_min is not None and segs[0][0] > was_min:
+        problems.append(_problem("log_start", was_min, f"the log starts at {segs[0][0]}, it started at {was_min} at the last close: "
+                                 "its first segment files were removed", "kept: the new start is recorded (the records in them are lost)",
+                                 segs[0][0] - was_min))
+    present = set(keys)
+    short: dict[tuple[str, int], list[str]] = {}
+    for key, n in manifest.items():
+        if key not in present or reader.queue_max_offset(*key) < n:
+            short.setdefault(key, []).append(f"it had {n} entries at the last close")
+    for key, n in log.log_ends.items():
+        if key not in present or reader.queue_max_offset(*key) < n:
+            short.setdefault(key, []).append(f"the log holds its records up to queue offset {n - 1}")
+    for (topic, qid), whys in sorted(short.items()):
+        if (topic, qid) in present:
+            kind, what = "queue_short", f"ends at {reader.queue_max_offset(topic, qid)}"
+        else:
+            kind, what = "queue_missing", "is missing"
+        problems.append(_problem(kind, None, f"queue {topic}/{qid} {what}: " + "; ".join(whys), "queue rebuilt from the log"))
+    return problems
+
+
+def _queue_file_problems(path: Path, keys: list[tuple[str, int]]) -> list[dict[str, Any]]:
+    """Consume-queue files are contiguous and hold whole entries."""
+    from txmq.store.consumequeue import ENTRY_SIZE, ConsumeQueue
+    from txmq.store.files import offset_name
+
+    problems: list[dict[str, Any]] = []
+    for topic, qid in keys:
+        cq_dir = path / "consumequeue" / topic / str(qid)
+        if not cq_dir.is_dir():
+            continue
+        cq, orphans = ConsumeQueue.load(str(path / "consumequeue"), topic, qid)
+        cq.close()
+        if orphans:
+            problems.append(_problem("queue_files", None, f"queue {topic}/{qid}: {len(orphans)} file(s) after a gap between files",
+                                     "removed (entries only; the queue is rebuilt from the log)"))
+        if cq.starts:
+            last = cq_dir / offset_name(cq.starts[-1])
+            if last.stat().st_size % ENTRY_SIZE:
+                problems.append(_problem("queue_files", None, f"queue {topic}/{qid}: {last.name} ends inside an entry",
+                                         "the partial entry is cut"))
+    return problems
+
+
+def _json_file_problems(path: Path) -> list[dict[str, Any]]:
+    """The JSON files: the manifest and txcheck.json are healed, the others a start refuses."""
+    from txmq.store.recovery import MANIFEST
+
+    problems: list[dict[str, Any]] = []
     for name in (MANIFEST, *JSON_FILES):
         p = path / name
         if not p.exists():
@@ -281,19 +367,25 @@ def _verify(path: Path) -> dict[str, Any]:
         why = _refused_by_the_broker(name, p)  # JSON, and what the broker's start reads from it
         if why is not None:
             problems.append(_problem("file", None, why, refused))
+    return problems
+
+
+def _verify_doc(path: Path, problems: list[dict[str, Any]], log: _Log, queues: int, index_doc: dict[str, Any] | None) -> dict[str, Any]:
+    from txmq.store.store import QUARANTINE_DIR
 
     qdir = path / QUARANTINE_DIR
     quarantine = sorted(({"name": f.name, "bytes": f.stat().st_size} for f in qdir.iterdir() if f.is_file()),
                         key=lambda f: f["name"]) if qdir.is_dir() else []
     order = {o: i for i, o in enumerate(("torn_tail", "segment_gap", "segment_overlap", "damaged_range"))}
     problems.sort(key=lambda p: (p["offset"] is None, p["offset"] or 0, order.get(p["kind"], 9)))
+    segs = log.segs
     return {
         "ok": not problems,
         "problems": problems,
-        "records": records,
+        "records": log.records,
         "segments": len(segs),
-        "queues": len(keys),
-        "log": {"min_offset": segs[0][0] if segs else 0, "end": data_end, "valid_end": valid_end, "preallocated": preallocated},
+        "queues": queues,
+        "log": {"min_offset": segs[0][0] if segs else 0, "end": log.data_end, "valid_end": log.valid_end, "preallocated": log.preallocated},
         "quarantine": quarantine,
         "broker_running": broker_running(path),
         "index": index_doc,
