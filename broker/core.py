@@ -386,6 +386,19 @@ class BrokerCore:
             raise TxmqError(f"queue {queue_id} does not exist: topic {topic} has {n} queues", ErrorCode.NO_SUCH_QUEUE)
         return queue_id
 
+    def send(self, msgs: list[Message], single: bool) -> asyncio.Future:
+        """Send plain messages, as every front end does: the future's result is each one's receipt (``single``: the only one's)."""
+        def shape(results: list[AppendResult]) -> dict[str, Any]:
+            self.metrics.counters["messages_sent"] += len(results)
+            rows = [
+                {"msg_id": msg_id(m.properties, r.commit_log_offset), "topic": m.topic, "queue_id": m.queue_id,
+                 "queue_offset": r.queue_offset, "commit_log_offset": r.commit_log_offset}
+                for m, r in zip(msgs, results)
+            ]
+            return rows[0] if single else {"results": rows}
+
+        return self.append(msgs, shape)
+
     def notify_appended(self, msgs: Sequence[Message | RawCopy]) -> None:
         """Wake the long polls waiting on the queues these messages went to.
 

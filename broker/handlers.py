@@ -15,7 +15,7 @@ from txmq.constants import PROP_TRAN_MSG, canonical_topic, is_system_topic
 from txmq.store import Message, TxType
 from txmq.wire import PROTOCOL_VERSION, ErrorCode, TxmqError
 
-from .core import BrokerCore, msg_id
+from .core import BrokerCore
 from .topics import check_topic_name
 
 if TYPE_CHECKING:
@@ -160,7 +160,7 @@ def send(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
             return _when_ready(core, lambda: core.tx.send_half(topic, qid, body, props, born))
         return core.tx.send_half(topic, qid, body, props, born)
     qid = core.pick_queue(topic, qid)
-    return _send_plain(core, [Message(topic, qid, TxType.NORMAL, born, props, body)], single=True)
+    return core.send([Message(topic, qid, TxType.NORMAL, born, props, body)], single=True)
 
 
 def send_batch(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
@@ -178,20 +178,7 @@ def send_batch(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
         if props.get(PROP_TRAN_MSG) == "true":
             raise _bad("transactional messages cannot be sent in a batch")
         msgs.append(Message(topic, qid, TxType.NORMAL, opt_int(m, "born_ts", None) or now, props, body_of(m, core.config.max_body)))
-    return _send_plain(core, msgs, single=False)
-
-
-def _send_plain(core: BrokerCore, msgs: list[Message], single: bool) -> Reply:
-    def shape(results) -> dict[str, Any]:
-        core.metrics.counters["messages_sent"] += len(results)
-        rows = [
-            {"msg_id": msg_id(m.properties, r.commit_log_offset), "topic": m.topic, "queue_id": m.queue_id,
-             "queue_offset": r.queue_offset, "commit_log_offset": r.commit_log_offset}
-            for m, r in zip(msgs, results)
-        ]
-        return rows[0] if single else {"results": rows}
-
-    return core.append(msgs, shape)
+    return core.send(msgs, single=False)
 
 
 # ---- transactions ----------------------------------------------------------
