@@ -1,8 +1,8 @@
 """The transport-independent broker core.
 
-Handlers (broker/handlers.py) validate wire fields and call these methods;
-another front end could call them just as well. Every method runs on the
-event loop thread; blocking work (fsync) happens in the flusher's thread.
+The front ends (broker/native/, broker/rocketmq/) validate their requests
+and translate them into these same calls. Every method runs on the event
+loop thread; blocking work (fsync) happens in the flusher's thread.
 
 Appends from all connections that arrive in one loop iteration are written
 with one store.append (one write syscall) by the Appender, then wait for

@@ -26,7 +26,7 @@ from txmq.wire import ErrorCode, TxmqError
 
 from .clock import Clock
 from .config import FRAME_OVERHEAD, BrokerConfig, read_settings_file
-from .connection import BrokerConnection
+from .native.connection import BrokerConnection
 from .core import BrokerCore, speedups_in_use
 from .transactions.indexcheck import check_decisions
 from .transactions.indexfile import DB_FILE, IndexFileError, TxDatabase, damaged_index, remove_db

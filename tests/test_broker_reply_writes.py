@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 
 from txmq import wire
-from txmq.broker import connection as connection_mod
 from txmq.broker.config import BrokerConfig
-from txmq.broker.connection import BrokerConnection
+from txmq.broker.native import connection as connection_mod
+from txmq.broker.native.connection import BrokerConnection
 from txmq.broker.server import ServerState
 
 

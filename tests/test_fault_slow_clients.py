@@ -4,7 +4,7 @@ A client that pipelines requests and never reads the replies must not make
 the broker buffer without limit: the connection stops reading when its
 write buffer passes the high-water mark, when too many requests are in
 flight, or when the pulls in flight could return more than the pull budget
-(broker/connection.py). The broker is a subprocess, so its memory is its
+(broker/native/connection.py). The broker is a subprocess, so its memory is its
 VmRSS in /proc.
 """
 
