@@ -246,10 +246,9 @@ class BrokerCore:
         self.recovery: RecoveryReport | None = None
         self._rr = itertools.count()
         self._pollers: dict[tuple[str, int], list[asyncio.Future]] = defaultdict(list)
-        self.connections: int = 0
-        self.busy_connections: int = 0  # connections with requests in flight
         self.busy_poll: BusyPoll = BusyPoll(0)  # the spinner, started in start()
-        self.partial_frame_bytes: int = 0  # held by all connections in frames not yet complete
+        # The native front end's connections, as info, stats and Prometheus show them (native.server.ServerState.gauges).
+        self.connection_gauges: Callable[[], dict[str, int]] = lambda: {"connections": 0, "partial_frame_bytes": 0}
         self.tx_ready: asyncio.Event = asyncio.Event()  # set once the transaction index is rebuilt (or failed to be)
         self.tx_error: TxmqError | None = None  # why it failed
         # Transactional requests queued behind tx_ready and not yet run: while
@@ -307,7 +306,6 @@ class BrokerCore:
             disk=self.disk,
             count_error=partial(self.metrics.inc, "flush_errors"),
         )
-        self.flusher.lone_client = lambda: self.busy_connections <= 1
 
     def _settings(self, stored: dict) -> CheckSettings:
         """Defaults < config.json (what `txmq config set` stored) < explicit start options.
@@ -513,7 +511,7 @@ class BrokerCore:
             "max_offset": self.store.max_offset,
             "durable_offset": self.store.durable_offset,
             "min_offset": self.store.min_offset,
-            "connections": self.connections,
+            "connections": self.connection_gauges()["connections"],
             "topics": len([t for t in self.topics.all() if not is_system_topic(t)]),
             "producer_groups": self.registry.groups(),
             "auth": bool(self.config.auth_token),
@@ -543,8 +541,7 @@ class BrokerCore:
                 "pending_by_topic": by_topic,
                 # age (s, broker store time) of each group's oldest pending transaction: what to alert on
                 "oldest_pending_age_s": oldest,
-                "connections": self.connections,
-                "partial_frame_bytes": self.partial_frame_bytes,
+                **self.connection_gauges(),  # connections, partial_frame_bytes
                 "max_offset": self.store.max_offset,
                 "durable_offset": self.store.durable_offset,
                 "check_passes": self.check.passes,

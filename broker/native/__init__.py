@@ -1,11 +1,10 @@
 """txmq's own msgpack protocol (docs/protocol.md) as a front end of the broker, beside broker/rocketmq/.
 
-Like every front end it translates requests into calls of the broker's
-services (the core's append and pull, ``core.tx``, ``core.admin``,
-``core.check``, broker/groups.py). Modules: ``connection``
-(``BrokerConnection``: framing, limits, dispatch, replies), ``registry``
-(the operation table and the field checks), ``handlers`` and
-``grouphandlers`` (one function per operation).
+``server`` (``NativeFrontend``) listens, ``connection`` (``BrokerConnection``)
+frames, limits and dispatches, ``registry`` holds the operation table and
+the field checks, ``handlers`` and ``grouphandlers`` translate each
+operation into the services' calls (the core, ``core.tx``, ``core.admin``,
+``core.check``, broker/groups.py).
 """
 
 # Whichever module of the package is imported first, the operation table is complete.

@@ -1,9 +1,7 @@
 """The native protocol's operation table, and what every handler shares: its type and the checks of its fields.
 
-Each handler module (handlers.py, grouphandlers.py) enters its operations
-in ``HANDLERS`` when imported, and the package imports them all; the
-connection dispatches on it. A new module of operations imports from here,
-never from another handler module, and joins the package's imports.
+Each handler module enters its operations in ``HANDLERS`` (the package
+imports them all) and imports from here, never from another handler module.
 """
 
 from __future__ import annotations
