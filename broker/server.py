@@ -407,8 +407,7 @@ class Broker:
             await self.stop()
 
     async def stop(self) -> None:
-        state = self.native.state
-        log.info("event=shutdown_begin connections=%d inflight=%d", len(state.connections), len(state.inflight))
+        log.info("event=shutdown_begin connections=%d inflight=%d", len(self.native.state.connections), len(self.native.state.inflight))
         self.core.draining = True
         self.core.wake_all_pollers()  # long polls answer now
         for frontend in self.frontends:

@@ -39,7 +39,7 @@ from typing import Any
 from txmq.wire import FATAL, ErrorCode, FrameDecoder, FrameError, TxmqError, parse_payload, push, reply
 from txmq.wire import REQUEST
 
-from .registry import HANDLERS
+from .operations import HANDLERS
 
 log = logging.getLogger("txmq.conn")
 _ids = itertools.count(1)

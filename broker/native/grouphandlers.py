@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 from txmq.constants import canonical_topic
 
 from .. import groups
-from .registry import HANDLERS, Reply, _bad, opt_bool, opt_int, opt_str, req_int, req_str
+from .operations import HANDLERS, Reply, _bad, opt_bool, opt_int, opt_str, req_int, req_str
 
 if TYPE_CHECKING:
     from ..core import BrokerCore

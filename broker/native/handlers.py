@@ -16,7 +16,7 @@ from txmq.store import Message, TxType
 from txmq.wire import PROTOCOL_VERSION, ErrorCode, TxmqError
 
 from ..core import BrokerCore
-from .registry import HANDLERS, Handler, Reply, _bad, body_of, opt_bool, opt_int, opt_str, props_of, refs_of, req_int, req_str, user_topic
+from .operations import HANDLERS, Handler, Reply, _bad, body_of, opt_bool, opt_int, opt_str, props_of, refs_of, req_int, req_str, user_topic
 
 if TYPE_CHECKING:
     from .connection import BrokerConnection
@@ -33,7 +33,7 @@ def hello(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
         if (not isinstance(groups, list) or len(groups) > 64
                 or not all(isinstance(g, str) and 0 < len(g) <= 255 for g in groups)):
             raise _bad(f"field {key!r} must be a list of at most 64 group names (1 to 255 characters)")
-    # a repeated hello adds groups, up to registry.MAX_GROUPS_PER_CONN for the connection
+    # a repeated hello adds groups, up to MAX_GROUPS_PER_CONN (broker/registry.py) for the connection
     for g in f.get("producer_groups") or []:
         core.registry.register(g, conn)
     for g in f.get("consumer_groups") or []:
