@@ -1,8 +1,8 @@
 """The transport-independent broker core.
 
-Handlers (broker/handlers.py) validate wire fields and call these methods;
-another front end could call them just as well. Every method runs on the
-event loop thread; blocking work (fsync) happens in the flusher's thread.
+The front ends (broker/native/, broker/rocketmq/) validate their requests
+and translate them into these same calls. Every method runs on the event
+loop thread; blocking work (fsync) happens in the flusher's thread.
 
 Appends from all connections that arrive in one loop iteration are written
 with one store.append (one write syscall) by the Appender
@@ -21,12 +21,13 @@ from collections import defaultdict
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from txmq import __version__
 from txmq.constants import is_system_topic
 from txmq.store import (
     HEADER_SIZE,
+    AppendResult,
     ConsumerOffsets,
     GetResult,
     GetStatus,
@@ -49,7 +50,7 @@ from .clock import Clock
 from .config import FRAME_OVERHEAD, BrokerConfig, CheckSettings
 from .flush import DescriptorState, DiskState, Flusher
 from .metrics import Metrics
-from .records import record_to_map
+from .records import msg_id, record_to_map
 from .registry import ClientRegistry
 from .topics import TopicTable
 from .transactions.admin import TransactionAdmin
@@ -105,10 +106,9 @@ class BrokerCore:
         self.started_at: float = time.time()
         self.recovery: RecoveryReport | None = None
         self._pollers: dict[tuple[str, int], list[asyncio.Future]] = defaultdict(list)
-        self.connections: int = 0
-        self.busy_connections: int = 0  # connections with requests in flight
         self.busy_poll: BusyPoll = BusyPoll(0)  # the spinner, started in start()
-        self.partial_frame_bytes: int = 0  # held by all connections in frames not yet complete
+        # The native front end's connections, as info, stats and Prometheus show them (native.server.ServerState.gauges).
+        self.connection_gauges: Callable[[], dict[str, int]] = lambda: {"connections": 0, "partial_frame_bytes": 0}
         self.draining: bool = False  # refuse new requests; in-flight ones finish
         self.shutting_down: bool = False  # refuse appends
         self.disk: DiskState = DiskState()  # a full disk, logged once per change of state
@@ -156,7 +156,6 @@ class BrokerCore:
             disk=self.disk,
             count_error=partial(self.metrics.inc, "flush_errors"),
         )
-        self.flusher.lone_client = lambda: self.busy_connections <= 1
         self.appender = Appender(self.store, self.flusher, self.metrics, self.notify_appended, self.store_error)
         self.tx = TransactionService(self.appender, self.store, self.topics, self.flusher, self.metrics, self.clock)
         self.check = CheckService(self.tx, self.appender, self.store, self.flusher, self.metrics, self.clock, self.registry, self.disk,
@@ -226,6 +225,20 @@ class BrokerCore:
             return TxmqError(f"store error: {exc}", ErrorCode.STORE_ERROR)
         log.exception("event=internal_error", exc_info=exc)
         return TxmqError(f"internal error: {type(exc).__name__}", ErrorCode.INTERNAL)
+
+    # ---- sending -------------------------------------------------------
+    def send(self, msgs: list[Message], single: bool) -> asyncio.Future:
+        """Send plain messages, as every front end does: the future's result is each one's receipt (``single``: the only one's)."""
+        def shape(results: list[AppendResult]) -> dict[str, Any]:
+            self.metrics.counters["messages_sent"] += len(results)
+            rows = [
+                {"msg_id": msg_id(m.properties, r.commit_log_offset), "topic": m.topic, "queue_id": m.queue_id,
+                 "queue_offset": r.queue_offset, "commit_log_offset": r.commit_log_offset}
+                for m, r in zip(msgs, results)
+            ]
+            return rows[0] if single else {"results": rows}
+
+        return self.appender.submit(msgs, shape)
 
     # ---- long polls ------------------------------------------------------
     def notify_appended(self, msgs: Sequence[Message | RawCopy]) -> None:
@@ -342,7 +355,7 @@ class BrokerCore:
             "max_offset": self.store.max_offset,
             "durable_offset": self.store.durable_offset,
             "min_offset": self.store.min_offset,
-            "connections": self.connections,
+            "connections": self.connection_gauges()["connections"],
             "topics": len([t for t in self.topics.all() if not is_system_topic(t)]),
             "producer_groups": self.registry.groups(),
             "auth": bool(self.config.auth_token),
@@ -372,8 +385,7 @@ class BrokerCore:
                 "pending_by_topic": by_topic,
                 # age (s, broker store time) of each group's oldest pending transaction: what to alert on
                 "oldest_pending_age_s": oldest,
-                "connections": self.connections,
-                "partial_frame_bytes": self.partial_frame_bytes,
+                **self.connection_gauges(),  # connections, partial_frame_bytes
                 "max_offset": self.store.max_offset,
                 "durable_offset": self.store.durable_offset,
                 "check_passes": self.check.passes,

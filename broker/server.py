@@ -1,11 +1,12 @@
-"""Broker lifecycle: open the store, start the transaction index, serve, shut down.
+"""Broker lifecycle: open the store, start the transaction index, serve through the front ends, shut down.
 
-``Broker.serve(sock, shutdown)`` takes an already-bound socket and an
-awaitable shutdown signal, so tests bind 127.0.0.1:0 and never race for a
-port. Shutdown order (the reverse of start): stop accepting, let in-flight
-requests finish (bounded by shutdown_timeout_s), stop the transaction
-subsystem (broker/transactions/keeper.py: the check service, then the
-index file), close connections, flush and close the store.
+``Broker.serve(sock, shutdown)`` takes an already-bound socket for the
+native protocol (broker/native/) and an awaitable shutdown signal, so tests
+bind 127.0.0.1:0 and never race for a port. Shutdown order (the reverse of
+start): the front ends stop accepting and let in-flight requests finish
+(bounded by shutdown_timeout_s), the transaction subsystem stops
+(broker/transactions/keeper.py: the check service, then the index file),
+the store is flushed and closed, the front ends close their connections.
 """
 
 from __future__ import annotations
@@ -15,11 +16,12 @@ import logging
 import socket
 import time
 from dataclasses import replace
+from typing import Protocol
 
 from .clock import Clock
 from .config import BrokerConfig, read_settings_file
-from .connection import BrokerConnection
 from .core import BrokerCore, speedups_in_use
+from .native.server import NativeFrontend
 
 log = logging.getLogger("txmq.broker")
 
@@ -33,7 +35,6 @@ JANITOR_INTERVAL_S = 60.0
 # directory), per Prometheus scrape, and one for each connection past a limit while it is being closed.
 FD_RESERVE = 512
 FD_LIMIT_WANTED = 65536  # the soft RLIMIT_NOFILE `txmq broker start` raises itself to (within the hard limit)
-REFUSAL_LOG_EVERY_S = 10.0
 
 
 def fd_soft_limit() -> int:
@@ -89,37 +90,12 @@ def raise_fd_limit(wanted: int = FD_LIMIT_WANTED) -> tuple[int, int]:
     return soft, soft
 
 
-class ServerState:
-    def __init__(self) -> None:
-        self.connections: set[BrokerConnection] = set()
-        self.inflight: set[asyncio.Future] = set()
-        self.by_ip: dict[str, int] = {}  # open connections per remote address
-        self._refusals = 0  # connection-limit refusals not logged yet
-        self._refusal_logged_at = float("-inf")
+class Frontend(Protocol):
+    """A protocol's front end (broker/native/, broker/rocketmq/): it translates requests into the services' calls."""
 
-    def note_refusal(self, reason: str, peer: str) -> None:
-        """Log connection-limit refusals, at most one line per REFUSAL_LOG_EVERY_S (a flood must not flood the log)."""
-        self._refusals += 1
-        now = time.monotonic()
-        if now - self._refusal_logged_at >= REFUSAL_LOG_EVERY_S:
-            log.warning("event=connections_refused reason=%s peer=%s refused=%d msg=%s", reason, peer, self._refusals,
-                        "'over a connection limit; counted in connections_refused*, logged at most every 10s'")
-            self._refusals = 0
-            self._refusal_logged_at = now
-
-
-async def sweep_connections(state: ServerState, config: BrokerConfig) -> None:
-    """Close connections whose first request (--auth-timeout) or current frame (--frame-timeout) is overdue."""
-    timeouts = [t for t in (config.auth_timeout_s, config.frame_timeout_s) if t]
-    if not timeouts:
-        return
-    every = min(1.0, max(0.02, min(timeouts) / 4))
-    loop = asyncio.get_running_loop()
-    while True:
-        await asyncio.sleep(every)
-        now = loop.time()
-        for conn in list(state.connections):
-            conn.sweep(now)
+    async def start(self) -> None: ...  # the broker serves: requests go through
+    async def stop(self) -> None: ...  # first at shutdown: no new requests, those in flight finish; once
+    async def close(self) -> None: ...  # last, once the core stopped: what is still open is closed
 
 
 class Broker:
@@ -135,14 +111,10 @@ class Broker:
                         "'connections may take the descriptors the store needs: its writes then fail with EMFILE'")
         self.config = config
         self.core = BrokerCore(config, clock)
-        self.state = ServerState()
-        self.server: asyncio.AbstractServer | None = None
+        self.native: NativeFrontend | None = None  # built by serve() with its socket
         self.ready = asyncio.Event()
         self._janitor: asyncio.Task | None = None
-        self._sweeper: asyncio.Task | None = None
-        # Other front ends on the same core (the RocketMQ gRPC service, broker/rocketmq/): objects with
-        # async start() and stop(), started once this broker serves and stopped first at shutdown.
-        self.frontends: list = []
+        self.frontends: list[Frontend] = []  # RocketMQ's gRPC service when attached (main, testing), then the native one (serve)
 
     async def start(self) -> None:
         core = self.core
@@ -158,24 +130,15 @@ class Broker:
     async def serve(self, sock: socket.socket, shutdown: asyncio.Event | None = None) -> None:
         """Start, accept on sock until shutdown is set, then stop."""
         await self.start()
-        loop = asyncio.get_running_loop()
-        # Connections over --max-connections are accepted and closed at once
-        # (BrokerConnection.connection_made), so the backlog never fills with
-        # them; when descriptors run out all the same, uvloop (libuv's spare
-        # descriptor) and asyncio drain or retry the backlog and keep accepting.
-        self.server = await loop.create_server(lambda: BrokerConnection(self.core, self.state), sock=sock, backlog=2048)
-        self._sweeper = loop.create_task(sweep_connections(self.state, self.config), name="txmq-sweeper")
+        self.native = NativeFrontend(self.core, sock)
+        self.frontends.append(self.native)
         for frontend in self.frontends:
             await frontend.start()
         host, port = sock.getsockname()[:2]
         cfg = self.config
-        if cfg.rocketmq_max_connections is None:
-            log.info("event=listening host=%s port=%d flush=%s data_dir=%s speedups=%s max_connections=%d fd_limit=%d", host, port,
-                     cfg.flush, self.core.data_dir, speedups_in_use(), cfg.max_connections, self.fd_limit)
-        else:
-            log.info("event=listening host=%s port=%d flush=%s data_dir=%s speedups=%s max_connections=%d rocketmq_max_connections=%d "
-                     "fd_limit=%d", host, port, cfg.flush, self.core.data_dir, speedups_in_use(), cfg.max_connections,
-                     cfg.rocketmq_max_connections, self.fd_limit)
+        rmq = "" if cfg.rocketmq_max_connections is None else f" rocketmq_max_connections={cfg.rocketmq_max_connections}"
+        log.info("event=listening host=%s port=%d flush=%s data_dir=%s speedups=%s max_connections=%d%s fd_limit=%d", host, port,
+                 cfg.flush, self.core.data_dir, speedups_in_use(), cfg.max_connections, rmq, self.fd_limit)
         self.ready.set()
         try:
             await (shutdown or asyncio.Event()).wait()
@@ -183,34 +146,25 @@ class Broker:
             await self.stop()
 
     async def stop(self) -> None:
-        log.info("event=shutdown_begin connections=%d inflight=%d", len(self.state.connections), len(self.state.inflight))
+        state = self.native.state if self.native is not None else None
+        log.info("event=shutdown_begin connections=%d inflight=%d", len(state.connections) if state else 0, len(state.inflight) if state else 0)
+        self.core.draining = True
+        self.core.wake_all_pollers()  # long polls answer now
         for frontend in self.frontends:
             try:
                 await frontend.stop()
             except Exception:
                 log.exception("event=frontend_stop_failed")
-        self.core.draining = True
-        self.core.wake_all_pollers()  # long polls answer now
-        if self.server is not None:
-            self.server.close()
-        if self.state.inflight:
-            await asyncio.wait(list(self.state.inflight), timeout=self.config.shutdown_timeout_s)
-        for task in (self._janitor, self._sweeper):
-            if task is not None and not task.done():
-                task.cancel()
-                try:
-                    await task
-                except (asyncio.CancelledError, Exception):
-                    pass
+        if self._janitor is not None and not self._janitor.done():
+            self._janitor.cancel()
+            try:
+                await self._janitor
+            except (asyncio.CancelledError, Exception):
+                pass
         await self.core.keeper.stop()  # the check service, then the index file
         await self.core.stop()  # refuses new work, flushes, closes the store
-        for conn in list(self.state.connections):
-            conn.close()
-        if self.server is not None:
-            try:
-                await asyncio.wait_for(self.server.wait_closed(), 2.0)
-            except (asyncio.TimeoutError, Exception):
-                pass
+        for frontend in self.frontends:
+            await frontend.close()
         log.info("event=shutdown_done")
 
     async def _janitor_loop(self) -> None:

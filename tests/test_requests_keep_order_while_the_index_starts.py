@@ -9,7 +9,7 @@ pipelined half messages are stored out of the order it sent them in.
 import asyncio
 
 from txhelpers import G, arun
-from txmq.broker import handlers
+from txmq.broker.native import handlers
 from txmq.broker.testing import running_broker
 
 

@@ -65,7 +65,7 @@ class TxIds:
 
 
 HALF_CACHE_ENTRIES = 32768
-MAX_NAME = 255  # the longest transaction id or group a request field takes (handlers.req_str)
+MAX_NAME = 255  # the longest transaction id or group a request field takes (native/operations.py: req_str)
 
 
 def as_record(msg: Message, res: AppendResult) -> Record:
