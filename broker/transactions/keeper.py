@@ -258,7 +258,7 @@ class IndexKeeper:
         return TxDatabase(data_dir / DB_FILE)
 
     # ---- flushes ---------------------------------------------------------------
-    async def flush(self, upto: int | None = None) -> None:
+    async def flush(self, upto: int | None = None) -> bool:
         """Write the index rows changed since the last flush, once the log is durable past them.
 
         The changes and the log position (``applied_to``) are taken together,
@@ -269,7 +269,8 @@ class IndexKeeper:
         past the last slice: it reflects every record before applied_to and
         none that is not on disk (a power cut can never leave it ahead of
         the log), and a start's replay from applied_to brings the rows that
-        are ahead to the same state again.
+        are ahead to the same state again. False if it failed (logged once
+        per failing spell): the rows stay changed for the next flush.
         """
         async with self._flush_lock:
             store = self.store
@@ -306,7 +307,7 @@ class IndexKeeper:
                     log.error("event=txindex_flush_failed error=%r", exc)  # once per failing spell
                     self._flush_failing = "error"
                 self.metrics.inc("index_flush_errors")
-                return
+                return False
             if self._flush_failing == "error":
                 log.info("event=txindex_flush_recovered")
             self._flush_failing = False
@@ -319,6 +320,7 @@ class IndexKeeper:
                 if len(part) < FLUSHED_SLICE:
                     break
                 await asyncio.sleep(0)
+            return True
 
     async def _flush_loop(self) -> None:
         """Flush the index every INDEX_FLUSH_S, sooner when many rows changed (a check pass)."""
@@ -355,7 +357,8 @@ class IndexKeeper:
         try:
             if self.ready.is_set() and self.error is None:
                 t0 = time.perf_counter()
-                await self.flush()
+                if not await self.flush():  # logged by flush: the next start replays more of the log, nothing else
+                    return
                 await asyncio.get_running_loop().run_in_executor(self._pool, writer.checkpoint)
                 log.info("event=txindex_flushed applied_to=%d took_s=%.3f", writer.meta.get("applied_to", 0), time.perf_counter() - t0)
         except Exception:  # only a slower next start
