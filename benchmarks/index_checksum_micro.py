@@ -39,7 +39,7 @@ from benchlib import data_disk_dir  # noqa: E402
 
 from restart import _transactions  # noqa: E402
 
-from txmq.broker.server import START_CHECK_DECISIONS, START_CHECK_NEWEST, START_CHECK_SAMPLED  # noqa: E402
+from txmq.broker.transactions.keeper import START_CHECK_DECISIONS, START_CHECK_NEWEST, START_CHECK_SAMPLED  # noqa: E402
 from txmq.broker.transactions.index import TxIndex, log_position, rebuild  # noqa: E402
 from txmq.broker.transactions.indexcheck import check_decisions  # noqa: E402
 from txmq.broker.transactions.indexfile import COLUMNS, DB_FILE, TxDatabase  # noqa: E402

@@ -1,18 +1,19 @@
 """The transport-independent broker core.
 
-Handlers (broker/handlers.py) validate wire fields and call these methods;
-another front end could call them just as well. Every method runs on the
-event loop thread; blocking work (fsync) happens in the flusher's thread.
+The front ends (broker/native/, broker/rocketmq/) validate their requests
+and translate them into these same calls. Every method runs on the event
+loop thread; blocking work (fsync) happens in the flusher's thread.
 
 Appends from all connections that arrive in one loop iteration are written
-with one store.append (one write syscall) by the Appender, then wait for
-durability according to the flush policy.
+with one store.append (one write syscall) by the Appender
+(broker/appender.py), then wait for durability according to the flush
+policy. The core builds the transaction subsystem (broker/transactions/) and
+hands each service only what it uses; nothing there calls back into the core.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import os
 import time
@@ -23,7 +24,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from txmq import __version__
-from txmq.constants import PROP_UNIQ_KEY, is_system_topic
+from txmq.constants import is_system_topic
 from txmq.store import (
     HEADER_SIZE,
     AppendResult,
@@ -32,7 +33,6 @@ from txmq.store import (
     GetStatus,
     Message,
     RawCopy,
-    Record,
     RecordTooLargeError,
     RecoveryReport,
     Store,
@@ -44,16 +44,18 @@ from txmq.store.codec import H_QUEUE_ID, H_TOPIC_LEN, HEADER
 from txmq.store.errors import FULL_ERRNOS
 from txmq.wire import ErrorCode, TxmqError
 
+from .appender import Appender
 from .busypoll import BusyPoll
 from .clock import Clock
-from .config import BrokerConfig, CheckSettings
+from .config import FRAME_OVERHEAD, BrokerConfig, CheckSettings
 from .flush import DescriptorState, DiskState, Flusher
 from .metrics import Metrics
-from .registry import ProducerRegistry
+from .records import msg_id, record_to_map
+from .registry import ClientRegistry
 from .topics import TopicTable
 from .transactions.admin import TransactionAdmin
 from .transactions.check import CheckProgress, CheckService
-from .transactions.index import TxIndex
+from .transactions.keeper import IndexKeeper
 from .transactions.service import TransactionService
 
 log = logging.getLogger("txmq.broker")
@@ -62,32 +64,6 @@ MAX_WAIT_MS = 30_000
 # A pull that meets a long rebuild of damaged queue entries answers within this (or its wait), with no
 # messages and its own offset as next_offset: the client pulls again and the rebuild goes on.
 REPAIR_WAIT_S = 1.0
-
-
-def msg_id(properties: dict[str, str], commit_log_offset: int) -> str:
-    """The UNIQ_KEY property, or the commit-log offset in 16 hex digits (docs/protocol.md)."""
-    return properties.get(PROP_UNIQ_KEY) or f"{commit_log_offset:016X}"
-
-
-def msg_id_of(rec: Record) -> str:
-    return msg_id(rec.properties, rec.commit_log_offset)
-
-
-def record_to_map(rec: Record) -> dict[str, Any]:
-    return {
-        "topic": rec.topic,
-        "queue_id": rec.queue_id,
-        "queue_offset": rec.queue_offset,
-        "commit_log_offset": rec.commit_log_offset,
-        "size": rec.size,
-        "msg_id": msg_id_of(rec),
-        "born_ts": rec.born_ts,
-        "store_ts": rec.store_ts,
-        "tx_type": int(rec.tx_type),
-        "prepared_offset": rec.prepared_offset,
-        "properties": rec.properties,
-        "body": rec.body,
-    }
 
 
 def speedups_in_use() -> str:
@@ -99,121 +75,6 @@ def speedups_in_use() -> str:
     return "native" if codec.speedups is not None and checkcopy.speedups is not None else "python"
 
 
-class Appender:
-    """Batches appends submitted in one loop iteration into one store.append.
-
-    ``submit`` returns a future and creates no task: ``shape`` turns the
-    append results into the caller's value right after the write (index
-    updates happen there, so they always match the log), and with
-    ``durable`` the future resolves only once the flusher has fsynced past
-    the batch (sync flush mode). A request on the hot path costs one future.
-    """
-
-    def __init__(self, core: "BrokerCore") -> None:
-        self.core = core
-        self._batch: list[Message] = []
-        self._subs: list[tuple[asyncio.Future, int, int, Callable[[list[AppendResult]], Any] | None, bool]] = []
-        self._scheduled = False
-        self._loop = asyncio.get_running_loop()
-
-    def submit(self, msgs: Sequence[Message], shape: Callable[[list[AppendResult]], Any] | None = None, durable: bool = True) -> asyncio.Future:
-        loop = self._loop
-        fut = loop.create_future()
-        if self.core.shutting_down:
-            fut.set_exception(TxmqError("broker is shutting down", ErrorCode.SHUTTING_DOWN))
-            return fut
-        self._subs.append((fut, len(self._batch), len(msgs), shape, durable))
-        self._batch.extend(msgs)
-        if not self._scheduled:
-            self._scheduled = True
-            loop.call_soon(self._drain)
-        return fut
-
-    def _drain(self) -> None:
-        self._scheduled = False
-        batch, subs = self._batch, self._subs
-        self._batch, self._subs = [], []
-        if not batch:
-            return
-        store = self.core.store
-        before = store.max_offset
-        try:
-            results = store.append(batch)
-        except Exception as exc:  # one bad batch must not kill the loop
-            if len(subs) > 1 and isinstance(exc, RecordTooLargeError):
-                # Retry each submission alone so only the offender fails.
-                for sub in subs:
-                    fut, start, count = sub[0], sub[1], sub[2]
-                    try:
-                        res = store.append(batch[start : start + count])
-                    except Exception as exc2:
-                        fut.set_exception(self.core.store_error(exc2))
-                    else:
-                        self._settle_written(sub, res)
-                        self.core.notify_appended(batch[start : start + count])
-                return
-            err = self.core.store_error(exc)
-            for sub in subs:
-                if not sub[0].done():
-                    sub[0].set_exception(err)
-            return
-        m = self.core.metrics.counters
-        m["records_appended"] += len(results)
-        m["bytes_appended"] += store.max_offset - before
-        # Durable submissions of the batch wait for one fsync past its end
-        # together: one waiter per batch, not one per request.
-        wait: list[tuple[asyncio.Future, Any]] = []
-        for sub in subs:
-            self._settle_written(sub, results[sub[1] : sub[1] + sub[2]], wait)
-        self.core.notify_appended(batch)
-        if wait:
-            waiter = self.core.flusher.wait_durable(results[-1].end_offset)
-            if waiter is None:
-                for fut, value in wait:
-                    if not fut.done():
-                        fut.set_result(value)
-            else:
-                waiter.add_done_callback(lambda w: _settle_durable(wait, w))
-
-    def _settle_written(self, sub, results: list[AppendResult], wait: list | None = None) -> None:
-        """Shape the results; resolve the future now, or put it in wait (durable, sync flush)."""
-        fut, _, _, shape, durable = sub
-        # shape runs even if the caller gave up (cancelled): the records are
-        # in the log, so the index must learn of them.
-        try:
-            value = shape(results) if shape is not None else results
-        except Exception as exc:
-            if not fut.done():
-                fut.set_exception(self.core.store_error(exc))
-            return
-        if fut.done():
-            return
-        if durable and self.core.flusher.sync_mode:
-            if wait is not None:
-                wait.append((fut, value))
-                return
-            waiter = self.core.flusher.wait_durable(results[-1].end_offset)
-            if waiter is not None:
-                waiter.add_done_callback(lambda w: _settle_durable([(fut, value)], w))
-                return
-        fut.set_result(value)
-
-
-def _settle_durable(wait: list[tuple[asyncio.Future, Any]], waiter: asyncio.Future) -> None:
-    exc = waiter.exception()
-    for fut, value in wait:
-        if fut.done():
-            continue
-        if exc is None:
-            fut.set_result(value)
-        elif isinstance(exc, TxmqError) and isinstance(value, dict):
-            # Written but not known durable: say which record, so a producer can end it.
-            extra = {k: value[k] for k in ("tx_id", "commit_log_offset", "half_offset") if k in value}
-            fut.set_exception(TxmqError(exc.message, exc.code, **extra))
-        else:
-            fut.set_exception(exc)
-
-
 class BrokerCore:
     """The broker without its network: the store, the appends, consuming, and the transaction subsystem.
 
@@ -221,7 +82,7 @@ class BrokerCore:
     are built by ``open`` once the store holds it (the store's open takes
     the directory's lock and runs recovery): the topic table, consumer
     offsets, the flusher and the Appender, and the transaction subsystem
-    (broker/transactions/: ``tx``, ``check``, ``admin``).
+    (broker/transactions/: ``tx``, ``check``, ``admin``, ``keeper``).
     """
 
     def __init__(self, config: BrokerConfig, clock: Clock | None = None) -> None:
@@ -239,23 +100,15 @@ class BrokerCore:
             clock=self.clock,
         )
         self.metrics: Metrics = Metrics()
-        self.registry: ProducerRegistry = ProducerRegistry()  # live producer connections by group (check-backs go to them)
-        self.consumer_registry: ProducerRegistry = ProducerRegistry()  # live consumer connections by group (hello consumer_groups)
+        self.registry: ClientRegistry = ClientRegistry()  # live producer connections by group (check-backs go to them)
+        self.consumer_registry: ClientRegistry = ClientRegistry()  # live consumer connections by group (hello consumer_groups)
         self.broker_id: str = f"txmq-{os.getpid()}"
         self.started_at: float = time.time()
         self.recovery: RecoveryReport | None = None
-        self._rr = itertools.count()
         self._pollers: dict[tuple[str, int], list[asyncio.Future]] = defaultdict(list)
-        self.connections: int = 0
-        self.busy_connections: int = 0  # connections with requests in flight
         self.busy_poll: BusyPoll = BusyPoll(0)  # the spinner, started in start()
-        self.partial_frame_bytes: int = 0  # held by all connections in frames not yet complete
-        self.tx_ready: asyncio.Event = asyncio.Event()  # set once the transaction index is rebuilt (or failed to be)
-        self.tx_error: TxmqError | None = None  # why it failed
-        # Transactional requests queued behind tx_ready and not yet run: while
-        # any are, later ones queue too, so a connection's requests keep their
-        # order across the moment the index becomes ready.
-        self.tx_queued: int = 0
+        # The native front end's connections, as info, stats and Prometheus show them (native.server.ServerState.gauges).
+        self.connection_gauges: Callable[[], dict[str, int]] = lambda: {"connections": 0, "partial_frame_bytes": 0}
         self.draining: bool = False  # refuse new requests; in-flight ones finish
         self.shutting_down: bool = False  # refuse appends
         self.disk: DiskState = DiskState()  # a full disk, logged once per change of state
@@ -268,6 +121,7 @@ class BrokerCore:
         self.tx: TransactionService  # half messages, end transaction, decide, discard
         self.check: CheckService  # check-backs and discards, a pass every check interval
         self.admin: TransactionAdmin  # the operator's transaction operations
+        self.keeper: IndexKeeper  # the index file, and the gate transactional requests wait at until it is built
 
     # ---- lifecycle -------------------------------------------------------
     def open(self, stored: dict[str, Any] | None = None) -> None:
@@ -291,12 +145,7 @@ class BrokerCore:
             self.store.close()
             raise
         settings = self._settings(stored)
-        self.tx = TransactionService(self, TxIndex())  # the index file's index replaces it once built (Broker._build_index)
-        self.check = CheckService(self, self.tx, CheckProgress(self.data_dir / "txcheck.json", repair=True), self.data_dir / "config.json",
-                                  settings, stored={k: v for k, v in stored.items() if k in settings.to_dict()})
-        self.admin = TransactionAdmin(self, self.tx, self.check)
         self.store.config = replace(self.store.config, retention_s=settings.retention_s)
-        self.appender = Appender(self)
         self.flusher = Flusher(
             self.store,
             sync=self.config.flush == "sync",
@@ -307,7 +156,14 @@ class BrokerCore:
             disk=self.disk,
             count_error=partial(self.metrics.inc, "flush_errors"),
         )
-        self.flusher.lone_client = lambda: self.busy_connections <= 1
+        self.appender = Appender(self.store, self.flusher, self.metrics, self.notify_appended, self.store_error)
+        self.tx = TransactionService(self.appender, self.store, self.topics, self.flusher, self.metrics, self.clock)
+        self.check = CheckService(self.tx, self.appender, self.store, self.flusher, self.metrics, self.clock, self.registry, self.disk,
+                                  CheckProgress(self.data_dir / "txcheck.json", repair=True), self.data_dir / "config.json", settings,
+                                  self.config.check_batch, stored={k: v for k, v in stored.items() if k in settings.to_dict()})
+        self.admin = TransactionAdmin(self.tx, self.check, self.store, self.metrics, self.clock, self.registry)
+        self.keeper = IndexKeeper(self.tx, self.check, self.store, self.flusher, self.disk, self.metrics, self.data_dir, self.recovery,
+                                  self.config.max_body + self.config.max_properties + FRAME_OVERHEAD)
 
     def _settings(self, stored: dict) -> CheckSettings:
         """Defaults < config.json (what `txmq config set` stored) < explicit start options.
@@ -335,6 +191,7 @@ class BrokerCore:
 
     async def stop(self) -> None:
         self.shutting_down = True
+        self.appender.close()
         self.wake_all_pollers()
         await self.flusher.stop()
         self.busy_poll.stop()
@@ -369,23 +226,21 @@ class BrokerCore:
         log.exception("event=internal_error", exc_info=exc)
         return TxmqError(f"internal error: {type(exc).__name__}", ErrorCode.INTERNAL)
 
-    # ---- appending -------------------------------------------------------
-    def append(self, msgs: Sequence[Message], shape: Callable[[list[AppendResult]], Any] | None = None) -> asyncio.Future:
-        """Write msgs (one batch); the future resolves once durable per the flush policy."""
-        return self.appender.submit(msgs, shape, durable=True)
+    # ---- sending -------------------------------------------------------
+    def send(self, msgs: list[Message], single: bool) -> asyncio.Future:
+        """Send plain messages, as every front end does: the future's result is each one's receipt (``single``: the only one's)."""
+        def shape(results: list[AppendResult]) -> dict[str, Any]:
+            self.metrics.counters["messages_sent"] += len(results)
+            rows = [
+                {"msg_id": msg_id(m.properties, r.commit_log_offset), "topic": m.topic, "queue_id": m.queue_id,
+                 "queue_offset": r.queue_offset, "commit_log_offset": r.commit_log_offset}
+                for m, r in zip(msgs, results)
+            ]
+            return rows[0] if single else {"results": rows}
 
-    def append_written(self, msgs: Sequence[Message], shape: Callable[[list[AppendResult]], Any] | None = None) -> asyncio.Future:
-        """Write msgs; the future resolves once written (not necessarily durable)."""
-        return self.appender.submit(msgs, shape, durable=False)
+        return self.appender.submit(msgs, shape)
 
-    def pick_queue(self, topic: str, queue_id: int | None) -> int:
-        n, _ = self.topics.ensure(topic)
-        if queue_id is None or queue_id < 0:
-            return next(self._rr) % n
-        if queue_id >= n:
-            raise TxmqError(f"queue {queue_id} does not exist: topic {topic} has {n} queues", ErrorCode.NO_SUCH_QUEUE)
-        return queue_id
-
+    # ---- long polls ------------------------------------------------------
     def notify_appended(self, msgs: Sequence[Message | RawCopy]) -> None:
         """Wake the long polls waiting on the queues these messages went to.
 
@@ -500,7 +355,7 @@ class BrokerCore:
             "max_offset": self.store.max_offset,
             "durable_offset": self.store.durable_offset,
             "min_offset": self.store.min_offset,
-            "connections": self.connections,
+            "connections": self.connection_gauges()["connections"],
             "topics": len([t for t in self.topics.all() if not is_system_topic(t)]),
             "producer_groups": self.registry.groups(),
             "auth": bool(self.config.auth_token),
@@ -530,8 +385,7 @@ class BrokerCore:
                 "pending_by_topic": by_topic,
                 # age (s, broker store time) of each group's oldest pending transaction: what to alert on
                 "oldest_pending_age_s": oldest,
-                "connections": self.connections,
-                "partial_frame_bytes": self.partial_frame_bytes,
+                **self.connection_gauges(),  # connections, partial_frame_bytes
                 "max_offset": self.store.max_offset,
                 "durable_offset": self.store.durable_offset,
                 "check_passes": self.check.passes,

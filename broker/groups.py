@@ -18,7 +18,7 @@ from typing import Any
 from txmq.constants import PROP_KEYS, PROP_UNIQ_KEY, is_system_topic
 from txmq.wire import ErrorCode, TxmqError
 
-from .core import msg_id_of, record_to_map
+from .records import msg_id_of, record_to_map
 
 OFFSET_ID = re.compile(r"[0-9A-Fa-f]{16}")
 MAX_SCAN = 1_000_000  # records one find_messages may read, at most

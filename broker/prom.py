@@ -110,14 +110,15 @@ class BrokerCollector:
         yield _histogram("txmq_checkpoint_seconds", "Duration of each checkpoint cycle (log fsync, consume queues, checkpoint file)",
                          m.checkpoint.buckets, m.checkpoint.hist, m.checkpoint.total)
         yield GaugeMetricFamily("txmq_checkpoint_seconds_max", "Longest checkpoint cycle", value=m.checkpoint.max)
-        yield GaugeMetricFamily("txmq_connections", "Open client connections", value=core.connections)
+        gauges = core.connection_gauges()
+        yield GaugeMetricFamily("txmq_connections", "Open client connections", value=gauges["connections"])
         yield GaugeMetricFamily("txmq_max_connections", "Connection limit (--max-connections, or derived from RLIMIT_NOFILE)",
                                 value=core.config.max_connections or 0)
         yield GaugeMetricFamily("txmq_rocketmq_max_connections",
                                 "RocketMQ front end's connection limit (--rocketmq-max-connections, or derived from RLIMIT_NOFILE); 0 without --rocketmq-port",
                                 value=core.config.rocketmq_max_connections or 0)
         yield GaugeMetricFamily("txmq_partial_frame_bytes", "Bytes held in partly received frames, all connections",
-                                value=core.partial_frame_bytes)
+                                value=gauges["partial_frame_bytes"])
         online = GaugeMetricFamily("txmq_producer_connections", "Live connections registered for check-backs, by producer group", labels=["group"])
         for g, n in sorted(_retry(core.registry.groups, {}).items()):
             online.add_metric([g], n)

@@ -1,4 +1,4 @@
-"""Live client connections by producer group, for check-backs."""
+"""Live client connections by group: producers (check-backs go to them) and consumers (`txmq groups` shows them)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,9 @@ class PushTarget(Protocol):
 MAX_GROUPS_PER_CONN = 1024
 
 
-class ProducerRegistry:
+class ClientRegistry:
+    """The connections registered under each group, one registry per kind of client."""
+
     def __init__(self) -> None:
         self._groups: dict[str, list[PushTarget]] = {}
         self._rr: dict[str, int] = {}

@@ -58,7 +58,7 @@ async def running_broker(data_dir: str | Path, clock: Clock | None = None, **ove
         for frontend in broker.frontends:
             await frontend.stop()
         task.result()  # raises the start-up error
-    await broker.core.tx_ready.wait()  # tests start from a fully ready broker
+    await broker.core.keeper.ready.wait()  # tests start from a fully ready broker
     try:
         yield RunningBroker(broker, "127.0.0.1", port)
     finally:

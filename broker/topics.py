@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 from pathlib import Path
 
@@ -31,6 +32,7 @@ class TopicTable:
     def __init__(self, path: Path, default_queues: int) -> None:
         self.path = path
         self.default_queues = default_queues
+        self._rr = itertools.count()  # pick_queue's round robin, over every topic
         self._queues: dict[str, int] = {HALF_TOPIC: 1, OP_TOPIC: 1, DISCARD_TOPIC: 1}
         try:
             data = read_json(path, {})
@@ -83,6 +85,15 @@ class TopicTable:
         self._queues[topic] = n
         self.save()
         return n, True
+
+    def pick_queue(self, topic: str, queue_id: int | None) -> int:
+        """The queue a send goes to: queue_id if the topic has it, else the next one round-robin (None or < 0)."""
+        n, _ = self.ensure(topic)
+        if queue_id is None or queue_id < 0:
+            return next(self._rr) % n
+        if queue_id >= n:
+            raise TxmqError(f"queue {queue_id} does not exist: topic {topic} has {n} queues", ErrorCode.NO_SUCH_QUEUE)
+        return queue_id
 
     def all(self) -> dict[str, int]:
         return dict(self._queues)

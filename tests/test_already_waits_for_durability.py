@@ -1,6 +1,6 @@
 """A repeated end_transaction is answered "already" only once the first outcome is durable.
 
-decide() enters the outcome in the index and releases the _deciding gate in
+decide() enters the outcome in the index and releases the deciding gate in
 `shape`, after the write but before the fsync. A duplicate waiting on the
 gate (or arriving later) must wait for the first outcome's records to be
 durable (sync flush: fsynced) before it is told "already committed"; when

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from conftest import arun
 from txmq import wire
-from txmq.broker.handlers import HANDLERS
+from txmq.broker.native.operations import HANDLERS
 from txmq.broker.testing import running_broker
 from txmq.wire import ErrorCode
 from wireclient import RawClient

@@ -68,6 +68,7 @@ def test_unfinished_frames_before_hello_are_closed_at_the_auth_timeout_and_relea
     async def go():
         async with running_broker(tmp_path / "data", auth_token=TOKEN, auth_timeout_s=SHORT, check_interval_s=3600) as b:
             core = b.core
+            state = b.broker.native.state
             good = await RawClient.open(b.address)
             await good.ok("hello", {"token": TOKEN})
             # an 8 MiB frame announced before hello: over the pre-hello limit, refused on its header
@@ -80,19 +81,19 @@ def test_unfinished_frames_before_hello_are_closed_at_the_auth_timeout_and_relea
             attackers = [await RawClient.open(b.address) for _ in range(n)]
             for c in attackers:
                 c.send_raw(partial(60_000, sent))
-            await until(lambda: core.partial_frame_bytes >= n * sent or core.metrics.counters["auth_timeouts"], what="partial frames held")
-            assert core.partial_frame_bytes <= n * core.config.max_preauth_frame
+            await until(lambda: state.partial_frame_bytes >= n * sent or core.metrics.counters["auth_timeouts"], what="partial frames held")
+            assert state.partial_frame_bytes <= n * core.config.max_preauth_frame
             for c in attackers:
                 f = await refusal(c)
                 assert f.op == ErrorCode.AUTH_REQUIRED and "--auth-timeout" in f.fields["error"]
-            await until(lambda: core.partial_frame_bytes == 0, what="partial frames released")
+            await until(lambda: state.partial_frame_bytes == 0, what="partial frames released")
             counters = (await good.ok("stats"))["counters"]
             assert counters["auth_timeouts"] == n
             assert counters["errors_frame_too_large"] == 1
             # the authenticated connection sat idle for longer than the auth timeout and was not disturbed
             await asyncio.sleep(SHORT * 2)
             await good.ok("send", {"topic": "t", "body": b"after"})
-            await until(lambda: core.connections == 1, what="the refused connections to be gone")
+            await until(lambda: len(state.connections) == 1, what="the refused connections to be gone")
             await good.close()
 
     arun(go())
@@ -122,7 +123,7 @@ def test_hello_and_a_large_frame_pipelined_in_one_write_are_both_served(tmp_path
             c.send_raw(wire.request(1, "hello", {"token": TOKEN}) + wire.request(2, "send", {"topic": "t", "body": body}))
             replies = [await c.read_frame(), await c.read_frame()]
             assert [(f.id, f.op) for f in replies] == [(1, 0), (2, 0)], replies
-            assert b.core.partial_frame_bytes == 0
+            assert b.broker.native.state.partial_frame_bytes == 0
             await c.close()
 
     arun(go())
@@ -133,6 +134,7 @@ def test_an_unfinished_frame_is_closed_at_the_frame_timeout_and_idle_clients_are
         async with running_broker(tmp_path / "data", auth_token=TOKEN, frame_timeout_s=SHORT, auth_timeout_s=SHORT,
                                   check_interval_s=3600) as b:
             core = b.core
+            state = b.broker.native.state
             idle = await RawClient.open(b.address)
             await idle.ok("hello", {"token": TOKEN})
             poller = await RawClient.open(b.address)
@@ -141,17 +143,17 @@ def test_an_unfinished_frame_is_closed_at_the_frame_timeout_and_idle_clients_are
             slow = await RawClient.open(b.address)
             await slow.ok("hello", {"token": TOKEN})
             slow.send_raw(partial(1 << 20, 100_000))
-            await until(lambda: core.partial_frame_bytes >= 100_000 or core.metrics.counters["frame_timeouts"], what="partial frame held")
+            await until(lambda: state.partial_frame_bytes >= 100_000 or core.metrics.counters["frame_timeouts"], what="partial frame held")
             f = await refusal(slow)
             assert f.op == ErrorCode.MALFORMED_FRAME and "--frame-timeout" in f.fields["error"]
-            await until(lambda: core.partial_frame_bytes == 0, what="partial frame released")
+            await until(lambda: state.partial_frame_bytes == 0, what="partial frame released")
             # a long poll outlasting both timeouts, and a connection idle all along, are served
             t0 = time.monotonic()
             r = await poller.ok("pull", {"topic": "t", "queue_id": 0, "offset": 0, "wait_ms": int(SHORT * 3000)})
             assert r["messages"] == [] and time.monotonic() - t0 >= SHORT * 2
             await idle.ok("heartbeat")
             assert core.metrics.counters["frame_timeouts"] == 1 and core.metrics.counters["auth_timeouts"] == 0
-            await until(lambda: core.connections == 2, what="the refused connection to be gone")
+            await until(lambda: len(state.connections) == 2, what="the refused connection to be gone")
             await idle.close()
             await poller.close()
 
@@ -164,6 +166,7 @@ def test_partial_frames_beyond_the_budget_are_refused_and_memory_stays_bounded(t
         async with running_broker(tmp_path / "data", max_frame=1 << 20, max_body=512 << 10, partial_frame_budget=budget,
                                   check_interval_s=3600) as b:
             core = b.core
+            state = b.broker.native.state
             good = await RawClient.open(b.address)
             await good.ok("hello", {})
             sent, refused, held = 400_000, [], []
@@ -172,9 +175,9 @@ def test_partial_frames_beyond_the_budget_are_refused_and_memory_stays_bounded(t
                 await c.ok("heartbeat")
                 before = core.metrics.counters["partial_frame_refusals"]
                 c.send_raw(partial(1_000_000, sent))
-                await until(lambda: core.partial_frame_bytes >= (len(held) + 1) * sent
+                await until(lambda: state.partial_frame_bytes >= (len(held) + 1) * sent
                             or core.metrics.counters["partial_frame_refusals"] > before, what="frame held or refused")
-                assert core.partial_frame_bytes <= budget
+                assert state.partial_frame_bytes <= budget
                 if core.metrics.counters["partial_frame_refusals"] > before:
                     f = await refusal(c)
                     assert f.op == ErrorCode.BUSY and f.fields["retriable"] is True and "--partial-frame-budget" in f.fields["error"]
@@ -188,7 +191,7 @@ def test_partial_frames_beyond_the_budget_are_refused_and_memory_stays_bounded(t
             await good.ok("send", {"topic": "t", "body": b"small"})  # complete frames need no budget
             for c in held:
                 await c.close()
-            await until(lambda: core.partial_frame_bytes == 0, what="partial frames released")
+            await until(lambda: state.partial_frame_bytes == 0, what="partial frames released")
             await good.ok("send", {"topic": "t", "body": b"y" * (500 << 10)})
             await good.close()
 
@@ -198,7 +201,7 @@ def test_partial_frames_beyond_the_budget_are_refused_and_memory_stays_bounded(t
 def test_connections_over_the_limits_are_answered_busy_closed_and_counted(tmp_path):
     async def go():
         async with running_broker(tmp_path / "data", max_connections=4, check_interval_s=3600) as b:
-            core = b.core
+            state = b.broker.native.state
             good = await RawClient.open(b.address)
             await good.ok("hello", {})
             others = [await RawClient.open(b.address) for _ in range(3)]
@@ -208,9 +211,9 @@ def test_connections_over_the_limits_are_answered_busy_closed_and_counted(tmp_pa
                 c = await RawClient.open(b.address)
                 f = await refusal(c)
                 assert f.op == ErrorCode.BUSY and f.fields["retriable"] is True and "--max-connections" in f.fields["error"]
-            assert core.connections == 4
+            assert len(state.connections) == 4
             await others.pop().close()
-            await until(lambda: core.connections == 3, what="a connection to close")
+            await until(lambda: len(state.connections) == 3, what="a connection to close")
             again = await RawClient.open(b.address)
             await again.ok("heartbeat")
             counters = (await good.ok("stats"))["counters"]
@@ -224,10 +227,10 @@ def test_connections_over_the_limits_are_answered_busy_closed_and_counted(tmp_pa
             assert f.op == ErrorCode.BUSY and "--max-connections-per-ip" in f.fields["error"]
             await a.ok("heartbeat")
             assert (await c2.ok("stats"))["counters"]["connections_refused_per_ip"] == 1
-            assert b.broker.state.by_ip == {"127.0.0.1": 2}
+            assert b.broker.native.state.by_ip == {"127.0.0.1": 2}
             await a.close()
             await c2.close()
-            await until(lambda: not b.broker.state.by_ip, what="the per-address count to drop")
+            await until(lambda: not b.broker.native.state.by_ip, what="the per-address count to drop")
 
     arun(go())
 

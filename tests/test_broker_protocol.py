@@ -231,13 +231,13 @@ def test_long_poll_is_not_woken_by_other_queues(tmp_path):
 
 
 def test_a_reply_no_frame_can_carry_is_answered_with_an_internal_error_and_the_connection_goes_on(tmp_path, monkeypatch):
-    from txmq.broker import handlers
+    from txmq.broker.native import operations
 
     async def later(core, conn, f):
         return {"n": 2 ** 70}
 
-    monkeypatch.setitem(handlers.HANDLERS, "heartbeat", lambda core, conn, f: {"n": 2 ** 70})  # answered at once
-    monkeypatch.setitem(handlers.HANDLERS, "list_topics", later)  # answered by a task
+    monkeypatch.setitem(operations.HANDLERS, "heartbeat", lambda core, conn, f: {"n": 2 ** 70})  # answered at once
+    monkeypatch.setitem(operations.HANDLERS, "list_topics", later)  # answered by a task
 
     async def go() -> None:
         async with running_broker(tmp_path / "data") as b:

@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 
 from txmq import wire
-from txmq.broker import connection as connection_mod
 from txmq.broker.config import BrokerConfig
-from txmq.broker.connection import BrokerConnection
-from txmq.broker.server import ServerState
+from txmq.broker.native import connection as connection_mod
+from txmq.broker.native.connection import BrokerConnection
+from txmq.broker.native.server import ServerState
 
 
 class RecordingTransport(asyncio.Transport):
@@ -58,7 +58,7 @@ def waiting_op(monkeypatch):
 
 def make_connection() -> tuple[BrokerConnection, RecordingTransport]:
     core = SimpleNamespace(
-        config=BrokerConfig(), connections=0, busy_connections=0, draining=False, partial_frame_bytes=0,
+        config=BrokerConfig(), draining=False,
         metrics=SimpleNamespace(inc=lambda *a, **k: None), busy_poll=SimpleNamespace(arm=None),
     )
     conn = BrokerConnection(core, ServerState())

@@ -1,11 +1,11 @@
 """The check progress is saved only once the records it moves past are durable.
 
-A pass appends check copies with append_written (no fsync wait) and moves
+A pass appends check copies without waiting for an fsync and moves
 the half progress past the old copies. A rebuild after a power cut reads
 the half queue from the progress, so saving it before the copies (or the
 decisions it passes) are fsynced would lose the transaction: neither
 pending nor decided, never checked again, the producer's own
-end_transaction refused with TX_NOT_FOUND. CheckService._pass waits for
+end_transaction refused with TX_NOT_FOUND. CheckService._finish waits for
 the flusher before saving txcheck.json.
 """
 import asyncio

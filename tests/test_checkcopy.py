@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from txmq import wire
 from txmq.broker.transactions.checkcopy import check_push, pack_group, patch_properties
-from txmq.broker.core import record_to_map
+from txmq.broker.records import record_to_map
 from txmq.broker.transactions.service import half_copy
 from txmq.broker.transactions.index import _int
 from txmq.constants import (

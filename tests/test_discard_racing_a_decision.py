@@ -2,7 +2,7 @@
 
 The producer's answer to a check-back arrives in the same loop iteration as
 the pass step that collects discards. The pass leaves a transaction alone
-while its outcome is being written (TransactionService._deciding), so no
+while its outcome is being written (TransactionService.deciding), so no
 discard record follows the op record in the log: the running index and a
 rebuild from the log agree on "committed", and after a restart the
 transaction is not listed as discarded nor committed a second time by a

@@ -4,7 +4,7 @@ A client that pipelines requests and never reads the replies must not make
 the broker buffer without limit: the connection stops reading when its
 write buffer passes the high-water mark, when too many requests are in
 flight, or when the pulls in flight could return more than the pull budget
-(broker/connection.py). The broker is a subprocess, so its memory is its
+(broker/native/connection.py). The broker is a subprocess, so its memory is its
 VmRSS in /proc.
 """
 
@@ -133,7 +133,7 @@ def test_requests_held_back_by_backpressure_are_all_answered_in_the_end(tmp_path
             r, w = await asyncio.open_connection(b.host, b.port)
             w.write(b"".join(wire.request(i + 1, "pull", {"topic": "small", "queue_id": 0, "offset": 0}) for i in range(n)))
             await asyncio.sleep(1.0)  # not reading: ~40 MB of replies cannot all fit in the buffers
-            conns = list(b.broker.state.connections)
+            conns = list(b.broker.native.state.connections)
             assert any(conn._read_paused for conn in conns), "the stalled connection was never paused"
             dec = wire.FrameDecoder(64 << 20)
             ids = set()

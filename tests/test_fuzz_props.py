@@ -4,7 +4,7 @@ Codec (txmq.wire in core/wire.py, no I/O): any bytes, split anywhere, either giv
 payloads that were framed or FRAME_TOO_LARGE; any payload either parses to a
 well-formed frame or raises FrameError -- never another exception.
 
-Operations: for every op in broker/handlers.py's HANDLERS, random, mistyped,
+Operations: for every op in broker/native/operations.py's HANDLERS, random, mistyped,
 oversized and missing field values go through the real connection code
 (BrokerConnection.data_received on a fake transport) into a real broker core
 running in a background thread. Each request gets a reply with a known
@@ -29,8 +29,8 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from txmq import wire
-from txmq.broker.connection import BrokerConnection
-from txmq.broker.handlers import HANDLERS
+from txmq.broker.native.connection import BrokerConnection
+from txmq.broker.native.operations import HANDLERS
 from txmq.broker.testing import running_broker
 from txmq.wire import ErrorCode, FrameDecoder, FrameError, TxmqError, parse_payload
 
@@ -335,7 +335,7 @@ class LiveCore:
 
     async def exchange(self, data: bytes, expect: set[int], wait: float = 2.0) -> tuple[list[wire.Frame], bool]:
         """Feed data to a fresh connection; wait for replies to the ids in expect (or a close)."""
-        conn = BrokerConnection(self.core, self.rb.broker.state)
+        conn = BrokerConnection(self.core, self.rb.broker.native.state)
         t = FakeTransport()
         conn.connection_made(t)
         try:

@@ -9,7 +9,7 @@ pipelined half messages are stored out of the order it sent them in.
 import asyncio
 
 from txhelpers import G, arun
-from txmq.broker import handlers
+from txmq.broker.native import handlers
 from txmq.broker.testing import running_broker
 
 
@@ -21,13 +21,13 @@ def test_half_messages_arriving_as_the_index_becomes_ready_are_stored_in_arrival
     async def go():
         async with running_broker(tmp_path / "data", check_interval_s=3600) as b:
             core = b.core
-            core.tx_ready.clear()  # as right after a start: the index is being built
+            core.keeper.ready.clear()  # as right after a start: the index is being built
             replies = [handlers.send(core, None, half(i)) for i in range(3)]
-            core.tx_ready.set()
+            core.keeper.ready.set()
             # arriving before the three waiters have resumed
             replies += [handlers.send(core, None, half(i)) for i in range(3, 6)]
             done = await asyncio.gather(*[r if not isinstance(r, dict) else asyncio.sleep(0, r) for r in replies])
-            assert core.tx_queued == 0
+            assert core.keeper.queued == 0
             return [r["half_offset"] for r in done], [r["commit_log_offset"] for r in done]
 
     half_offsets, cl_offsets = arun(go())

@@ -8,6 +8,7 @@ check pass instead of being lost."""
 import asyncio
 
 import txmq.broker.server as server
+from txmq.broker.transactions import keeper
 from txhelpers import T, arun, half_fields
 from txmq.broker.transactions.indexfile import remove_db
 from txmq.broker.clock import ManualClock
@@ -40,13 +41,13 @@ def test_retention_keeps_a_pending_half_while_the_index_is_built(tmp_path, monke
         remove_db(data)  # the index rebuilt from the log alone
     clock.advance(3600)  # the first segment is past retention; the half in it is still undecided
 
-    async def slow_build(self, t0, _orig=server.Broker._build_index):
+    async def slow_build(self, t0, _orig=keeper.IndexKeeper._build):
         await asyncio.sleep(0.5)  # a big log: the rebuild takes a while
         return await _orig(self, t0)
 
     monkeypatch.setattr(server, "JANITOR_INTERVAL_S", 0.1)
     if slow:
-        monkeypatch.setattr(server.Broker, "_build_index", slow_build)
+        monkeypatch.setattr(keeper.IndexKeeper, "_build", slow_build)
 
     async def second():
         async with running_broker(data, **kw) as b:

@@ -105,6 +105,9 @@ def test_validation_errors_are_distinct(tmp_path):
             for fields, code in cases:
                 got, f = await c.req("end_transaction", fields)
                 assert got == code, (fields, f)
+            # a bad state is refused as such, before the half message is looked for
+            got, f = await c.req("end_transaction", {**end(h, "commit"), "state": "maybe", "commit_log_offset": 10**9})
+            assert (got, f["error"]) == (ErrorCode.INVALID_FIELD, "field 'state' must be commit, rollback or unknown"), f
             # nothing was decided by the bad requests
             assert (await c.ok("end_transaction", end(h, "commit")))["status"] == "ok"
             await c.close()

@@ -78,9 +78,9 @@ def crash_on_exit(b) -> None:
     async def no_flush() -> None:
         pass
 
-    if b.broker._index_flusher is not None:
-        b.broker._index_flusher.cancel()
-    b.broker._final_flush = no_flush
+    if b.core.keeper._flush_task is not None:
+        b.core.keeper._flush_task.cancel()
+    b.core.keeper._final_flush = no_flush
 
 
 async def _tx(c, state: str, body: bytes = b"x") -> dict:
@@ -204,7 +204,7 @@ def test_a_start_after_a_crash_reads_only_the_records_after_the_last_flush(tmp_p
             await c.ok("hello", {"producer_groups": ["g"]})
             for state in ("commit", "rollback", "commit", "unknown", "commit"):
                 await _tx(c, state)  # 9 records: 5 halves, 4 ops
-            await b.broker._flush_index()
+            await b.core.keeper.flush()
             assert not b.core.tx.index.decided  # flushed decisions leave memory
             assert b.core.tx.index.lookup(next(iter(b.core.tx.index.pending))) is None
             for state in ("commit", "unknown"):  # after the flush: 3 records

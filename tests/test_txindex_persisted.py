@@ -25,7 +25,7 @@ from conftest import arun
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_tx_recovery import _full_view, _index_view, _tx, crash_on_exit
-from txmq.broker import server as server_module
+from txmq.broker.transactions import keeper as keeper_module
 from txmq.broker.clock import ManualClock
 from txmq.broker.testing import running_broker
 from wireclient import RawClient
@@ -46,7 +46,7 @@ op = st.one_of(
 
 
 async def _run(data: Path, ops: list[tuple]) -> list[str]:
-    with mock.patch.object(server_module, "CAPTURE_SLICE", 1):  # a turn of the loop between any two pending rows
+    with mock.patch.object(keeper_module, "CAPTURE_SLICE", 1):  # a turn of the loop between any two pending rows
         return await _run_ops(data, ops)
 
 
@@ -85,9 +85,9 @@ async def _run_ops(data: Path, ops: list[tuple]) -> list[str]:
                 h = halves[o[1] % len(halves)]
                 await c.req("discard_replay", {"to": o[2], "refs": [{"tx_id": h["tx_id"]}]})
             elif o[0] == "flush":
-                await b.broker._flush_index()
+                await b.core.keeper.flush()
             elif o[0] == "bgflush":
-                background.append(asyncio.ensure_future(b.broker._flush_index()))
+                background.append(asyncio.ensure_future(b.core.keeper.flush()))
                 await asyncio.sleep(0)  # it captures now; its rows are taken while the next operations run
             elif o[0] == "restart":
                 await asyncio.gather(*background)  # the file holds what those flushes wrote, rows ahead included
@@ -118,7 +118,7 @@ def test_the_persisted_index_agrees_with_a_rebuild_from_the_log(ops):
 
 def test_a_flush_of_thousands_of_decisions_writes_every_row_and_empties_memory(tmp_path):
     """More rows than one multi-row INSERT and more decisions than one slice of the loop's clean-up."""
-    from txmq.broker.server import FLUSHED_SLICE
+    from txmq.broker.transactions.keeper import FLUSHED_SLICE
     from txmq.broker.transactions.indexfile import ROWS_PER_INSERT
 
     n = max(FLUSHED_SLICE, ROWS_PER_INSERT) * 2 + 7
@@ -131,7 +131,7 @@ def test_a_flush_of_thousands_of_decisions_writes_every_row_and_empties_memory(t
                 h = await c.ok("send", {"topic": "t", "body": b"m", "properties": TX})
                 await c.ok("end_transaction", {"group": "g", "tx_id": h["tx_id"], "commit_log_offset": h["commit_log_offset"],
                                                "half_offset": h["half_offset"], "state": "commit" if i % 3 else "rollback"})
-            await b.broker._flush_index()
+            await b.core.keeper.flush()
             assert not b.core.tx.index.decided  # every decision on disk, none left in memory
             live = _index_view(b.core.tx.index, _full_view(data)[0].keys())
             await c.close()
@@ -145,7 +145,7 @@ def test_a_flush_of_thousands_of_decisions_writes_every_row_and_empties_memory(t
 
 def test_a_flush_whose_rows_are_taken_while_a_check_pass_and_ends_run_restarts_to_the_same_index(tmp_path, monkeypatch):
     """Rows taken one per turn of the loop while check copies and decisions are written; then a crash."""
-    monkeypatch.setattr(server_module, "CAPTURE_SLICE", 1)
+    monkeypatch.setattr(keeper_module, "CAPTURE_SLICE", 1)
     data = tmp_path / "data"
     clock = ManualClock()
     taken: list[int] = []  # half offsets of the pending rows the flush took
@@ -164,7 +164,7 @@ def test_a_flush_whose_rows_are_taken_while_a_check_pass_and_ends_run_restarts_t
                 return rows
 
             monkeypatch.setattr(index, "pending_rows", spy)
-            flush = asyncio.ensure_future(b.broker._flush_index())
+            flush = asyncio.ensure_future(b.core.keeper.flush())
             await asyncio.sleep(0)  # captured: 40 pending, the half queue at 40
             clock.advance(10)
             await b.core.check.run_pass()  # a new copy of each pending half, while the rows are being taken
@@ -204,29 +204,29 @@ def test_a_crash_during_the_rebuild_at_start_resumes_from_the_last_flush_and_los
     arun(fill())
     for p in data.glob("txindex.db*"):
         p.unlink()  # a first start on an older data directory: the whole index is built from the log
-    monkeypatch.setattr(server_module, "INDEX_FLUSH_ROWS", 100)
+    monkeypatch.setattr(keeper_module, "INDEX_FLUSH_ROWS", 100)
     monkeypatch.setattr(bulk, "ENTRIES_PER_READ", 500)
-    real_flush = server_module.Broker._flush_index
+    real_flush = keeper_module.IndexKeeper.flush
     copies: list[int] = []
 
     async def flush_then_copy(self, upto=None):
         await real_flush(self, upto)
-        if not self.core.tx_ready.is_set() and not copies:  # the first flush in the middle of the replay: what a kill leaves
-            copies.append(len(self.core.tx.index.pending))
+        if not self.ready.is_set() and not copies:  # the first flush in the middle of the replay: what a kill leaves
+            copies.append(len(self.tx.index.pending))
             shutil.copytree(data, crashed, ignore=shutil.ignore_patterns("LOCK"))
 
-    monkeypatch.setattr(server_module.Broker, "_flush_index", flush_then_copy)
+    monkeypatch.setattr(keeper_module.IndexKeeper, "flush", flush_then_copy)
 
     async def start(d) -> None:
         async with running_broker(d, clock=clock, check_interval_s=3600) as b:
-            await b.core.tx_ready.wait()
+            await b.core.keeper.ready.wait()
             full = _full_view(d)
             assert len(b.core.tx.index.pending) == 2000
             assert _index_view(b.core.tx.index, full[0].keys()) == full
 
     arun(start(data))
     assert copies, "no flush in the middle of the replay"
-    monkeypatch.setattr(server_module.Broker, "_flush_index", real_flush)
+    monkeypatch.setattr(keeper_module.IndexKeeper, "flush", real_flush)
     arun(start(crashed))  # from the file that flush left, and the log
 
 
@@ -252,14 +252,14 @@ def test_a_damaged_last_transactional_record_leaves_transactions_available_at_ev
 
     async def start() -> None:
         async with running_broker(data, check_interval_s=3600) as b:
-            await b.core.tx_ready.wait()
-            assert b.core.tx_error is None, b.core.tx_error
+            await b.core.keeper.ready.wait()
+            assert b.core.keeper.error is None, b.core.keeper.error
             c = await RawClient.open(b.address)
             h = await _tx(c, "commit")
             assert b.core.tx.index.outcome(h["tx_id"]) is not None
             await c.close()
-            await b.broker._flush_index()
-            assert b.broker._flush_failing is False
+            await b.core.keeper.flush()
+            assert b.core.keeper._flush_failing is False
 
     arun(start())
     arun(start())  # the file the first start wrote fits the log: no rebuild, no failure
@@ -268,23 +268,23 @@ def test_a_damaged_last_transactional_record_leaves_transactions_available_at_ev
 def test_a_flush_that_cannot_take_the_log_position_keeps_its_rows_for_the_next_flush(tmp_path, monkeypatch):
     async def go() -> None:
         async with running_broker(tmp_path / "data", check_interval_s=3600) as b:
-            await b.core.tx_ready.wait()
-            await b.broker._flush_index()
+            await b.core.keeper.ready.wait()
+            await b.core.keeper.flush()
             c = await RawClient.open(b.address)
             h = await _tx(c, "commit")
             await c.close()
-            real = server_module.log_position
+            real = keeper_module.log_position
 
             def fails(*a, **kw):
                 raise OSError("read failed")
 
-            monkeypatch.setattr(server_module, "log_position", fails)
-            await b.broker._flush_index()
-            assert b.broker._flush_failing == "error"
+            monkeypatch.setattr(keeper_module, "log_position", fails)
+            await b.core.keeper.flush()
+            assert b.core.keeper._flush_failing == "error"
             assert h["tx_id"] in b.core.tx.index.dirty  # handed back, not dropped
-            monkeypatch.setattr(server_module, "log_position", real)
-            await b.broker._flush_index()
-            assert b.broker._flush_failing is False and h["tx_id"] not in b.core.tx.index.decided  # on disk now
+            monkeypatch.setattr(keeper_module, "log_position", real)
+            await b.core.keeper.flush()
+            assert b.core.keeper._flush_failing is False and h["tx_id"] not in b.core.tx.index.decided  # on disk now
             assert b.core.tx.index.outcome(h["tx_id"]) is not None  # read back from the file
 
     arun(go())
@@ -317,8 +317,8 @@ def test_an_index_file_with_a_damaged_page_behind_a_good_header_is_rebuilt_at_st
 
     async def start() -> None:
         async with running_broker(data, check_interval_s=3600) as b:
-            await b.core.tx_ready.wait()
-            assert b.core.tx_error is None, b.core.tx_error
+            await b.core.keeper.ready.wait()
+            assert b.core.keeper.error is None, b.core.keeper.error
             assert len(b.core.tx.index.pending) == 150
             assert all(b.core.tx.index.outcome(h["tx_id"]) is not None for h in sent[::2])
 
@@ -356,8 +356,8 @@ def test_an_index_whose_every_transactional_record_is_damaged_is_kept_at_the_nex
 
     async def start() -> None:
         async with running_broker(data, check_interval_s=3600) as b:
-            await b.core.tx_ready.wait()
-            assert b.core.tx_error is None
+            await b.core.keeper.ready.wait()
+            assert b.core.keeper.error is None
 
     arun(start())  # builds the index around the damage: no boundary record can be written
     caplog.clear()

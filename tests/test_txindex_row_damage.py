@@ -22,7 +22,7 @@ import pytest
 
 from clihelpers import txmq
 from txhelpers import arun, end, half_fields, pull_all
-from txmq.broker import server as server_module
+from txmq.broker.transactions import keeper as keeper_module
 from txmq.broker.testing import running_broker
 from txmq.broker.transactions.indexfile import DB_FILE
 from wireclient import RawClient
@@ -139,7 +139,7 @@ def test_a_lookup_that_meets_a_damaged_row_takes_the_outcome_from_the_log(tmp_pa
     halves = fill(data)
     flip_state(data / DB_FILE, "ORDER-1")
     for name in ("START_CHECK_NEWEST", "START_CHECK_SAMPLED", "START_CHECK_DECISIONS"):
-        monkeypatch.setattr(server_module, name, 0)
+        monkeypatch.setattr(keeper_module, name, 0)
 
     async def start():
         async with running_broker(data, check_interval_s=3600) as b:
@@ -172,7 +172,7 @@ def test_a_damaged_row_whose_record_cannot_be_found_keeps_its_id_taken_and_refus
     db.commit()
     db.close()
     for name in ("START_CHECK_NEWEST", "START_CHECK_SAMPLED", "START_CHECK_DECISIONS"):
-        monkeypatch.setattr(server_module, name, 0)
+        monkeypatch.setattr(keeper_module, name, 0)
 
     async def start():
         async with running_broker(data, check_interval_s=3600) as b:
@@ -279,7 +279,7 @@ def test_transactions_whose_copies_retention_deleted_are_not_taken_for_damage(tm
             for h, p in zip(halves, copies):  # decided through their check copies, segments later still
                 await c.ok("end_transaction", end({**h, "commit_log_offset": p.cl_offset, "half_offset": p.half_offset}, "commit"))
             await c.ok("send", {"topic": "other", "body": b"x" * 400})
-            await b.broker._flush_index()
+            await b.core.keeper.flush()
             op_start = min(b.core.tx.index.lookup(h["tx_id"]).cl_offset for h in halves)
             clock.advance(3600)
             store = b.core.store
@@ -287,7 +287,7 @@ def test_transactions_whose_copies_retention_deleted_are_not_taken_for_damage(tm
 
             assert store.delete_expired(clock(), min(p.cl_offset for p in copies))  # the first copies
             assert max(h["commit_log_offset"] for h in halves) < store.min_offset <= min(p.cl_offset for p in copies)
-            await b.broker._flush_index()  # their rows are pruned
+            await b.core.keeper.flush()  # their rows are pruned
             assert store.delete_expired(clock(), op_start)  # the check copies, with no flush after
             assert max(p.cl_offset for p in copies) < store.min_offset <= op_start
             assert all(b.core.tx.index.lookup(h["tx_id"]) is None for h in halves)

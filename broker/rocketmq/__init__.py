@@ -2,8 +2,8 @@
 
 RocketMQ's official SDKs (Java, Go, Python, Node.js, ...) talk to txmq
 through it, unmodified; txmq's own msgpack protocol stays as it is. Every
-request is mapped onto the calls the native handlers make (the core's
-append and pull, ``core.tx`` for half messages and end transaction), so one
+request is translated into the service calls the native handlers make (the
+core's send and pull, ``core.tx`` for half messages and end transaction), so one
 transaction has one outcome whichever protocol sent or ended it, and the
 operator's commands see SDK transactions like native ones. docs/rocketmq.md
 describes the RPCs, the id and group mappings and the limits.

@@ -28,6 +28,7 @@ import zlib
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from txmq.broker.records import msg_id_of
 from txmq.constants import (
     PROP_CHECK_IMMUNITY,
     PROP_CHECK_TIMES,
@@ -169,7 +170,7 @@ def record_to_message(rec: Record, **kw: Any) -> d.Message:
     ``receipt_handle``, ``invisible_duration_ms`` as for ``to_message``.
     """
     props = rec.properties
-    message_id = props.get(PROP_UNIQ_KEY) or f"{rec.commit_log_offset:016X}"
+    message_id = msg_id_of(rec)
     return to_message(rec.topic, rec.queue_id, rec.queue_offset, message_id, rec.born_ts, rec.store_ts, props, rec.body,
                       message_type=message_type_of(props, rec.prepared_offset), **kw)
 

@@ -64,6 +64,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
+from txmq.broker.records import msg_id_of
 from txmq.constants import PROP_TRAN_MSG, PROP_UNIQ_KEY, TOPIC_RE, is_system_topic
 from txmq.store import GetStatus, Message, Record, TxType
 
@@ -231,10 +232,6 @@ def check_group(group: str) -> str:
 
 def dlq_topic(group: str) -> str:
     return DLQ_PREFIX + group
-
-
-def message_id(rec: Record) -> str:
-    return rec.properties.get(PROP_UNIQ_KEY) or f"{rec.commit_log_offset:016X}"
 
 
 class PopService:
@@ -778,10 +775,10 @@ class PopService:
                 self._remove(sub, q, offset)
                 continue
             props = {k: v for k, v in rec.properties.items() if k != PROP_TRAN_MSG}
-            props.update({PROP_DLQ_ORIGIN_TOPIC: sub.topic, PROP_DLQ_ORIGIN_MESSAGE_ID: message_id(rec),
+            props.update({PROP_DLQ_ORIGIN_TOPIC: sub.topic, PROP_DLQ_ORIGIN_MESSAGE_ID: msg_id_of(rec),
                           PROP_DLQ_ORIGIN_QUEUE: f"{q.qid}:{offset}", PROP_DLQ_ATTEMPTS: str(slot.attempt),
                           PROP_DLQ_REASON: reason})
-            props.setdefault(PROP_UNIQ_KEY, message_id(rec))
+            props.setdefault(PROP_UNIQ_KEY, msg_id_of(rec))
             msgs.append(Message(topic, 0, TxType.NORMAL, rec.born_ts, props, rec.body))
             done.append((q, offset, slot))
         if not msgs:
@@ -790,7 +787,7 @@ class PopService:
             if not TOPIC_RE.match(topic):
                 raise PopError("ILLEGAL_CONSUMER_GROUP", f"the dead-letter topic {topic!r} would be longer than 127 characters")
             core.topics.ensure(topic, 1)
-            await core.append(msgs)
+            await core.appender.submit(msgs)
         except Exception as exc:
             log.warning("event=rmq_dead_letter_failed group=%s topic=%s messages=%d error=%r", sub.group, sub.topic, len(msgs), exc)
             for q, offset, slot in done:

@@ -1,12 +1,11 @@
-"""SendMessage and EndTransaction, mapped onto the native protocol's handlers (broker/handlers.py).
+"""SendMessage and EndTransaction, translated into the service calls the native protocol's handlers make.
 
-A send becomes the fields of txmq's ``send`` (one message) or
-``send_batch`` (several) and goes through the same handler a native
-producer's request does: the same checks and limits, the same core append,
-and for a transactional message the same ``TransactionService.send_half``.
-An end transaction becomes the fields of ``end_transaction``
-(``TransactionService.end_transaction`` and ``decide``), so one transaction
-has one outcome whichever protocol ended it.
+A send becomes ``BrokerCore.send`` (plain messages, one or a batch: the
+same core append) or, for a transactional message,
+``TransactionService.send_half``, with txmq's limits checked on the way
+(convert.py). An end transaction becomes
+``TransactionService.end_transaction`` (and ``decide``), so one
+transaction has one outcome whichever protocol ended it.
 
 Ids (docs/rocketmq.md, "Ids"):
 
@@ -25,10 +24,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from txmq.constants import PROP_PGROUP, PROP_TRAN_MSG, is_system_topic
+from txmq.store import Message, TxType
 from txmq.wire import ErrorCode, TxmqError
 
-from txmq.broker.handlers import HANDLERS
 from txmq.broker.topics import check_topic_name
+from txmq.broker.transactions.service import MAX_NAME
 
 from . import convert
 from .clients import parse_transaction_id, transaction_id
@@ -58,6 +58,15 @@ def topic_of(resource: d.Resource, what: str = "topic") -> str:
 
 async def _reply(result: Any) -> dict[str, Any]:
     return result if isinstance(result, dict) else await result
+
+
+async def _index_ready(core: BrokerCore) -> None:
+    """Right after a start the transaction index is being built: transactional calls wait for it."""
+    keeper = core.keeper
+    if keeper.must_wait():  # raises the build's error, if it failed
+        await keeper.ready.wait()
+        if keeper.error is not None:
+            raise keeper.error
 
 
 async def send_message(core: BrokerCore, req: s.SendMessageRequest) -> s.SendMessageResponse:
@@ -95,24 +104,16 @@ async def send_message(core: BrokerCore, req: s.SendMessageRequest) -> s.SendMes
             resp.entries.append(again)
             resp.status.CopyFrom(ok())
             return resp
-    if len(out) == 1:
+    now = int(core.clock() * 1000)
+    if transactional:
         o = out[0]
-        props = dict(o.properties)
-        if o.transactional:
-            props[PROP_TRAN_MSG] = "true"
-            props[PROP_PGROUP] = topic  # RocketMQ 5 producers have no group: the topic is it (as RocketMQ's proxy does)
-        fields: dict[str, Any] = {"topic": topic, "body": o.body, "properties": props}
-        if o.born_ts is not None:
-            fields["born_ts"] = o.born_ts
-        rows = [await _reply(HANDLERS["send"](core, None, fields))]
+        # RocketMQ 5 producers have no group: the topic is it (as RocketMQ's proxy does)
+        props = {**o.properties, PROP_TRAN_MSG: "true", PROP_PGROUP: topic}
+        await _index_ready(core)
+        rows = [await core.tx.send_half(topic, None, o.body, props, o.born_ts or now)]
     else:
-        items = []
-        for o in out:
-            item: dict[str, Any] = {"body": o.body, "properties": o.properties}
-            if o.born_ts is not None:
-                item["born_ts"] = o.born_ts
-            items.append(item)
-        rows = (await _reply(HANDLERS["send_batch"](core, None, {"topic": topic, "messages": items})))["results"]
+        qid = core.topics.pick_queue(topic, None)
+        rows = (await core.send([Message(topic, qid, TxType.NORMAL, o.born_ts or now, o.properties, o.body) for o in out], False))["results"]
     for o, row in zip(out, rows):
         e = resp.entries.add()
         e.status.CopyFrom(ok())
@@ -135,7 +136,7 @@ def _sent_before(core: BrokerCore, topic: str, message_id: str) -> s.SendResultE
     second send gets the first's receipt instead of a refusal (an id in use
     otherwise is refused, as for native producers).
     """
-    if not core.tx_ready.is_set() or core.tx_error is not None:
+    if not core.keeper.ready.is_set() or core.keeper.error is not None:
         return None
     p = core.tx.index.pending.get(message_id)
     if p is None or p.topic != topic or p.group != topic:
@@ -162,12 +163,7 @@ async def end_transaction(core: BrokerCore, req: s.EndTransactionRequest) -> s.E
     topic = topic_of(req.topic)
     state = _STATES.get(req.resolution, "unknown")  # RocketMQ: anything but COMMIT / ROLLBACK leaves it pending
     source = "check" if req.source == d.SOURCE_SERVER_CHECK else "producer"
-    if core.tx_error is not None:
-        raise core.tx_error
-    if not core.tx_ready.is_set():  # right after a start: the index is being built
-        await core.tx_ready.wait()
-        if core.tx_error is not None:
-            raise core.tx_error
+    await _index_ready(core)
     ref = parse_transaction_id(req.transaction_id)
     if ref is None:
         ref = _lookup(core, req.transaction_id or req.message_id)
@@ -175,10 +171,10 @@ async def end_transaction(core: BrokerCore, req: s.EndTransactionRequest) -> s.E
     if req.message_id and req.message_id != tx_id:
         raise RmqError(Code.INVALID_TRANSACTION_ID,
                        f"message_id {req.message_id!r} is not the message of transaction_id {req.transaction_id!r}")
-    fields = {"group": topic, "tx_id": tx_id, "commit_log_offset": cl_offset, "half_offset": half_offset, "state": state,
-              "from_check": source == "check"}
+    if len(tx_id) > MAX_NAME:  # no transaction has a longer id
+        raise RmqError(Code.BAD_REQUEST, f"field 'tx_id' is longer than {MAX_NAME} characters")
     try:
-        reply = await _reply(HANDLERS["end_transaction"](core, None, fields))
+        reply = await _reply(core.tx.end_transaction(topic, tx_id, cl_offset, half_offset, state, source))
     except TxmqError as exc:
         if exc.code == ErrorCode.TX_GROUP_MISMATCH:
             raise RmqError(Code.INVALID_TRANSACTION_ID, f"transaction {tx_id} was not sent to topic {topic} by a RocketMQ "

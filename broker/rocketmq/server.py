@@ -4,7 +4,8 @@
 ``--rocketmq-port`` is given: ``bind()`` before the store opens (a port in
 use ends the start at once; from then on it listens, and requests wait),
 ``start()`` once the broker serves (requests go through), ``stop()`` first
-thing at shutdown. Nothing else of the broker imports this package.
+thing at shutdown (``close()`` has nothing left to do). Nothing else of the
+broker imports this package.
 
 Requests arrive as bytes and are parsed here, so a malformed request is an
 answer with RocketMQ's BAD_REQUEST in the response's ``status``, not a
@@ -75,8 +76,9 @@ class RocketMQServer:
         self.server: aio.Server | None = None
         self.port = 0
         self.tls = config.rocketmq_tls_cert is not None
-        # The Broker derived it (server.connection_limits); a config that did not go through it gets the same default.
-        self.max_connections = config.rocketmq_max_connections or _default_max_connections(config)
+        if config.rocketmq_max_connections is None:  # the Broker derives it (server.connection_limits)
+            raise ValueError("build the RocketMQ front end on Broker.config")
+        self.max_connections: int = config.rocketmq_max_connections
         self.ready = asyncio.Event()  # set once the broker serves: requests that come earlier wait for it
         self.stopping = False
 
@@ -141,6 +143,9 @@ class RocketMQServer:
             await service.close()  # Telemetry streams end: their producers leave the registry
         if server is not None:
             await server.stop(SHUTDOWN_GRACE_S)
+
+    async def close(self) -> None:
+        """gRPC closed its connections in stop()."""
 
     # ---- the handler table -------------------------------------------------------------
     def _handlers(self) -> grpc.GenericRpcHandler:
@@ -322,12 +327,6 @@ def signed(md: dict[str, str], token: str) -> bool:
     given = parts.get("Signature", "").lower()
     want = hmac.new(token.encode(), date_time.encode(), sha1).hexdigest()
     return hmac.compare_digest(given.encode(), want.encode())
-
-
-def _default_max_connections(config: BrokerConfig) -> int:
-    from txmq.broker.server import connection_limits, fd_soft_limit
-
-    return connection_limits(fd_soft_limit(), True, config.max_connections)[1] or 1
 
 
 def _read(path: Path | None, option: str) -> bytes:

@@ -12,15 +12,17 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING, Any
 
-from txmq.constants import HALF_TOPIC, PROP_ORIGIN_CL_OFFSET, PROP_UNIQ_KEY
-from txmq.store import CorruptRecordError, Record, StoreError
+from txmq.constants import HALF_TOPIC, OP_TOPIC, PROP_ORIGIN_CL_OFFSET, PROP_UNIQ_KEY
+from txmq.store import CorruptRecordError, Record, Store, StoreError
 from txmq.wire import ErrorCode, TxmqError
 
 from .history import History, find_tx_id, held_by
 from .index import Decided, Outcome, PendingTx, TxIndex
 
 if TYPE_CHECKING:
-    from ..core import BrokerCore
+    from ..clock import Clock
+    from ..metrics import Metrics
+    from ..registry import ClientRegistry
     from .check import CheckService
     from .service import TransactionService
 
@@ -30,10 +32,14 @@ log = logging.getLogger("txmq.tx")
 class TransactionAdmin:
     """What ``txmq resolve``, ``txmq discard``, ``txmq inspect pending`` and ``config get`` ask of the transactions."""
 
-    def __init__(self, core: BrokerCore, tx: TransactionService, check: CheckService) -> None:
-        self.core = core
+    def __init__(self, tx: TransactionService, check: CheckService, store: Store, metrics: Metrics, clock: Clock,
+                 producers: ClientRegistry) -> None:
         self.tx = tx
         self.check = check
+        self.store = store
+        self.metrics = metrics
+        self.clock = clock
+        self.producers = producers  # how many are online, for what holds the progress back
 
     @property
     def index(self) -> TxIndex:
@@ -46,7 +52,7 @@ class TransactionAdmin:
         Retention deletes a transaction's records and its row in the index
         file together (never while it is pending).
         """
-        store = self.core.store
+        store = self.store
         if store.min_offset >= store.max_offset:
             return None
         try:
@@ -73,14 +79,14 @@ class TransactionAdmin:
             return self.tx.read_half(int(ref["commit_log_offset"]))
         if ref.get("half_offset") is not None:
             ho = int(ref["half_offset"])
-            entries = self.core.store.cq_entries(HALF_TOPIC, 0, ho, 1)
+            entries = self.store.cq_entries(HALF_TOPIC, 0, ho, 1)
             if not entries:
                 raise TxmqError(f"no half message at half offset {ho}", ErrorCode.TX_NOT_FOUND)
             return self.tx.read_half(entries[0][0])
         raise TxmqError("a ref needs tx_id, half_offset or commit_log_offset", ErrorCode.INVALID_FIELD)
 
     def _decided_half(self, tx_id: str, d: Decided) -> Record:
-        entries = self.core.store.cq_entries(HALF_TOPIC, 0, d.half_offset, 1)
+        entries = self.store.cq_entries(HALF_TOPIC, 0, d.half_offset, 1)
         if entries:
             try:
                 rec = self.tx.read_half(entries[0][0])
@@ -159,14 +165,14 @@ class TransactionAdmin:
                     row.update(status="ok", message=f"would replay to {to} (dry run)")
                 else:
                     try:
-                        rec = self.core.store.read(d.cl_offset)
+                        rec = self.store.read(d.cl_offset)
                     except (CorruptRecordError, StoreError, ValueError):
                         raise TxmqError(f"the discard record of {tx_id} at {d.cl_offset} is gone (retention)", ErrorCode.TX_NOT_FOUND) from None
                     if to == "half":
                         await self.tx.replay_half(rec, d.cl_offset)
                     else:
                         await self.tx.decide(self._half_of_discard(rec), True, "operator", allow_discarded=True)
-                    self.core.metrics.inc("replayed")
+                    self.metrics.inc("replayed")
                     log.info("event=discard_replay tx_id=%s to=%s", tx_id, to)
                     row.update(status="ok", message=f"replayed to {to}")
             except TxmqError as e:
@@ -206,26 +212,29 @@ class TransactionAdmin:
     # ---- inspection ----------------------------------------------------------
     def offsets(self) -> dict[str, Any]:
         """The check progress and the queues' ends (``txmq inspect offsets``), with what holds the half progress back."""
-        doc = self.check.offsets()
-        doc["held_by"] = held_by(self.index, doc["half"]["progress"], doc["half"]["max"], int(self.core.clock() * 1000),
-                                 self.check.settings.transaction_timeout_s, self.core.registry.online)
-        return doc
+        progress, idx = self.check.progress, self.index
+        half_max = self.store.queue_max_offset(HALF_TOPIC, 0)
+        return {"half": {"progress": progress.half, "max": half_max},
+                "op": {"progress": progress.op, "max": self.store.queue_max_offset(OP_TOPIC, 0)},
+                "pending": len(idx.pending), "discarded": idx.discarded,
+                "held_by": held_by(idx, progress.half, half_max, int(self.clock() * 1000), self.check.settings.transaction_timeout_s,
+                                   self.producers.online)}
 
     def history(self, tx_id: str | None, half_offset: int | None, cl_offset: int | None, max_scan: int, summary: bool) -> History | None:
         """The history of the transaction one of the references names (``txmq tx history``), or None when none names one.
 
         Nothing is read yet: run its bounded scan with ``History.steps()``.
         """
-        found = find_tx_id(self.core.store, tx_id, half_offset, cl_offset)
+        found = find_tx_id(self.store, tx_id, half_offset, cl_offset)
         if found is None:
             return None
-        return History(self.core.store, self.index, found, int(self.core.clock() * 1000), max_scan, self.check.next_check_at, summary)
+        return History(self.store, self.index, found, int(self.clock() * 1000), max_scan, self.check.next_check_at, summary)
 
     # ---- listing -----------------------------------------------------------
     def pending_rows(self, group: str | None, topic: str | None, min_age_ms: int, limit: int, next_check,
                      after: int = -1) -> tuple[list[dict[str, Any]], int, int | None]:
         """A page of pending transactions by half offset above ``after``: (rows, total matching, cursor or None at the end)."""
-        now_ms = int(self.core.clock() * 1000)
+        now_ms = int(self.clock() * 1000)
         page = self.matching(group, topic, min_age_ms, after, limit + 1)
         rows = [p.as_dict(now_ms, next_check(p)) for p in page[:limit]]
         total = sum(1 for _ in self._matching_iter(group, topic, min_age_ms, -1, now_ms))
@@ -233,7 +242,7 @@ class TransactionAdmin:
 
     def matching(self, group: str | None, topic: str | None, min_age_ms: int, after: int, limit: int) -> list[PendingTx]:
         """At most limit pending transactions matching, by half offset above ``after`` (the index keeps them in that order)."""
-        now_ms = int(self.core.clock() * 1000)
+        now_ms = int(self.clock() * 1000)
         out: list[PendingTx] = []
         for p in self._matching_iter(group, topic, min_age_ms, after, now_ms):
             out.append(p)

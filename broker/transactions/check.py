@@ -35,17 +35,18 @@ from __future__ import annotations
 import asyncio
 import logging
 from bisect import bisect_left
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import msgpack
 
 from txmq.constants import HALF_TOPIC, OP_TOPIC, PROP_CHECK_TIMES
-from txmq.store import RawCopy, StoreError, atomic_write_json, read_json
+from txmq.store import RawCopy, Store, StoreError, atomic_write_json, read_json
 from txmq.store.files import move_aside
 from txmq.store.consumequeue import first_entry_from
 from txmq.store.codec import H_BORN_TS, H_PREPARED_OFFSET, H_PROPS_LEN, H_TOPIC_LEN, HEADER_SIZE, TAGS_PROPERTY
-from txmq.wire import TxmqError
+from txmq.wire import ErrorCode, TxmqError
 
 from .checkcopy import check_push, pack_group, patch_properties
 from ..config import CheckSettings
@@ -53,7 +54,11 @@ from .service import TransactionService, copy_properties
 from .index import PendingTx
 
 if TYPE_CHECKING:
-    from ..core import BrokerCore
+    from ..appender import Appender
+    from ..clock import Clock
+    from ..flush import DiskState, Flusher
+    from ..metrics import Metrics
+    from ..registry import ClientRegistry
 
 log = logging.getLogger("txmq.check")
 
@@ -97,14 +102,39 @@ class CheckProgress:
         atomic_write_json(self.path, {"half_progress": self.half, "op_progress": self.op})
 
 
+@dataclass
+class _Walk:
+    """Where one check pass is: the steps of CheckService._pass share it."""
+
+    settings: CheckSettings  # as the pass began: a change takes effect at the next pass
+    now_ms: int  # the broker's clock as the pass began
+    started: float  # the loop's clock as the pass began
+    offs: list[int]  # the pending transactions' latest copies as the pass began, by half offset
+    i: int  # the next of offs to look at
+    last: int  # the first of offs the walk does not reach (copies stored after the pass began)
+    end_at: int  # the first half offset the walk did not pass: the queue's end, or where it stopped
+    blocked: int | None = None  # the first half offset the progress cannot pass
+    stopped: bool = False  # met a transaction still immune: the ones after it were stored later
+    stats: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
+        ("walked", "checked", "discarded", "no_producer", "immune", "unreadable"), 0))
+
+
 class CheckService:
-    def __init__(self, core: BrokerCore, tx: TransactionService, progress: CheckProgress, settings_path: Path, settings: CheckSettings,
-                 stored: dict[str, Any] | None = None) -> None:
-        self.core = core
+    def __init__(self, tx: TransactionService, appender: Appender, store: Store, flusher: Flusher, metrics: Metrics, clock: Clock,
+                 producers: ClientRegistry, disk: DiskState, progress: CheckProgress, settings_path: Path, settings: CheckSettings,
+                 batch: int, stored: dict[str, Any] | None = None) -> None:
+        self.tx = tx
+        self.appender = appender
+        self.store = store
+        self.flusher = flusher
+        self.metrics = metrics
+        self.clock = clock
+        self.producers = producers  # check-backs go to them
+        self.disk = disk  # a full disk is logged once, broker-wide
+        self.batch = max(1, batch)  # pending transactions walked between two turns of the loop
         # What config.json holds (`config set` changes): start options are in
         # `settings` for this run only and are never written there.
         self.stored: dict[str, Any] = dict(stored if stored is not None else settings.to_dict())
-        self.tx = tx
         self.progress = progress
         self.settings_path = settings_path
         self.settings = settings
@@ -142,7 +172,7 @@ class CheckService:
         new_settings = self.settings.with_value(key, value)  # KeyError / ValueError as set() raises them
         old = getattr(self.settings, key)
         s, n = self.settings, new_settings
-        now_ms = int(self.core.clock() * 1000)
+        now_ms = int(self.clock() * 1000)
         pending = self.tx.index.pending.values()
         by_checks = by_age = 0
         if key == "max_checks" and n.max_checks < s.max_checks:
@@ -154,11 +184,6 @@ class CheckService:
         return {"key": key, "old": old, "new": getattr(n, key), "dry_run": True, "applied": False,
                 "pending": len(self.tx.index.pending), "would_discard": by_checks + by_age,
                 "would_delete_pending": by_age}
-
-    @property
-    def passing(self) -> bool:
-        """A pass is running now."""
-        return self._pass_lock.locked()
 
     # ---- background loop --------------------------------------------------
     def start(self) -> None:
@@ -216,7 +241,7 @@ class CheckService:
         failure already logged since the last pass that succeeded is not
         logged again.
         """
-        disk = self.core.disk
+        disk = self.disk
         if disk.failed("check", exc) or (disk.full and isinstance(exc, TxmqError)):
             return  # a full disk (or the flush this pass waited for, failed by it): logged once, broker-wide
         kind = f"{type(exc).__name__}:{getattr(exc, 'errno', None) or getattr(exc, 'code', None)}"
@@ -228,7 +253,7 @@ class CheckService:
                   exc_info=None if expected else exc)
 
     def _pass_ok(self) -> None:
-        self.core.disk.ok("check")
+        self.disk.ok("check")
         if self._failing:
             log.info("event=check_pass_recovered")
             self._failing.clear()
@@ -239,106 +264,124 @@ class CheckService:
             return await self._pass()
 
     async def _pass(self) -> dict[str, Any]:
-        core, idx, s = self.core, self.tx.index, self.settings
-        store = core.store
-        now = core.clock()
-        now_ms = int(now * 1000)
-        t0 = asyncio.get_running_loop().time()
+        """Walk the pending transactions a batch at a time, act on each batch, then move and save the progress."""
+        walk = self._begin()
+        while walk.i < walk.last and not walk.stopped:
+            to_check, to_discard = self._triage(walk)
+            await self._act(walk, to_check, to_discard)
+            await asyncio.sleep(0)  # let sends through between batches
+        return await self._finish(walk)
+
+    def _begin(self) -> _Walk:
+        """What the pass walks: the pending transactions' latest copies from the half progress to the half queue's end now."""
+        idx, store = self.tx.index, self.store
+        now_ms = int(self.clock() * 1000)
+        started = asyncio.get_running_loop().time()
         half_max = store.queue_max_offset(HALF_TOPIC, 0)
         start = max(self.progress.half, store.queue_min_offset(HALF_TOPIC, 0))
-        blocked: int | None = None  # first offset the progress cannot pass
         self._stuck.clear()  # left by a check_now between passes: that one is seen again below
-        stats = {"walked": 0, "checked": 0, "discarded": 0, "no_producer": 0, "immune": 0, "unreadable": 0}
-        stop = False
-        batch = max(1, core.config.check_batch)
-        # The pending transactions' latest copies at the start of the pass, in
-        # half-queue order (by_half is kept in that order; the sort only
+        # In half-queue order (by_half is kept in that order; the sort only
         # checks it). Copies written by this pass are past half_max.
         offs = list(idx.by_half)
         offs.sort()
-        i, last = bisect_left(offs, start), bisect_left(offs, half_max)
-        # Hoisted out of the walk, which visits every pending transaction.
-        by_half_get, pending, deciding = idx.by_half.get, idx.pending, self.tx._deciding
-        targets = core.registry.targets
+        return _Walk(self.settings, now_ms, started, offs, bisect_left(offs, start), bisect_left(offs, half_max), half_max)
+
+    def _triage(self, walk: _Walk) -> tuple[list[tuple[PendingTx, Any]], list[tuple[PendingTx, str]]]:
+        """The next batch of the walk: the transactions to check (each with the connection to ask) and to discard.
+
+        Moves the walk past the batch, or to the first transaction still
+        immune (the walk stops there), and notes what holds the progress back.
+        """
+        idx, s, now_ms, stats, offs = self.tx.index, walk.settings, walk.now_ms, walk.stats, walk.offs
+        # Hoisted out of the loop, which visits every pending transaction.
+        by_half_get, pending, deciding = idx.by_half.get, idx.pending, self.tx.deciding
+        targets = self.producers.targets
         max_checks, retention_ms = s.max_checks, s.retention_s * 1000
         timeout_s = s.transaction_timeout_s
         timeout_ms = timeout_s * 1000
-        qo = half_max  # where the walk ends: the first offset it did not pass
-        while i < last and not stop:
-            end = min(last, i + batch)
-            to_check: list[tuple[PendingTx, Any]] = []
-            to_discard: list[tuple[PendingTx, str]] = []
-            # A group's writable connections, once per batch; the batch's
-            # check-backs go round-robin over them.
-            group_conns: dict[str, list] = {}
-            for k in range(i, end):
-                off = offs[k]
-                tx_id = by_half_get(off)
-                if tx_id is None:
-                    continue
-                p = pending[tx_id]
-                if tx_id in deciding:  # its outcome is being written right now: leave it to that
-                    if blocked is None:
-                        blocked = off
-                    continue
-                if p.checks >= max_checks:
-                    to_discard.append((p, "max-checks"))
-                    continue
-                # Ages are the broker's: from when it stored the first copy, by its
-                # clock. The producer's born_ts plays no part (a producer clock
-                # running behind would cut the timeout short, one running ahead
-                # would hide its transactions).
-                first = p.first_stored_ts
-                ahead = first > now_ms
-                if ahead:
-                    # Stored "later than now": the broker's clock was stepped back
-                    # since. It counts as stored now, and does not stop this pass:
-                    # the halves behind it were stored before the step or after it.
-                    p.first_stored_ts = first = now_ms
-                if now_ms - first > retention_ms:
-                    to_discard.append((p, "retention"))
-                    continue
-                imm = p.immunity_s
-                if now_ms - first < (timeout_ms if imm is None else imm * 1000):
-                    stats["immune"] += 1
-                    if blocked is None:
-                        blocked = off
-                    if (imm is None or imm <= timeout_s) and not ahead:
-                        stop = True
-                        end, qo = k, off
-                        break
-                    continue  # a longer per-message immunity: skip it, keep walking
-                conns = group_conns.get(p.group)
-                if conns is None:
-                    conns = group_conns[p.group] = targets(p.group)
-                if not conns:
-                    p.last_check_result = "no producer online"
-                    p.last_check_at = now_ms
-                    stats["no_producer"] += 1
-                    if blocked is None:
-                        blocked = off
-                    continue
-                to_check.append((p, conns[len(to_check) % len(conns)]))
-            stats["walked"] += end - i
-            if to_discard:
-                await self._discard(to_discard)
-                stats["discarded"] += len(to_discard)
-            if to_check:
-                unread = len(self._stuck)
-                await self._check(to_check, now_ms)
-                stats["checked"] += len(to_check) - (len(self._stuck) - unread)
-            if self._stuck:  # records _read or _check could not use: still pending
-                first_stuck = min(self._stuck)
-                blocked = first_stuck if blocked is None else min(blocked, first_stuck)
-                stats["unreadable"] += len(self._stuck)
-                self._stuck.clear()
-            i = end
-            await asyncio.sleep(0)  # let sends through between batches
-        new_half = blocked if blocked is not None else qo
+        blocked = walk.blocked
+        i = walk.i
+        end = min(walk.last, i + self.batch)
+        to_check: list[tuple[PendingTx, Any]] = []
+        to_discard: list[tuple[PendingTx, str]] = []
+        # A group's writable connections, once per batch; the batch's
+        # check-backs go round-robin over them.
+        group_conns: dict[str, list] = {}
+        for k in range(i, end):
+            off = offs[k]
+            tx_id = by_half_get(off)
+            if tx_id is None:
+                continue
+            p = pending[tx_id]
+            if tx_id in deciding:  # its outcome is being written right now: leave it to that
+                if blocked is None:
+                    blocked = off
+                continue
+            if p.checks >= max_checks:
+                to_discard.append((p, "max-checks"))
+                continue
+            # Ages are the broker's: from when it stored the first copy, by its
+            # clock. The producer's born_ts plays no part (a producer clock
+            # running behind would cut the timeout short, one running ahead
+            # would hide its transactions).
+            first = p.first_stored_ts
+            ahead = first > now_ms
+            if ahead:
+                # Stored "later than now": the broker's clock was stepped back
+                # since. It counts as stored now, and does not stop this pass:
+                # the halves behind it were stored before the step or after it.
+                p.first_stored_ts = first = now_ms
+            if now_ms - first > retention_ms:
+                to_discard.append((p, "retention"))
+                continue
+            imm = p.immunity_s
+            if now_ms - first < (timeout_ms if imm is None else imm * 1000):
+                stats["immune"] += 1
+                if blocked is None:
+                    blocked = off
+                if (imm is None or imm <= timeout_s) and not ahead:
+                    walk.stopped = True
+                    end, walk.end_at = k, off
+                    break
+                continue  # a longer per-message immunity: skip it, keep walking
+            conns = group_conns.get(p.group)
+            if conns is None:
+                conns = group_conns[p.group] = targets(p.group)
+            if not conns:
+                p.last_check_result = "no producer online"
+                p.last_check_at = now_ms
+                stats["no_producer"] += 1
+                if blocked is None:
+                    blocked = off
+                continue
+            to_check.append((p, conns[len(to_check) % len(conns)]))
+        stats["walked"] += end - i
+        walk.i, walk.blocked = end, blocked
+        return to_check, to_discard
+
+    async def _act(self, walk: _Walk, to_check: list[tuple[PendingTx, Any]], to_discard: list[tuple[PendingTx, str]]) -> None:
+        """Discard and check a batch; what could not be read stays pending and holds the progress back."""
+        stats = walk.stats
+        if to_discard:
+            await self._discard(to_discard)
+            stats["discarded"] += len(to_discard)
+        if to_check:
+            unread = len(self._stuck)
+            await self._check(to_check, walk.now_ms)
+            stats["checked"] += len(to_check) - (len(self._stuck) - unread)
+        if self._stuck:  # records _read or _check could not use: still pending
+            first_stuck = min(self._stuck)
+            walk.blocked = first_stuck if walk.blocked is None else min(walk.blocked, first_stuck)
+            stats["unreadable"] += len(self._stuck)
+            self._stuck.clear()
+
+    async def _finish(self, walk: _Walk) -> dict[str, Any]:
+        """Move the progress to what the walk could not leave behind, once the log is durable; save it; report the pass."""
+        new_half = walk.blocked if walk.blocked is not None else walk.end_at
         # The progress is persisted only once everything it skips past (the
         # decisions, check copies and discards behind it) is on disk: a
         # rebuild after a power cut reads the half queue from it.
-        waiter = core.flusher.wait_synced(store.max_offset)
+        waiter = self.flusher.wait_synced(self.store.max_offset)
         if waiter is not None:
             await waiter
         if new_half > self.progress.half:
@@ -346,9 +389,11 @@ class CheckService:
         self._advance_op()
         self.progress.save()
         self.passes += 1
-        took = asyncio.get_running_loop().time() - t0
-        self.last_pass = {**stats, "took_s": round(took, 4), "half_progress": self.progress.half, "op_progress": self.progress.op, "at": now_ms}
-        core.metrics.inc("check_passes")
+        took = asyncio.get_running_loop().time() - walk.started
+        stats = walk.stats
+        self.last_pass = {**stats, "took_s": round(took, 4), "half_progress": self.progress.half, "op_progress": self.progress.op,
+                          "at": walk.now_ms}
+        self.metrics.inc("check_passes")
         if stats["checked"] or stats["discarded"]:
             log.info("event=check_pass %s", " ".join(f"{k}={v}" for k, v in self.last_pass.items()))
         return self.last_pass
@@ -360,7 +405,7 @@ class CheckService:
         so one below the half progress. A binary search over the op queue's
         entries by commit-log offset: no list of op records is kept.
         """
-        store = self.core.store
+        store = self.store
         half = self.progress.half
         hi = store.queue_max_offset(OP_TOPIC, 0)
         entry = store.cq_entries(HALF_TOPIC, 0, half, 1) if half < store.queue_max_offset(HALF_TOPIC, 0) else None
@@ -371,7 +416,7 @@ class CheckService:
 
     def _read(self, items: list, raw: bool = False) -> list:
         """The half records of items, skipping any that can no longer be read (logged)."""
-        store = self.core.store
+        store = self.store
         offsets = [it[0].cl_offset for it in items]
         try:
             return list(zip(items, store.read_many(offsets, raw)))
@@ -406,7 +451,7 @@ class CheckService:
         copies are not put in the half cache: the answer to a check-back
         reads its copy back.
         """
-        core, idx = self.core, self.tx.index
+        idx = self.tx.index
         todo: list[tuple[PendingTx, Any, int, bytes, memoryview, tuple, int]] = []
         copies: list[RawCopy] = []
         for (p, conn), (raw, head) in self._read(items, raw=True):
@@ -453,10 +498,10 @@ class CheckService:
                 sent += 1
             for conn, out in frames.items():
                 conn.send_frame(b"".join(out))
-            core.metrics.counters["checks_sent"] += sent
+            self.metrics.counters["checks_sent"] += sent
 
         if copies:
-            await core.append_written(copies, shape)
+            await self.appender.submit(copies, shape, durable=False)
 
     async def _discard(self, items: list[tuple[PendingTx, str]]) -> None:
         pairs = self._read(items)
@@ -473,39 +518,26 @@ class CheckService:
         """
         if self._next_pass_mono is None:
             return 0.0
-        return self.core.clock() + max(0.0, self._next_pass_mono - asyncio.get_running_loop().time())
+        return self.clock() + max(0.0, self._next_pass_mono - asyncio.get_running_loop().time())
 
     def next_check_at(self, p: PendingTx) -> int | None:
         s = self.settings
         immunity = p.immunity_s if p.immunity_s is not None else s.transaction_timeout_s
-        now = self.core.clock()
+        now = self.clock()
         eligible = min(p.first_stored_ts / 1000.0, now) + immunity  # stored ahead of the clock: counts from now
         at = max(eligible, self.next_pass_at or now)
         return int(at * 1000)
 
-    def offsets(self) -> dict[str, Any]:
-        store = self.core.store
-        idx = self.tx.index
-        discarded = idx.discarded
-        return {
-            "half": {"progress": self.progress.half, "max": store.queue_max_offset(HALF_TOPIC, 0)},
-            "op": {"progress": self.progress.op, "max": store.queue_max_offset(OP_TOPIC, 0)},
-            "pending": len(idx.pending),
-            "discarded": discarded,
-        }
-
     async def check_now(self, tx_id: str) -> dict[str, Any]:
-        from txmq.wire import ErrorCode, TxmqError
-
         p = self.tx.index.pending.get(tx_id)
         if p is None:
             raise TxmqError(f"no pending transaction {tx_id}", ErrorCode.TX_NOT_FOUND)
-        conn = self.core.registry.pick(p.group)
+        conn = self.producers.pick(p.group)
         if conn is None:
             p.last_check_result = "no producer online"
             raise TxmqError(f"no producer of group {p.group!r} is online", ErrorCode.NO_PRODUCER)
         stuck = len(self._stuck)
-        await self._check([(p, conn)], int(self.core.clock() * 1000))
+        await self._check([(p, conn)], int(self.clock() * 1000))
         if len(self._stuck) > stuck:
             raise TxmqError(f"the half message of {tx_id} could not be read ({p.last_check_result})", ErrorCode.STORE_ERROR)
         log.info("event=operator_check_now tx_id=%s group=%s checks=%d", tx_id, p.group, p.checks)

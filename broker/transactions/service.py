@@ -34,13 +34,17 @@ from txmq.constants import (
     PROP_TRAN_MSG,
     PROP_UNIQ_KEY,
 )
-from txmq.store import AppendResult, CorruptRecordError, Message, Record, StoreError, TxType
+from txmq.store import AppendResult, CorruptRecordError, Message, Record, Store, StoreError, TxType
 from txmq.wire import ErrorCode, TxmqError
 
 from .index import Decided, IndexRowDamaged, Outcome, PendingTx, TxIndex
 
 if TYPE_CHECKING:
-    from ..core import BrokerCore
+    from ..appender import Appender
+    from ..clock import Clock
+    from ..flush import Flusher
+    from ..metrics import Metrics
+    from ..topics import TopicTable
 
 log = logging.getLogger("txmq.tx")
 check_log = logging.getLogger("txmq.check")  # the discard event is the check service's
@@ -61,7 +65,7 @@ class TxIds:
 
 
 HALF_CACHE_ENTRIES = 32768
-MAX_NAME = 255  # the longest transaction id or group a request field takes (handlers.req_str)
+MAX_NAME = 255  # the longest transaction id or group a request field takes (native/operations.py: req_str)
 
 
 def as_record(msg: Message, res: AppendResult) -> Record:
@@ -96,11 +100,16 @@ def copy_properties(props: dict[str, str], cl_offset: int) -> None:
 
 
 class TransactionService:
-    def __init__(self, core: BrokerCore, index: TxIndex) -> None:
-        self.core = core
-        self.index = index
+    def __init__(self, appender: Appender, store: Store, topics: TopicTable, flusher: Flusher, metrics: Metrics, clock: Clock) -> None:
+        self.appender = appender
+        self.store = store
+        self.topics = topics
+        self.flusher = flusher
+        self.metrics = metrics
+        self.clock = clock
+        self.index: TxIndex = TxIndex()  # empty until the keeper (keeper.py) has built the index file's
         self.new_tx_id = TxIds()
-        self._deciding: dict[str, asyncio.Future] = {}
+        self.deciding: dict[str, asyncio.Future] = {}  # tx ids whose outcome is being written now (a check pass leaves them alone)
         self._sending: set[str] = set()  # tx ids of half messages submitted but not yet written
         # Recently stored half records by commit-log offset, so the common
         # end_transaction needs no read. Bounded by two generations of plain
@@ -136,8 +145,7 @@ class TransactionService:
             raise TxmqError(f"producer group (PGROUP) is longer than {MAX_NAME} characters", ErrorCode.INVALID_FIELD)
         if len(props.get(PROP_UNIQ_KEY) or "") > MAX_NAME:
             raise TxmqError(f"transaction id (UNIQ_KEY) is longer than {MAX_NAME} characters", ErrorCode.INVALID_FIELD)
-        core = self.core
-        qid = core.pick_queue(topic, queue_id)
+        qid = self.topics.pick_queue(topic, queue_id)
         props = dict(props)
         props.pop(PROP_DELAY, None)  # delay levels do not apply to transactional messages
         tx_id = props.get(PROP_UNIQ_KEY)
@@ -146,7 +154,7 @@ class TransactionService:
             taken = tx_id in self.index.pending or tx_id in self._sending
         else:
             try:
-                taken = tx_id in self._deciding or tx_id in self._sending or self.index.outcome(tx_id) is not None
+                taken = tx_id in self.deciding or tx_id in self._sending or self.index.outcome(tx_id) is not None
             except IndexRowDamaged:
                 taken = True  # a row holds this id, whatever its damaged values say
         if taken:
@@ -164,13 +172,13 @@ class TransactionService:
             self.index.apply_half(rec)
             self._sending.discard(tx_id)
             self.remember(rec)
-            core.metrics.counters["half_stored"] += 1
+            self.metrics.counters["half_stored"] += 1
             return {
                 "msg_id": tx_id, "tx_id": tx_id, "topic": topic, "queue_id": qid,
                 "half_offset": res.queue_offset, "commit_log_offset": res.commit_log_offset,
             }
 
-        fut = core.append([msg], shape)
+        fut = self.appender.submit([msg], shape)
         fut.add_done_callback(lambda _f: self._sending.discard(tx_id))  # also when the write failed
         return fut
 
@@ -179,7 +187,7 @@ class TransactionService:
         rec = self._cached_half(cl_offset)
         if rec is not None:
             return rec
-        store = self.core.store
+        store = self.store
         if cl_offset < store.min_offset:
             # Retention deleted it, and the transaction's outcome with it: an
             # explicit error, never a second decision (docs/transactions.md).
@@ -198,6 +206,8 @@ class TransactionService:
     def end_transaction(
         self, group: str, tx_id: str, cl_offset: int, half_offset: int, state: str, source: str
     ) -> dict[str, Any] | asyncio.Future:
+        if state not in ("commit", "rollback", "unknown"):  # before the half is read: a bad request is refused as such
+            raise TxmqError("field 'state' must be commit, rollback or unknown", ErrorCode.INVALID_FIELD)
         rec = self.read_half(cl_offset)
         props = rec.properties
         if props.get(PROP_PGROUP) != group:
@@ -206,7 +216,7 @@ class TransactionService:
             raise TxmqError(f"half offset {half_offset} does not match the half message's offset {rec.queue_offset}", ErrorCode.TX_OFFSET_MISMATCH)
         if props.get(PROP_UNIQ_KEY) != tx_id:
             raise TxmqError(f"transaction id {tx_id!r} does not match the half message's {props.get(PROP_UNIQ_KEY)!r}", ErrorCode.TX_ID_MISMATCH)
-        m = self.core.metrics.counters
+        m = self.metrics.counters
         if source == "check":
             m["checks_answered"] += 1
         if state == "unknown":
@@ -216,8 +226,6 @@ class TransactionService:
                 p.last_check_result = "unknown"
             out = self.index.outcome(tx_id)
             return {"status": "noop", "outcome": (out or Outcome.PENDING).label}
-        if state not in ("commit", "rollback"):
-            raise TxmqError(f"state must be commit, rollback or unknown, not {state!r}", ErrorCode.INVALID_FIELD)
         if source == "check":
             p = self.index.pending.get(tx_id)
             if p is not None:
@@ -230,13 +238,13 @@ class TransactionService:
         Returns a future of the reply. The outcome is entered in the index
         as soon as the records are written, before the fsync, so a
         concurrent duplicate sees it; a duplicate that arrives while the
-        write is pending waits for it (``_deciding``).
+        write is pending waits for it (``deciding``).
         """
         tx_id = rec.properties[PROP_UNIQ_KEY]
-        inflight = self._deciding.get(tx_id)
+        inflight = self.deciding.get(tx_id)
         if inflight is not None:
             return asyncio.ensure_future(self._decide_after(inflight, rec, commit, source, allow_discarded))
-        loop = self.core.appender._loop
+        loop = self.appender.loop
         want = Outcome.COMMITTED if commit else Outcome.ROLLED_BACK
         d = None if tx_id in self.index.pending else self.index.lookup(tx_id)
         if d is not None and not (allow_discarded and d.outcome is Outcome.DISCARDED):
@@ -244,7 +252,7 @@ class TransactionService:
             if d.outcome is want:
                 # The first outcome may still be on its way to the disk (sync
                 # flush): "already" is only as true as that record is durable.
-                waiter = self.core.flusher.wait_durable(d.cl_offset + 1)
+                waiter = self.flusher.wait_durable(d.cl_offset + 1)
                 if waiter is None:
                     fut.set_result(self._already(d))
                 else:
@@ -263,7 +271,7 @@ class TransactionService:
             msgs.append(self._rebuild(rec))
         msgs.append(self._op(rec, commit, source))
         gate = loop.create_future()
-        self._deciding[tx_id] = gate
+        self.deciding[tx_id] = gate
 
         def shape(results: list[AppendResult]) -> dict[str, Any]:
             self.index.apply_op(as_record(msgs[-1], results[-1]))
@@ -277,7 +285,7 @@ class TransactionService:
                              topic=msgs[0].topic, queue_id=msgs[0].queue_id)
             return reply
 
-        fut = self.core.append(msgs, shape)
+        fut = self.appender.submit(msgs, shape)
         fut.add_done_callback(lambda _f: self._release(tx_id, gate))  # the write failed: let waiters retry
         return fut
 
@@ -291,8 +299,8 @@ class TransactionService:
             fut.set_result(self._already(d))
 
     def _release(self, tx_id: str, gate: asyncio.Future) -> None:
-        if self._deciding.get(tx_id) is gate:
-            del self._deciding[tx_id]
+        if self.deciding.get(tx_id) is gate:
+            del self.deciding[tx_id]
         if not gate.done():
             gate.set_result(None)
 
@@ -321,7 +329,7 @@ class TransactionService:
             except TxmqError:
                 continue
             op = self._op(half, True, "recovery")
-            await self.core.append([op], lambda results, op=op: self.index.apply_op(as_record(op, results[0])))
+            await self.appender.submit([op], lambda results, op=op: self.index.apply_op(as_record(op, results[0])))
             log.warning("event=commit_repaired tx_id=%s commit_offset=%d", tx_id, rec.commit_log_offset)
             repaired += 1
         return repaired
@@ -330,9 +338,9 @@ class TransactionService:
         return {"status": "already", "outcome": d.outcome.label, "decided_by": d.decided_by}
 
     def _count_decision(self, rec: Record, commit: bool, source: str) -> None:
-        m = self.core.metrics
+        m = self.metrics
         m.counters[f"{'committed' if commit else 'rolled_back'}_{source}"] += 1
-        m.decided(max(0.0, self.core.clock() - rec.born_ts / 1000.0))
+        m.decided(max(0.0, self.clock() - rec.born_ts / 1000.0))
         if source == "operator":
             log.info("event=operator_%s tx_id=%s group=%s topic=%s", "commit" if commit else "rollback",
                      rec.properties.get(PROP_UNIQ_KEY), rec.properties.get(PROP_PGROUP), rec.properties.get(PROP_REAL_TOPIC))
@@ -346,7 +354,7 @@ class TransactionService:
         p.pop(PROP_REPLAYED, None)
         p.pop(PROP_DISCARD_REASON, None)
         p[PROP_PREPARED_QUEUE_OFFSET] = str(rec.queue_offset)
-        n, _ = self.core.topics.ensure(topic)
+        n, _ = self.topics.ensure(topic)
         if qid >= n:
             qid = qid % n
         return Message(topic, qid, TxType.COMMIT, rec.born_ts, p, rec.body, prepared_offset=rec.commit_log_offset)
@@ -364,7 +372,7 @@ class TransactionService:
         }
         body = str(rec.queue_offset).encode()
         kind = TxType.COMMIT if commit else TxType.ROLLBACK
-        return Message(OP_TOPIC, 0, kind, int(self.core.clock() * 1000), props, body, prepared_offset=rec.commit_log_offset)
+        return Message(OP_TOPIC, 0, kind, int(self.clock() * 1000), props, body, prepared_offset=rec.commit_log_offset)
 
     # ---- discard and replay -------------------------------------------------
     def discard(self, items: list[tuple[PendingTx, str, Record]]) -> asyncio.Future:
@@ -387,9 +395,9 @@ class TransactionService:
                 if was_pending:
                     n += 1
                     check_log.warning("event=discard tx_id=%s group=%s topic=%s checks=%d reason=%s", p.tx_id, p.group, p.topic, p.checks, reason)
-            self.core.metrics.counters["discarded"] += n
+            self.metrics.counters["discarded"] += n
 
-        return self.core.append(msgs, shape)
+        return self.appender.submit(msgs, shape)
 
     @staticmethod
     def _discard_record(rec: Record, reason: str) -> Message:
@@ -412,4 +420,4 @@ class TransactionService:
             self.index.apply_half(rec)
             self.remember(rec)
 
-        return self.core.append([msg], shape)
+        return self.appender.submit([msg], shape)

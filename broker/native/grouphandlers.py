@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from txmq.constants import canonical_topic
 
-from . import groups
-from .handlers import Reply, _bad, opt_bool, opt_int, opt_str, req_int, req_str
+from .. import groups
+from .operations import HANDLERS, Reply, _bad, opt_bool, opt_int, opt_str, req_int, req_str
 
 if TYPE_CHECKING:
+    from ..core import BrokerCore
     from .connection import BrokerConnection
-    from .core import BrokerCore
 
 
 def _queue_ids(f: dict) -> list[int] | None:
@@ -66,11 +66,11 @@ def find_messages(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
     )
 
 
-HANDLERS: dict[str, Any] = {
+HANDLERS.update({
     "list_groups": list_groups,
     "describe_group": describe_group,
     "reset_offsets": reset_offsets,
     "offsets_for_time": offsets_for_time,
     "get_message": get_message,
     "find_messages": find_messages,
-}
+})

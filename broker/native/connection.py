@@ -39,7 +39,7 @@ from typing import Any
 from txmq.wire import FATAL, ErrorCode, FrameDecoder, FrameError, TxmqError, parse_payload, push, reply
 from txmq.wire import REQUEST
 
-from .handlers import HANDLERS
+from .operations import HANDLERS
 
 log = logging.getLogger("txmq.conn")
 _ids = itertools.count(1)
@@ -63,7 +63,7 @@ class BrokerConnection(asyncio.Protocol):
         cfg = core.config
         self.authed = not cfg.auth_token
         self.decoder = FrameDecoder(cfg.max_frame if self.authed else min(cfg.max_preauth_frame, cfg.max_frame))
-        self._partial = 0  # bytes this connection adds to core.partial_frame_bytes
+        self._partial = 0  # bytes this connection adds to state.partial_frame_bytes
         self._frame_started = 0.0  # loop time of the first byte of the frame being received; 0 when none
         self._hello_by = 0.0  # loop time the first request (hello, with a token) is due by; 0 once it came
         self._counted = False  # accepted (not refused at once): counted in the connection figures
@@ -101,7 +101,6 @@ class BrokerConnection(asyncio.Protocol):
         self._counted = True
         state.connections.add(self)
         state.by_ip[self.ip] = state.by_ip.get(self.ip, 0) + 1
-        self.core.connections += 1
         self.core.metrics.inc("connections_accepted")
         if cfg.auth_timeout_s:
             self._hello_by = self._loop.time() + cfg.auth_timeout_s
@@ -132,7 +131,6 @@ class BrokerConnection(asyncio.Protocol):
             state.by_ip[self.ip] = n
         else:
             state.by_ip.pop(self.ip, None)
-        self.core.connections -= 1
         self.core.registry.unregister_all(self)
         self.core.consumer_registry.unregister_all(self)
 
@@ -151,7 +149,7 @@ class BrokerConnection(asyncio.Protocol):
             self._received_before_hello(data)
             return
         arm = self.core.busy_poll.arm
-        if arm is not None and self.core.busy_connections <= 1:
+        if arm is not None and self.state.busy <= 1:
             arm()  # a lone client's request: keep a CPU awake through its fsync (broker/busypoll.py)
         try:
             payloads = self.decoder.feed(data)
@@ -197,13 +195,13 @@ class BrokerConnection(asyncio.Protocol):
         held = self.decoder.buffered
         delta = held - self._partial
         if delta:
-            core = self.core
-            if delta > 0 and core.partial_frame_bytes + delta > core.config.partial_frame_budget:
+            state, cfg = self.state, self.core.config
+            if delta > 0 and state.partial_frame_bytes + delta > cfg.partial_frame_budget:
                 self._close_with(TxmqError(
                     f"the broker holds too many bytes of frames still being received (--partial-frame-budget "
-                    f"{core.config.partial_frame_budget}); retry later", ErrorCode.BUSY), "partial_frame_refusals")
+                    f"{cfg.partial_frame_budget}); retry later", ErrorCode.BUSY), "partial_frame_refusals")
                 return False
-            core.partial_frame_bytes += delta
+            state.partial_frame_bytes += delta
             self._partial = held
         if not held:
             self._frame_started = 0.0
@@ -213,7 +211,7 @@ class BrokerConnection(asyncio.Protocol):
 
     def _release_partial(self) -> None:
         if self._partial:
-            self.core.partial_frame_bytes -= self._partial
+            self.state.partial_frame_bytes -= self._partial
             self._partial = 0
         self._frame_started = 0.0
         if self.decoder.buffered:
@@ -284,7 +282,7 @@ class BrokerConnection(asyncio.Protocol):
             return
         self.inflight += 1
         if self.inflight == 1:
-            self.core.busy_connections += 1
+            self.state.busy += 1
         if self.inflight >= self.core.config.max_inflight_per_conn:
             self._pause_reading()
         fut = result if isinstance(result, asyncio.Future) else asyncio.ensure_future(result)
@@ -303,7 +301,7 @@ class BrokerConnection(asyncio.Protocol):
         self.state.inflight.discard(fut)
         self.inflight -= 1
         if self.inflight == 0:
-            self.core.busy_connections -= 1
+            self.state.busy -= 1
         self._pull_bytes -= cost
         if not fut.cancelled() and fut.exception() is None:
             self._send_reply(id_, fut.result(), now=not self.inflight)
@@ -388,7 +386,7 @@ class BrokerConnection(asyncio.Protocol):
             out, self._out = self._out, []
             self.transport.write(b"".join(out) if len(out) > 1 else out[0])
             arm = self.core.busy_poll.arm
-            if arm is not None and self.core.busy_connections <= 1:
+            if arm is not None and self.state.busy <= 1:
                 arm()  # and for the lone client's next request
         else:
             self._out.clear()

@@ -8,117 +8,22 @@ See docs/protocol.md for the operations.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from txmq import __version__
-from txmq.constants import PROP_TRAN_MSG, canonical_topic, is_system_topic
+from txmq.constants import PROP_TRAN_MSG, canonical_topic
 from txmq.store import Message, TxType
 from txmq.wire import PROTOCOL_VERSION, ErrorCode, TxmqError
 
-from .core import BrokerCore, msg_id
-from .topics import check_topic_name
+from .operations import HANDLERS, Handler, Reply, _bad, body_of, opt_bool, opt_int, opt_str, props_of, refs_of, req_int, req_str, user_topic
 
 if TYPE_CHECKING:
     from .connection import BrokerConnection
+    from ..core import BrokerCore
 
 # What this broker supports beyond protocol 1's first requests (additive, in `hello`):
 # "config_set_dry_run": config_set takes dry_run and answers what the change would discard.
 FEATURES = ["config_set_dry_run"]
-
-Reply = dict[str, Any] | Awaitable[dict[str, Any]]
-Handler = Callable[["BrokerCore", "BrokerConnection", dict[str, Any]], Reply]
-
-
-# ---- field helpers ---------------------------------------------------------
-def _bad(msg: str) -> TxmqError:
-    return TxmqError(msg, ErrorCode.INVALID_FIELD)
-
-
-def req_str(f: dict, key: str, max_len: int = 255) -> str:
-    v = f.get(key)
-    if not isinstance(v, str) or not v:
-        raise _bad(f"field {key!r} must be a non-empty string")
-    if len(v) > max_len:
-        raise _bad(f"field {key!r} is longer than {max_len} characters")
-    return v
-
-
-def opt_str(f: dict, key: str, max_len: int = 255) -> str | None:
-    return None if f.get(key) is None else req_str(f, key, max_len)
-
-
-def req_int(f: dict, key: str, lo: int = 0, hi: int = 1 << 62) -> int:
-    v = f.get(key)
-    if type(v) is not int:
-        raise _bad(f"field {key!r} must be an integer")
-    if not (lo <= v <= hi):
-        raise _bad(f"field {key!r} must be between {lo} and {hi}")
-    return v
-
-
-def opt_int(f: dict, key: str, default: int | None, lo: int = 0, hi: int = 1 << 62) -> int | None:
-    return default if f.get(key) is None else req_int(f, key, lo, hi)
-
-
-def opt_bool(f: dict, key: str) -> bool:
-    v = f.get(key, False)
-    if not isinstance(v, bool):
-        raise _bad(f"field {key!r} must be a boolean")
-    return v
-
-
-def body_of(f: dict, max_body: int) -> bytes:
-    v = f.get("body", b"")
-    if isinstance(v, str):
-        v = v.encode()
-    if not isinstance(v, (bytes, bytearray)):
-        raise _bad("field 'body' must be binary")
-    if len(v) > max_body:
-        raise TxmqError(f"body of {len(v)} bytes exceeds the {max_body}-byte limit", ErrorCode.BODY_TOO_LARGE)
-    return bytes(v)
-
-
-def props_of(f: dict, max_bytes: int) -> dict[str, str]:
-    v = f.get("properties")
-    if v is None:
-        return {}
-    if not isinstance(v, dict) or not all(isinstance(k, str) and isinstance(x, str) for k, x in v.items()):
-        raise _bad("field 'properties' must be a map of strings to strings")
-    if len(v) > 256:
-        raise _bad("at most 256 properties")
-    chars = sum(map(len, v)) + sum(map(len, v.values()))
-    if chars * 4 > max_bytes:  # a character is at most 4 UTF-8 bytes: count bytes only when it could matter
-        size = sum(len(k.encode("utf-8", "surrogatepass")) + len(x.encode("utf-8", "surrogatepass")) for k, x in v.items())
-        if size > max_bytes:
-            raise TxmqError(f"properties of {size} bytes (keys and values, UTF-8) exceed the {max_bytes}-byte limit",
-                            ErrorCode.BODY_TOO_LARGE)
-    return v
-
-
-def user_topic(f: dict) -> str:
-    topic = check_topic_name(f.get("topic"))
-    if is_system_topic(topic):
-        raise TxmqError(f"topic {topic} is a system topic and cannot be sent to directly", ErrorCode.SYSTEM_TOPIC)
-    return topic
-
-
-def refs_of(f: dict, keys: tuple[str, ...]) -> list[dict[str, Any]]:
-    refs = f.get("refs")
-    if not isinstance(refs, list) or len(refs) > 100_000:
-        raise _bad("field 'refs' must be a list")
-    out = []
-    for r in refs:
-        if not isinstance(r, dict) or not any(r.get(k) is not None for k in keys):
-            raise _bad(f"each ref must be a map with one of {', '.join(keys)}")
-        ref = {}
-        for k in keys:
-            if r.get(k) is not None:
-                if k == "tx_id":
-                    ref[k] = req_str(r, k)
-                else:
-                    ref[k] = req_int(r, k)
-        out.append(ref)
-    return out
 
 
 # ---- session ---------------------------------------------------------------
@@ -128,7 +33,7 @@ def hello(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
         if (not isinstance(groups, list) or len(groups) > 64
                 or not all(isinstance(g, str) and 0 < len(g) <= 255 for g in groups)):
             raise _bad(f"field {key!r} must be a list of at most 64 group names (1 to 255 characters)")
-    # a repeated hello adds groups, up to registry.MAX_GROUPS_PER_CONN for the connection
+    # a repeated hello adds groups, up to MAX_GROUPS_PER_CONN (broker/registry.py) for the connection
     for g in f.get("producer_groups") or []:
         core.registry.register(g, conn)
     for g in f.get("consumer_groups") or []:
@@ -154,13 +59,11 @@ def send(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
     qid = opt_int(f, "queue_id", None, -1, 1023)
     born = opt_int(f, "born_ts", None) or int(core.clock() * 1000)
     if props.get(PROP_TRAN_MSG) == "true":
-        if core.tx_error is not None:
-            raise core.tx_error
-        if not core.tx_ready.is_set() or core.tx_queued:
-            return _when_ready(core, lambda: core.tx.send_half(topic, qid, body, props, born))
+        if core.keeper.must_wait():
+            return core.keeper.when_ready(lambda: core.tx.send_half(topic, qid, body, props, born))
         return core.tx.send_half(topic, qid, body, props, born)
-    qid = core.pick_queue(topic, qid)
-    return _send_plain(core, [Message(topic, qid, TxType.NORMAL, born, props, body)], single=True)
+    qid = core.topics.pick_queue(topic, qid)
+    return core.send([Message(topic, qid, TxType.NORMAL, born, props, body)], single=True)
 
 
 def send_batch(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
@@ -168,7 +71,7 @@ def send_batch(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
     items = f.get("messages")
     if not isinstance(items, list) or not items or len(items) > 10_000:
         raise _bad("field 'messages' must be a non-empty list of at most 10000 messages")
-    qid = core.pick_queue(topic, opt_int(f, "queue_id", None, -1, 1023))
+    qid = core.topics.pick_queue(topic, opt_int(f, "queue_id", None, -1, 1023))
     now = int(core.clock() * 1000)
     msgs = []
     for m in items:
@@ -178,27 +81,12 @@ def send_batch(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
         if props.get(PROP_TRAN_MSG) == "true":
             raise _bad("transactional messages cannot be sent in a batch")
         msgs.append(Message(topic, qid, TxType.NORMAL, opt_int(m, "born_ts", None) or now, props, body_of(m, core.config.max_body)))
-    return _send_plain(core, msgs, single=False)
-
-
-def _send_plain(core: BrokerCore, msgs: list[Message], single: bool) -> Reply:
-    def shape(results) -> dict[str, Any]:
-        core.metrics.counters["messages_sent"] += len(results)
-        rows = [
-            {"msg_id": msg_id(m.properties, r.commit_log_offset), "topic": m.topic, "queue_id": m.queue_id,
-             "queue_offset": r.queue_offset, "commit_log_offset": r.commit_log_offset}
-            for m, r in zip(msgs, results)
-        ]
-        return rows[0] if single else {"results": rows}
-
-    return core.append(msgs, shape)
+    return core.send(msgs, single=False)
 
 
 # ---- transactions ----------------------------------------------------------
 def end_transaction(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
-    state = req_str(f, "state")
-    if state not in ("commit", "rollback", "unknown"):
-        raise _bad("field 'state' must be commit, rollback or unknown")
+    state = req_str(f, "state")  # commit, rollback or unknown: the service checks it
     source = "check" if opt_bool(f, "from_check") else "producer"
     return core.tx.end_transaction(
         req_str(f, "group"), req_str(f, "tx_id"), req_int(f, "commit_log_offset"), req_int(f, "half_offset"), state, source
@@ -266,7 +154,7 @@ def tx_offsets(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
 def tx_history(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
     import asyncio
 
-    from .transactions.history import DEFAULT_MAX_SCAN
+    from ..transactions.history import DEFAULT_MAX_SCAN
 
     refs = [k for k in ("tx_id", "half_offset", "commit_log_offset") if f.get(k) is not None]
     if len(refs) != 1:
@@ -348,10 +236,8 @@ def config_set(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TxmqError("field 'value' must be a number", ErrorCode.INVALID_CONFIG)
     if opt_bool(f, "dry_run"):  # additive: what the change would discard or delete, nothing applied
-        if core.tx_error is not None:
-            raise core.tx_error
-        if not core.tx_ready.is_set() or core.tx_queued:  # the counts come from the index
-            return _when_ready(core, lambda: _setting(core.check.preview, key, value))
+        if core.keeper.must_wait():  # the counts come from the index
+            return core.keeper.when_ready(lambda: _setting(core.check.preview, key, value))
         return _setting(core.check.preview, key, value)
     old, new = _setting(core.check.set, key, value)
     return {"key": key, "old": old, "new": new}
@@ -370,42 +256,17 @@ def stats(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
     return core.stats()
 
 
-def _when_ready(core: BrokerCore, call: Callable[[], Reply]) -> Awaitable[dict[str, Any]]:
-    """Run a transactional operation once the index is rebuilt (only right after a start).
-
-    Counted in core.tx_queued from now until it runs: callers send later
-    requests here too while the count is non-zero, so requests that arrive
-    just after the index became ready do not overtake the ones still waking
-    up (the waiters resume in arrival order, one loop iteration later).
-    """
-    core.tx_queued += 1
-    return _run_when_ready(core, call)
-
-
-async def _run_when_ready(core: BrokerCore, call: Callable[[], Reply]) -> dict[str, Any]:
-    try:
-        await core.tx_ready.wait()
-        if core.tx_error is not None:
-            raise core.tx_error
-        result = call()
-    finally:
-        core.tx_queued -= 1
-    return result if isinstance(result, dict) else await result
-
-
 def _needs_index(handler: Handler) -> Handler:
     def gated(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
-        if core.tx_error is not None:
-            raise core.tx_error
-        if core.tx_ready.is_set() and not core.tx_queued:
-            return handler(core, conn, f)
-        return _when_ready(core, lambda: handler(core, conn, f))
+        if core.keeper.must_wait():
+            return core.keeper.when_ready(lambda: handler(core, conn, f))
+        return handler(core, conn, f)
 
     gated.__name__ = handler.__name__
     return gated
 
 
-HANDLERS: dict[str, Handler] = {
+HANDLERS.update({
     "hello": hello,
     "heartbeat": heartbeat,
     "broker_info": broker_info,
@@ -428,8 +289,4 @@ HANDLERS: dict[str, Handler] = {
     "config_get": config_get,
     "config_set": config_set,
     "stats": _needs_index(stats),
-}
-
-from .grouphandlers import HANDLERS as _GROUP_HANDLERS  # noqa: E402  (consumer groups, read by time, message lookups)
-
-HANDLERS.update(_GROUP_HANDLERS)
+})

@@ -1,0 +1,11 @@
+"""txmq's own msgpack protocol (docs/protocol.md) as a front end of the broker, beside broker/rocketmq/.
+
+``server`` (``NativeFrontend``) listens, ``connection`` (``BrokerConnection``)
+frames, limits and dispatches, ``operations`` holds the operation table and
+the field checks, ``handlers`` and ``grouphandlers`` translate each
+operation into the services' calls (the core, ``core.tx``, ``core.admin``,
+``core.check``, broker/groups.py).
+"""
+
+# Whichever module of the package is imported first, the operation table is complete.
+from . import grouphandlers, handlers  # noqa: F401

@@ -1,0 +1,107 @@
+"""The native protocol's listener: connections accepted within their caps, overdue ones swept, all closed at shutdown.
+
+``NativeFrontend(core, sock)`` has the shape of every front end (server.Frontend,
+as broker/rocketmq/server.py). ``ServerState`` is what the connections
+share: who is open, per address, what is in flight, and their figures.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from typing import TYPE_CHECKING
+
+from .connection import BrokerConnection
+
+if TYPE_CHECKING:
+    from ..config import BrokerConfig
+    from ..core import BrokerCore
+
+log = logging.getLogger("txmq.broker")
+
+REFUSAL_LOG_EVERY_S = 10.0
+
+
+class ServerState:
+    def __init__(self) -> None:
+        self.connections: set[BrokerConnection] = set()
+        self.inflight: set[asyncio.Future] = set()
+        self.by_ip: dict[str, int] = {}  # open connections per remote address
+        self.busy = 0  # connections with requests in flight
+        self.partial_frame_bytes = 0  # held by all connections in frames not yet complete
+        self._refusals = 0  # connection-limit refusals not logged yet
+        self._refusal_logged_at = float("-inf")
+
+    def gauges(self) -> dict[str, int]:
+        """What `txmq broker status`, `txmq stats` and Prometheus show of the connections (BrokerCore.connection_gauges)."""
+        return {"connections": len(self.connections), "partial_frame_bytes": self.partial_frame_bytes}
+
+    def note_refusal(self, reason: str, peer: str) -> None:
+        """Log connection-limit refusals, at most one line per REFUSAL_LOG_EVERY_S (a flood must not flood the log)."""
+        self._refusals += 1
+        now = time.monotonic()
+        if now - self._refusal_logged_at >= REFUSAL_LOG_EVERY_S:
+            log.warning("event=connections_refused reason=%s peer=%s refused=%d msg=%s", reason, peer, self._refusals,
+                        "'over a connection limit; counted in connections_refused*, logged at most every 10s'")
+            self._refusals = 0
+            self._refusal_logged_at = now
+
+
+async def sweep_connections(state: ServerState, config: BrokerConfig) -> None:
+    """Close connections whose first request (--auth-timeout) or current frame (--frame-timeout) is overdue."""
+    timeouts = [t for t in (config.auth_timeout_s, config.frame_timeout_s) if t]
+    if not timeouts:
+        return
+    every = min(1.0, max(0.02, min(timeouts) / 4))
+    loop = asyncio.get_running_loop()
+    while True:
+        await asyncio.sleep(every)
+        now = loop.time()
+        for conn in list(state.connections):
+            conn.sweep(now)
+
+
+class NativeFrontend:
+    def __init__(self, core: BrokerCore, sock: socket.socket) -> None:
+        self.core = core
+        self.sock = sock  # bound and listening
+        self.state = ServerState()
+        self.server: asyncio.AbstractServer | None = None
+        self._sweeper: asyncio.Task | None = None
+        self._stopped = False
+
+    async def start(self) -> None:
+        core, state = self.core, self.state
+        core.connection_gauges = state.gauges
+        core.flusher.lone_client = lambda: state.busy <= 1  # the inline fsync's test, as busy polling's (connection.py)
+        loop = asyncio.get_running_loop()
+        # Connections over --max-connections are accepted and closed at once
+        # (BrokerConnection.connection_made), so the backlog never fills with
+        # them; when descriptors run out all the same, uvloop (libuv's spare
+        # descriptor) and asyncio drain or retry the backlog and keep accepting.
+        self.server = await loop.create_server(lambda: BrokerConnection(core, state), sock=self.sock, backlog=2048)
+        self._sweeper = loop.create_task(sweep_connections(state, core.config), name="txmq-sweeper")
+
+    async def stop(self) -> None:
+        """Accept no more connections and let the requests in flight finish (within --shutdown-timeout); once."""
+        if self._stopped:
+            return
+        self._stopped = True
+        if self.server is not None:
+            self.server.close()
+        if self.state.inflight:
+            await asyncio.wait(list(self.state.inflight), timeout=self.core.config.shutdown_timeout_s)
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+
+    async def close(self) -> None:
+        """Close the connections still open (after the core stopped: the replies it owed are written first)."""
+        for conn in list(self.state.connections):
+            conn.close()
+        if self.server is not None:
+            try:
+                await asyncio.wait_for(self.server.wait_closed(), 2.0)
+            except (asyncio.TimeoutError, Exception):
+                pass
