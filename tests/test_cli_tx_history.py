@@ -165,3 +165,31 @@ def test_inspect_tx_reads_refs_as_resolve_does(broker):
     assert one(run(broker, "inspect", "tx", f"+{sent['half_offset']}", "-o", "json"))["tx_id"] == sent["tx_id"]
     row = json.dumps({"tx_id": sent["tx_id"], "half_offset": 999999})  # a row of `inspect half -o jsonl`: its tx_id
     assert one(run(broker, "inspect", "tx", row, "-o", "json"))["tx_id"] == sent["tx_id"]
+
+
+def test_a_transaction_named_with_its_half_copy_offsets_is_found_by_inspect_tx_and_resolve(broker, broker_proc):
+    # <tx_id>:<commit-log offset>:<half offset>: the transaction id txmq's gRPC front end gave SDK producers before
+    # it gave RocketMQ's (the message id), still in their logs
+    sent = pend(broker, "older-form", "named with offsets", topic="t-older")
+    older = f"{sent['tx_id']}:{sent['commit_log_offset']}:{sent['half_offset']}"
+    assert one(run(broker, "inspect", "tx", older, "-o", "json"))["tx_id"] == sent["tx_id"]
+    rows = lines(ok(run(broker, "resolve", "--rollback", older, "-o", "jsonl")))
+    assert [(r["ref"], r["tx_id"], r["status"]) for r in rows] == [(older, sent["tx_id"], "ok")], rows
+    doc = wait_for(lambda: (d := one(run(broker, "inspect", "tx", older, "--data-dir", str(broker_proc.data_dir), "-o", "json")))
+                   and d["state"] == "rolled_back" and d, what="the offline history")
+    assert doc["tx_id"] == sent["tx_id"]
+    # an id of that shape is its own transaction's, never taken apart
+    own = f"{sent['tx_id']}:1:2"
+
+    async def go():
+        c = await PipeClient.open(broker)
+        try:
+            return await c.ok("send", {"topic": "t-older", "body": b"x", "properties": {"TRAN_MSG": "true", "PGROUP": "g", "UNIQ_KEY": own}})
+        finally:
+            await c.close()
+
+    assert arun(go())["tx_id"] == own
+    assert one(run(broker, "inspect", "tx", own, "-o", "json"))["state"] == "pending"
+    rows = lines(ok(run(broker, "resolve", "--commit", own, "-o", "jsonl")))
+    assert [(r["tx_id"], r["status"]) for r in rows] == [(own, "ok")], rows
+    assert one(run(broker, "inspect", "tx", sent["tx_id"], "-o", "json"))["state"] == "rolled_back"

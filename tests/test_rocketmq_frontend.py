@@ -186,7 +186,8 @@ def test_a_normal_send_is_read_by_the_native_consumer_with_its_id_tag_keys_and_p
         r = await stub.SendMessage(s.SendMessageRequest(messages=[m]), metadata=MD)
         assert r.status.code == OK and len(r.entries) == 1
         e = r.entries[0]
-        assert e.status.code == OK and e.message_id == "01AAAA0000000000000000000000000001" and not e.transaction_id
+        assert e.status.code == OK and e.message_id == "01AAAA0000000000000000000000000001"
+        assert e.transaction_id == e.message_id  # as RocketMQ's broker answers every send
         (got,) = await native_read(b, "orders", 1)
         assert got.body == b"hello" and got.msg_id == e.message_id and got.queue_offset == e.offset
         assert got.tags == "created" and got.keys == "k1 k2" and got.properties["shop"] == "7"
@@ -206,6 +207,7 @@ def test_a_batch_goes_to_one_queue_and_mixed_topics_or_transactions_in_it_are_re
         msgs = [message("orders", b"m%d" % i, f"ID{i}") for i in range(3)]
         r = await stub.SendMessage(s.SendMessageRequest(messages=msgs), metadata=MD)
         assert r.status.code == OK and [e.message_id for e in r.entries] == ["ID0", "ID1", "ID2"]
+        assert [e.transaction_id for e in r.entries] == ["ID0", "ID1", "ID2"]
         assert sorted(m.body for m in await native_read(b, "orders", 3)) == [b"m0", b"m1", b"m2"]
         mixed = [message("orders", b"a", "X1"), message("audit", b"b", "X2")]
         r = await stub.SendMessage(s.SendMessageRequest(messages=mixed), metadata=MD)
@@ -336,7 +338,7 @@ async def send_half(stub, topic: str, body: bytes, message_id: str) -> s.SendRes
     r = await stub.SendMessage(s.SendMessageRequest(messages=[message(topic, body, message_id, d.TRANSACTION)]), metadata=MD)
     assert r.status.code == OK, r.status
     (e,) = r.entries
-    assert e.message_id == message_id and e.transaction_id
+    assert e.message_id == message_id and e.transaction_id == message_id  # RocketMQ's transaction id is the message id
     return e
 
 
@@ -398,12 +400,53 @@ def test_an_operator_resolves_an_sdk_transaction_and_the_sdk_end_then_agrees_or_
         r = await end(stub, "orders", e, d.COMMIT)
         assert r.status.code == d.INVALID_TRANSACTION_ID
         assert (await end(stub, "orders", e, d.ROLLBACK)).status.code == OK
-        # A transaction id alone (no offsets) is looked up in the index.
+        # The receipt's transaction id is what the operator's commands take.
         e2 = await send_half(stub, "orders", b"by id", "TX0000ID")
-        short = s.SendResultEntry(message_id="TX0000ID", transaction_id="TX0000ID")
-        assert (await end(stub, "orders", short, d.COMMIT)).status.code == OK
+        res = await core.admin.resolve("commit", [{"tx_id": e2.transaction_id}], False)  # txmq resolve --commit TX0000ID
+        assert [(x["tx_id"], x["status"]) for x in res] == [("TX0000ID", "ok")]
+        assert (await end(stub, "orders", e2, d.COMMIT)).status.code == OK
         assert [m.body for m in await native_read(b, "orders", 1)] == [b"by id"]
-        assert e2.transaction_id.startswith("TX0000ID:")
+
+    with_frontend(tmp_path, body)
+
+
+def legacy_id(core, tx_id: str) -> str:
+    """The transaction id txmq gave SDK producers before RocketMQ's form: the id and the latest half copy's offsets."""
+    p = core.tx.index.pending[tx_id]
+    return f"{tx_id}:{p.cl_offset}:{p.half_offset}"
+
+
+def test_end_transaction_takes_the_message_id_as_transaction_id_and_the_older_form_with_offsets(tmp_path):
+    async def body(b, stub, ch):
+        core = b.core
+        # RocketMQ's form: the receipt's transaction id, the message id
+        e = await send_half(stub, "orders", b"new form", "TX0000NEW")
+        assert (await end(stub, "orders", e, d.COMMIT)).status.code == OK
+        assert core.tx.index.lookup("TX0000NEW").outcome.label == "committed"
+        # the form txmq gave before, <tx_id>:<commit-log offset>:<half offset>, from an SDK that still holds one
+        e = await send_half(stub, "orders", b"old form", "TX0000OLD")
+        old = s.SendResultEntry(message_id="TX0000OLD", transaction_id=legacy_id(core, "TX0000OLD"))
+        assert (await end(stub, "orders", old, d.ROLLBACK)).status.code == OK
+        assert core.tx.index.lookup("TX0000OLD").outcome.label == "rolled_back"
+        # either form names the one transaction afterwards: the same outcome again is OK, the other one refused
+        for form in (old, e):
+            assert (await end(stub, "orders", form, d.ROLLBACK)).status.code == OK
+            r = await end(stub, "orders", form, d.COMMIT)
+            assert r.status.code == d.INVALID_TRANSACTION_ID and "rolled back" in r.status.message
+        # the older form with another message id, or offsets of no half copy of it, is refused
+        assert (await end(stub, "orders", old, d.ROLLBACK, message_id="OTHER")).status.code == d.INVALID_TRANSACTION_ID
+        e = await send_half(stub, "orders", b"bad offsets", "TX0000BAD")
+        wrong = s.SendResultEntry(message_id="TX0000BAD", transaction_id="TX0000BAD:0:0")
+        assert (await end(stub, "orders", wrong, d.COMMIT)).status.code == d.INVALID_TRANSACTION_ID
+        assert "TX0000BAD" in core.tx.index.pending
+        # an id that itself looks like the older form names its own transaction, never another one
+        e = await send_half(stub, "orders", b"colons", "order:7:1")
+        assert (await end(stub, "orders", e, d.COMMIT)).status.code == OK
+        assert core.tx.index.lookup("order:7:1").outcome.label == "committed"
+        e = await send_half(stub, "orders", b"colons, older form", "order:7:2")
+        old = s.SendResultEntry(message_id="order:7:2", transaction_id=legacy_id(core, "order:7:2"))
+        assert (await end(stub, "orders", old, d.COMMIT)).status.code == OK
+        assert sorted(m.body for m in await native_read(b, "orders", 3)) == [b"colons", b"colons, older form", b"new form"]
 
     with_frontend(tmp_path, body)
 
@@ -419,9 +462,10 @@ def test_check_back_goes_over_telemetry_and_a_server_check_answer_decides_it(tmp
         # UNKNOWN (resolution 0) from the client: stays pending, the checks go on.
         cmd = await t.read()
         rec = cmd.recover_orphaned_transaction_command
-        assert rec.transaction_id and rec.transaction_id != e.transaction_id  # names the check copy
+        assert rec.transaction_id == e.transaction_id == "TX0000CK"  # as RocketMQ's broker: the message id, not a copy's offsets
         m = rec.message
         assert m.topic.name == "orders" and m.body == b"check me" and m.system_properties.message_id == "TX0000CK"
+        assert m.user_properties["__transactionId__"] == "TX0000CK"
         assert m.system_properties.message_type == d.TRANSACTION and m.system_properties.body_encoding == d.IDENTITY
         assert m.system_properties.body_digest == body_digest(b"check me", d.PYTHON)
         assert m.system_properties.body_digest.checksum == f"{zlib.crc32(b'check me'):08X}"

@@ -8,6 +8,7 @@ a message sent with txmq's native client reaches the SDK's SimpleConsumer. The S
 
 from __future__ import annotations
 
+import json
 import zlib
 
 import pytest
@@ -46,9 +47,14 @@ def test_sdk_transaction_left_unknown_is_resolved_with_txmq_resolve(sdk_python, 
     (row,) = wait_for(lambda: _pending(b, topic), what="the SDK's half message in `txmq inspect half`")
     assert row["topic"] == topic
     assert lines(ok(txmq("read", topic, "-o", "jsonl", broker=b.address))) == []
+    # the transaction id the SDK's receipt carries (RocketMQ's: the message id) is the one txmq's commands show and take
+    transaction_id = r["sent"]["transaction_id"]
+    assert row["tx_id"] == transaction_id == r["sent"]["message_id"]
+    doc = json.loads(ok(txmq("inspect", "tx", transaction_id, "-o", "json", broker=b.address)).stdout)
+    assert (doc["tx_id"], doc["state"], doc["group"]) == (transaction_id, "pending", topic)
 
-    res = lines(ok(txmq("resolve", row["tx_id"], "--commit", "--yes", "-o", "jsonl", broker=b.address)))
-    assert [x["status"] for x in res] == ["ok"]
+    res = lines(ok(txmq("resolve", transaction_id, "--commit", "--yes", "-o", "jsonl", broker=b.address)))
+    assert [(x["tx_id"], x["status"]) for x in res] == [(transaction_id, "ok")]
     assert _pending(b, topic) == []
     (m,) = lines(ok(txmq("read", topic, "-o", "jsonl", broker=b.address)))
     assert m["body"] == body
@@ -61,6 +67,7 @@ def test_sdk_transaction_left_unknown_is_resolved_with_txmq_resolve(sdk_python, 
                           "--group", "mixed-resolve", "--expect", "1")
     assert [x["body"] for x in got["received"]] == [body]
     assert got["received"][0]["message_id"] == r["sent"]["message_id"]
+    assert got["received"][0]["properties"].get("__transactionId__") == transaction_id
 
 
 def test_sdk_transaction_discarded_after_max_checks_is_replayed_with_txmq_discard_replay(sdk_python, tmp_path):
@@ -94,6 +101,7 @@ def test_sdk_sent_messages_are_read_with_txmq_read_and_consume(sdk_python, broke
     r = python_scenario(sdk_python, "send", tmp_path / "home", "--endpoint", endpoint, "--topic", topic, "--count", "3",
                         "--body", "py")
     bodies = [s["body"] for s in r["sent"]]
+    assert all(s["transaction_id"] == s["message_id"] for s in r["sent"]), r["sent"]  # a normal send's receipt, as RocketMQ's
     stored = lines(ok(txmq("read", topic, "-o", "jsonl", broker=b.address)))
     assert sorted(m["body"] for m in stored) == sorted(bodies)
     for m in stored:

@@ -176,6 +176,41 @@ def test_sdk_send_is_received_by_a_native_consumer_and_by_receive(tmp_path):
     arun(go())
 
 
+def test_a_committed_sdk_transaction_is_received_with_its_transaction_id_property_and_a_normal_message_without(tmp_path):
+    async def go():
+        async with running(tmp_path) as b:
+            r = Rmq(b)
+
+            async def send(body: bytes, message_id: str, kind: int) -> s.SendResultEntry:
+                req = s.SendMessageRequest()
+                m = req.messages.add(body=body)
+                m.topic.name = T
+                m.system_properties.message_id = message_id
+                m.system_properties.message_type = kind
+                m.system_properties.body_encoding = d.IDENTITY
+                res = await r.stub.SendMessage(req, timeout=5, metadata=META)
+                assert res.status.code == d.Code.OK, res
+                return res.entries[0]
+
+            tx = await send(b"committed", "01ABCDEF0123456789ABCDEF00000000A1", d.TRANSACTION)
+            plain = await send(b"plain", "01ABCDEF0123456789ABCDEF00000000A2", d.NORMAL)
+            end = s.EndTransactionRequest(message_id=tx.message_id, transaction_id=tx.transaction_id, resolution=d.COMMIT,
+                                          source=d.SOURCE_CLIENT)
+            end.topic.name = T
+            assert (await r.stub.EndTransaction(end, timeout=5, metadata=META)).status.code == d.Code.OK
+            st, msgs, _ = await r.receive(poll=1)
+            got = {m.body: m for m in msgs}
+            assert sorted(got) == [b"committed", b"plain"]
+            # what RocketMQ's proxy delivers: the transaction id (the message id) in the __transactionId__ property
+            assert got[b"committed"].user_properties["__transactionId__"] == tx.transaction_id == tx.message_id
+            assert got[b"committed"].system_properties.message_id == tx.message_id
+            assert "__transactionId__" not in got[b"plain"].user_properties
+            assert plain.transaction_id == plain.message_id
+            await r.close()
+
+    arun(go())
+
+
 def test_empty_receive_answers_message_not_found_within_the_long_poll(tmp_path):
     async def go():
         async with running(tmp_path) as b:
@@ -378,7 +413,8 @@ def test_half_messages_are_received_only_once_committed(tmp_path):
                                            "half_offset": h["half_offset"], "state": "commit", "from_check": False})
             st, (m,), _ = await asyncio.wait_for(waiting, 5)
             assert m.body == b"tx" and m.system_properties.message_type == d.TRANSACTION
-            assert m.system_properties.message_id == h["tx_id"] or m.system_properties.message_id
+            assert m.system_properties.message_id == h["tx_id"]
+            assert m.user_properties["__transactionId__"] == h["tx_id"]  # a native transaction too, as RocketMQ delivers it
             st, _, _ = await r.receive(topic="RMQ_SYS_TRANS_HALF_TOPIC")
             assert st.code == d.Code.TOPIC_NOT_FOUND
             await r.close()

@@ -33,13 +33,15 @@ def test_node_sdk_commit_rollback_and_check_back_deliver_exactly_the_committed_m
     r = node_scenario(sdk_node, "transactions", tmp_path / "home", "--endpoint", endpoint, "--topic", topic, "--group", group)
     sent = r["sent"]
     commit, orphan = f"commit-{topic}", f"orphan-{topic}"
+    # the receipt's transaction id is the message id, as RocketMQ gives it
     for k in ("commit", "rollback", "orphan"):
-        assert sent[k]["message_id"] and sent[k]["transaction_id"], sent
+        assert sent[k]["message_id"] and sent[k]["transaction_id"] == sent[k]["message_id"], sent
 
     assert r["orphan_checked"], f"no check-back reached the SDK's checker: {r['checks']}"
     orphan_checks = [c for c in r["checks"] if c["body"] == orphan]
     assert orphan_checks[0]["message_id"] == sent["orphan"]["message_id"]
     assert orphan_checks[0]["topic"] == topic
+    assert orphan_checks[0]["properties"].get("__transactionId__") == sent["orphan"]["transaction_id"]
 
     received = r["received"]
     assert sorted(m["body"] for m in received) == sorted([commit, orphan]), received
@@ -48,6 +50,9 @@ def test_node_sdk_commit_rollback_and_check_back_deliver_exactly_the_committed_m
     assert by_body[commit]["tag"] == "sdk"
     assert by_body[commit]["keys"] == ["k-commit"]
     assert by_body[commit]["properties"].get("origin") == "node-sdk"
+    # RocketMQ's own Node.js SDK test asserts this against RocketMQ: the transaction id in __transactionId__
+    assert by_body[commit]["properties"].get("__transactionId__") == sent["commit"]["transaction_id"]
+    assert by_body[orphan]["properties"].get("__transactionId__") == sent["orphan"]["transaction_id"]
     for m in received:
         assert not m["corrupted"], f"the SDK's body digest check failed: {m}"
         assert m["delivery_attempt"] == 1
@@ -63,8 +68,10 @@ def test_node_sdk_messages_and_native_messages_cross_over(sdk_node, broker, tmp_
     topic = "NodeCrossOver"
     r = node_scenario(sdk_node, "send", tmp_path / "home", "--endpoint", endpoint, "--topic", topic, "--count", "2", "--body", "node")
     bodies = sorted(s["body"] for s in r["sent"])
+    assert all(s["transaction_id"] == s["message_id"] for s in r["sent"]), r["sent"]  # a normal send's receipt too
     stored = lines(ok(txmq("read", topic, "-o", "jsonl", broker=b.address)))
     assert sorted(m["body"] for m in stored) == bodies
+    assert "__transactionId__" not in {k for m in stored for k in m["properties"]}
     assert {m["tags"] for m in stored} == {"sdk-tag"}
     assert {m["properties"].get("origin") for m in stored} == {"node-sdk"}
 

@@ -34,9 +34,9 @@ def test_python_sdk_commit_rollback_and_check_back_deliver_exactly_the_committed
     sent = r["sent"]
     commit, rollback, orphan = f"commit-{topic}", f"rollback-{topic}", f"orphan-{topic}"
 
-    # every send got one receipt with the SDK's own message id and a transaction id
+    # every send got one receipt with the SDK's own message id, which is also its transaction id, as RocketMQ gives it
     for k in ("commit", "rollback", "orphan"):
-        assert sent[k]["message_id"] and sent[k]["transaction_id"], sent
+        assert sent[k]["message_id"] and sent[k]["transaction_id"] == sent[k]["message_id"], sent
     assert len({sent[k]["message_id"] for k in sent}) == 3
 
     # (3) the orphan (no end sent) was asked about over the producer's Telemetry stream, with its own message
@@ -44,6 +44,7 @@ def test_python_sdk_commit_rollback_and_check_back_deliver_exactly_the_committed
     orphan_checks = [c for c in r["checks"] if c["body"] == orphan]
     assert orphan_checks[0]["topic"] == topic
     assert orphan_checks[0]["message_id"] == sent["orphan"]["message_id"]
+    assert orphan_checks[0]["properties"].get("__transactionId__") == sent["orphan"]["transaction_id"]
 
     # (4) the SimpleConsumer got the committed one and the check-back-committed one, once each, nothing else
     received = r["received"]
@@ -54,6 +55,9 @@ def test_python_sdk_commit_rollback_and_check_back_deliver_exactly_the_committed
     assert by_body[commit]["tag"] == "sdk"
     assert by_body[commit]["keys"] == ["k-commit"]
     assert by_body[commit]["properties"].get("origin") == "python-sdk"
+    # a committed message carries its transaction id in the __transactionId__ property, as RocketMQ delivers it
+    assert by_body[commit]["properties"].get("__transactionId__") == sent["commit"]["transaction_id"]
+    assert by_body[orphan]["properties"].get("__transactionId__") == sent["orphan"]["transaction_id"]
     for m in received:
         assert m["topic"] == topic
         assert not m["corrupted"], f"the SDK's body digest check failed: {m}"

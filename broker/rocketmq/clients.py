@@ -184,7 +184,7 @@ class TelemetryStream:
             cmd = s.TelemetryCommand()
             rec = cmd.recover_orphaned_transaction_command
             rec.message.CopyFrom(msg)
-            rec.transaction_id = transaction_id(tx_id, int(fields["commit_log_offset"]), int(fields["half_offset"]))
+            rec.transaction_id = tx_id  # RocketMQ's broker names the transaction by its UNIQ_KEY in a check-back too
         except (KeyError, TypeError, ValueError) as exc:
             log.error("event=rmq_push_unreadable client_id=%s error=%r", self.client_id, exc)
             return
@@ -287,30 +287,6 @@ def _write_done(task: asyncio.Task, client_id: str) -> None:
     exc = task.exception()
     if exc is not None:
         log.debug("event=rmq_telemetry_write_failed client_id=%s error=%r", client_id, exc)
-
-
-def transaction_id(tx_id: str, cl_offset: int, half_offset: int) -> str:
-    """The transaction_id txmq gives SDK producers: the transaction id and the half copy's offsets.
-
-    RocketMQ's proxy, too, packs the half message's offsets into the
-    transaction id it hands out; EndTransaction passes them to the same
-    ``end_transaction`` the native protocol calls.
-    """
-    return f"{tx_id}:{cl_offset}:{half_offset}"
-
-
-def parse_transaction_id(text: str) -> tuple[str, int, int] | None:
-    """(tx_id, commit-log offset, half offset) of a transaction_id from ``transaction_id``, or None."""
-    parts = text.rsplit(":", 2)
-    if len(parts) != 3 or not parts[0]:
-        return None
-    try:
-        cl, half = int(parts[1]), int(parts[2])
-    except ValueError:
-        return None
-    if cl < 0 or half < 0 or cl >= 1 << 62 or half >= 1 << 62:
-        return None
-    return parts[0], cl, half
 
 
 def duration(seconds: float) -> Any:

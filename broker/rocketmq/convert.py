@@ -16,6 +16,7 @@ check-back push) and the receive side (ReceiveMessage):
 | ``system_properties.orphaned_transaction_recovery_duration`` | ``CHECK_IMMUNITY_TIME_IN_SECONDS`` |
 | ``system_properties.body_digest``           | CRC32 of the body (see ``body_digest``)              |
 | ``user_properties``                         | every other property; RocketMQ's and txmq's system property names are refused on send and left out on delivery |
+| ``user_properties["__transactionId__"]``    | ``UNIQ_KEY`` of a transactional message (half, or committed): its transaction id, as RocketMQ's broker stores it on the half message and keeps it on the committed one |
 
 Delay and timed messages, message groups (FIFO), lite topics and
 priorities are refused on send with RocketMQ's UNSUPPORTED code; txmq has
@@ -49,6 +50,10 @@ from .status import Code, RmqError, unsupported
 
 KEY_SEPARATOR = " "  # RocketMQ joins a message's keys with a space in its KEYS property
 TXMQ_PREFIX = "TXMQ_"
+# RocketMQ's MessageConst.PROPERTY_TRANSACTION_ID. Its broker stores it on a half message (the UNIQ_KEY)
+# and the commit keeps it; not being one of MessageConst's system properties, its proxy delivers it as a
+# user property, where SDK applications read the transaction id of what they consume.
+TRANSACTION_ID_PROPERTY = "__transactionId__"
 
 # Property names a client may not set as user properties: txmq's (docs/transactions.md)
 # and RocketMQ's own system properties (MessageConst), which the broker or the
@@ -140,6 +145,10 @@ def to_message(
     sp.body_digest.CopyFrom(body_digest(msg.body, language))
     sp.body_encoding = d.IDENTITY
     sp.message_type = message_type_of(props) if message_type is None else message_type
+    if sp.message_type == d.TRANSACTION:
+        tx_id = props.get(PROP_UNIQ_KEY)
+        if tx_id:
+            msg.user_properties[TRANSACTION_ID_PROPERTY] = tx_id
     sp.born_timestamp.FromMilliseconds(_proto_ms(born_ts))  # a native producer may have said anything
     if store_ts is not None:
         sp.store_timestamp.FromMilliseconds(_proto_ms(store_ts))

@@ -7,15 +7,17 @@ same core append) or, for a transactional message,
 ``TransactionService.end_transaction`` (and ``decide``), so one
 transaction has one outcome whichever protocol ended it.
 
-Ids (docs/rocketmq.md, "Ids"):
+Ids (docs/rocketmq.md, "Ids"), as RocketMQ's proxy and broker give them:
 
 - ``message_id``: the SDK's message id is stored as ``UNIQ_KEY``; for a
   transactional message that is txmq's transaction id (``tx_id``), which
   ``txmq inspect half`` and ``txmq resolve`` show and take.
-- ``transaction_id``: ``<tx_id>:<commit-log offset>:<half offset>`` of the
-  half copy (``clients.transaction_id``), what the native end transaction
-  names. A transaction_id that is only a transaction id is looked up in
-  the index.
+- ``transaction_id`` in a receipt: the message id, for a normal message
+  as for a transactional one (RocketMQ's broker answers every send with
+  the message's ``UNIQ_KEY`` as its transaction id). EndTransaction finds
+  the transaction's half copy by it in the index; it still takes
+  ``<tx_id>:<commit-log offset>:<half offset>``, the form txmq gave before
+  (broker/transactions/ids.py).
 - The producer group is the topic (``PGROUP`` = topic; clients.py).
 """
 
@@ -28,10 +30,10 @@ from txmq.store import Message, TxType
 from txmq.wire import ErrorCode, TxmqError
 
 from txmq.broker.topics import check_topic_name
+from txmq.broker.transactions.ids import known, split_with_offsets
 from txmq.broker.transactions.service import MAX_NAME
 
 from . import convert
-from .clients import parse_transaction_id, transaction_id
 from .pb import definition_pb2 as d
 from .pb import service_pb2 as s
 from .status import Code, RmqError, of_error, ok
@@ -118,11 +120,8 @@ async def send_message(core: BrokerCore, req: s.SendMessageRequest) -> s.SendMes
         e = resp.entries.add()
         e.status.CopyFrom(ok())
         e.message_id = row["msg_id"]
-        if o.transactional:
-            e.transaction_id = transaction_id(row["tx_id"], row["commit_log_offset"], row["half_offset"])
-            e.offset = row["half_offset"]
-        else:
-            e.offset = row["queue_offset"]
+        e.transaction_id = row["msg_id"]  # RocketMQ: the message's UNIQ_KEY, whatever its type (for a half, its tx_id)
+        e.offset = row["half_offset"] if o.transactional else row["queue_offset"]
     resp.status.CopyFrom(ok())
     return resp
 
@@ -141,8 +140,7 @@ def _sent_before(core: BrokerCore, topic: str, message_id: str) -> s.SendResultE
     p = core.tx.index.pending.get(message_id)
     if p is None or p.topic != topic or p.group != topic:
         return None
-    return s.SendResultEntry(status=ok(), message_id=message_id, transaction_id=transaction_id(message_id, p.cl_offset, p.half_offset),
-                             offset=p.half_offset)
+    return s.SendResultEntry(status=ok(), message_id=message_id, transaction_id=message_id, offset=p.half_offset)
 
 
 def send_failed(req: s.SendMessageRequest, exc: BaseException) -> s.SendMessageResponse:
@@ -164,15 +162,12 @@ async def end_transaction(core: BrokerCore, req: s.EndTransactionRequest) -> s.E
     state = _STATES.get(req.resolution, "unknown")  # RocketMQ: anything but COMMIT / ROLLBACK leaves it pending
     source = "check" if req.source == d.SOURCE_SERVER_CHECK else "producer"
     await _index_ready(core)
-    ref = parse_transaction_id(req.transaction_id)
-    if ref is None:
-        ref = _lookup(core, req.transaction_id or req.message_id)
-    tx_id, cl_offset, half_offset = ref
+    tx_id, cl_offset, half_offset = _reference(core, req.transaction_id, req.message_id)
+    if len(tx_id) > MAX_NAME:  # no transaction has a longer id
+        raise RmqError(Code.BAD_REQUEST, f"field 'tx_id' is longer than {MAX_NAME} characters")
     if req.message_id and req.message_id != tx_id:
         raise RmqError(Code.INVALID_TRANSACTION_ID,
                        f"message_id {req.message_id!r} is not the message of transaction_id {req.transaction_id!r}")
-    if len(tx_id) > MAX_NAME:  # no transaction has a longer id
-        raise RmqError(Code.BAD_REQUEST, f"field 'tx_id' is longer than {MAX_NAME} characters")
     try:
         reply = await _reply(core.tx.end_transaction(topic, tx_id, cl_offset, half_offset, state, source))
     except TxmqError as exc:
@@ -192,21 +187,40 @@ async def end_transaction(core: BrokerCore, req: s.EndTransactionRequest) -> s.E
     return s.EndTransactionResponse(status=ok(msg))
 
 
-def _lookup(core: BrokerCore, tx_id: str) -> tuple[str, int, int]:
-    """The offsets of a transaction named by its id only: its latest half copy, or for a decided one its first."""
-    if not tx_id:
-        raise RmqError(Code.INVALID_TRANSACTION_ID, "transaction_id is empty")
-    index = core.tx.index
-    p = index.pending.get(tx_id)
-    if p is not None:
-        return tx_id, p.cl_offset, p.half_offset
-    dec = index.lookup(tx_id)
-    if dec is not None and dec.origin >= 0:
-        try:
-            rec = core.tx.read_half(dec.origin)
-        except TxmqError:
-            rec = None
-        if rec is not None:
-            return tx_id, rec.commit_log_offset, rec.queue_offset
-    raise RmqError(Code.INVALID_TRANSACTION_ID, f"no transaction {tx_id!r} is known to the broker")
+def _reference(core: BrokerCore, transaction_id: str, message_id: str) -> tuple[str, int, int]:
+    """(tx_id, commit-log offset, half offset) of the half copy an EndTransaction names.
 
+    RocketMQ's form, the transaction id alone (the message id), is looked
+    up in the index: a pending transaction's latest copy, a decided one's
+    first (its end then answers with the outcome on record). The form txmq
+    gave before, ``<tx_id>:<commit-log offset>:<half offset>``, names the
+    copy itself; it is taken apart only when no transaction has the whole
+    text as its id (a native producer may choose ids with colons).
+    """
+    text = transaction_id or message_id
+    if not text:
+        raise RmqError(Code.INVALID_TRANSACTION_ID, "transaction_id is empty")
+    if len(text) > MAX_NAME + 40:  # an id of at most MAX_NAME characters and two offsets of at most 19 digits
+        raise RmqError(Code.INVALID_TRANSACTION_ID, f"transaction_id is longer than {MAX_NAME + 40} characters")
+    index = core.tx.index
+    p = index.pending.get(text)
+    if p is not None:
+        return text, p.cl_offset, p.half_offset
+    with_offsets = split_with_offsets(text)
+    if with_offsets is not None and not known(index, text):
+        return with_offsets
+    return _decided(core, text)
+
+
+def _decided(core: BrokerCore, tx_id: str) -> tuple[str, int, int]:
+    """The first half copy of a decided transaction named by its id, or INVALID_TRANSACTION_ID."""
+    if len(tx_id) <= MAX_NAME:
+        dec = core.tx.index.lookup(tx_id)
+        if dec is not None and dec.origin >= 0:
+            try:
+                rec = core.tx.read_half(dec.origin)
+            except TxmqError:
+                rec = None
+            if rec is not None:
+                return tx_id, rec.commit_log_offset, rec.queue_offset
+    raise RmqError(Code.INVALID_TRANSACTION_ID, f"no transaction {tx_id!r} is known to the broker")

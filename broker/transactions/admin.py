@@ -17,6 +17,7 @@ from txmq.store import CorruptRecordError, Record, Store, StoreError
 from txmq.wire import ErrorCode, TxmqError
 
 from .history import History, find_tx_id, held_by
+from .ids import canonical
 from .index import Decided, Outcome, PendingTx, TxIndex
 
 if TYPE_CHECKING:
@@ -65,7 +66,7 @@ class TransactionAdmin:
         """The half record a REF names: tx_id, half_offset, or commit_log_offset."""
         idx = self.index
         if ref.get("tx_id") is not None:
-            tx_id = str(ref["tx_id"])
+            tx_id = canonical(idx, str(ref["tx_id"]))
             p = idx.pending.get(tx_id)
             if p is not None:
                 return self.tx.read_half(p.cl_offset)
@@ -194,7 +195,7 @@ class TransactionAdmin:
 
     def _find_discarded(self, ref: dict[str, Any]) -> tuple[str, Decided | None]:
         if ref.get("tx_id") is not None:
-            tx_id = str(ref["tx_id"])
+            tx_id = canonical(self.index, str(ref["tx_id"]))
             if tx_id in self.index.pending:
                 return tx_id, None
             d = self.index.lookup(tx_id)
@@ -225,7 +226,7 @@ class TransactionAdmin:
 
         Nothing is read yet: run its bounded scan with ``History.steps()``.
         """
-        found = find_tx_id(self.store, tx_id, half_offset, cl_offset)
+        found = find_tx_id(self.store, None if tx_id is None else canonical(self.index, tx_id), half_offset, cl_offset)
         if found is None:
             return None
         return History(self.store, self.index, found, int(self.clock() * 1000), max_scan, self.check.next_check_at, summary)

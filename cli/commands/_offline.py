@@ -106,8 +106,11 @@ class DataDir:
     def history(self, ref: dict[str, Any]) -> dict[str, Any] | None:
         """One transaction's history (txmq.broker.transactions.history), or None when the reference names none."""
         from txmq.broker.transactions.history import find_tx_id, history
+        from txmq.broker.transactions.ids import canonical
 
-        tx_id = find_tx_id(self.reader, ref.get("tx_id"), ref.get("half_offset"), ref.get("commit_log_offset"))
+        named = ref.get("tx_id")
+        tx_id = find_tx_id(self.reader, None if named is None else canonical(self.index, named), ref.get("half_offset"),
+                           ref.get("commit_log_offset"))
         return None if tx_id is None else history(self.reader, self.index, tx_id, int(time.time() * 1000))
 
     def queue_bounds(self, topic: str, queue_id: int) -> tuple[int, int]:

@@ -65,7 +65,10 @@ function checker(decisions, checks) {
     async check(messageView) {
       const body = messageView.body.toString('utf8');
       const answer = decisions[body] ?? UNKNOWN;
-      checks.push({ body, message_id: messageView.messageId, topic: messageView.topic, answer });
+      checks.push({
+        body, message_id: messageView.messageId, topic: messageView.topic,
+        properties: Object.fromEntries(messageView.properties || new Map()), answer,
+      });
       return answer;
     },
   };

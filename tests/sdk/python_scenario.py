@@ -90,7 +90,7 @@ class RecordingChecker(TransactionChecker):
         answer = self.decisions.get(body, TransactionResolution.TRANSACTION_RESOLUTION_UNSPECIFIED)
         with self.lock:
             self.checks.append({"body": body, "message_id": m.message_id, "topic": m.topic,
-                                "answer": TransactionResolution.Name(answer)})
+                                "properties": dict(m.properties or {}), "answer": TransactionResolution.Name(answer)})
         return answer
 
     def count(self, body: str) -> int:
