@@ -40,13 +40,13 @@ import concurrent.futures
 import enum
 import inspect
 import logging
-import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
 from txmq.constants import PROP_PGROUP, PROP_TRAN_MSG, PROP_UNIQ_KEY
+from txmq.txids import TxIds
 from txmq.wire import ErrorCode, TxmqError
 
 from .connection import DEFAULT_ADDRESS, Client, ConnectionLost
@@ -133,26 +133,6 @@ class TransactionSendResult:
     def end_done(self) -> bool:
         """True once the broker answered the end (or it failed, or there was none to send)."""
         return self.end is None or self.end.done()
-
-
-class TxIds:
-    """Transaction ids a producer gives its half messages itself (their ``UNIQ_KEY``).
-
-    The broker's shape: 16 random hex digits per instance, then a 16-digit
-    counter. A producer that names its halves knows each one's id before the
-    broker answers, so a half whose send was never acknowledged (stored or
-    not) can still be named, and resolved by id.
-    """
-
-    __slots__ = ("prefix", "n")
-
-    def __init__(self) -> None:
-        self.prefix = os.urandom(8).hex().upper()
-        self.n = 0
-
-    def __call__(self) -> str:
-        self.n += 1
-        return f"{self.prefix}{self.n:016X}"
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +34,7 @@ from txmq.constants import (
     PROP_UNIQ_KEY,
 )
 from txmq.store import AppendResult, CorruptRecordError, Message, Record, Store, StoreError, TxType
+from txmq.txids import TxIds
 from txmq.wire import ErrorCode, TxmqError
 
 from .index import Decided, IndexRowDamaged, Outcome, PendingTx, TxIndex
@@ -48,21 +48,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("txmq.tx")
 check_log = logging.getLogger("txmq.check")  # the discard event is the check service's
-
-class TxIds:
-    """Transaction ids: 16 random hex digits per broker run + a 16-digit counter.
-
-    Unique across restarts (the random prefix) and ~20x cheaper than uuid4.
-    """
-
-    def __init__(self) -> None:
-        self.prefix = os.urandom(8).hex().upper()
-        self.n = 0
-
-    def __call__(self) -> str:
-        self.n += 1
-        return f"{self.prefix}{self.n:016X}"
-
 
 HALF_CACHE_ENTRIES = 32768
 MAX_NAME = 255  # the longest transaction id or group a request field takes (native/operations.py: req_str)
