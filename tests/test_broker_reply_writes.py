@@ -15,7 +15,7 @@ import pytest
 
 from txmq import wire
 from txmq.broker.config import BrokerConfig
-from txmq.broker.native import connection as connection_mod
+from txmq.broker.native import operations
 from txmq.broker.native.connection import BrokerConnection
 from txmq.broker.native.server import ServerState
 
@@ -52,7 +52,7 @@ def waiting_op(monkeypatch):
         futures.append(fut)
         return fut
 
-    monkeypatch.setitem(connection_mod.HANDLERS, "wait", handler)
+    monkeypatch.setitem(operations.HANDLERS, "wait", handler)
     return futures
 
 

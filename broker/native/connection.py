@@ -39,7 +39,6 @@ from typing import Any
 from txmq.wire import FATAL, ErrorCode, FrameDecoder, FrameError, TxmqError, parse_payload, push, reply
 from txmq.wire import REQUEST
 
-from .operations import HANDLERS
 
 log = logging.getLogger("txmq.conn")
 _ids = itertools.count(1)
@@ -262,7 +261,7 @@ class BrokerConnection(asyncio.Protocol):
             self.authed = True
         if self._hello_by:
             self._hello_by = 0.0
-        handler = HANDLERS.get(op)
+        handler = self.state.handlers.get(op)
         if handler is None:
             self._reply_error(id_, TxmqError(f"unknown operation {op[:64]!r}", ErrorCode.UNKNOWN_OPERATION))
             return

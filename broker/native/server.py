@@ -14,6 +14,7 @@ import time
 from typing import TYPE_CHECKING
 
 from .connection import BrokerConnection
+from .operations import HANDLERS, Handler
 
 if TYPE_CHECKING:
     from ..config import BrokerConfig
@@ -25,7 +26,10 @@ REFUSAL_LOG_EVERY_S = 10.0
 
 
 class ServerState:
-    def __init__(self) -> None:
+    """What the native front end's connections share: the operation table, the connections and their counts."""
+
+    def __init__(self, handlers: dict[str, Handler] = HANDLERS) -> None:
+        self.handlers = handlers  # op -> handler (operations.HANDLERS, which the handler modules fill)
         self.connections: set[BrokerConnection] = set()
         self.inflight: set[asyncio.Future] = set()
         self.by_ip: dict[str, int] = {}  # open connections per remote address
