@@ -21,17 +21,22 @@ import logging
 from pathlib import Path
 from typing import Any, Iterable
 
-from txmq.constants import DISCARD_TOPIC, HALF_TOPIC, OP_TOPIC, TOPIC_RE, canonical_topic, is_system_topic
+from txmq.constants import (
+    DEFAULT_MESSAGE_TYPES,
+    DISCARD_TOPIC,
+    HALF_TOPIC,
+    MESSAGE_TYPES,
+    OP_TOPIC,
+    TOPIC_RE,
+    canonical_topic,
+    is_system_topic,
+)
 from txmq.store import StoreError, atomic_write_json, read_json
 from txmq.store.files import move_aside
 from txmq.wire import ErrorCode, TxmqError
 
 log = logging.getLogger("txmq.broker")
 
-# The message types a topic may accept, in this order everywhere (RocketMQ's: NORMAL, FIFO, DELAY, TRANSACTION).
-MESSAGE_TYPES = ("normal", "fifo", "delay", "transaction")
-# What a topic accepts unless created or updated with other types: what every topic accepted before topics had types.
-DEFAULT_MESSAGE_TYPES = ("normal", "transaction")
 MAX_QUEUES = 1024
 _TYPES_KEY = "txmq:message_types"
 _DELETED_KEY = "txmq:deleted"
