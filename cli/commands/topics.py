@@ -64,7 +64,7 @@ def topics(
              "message_types": t.get("message_types")}
             for t in call(broker, token, "list_topics", {"system": system})["topics"]]
     render(rows, resolve_output(output), columns=ROW_COLUMNS, formatters={"message_types": _types_text},
-           empty="no topics yet (they are created by the first send, or by `txmq topics create`)")
+           empty="no topics yet (they are created by the first send)")
 
 
 def parse_message_types(values: list[str] | None) -> list[str] | None:
