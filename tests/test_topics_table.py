@@ -104,3 +104,24 @@ def test_a_failed_write_of_topics_json_changes_nothing(tmp_path, monkeypatch):
     with pytest.raises(TxmqError) as e:
         t.pick_queue("new", None)
     assert e.value.code == ErrorCode.NO_SUCH_TOPIC
+
+
+def test_without_auto_creation_native_sends_to_an_unknown_topic_get_no_such_topic(tmp_path):
+    async def go():
+        async with running_broker(tmp_path / "data", auto_create_topics=False) as b:
+            tx = {"TRAN_MSG": "true", "PGROUP": "g"}
+            refused = await _ops(b, ("send", {"topic": "nope", "body": b"x"}),
+                                 ("send_batch", {"topic": "nope", "messages": [{"body": b"a"}, {"body": b"b"}]}),
+                                 ("send", {"topic": "nope", "body": b"x", "properties": tx}),
+                                 ("hello", {}), ("broker_info", {}), ("list_topics", {}))
+            made = await _ops(b, ("create_topic", {"topic": "nope", "queues": 1}), ("send", {"topic": "nope", "body": b"x"}),
+                              ("send", {"topic": "nope", "body": b"y", "properties": tx}))
+            return refused, made
+
+    (s1, s2, s3, (_, hello), (_, info), (_, listed)), made = arun(go())
+    for code, f in (s1, s2, s3):
+        assert (code, f["name"], f["topic"]) == (int(ErrorCode.NO_SUCH_TOPIC), "NO_SUCH_TOPIC", "nope")
+        assert "--no-auto-create-topics" in f["error"] and f["retriable"] is False
+    assert "topic_message_types" in hello["features"] and info["auto_create_topics"] is False
+    assert listed["topics"] == []
+    assert [code for code, _ in made] == [0, 0, 0]
