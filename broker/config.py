@@ -119,6 +119,9 @@ class BrokerConfig:
     max_body: int = defaults.MAX_BODY
     max_inflight_per_conn: int = 1024
     default_queues: int = DEFAULT_QUEUES
+    # A send (native or gRPC), a gRPC route or receive naming an unknown topic creates it; False: refused
+    # (NO_SUCH_TOPIC natively, TOPIC_NOT_FOUND over gRPC) until the topic is created (`txmq topics create`).
+    auto_create_topics: bool = defaults.AUTO_CREATE_TOPICS
     auth_token: str | None = None
     segment_size: int = defaults.SEGMENT_SIZE
     cq_entries_per_file: int = 300_000

@@ -52,7 +52,7 @@ from .flush import DescriptorState, DiskState, Flusher
 from .metrics import Metrics
 from .records import msg_id, record_to_map
 from .registry import ClientRegistry
-from .topics import TopicTable
+from .topics import TopicTable, no_such_topic
 from .transactions.admin import TransactionAdmin
 from .transactions.check import CheckProgress, CheckService
 from .transactions.keeper import IndexKeeper
@@ -114,7 +114,7 @@ class BrokerCore:
         self.disk: DiskState = DiskState()  # a full disk, logged once per change of state
         self.fds: DescriptorState = DescriptorState()  # no descriptor left for a request, logged once per change of state
         # Built by open() (they read the data directory):
-        self.topics: TopicTable  # topics.json: queue counts
+        self.topics: TopicTable  # topics.json: queue counts and message types
         self.offsets: ConsumerOffsets  # offsets.json: consumer groups' offsets
         self.flusher: Flusher  # fsyncs and group commit (its thread starts in start())
         self.appender: Appender  # every write to the log
@@ -138,8 +138,10 @@ class BrokerCore:
             log.warning("event=recovery_truncated dropped_bytes=%d reason=%r at=%s", r.dropped_bytes, r.reason, r.truncated_at)
         log.info("event=store_opened max_offset=%d segments=%d redispatched=%d took_s=%.3f", r.max_offset, r.segments, r.redispatched, r.duration_s)
         try:
-            self.topics = TopicTable(self.data_dir / "topics.json", self.config.default_queues)
+            self.topics = TopicTable(self.data_dir / "topics.json", self.config.default_queues, self.config.auto_create_topics)
             self.topics.merge_from_store(self.store.queues())
+            log.info("event=topics_loaded topics=%d auto_create=%s", sum(1 for t in self.topics.all() if not is_system_topic(t)),
+                     "on" if self.config.auto_create_topics else "off")
             self.offsets = ConsumerOffsets(self.data_dir / "offsets.json")
         except BaseException:  # e.g. a damaged offsets.json: the start is refused, the directory released
             self.store.close()
@@ -332,15 +334,86 @@ class BrokerCore:
                 out[q] = off
         return out
 
+    def _messages(self, topic: str, n: int) -> int:
+        return sum(self.store.queue_max_offset(topic, q) - self.store.queue_min_offset(topic, q) for q in range(n))
+
     def list_topics(self, system: bool) -> list[dict[str, Any]]:
         rows = []
         for name, n in sorted(self.topics.all().items()):
             sysflag = is_system_topic(name)
             if sysflag and not system:
                 continue
-            msgs = sum(self.store.queue_max_offset(name, q) - self.store.queue_min_offset(name, q) for q in range(n))
-            rows.append({"topic": name, "queues": n, "messages": msgs, "system": sysflag})
+            rows.append({"topic": name, "queues": n, "messages": self._messages(name, n), "system": sysflag,
+                         "message_types": None if sysflag else list(self.topics.message_types(name))})
         return rows
+
+    # ---- topics (the operator's: txmq topics create|update|delete|describe) ----
+    def create_topic(self, topic: str, queues: int | None, message_types: tuple[str, ...] | None) -> dict[str, Any]:
+        """Create a topic (whatever auto-creation says); an existing one is answered as it is, unchanged (created false)."""
+        n, created = self.topics.ensure(topic, queues, message_types)
+        return {"topic": topic, "queues": n, "created": created, "message_types": list(self.topics.message_types(topic))}
+
+    def update_topic(self, topic: str, queues: int | None, message_types: tuple[str, ...] | None) -> dict[str, Any]:
+        """More queues, other message types; the old and new values.
+
+        Queues shrink only by queues that never held a message and that no
+        pending transaction was sent to (TOPIC_IN_USE otherwise): a queue
+        with messages would hide them, and its readers and writers would be
+        refused mid-stream. The pending transactions are counted, when
+        shrinking, in one pass on the event loop.
+        """
+        n = self._known_topic(topic)
+        if queues is not None and queues < n:
+            written = [q for q in range(queues, n) if self.store.queue_max_offset(topic, q) > 0]
+            pending = sorted({p.queue_id for p in self.tx.index.pending.values() if p.topic == topic and p.queue_id >= queues})
+            if written or pending:
+                why = f"queue {written[0]} holds messages" if written else f"a pending transaction was sent to queue {pending[0]}"
+                raise TxmqError(f"topic {topic} cannot shrink from {n} to {queues} queues: {why} (only queues that never "
+                                "held a message can be removed)", ErrorCode.TOPIC_IN_USE, topic=topic)
+        return {"topic": topic, **self.topics.update(topic, queues, message_types)}
+
+    def _known_topic(self, topic: str) -> int:
+        n = self.topics.queues(topic)
+        if n is None or is_system_topic(topic):
+            raise no_such_topic(topic)
+        return n
+
+    def delete_topic(self, topic: str, force: bool) -> dict[str, Any]:
+        """Take a user topic out of the table: no route, no send, no receive; its stored records stay until retention.
+
+        Refused (TOPIC_IN_USE) while transactions sent to it are pending,
+        unless ``force``: they then stay pending, and one that commits
+        creates the topic again. The count of pending transactions is one
+        pass over them on the event loop (so that no half message slips in
+        between the count and the delete).
+        """
+        n = self._known_topic(topic)
+        pending = sum(1 for p in self.tx.index.pending.values() if p.topic == topic)
+        if pending and not force:
+            raise TxmqError(f"topic {topic} has {pending} pending transaction(s): resolve them first (txmq inspect half "
+                            f"--topic {topic}), or force the delete (they stay pending, and a commit creates the topic again)",
+                            ErrorCode.TOPIC_IN_USE, topic=topic, pending_transactions=pending)
+        messages = self._messages(topic, n)
+        self.topics.delete(topic)
+        log.info("event=topic_deleted topic=%s queues=%d messages=%d pending=%d forced=%s", topic, n, messages, pending,
+                 "yes" if force else "no")
+        return {"topic": topic, "deleted": True, "queues": n, "messages": messages, "pending_transactions": pending}
+
+    async def describe_topic(self, topic: str) -> dict[str, Any]:
+        """Queues, message types, each queue's offsets and messages, and the pending transactions (counted in a worker thread)."""
+        n = self._known_topic(topic)
+        pending = await asyncio.get_running_loop().run_in_executor(None, _pending_by_queue, self.tx.index.pending, topic)
+        n = self.topics.queues(topic)
+        if n is None:  # deleted meanwhile
+            raise no_such_topic(topic)
+        rows = []
+        for q in range(n):
+            lo, hi = self.store.queue_min_offset(topic, q), self.store.queue_max_offset(topic, q)
+            rows.append({"queue_id": q, "min_offset": lo, "max_offset": hi, "messages": hi - lo,
+                         "pending_transactions": pending.get(q, 0)})
+        return {"topic": topic, "queues": n, "message_types": list(self.topics.message_types(topic)),
+                "messages": sum(r["messages"] for r in rows), "pending_transactions": sum(pending.values()),
+                "per_queue": rows}
 
     def info(self) -> dict[str, Any]:
         return {
@@ -357,6 +430,7 @@ class BrokerCore:
             "min_offset": self.store.min_offset,
             "connections": self.connection_gauges()["connections"],
             "topics": len([t for t in self.topics.all() if not is_system_topic(t)]),
+            "auto_create_topics": self.topics.auto_create,
             "producer_groups": self.registry.groups(),
             "auth": bool(self.config.auth_token),
             "speedups": speedups_in_use(),
@@ -395,3 +469,12 @@ class BrokerCore:
                 "damaged": self.store.damage.summary(),
             },
         }
+
+
+def _pending_by_queue(pending: dict[str, Any], topic: str) -> dict[int, int]:
+    """Pending transactions of topic per queue (their REAL_QID), over a copy: safe from a worker thread, as stats does."""
+    out: dict[int, int] = {}
+    for p in list(pending.values()):
+        if p.topic == topic:
+            out[p.queue_id] = out.get(p.queue_id, 0) + 1
+    return out

@@ -28,6 +28,9 @@ _CODE_EXIT = {
     ErrorCode.GROUP_ACTIVE: exitcodes.CONFLICT,
     ErrorCode.NO_SUCH_GROUP: exitcodes.NOT_FOUND,
     ErrorCode.NO_SUCH_MESSAGE: exitcodes.NOT_FOUND,
+    ErrorCode.NO_SUCH_TOPIC: exitcodes.NOT_FOUND,
+    ErrorCode.TOPIC_IN_USE: exitcodes.CONFLICT,
+    ErrorCode.MESSAGE_TYPE_NOT_ACCEPTED: exitcodes.CONFLICT,
 }
 
 

@@ -108,14 +108,15 @@ def default_map(command: Any, ctx: dict[str, Any], top: bool = True) -> dict[str
     for name, sub in getattr(command, "commands", {}).items():
         if top and name == "context":
             continue  # `context add --broker/--token` define a context: nothing comes from one
-        if getattr(sub, "commands", None):
-            inner = default_map(sub, ctx, top=False)
-            if inner:
-                dm[name] = inner
-            continue
         params = {p.name: p for p in getattr(sub, "params", ())}
         mine = {k: v for k, v in values.items()
                 if k in params and f"--{k}" in getattr(params[k], "opts", ())}
+        if getattr(sub, "commands", None):
+            # a group's own options (`txmq topics` lists with --broker) beside its commands' maps
+            inner = {**default_map(sub, ctx, top=False), **mine}
+            if inner:
+                dm[name] = inner
+            continue
         if mine:
             dm[name] = mine
     return dm

@@ -68,6 +68,9 @@ def _require_utf8(group: typer.Typer) -> None:
     for cmd in group.registered_commands:
         if cmd.callback is not None:
             cmd.callback = utf8_arguments(cmd.callback)
+    own = group.registered_callback  # a group that does something itself (`txmq topics` lists)
+    if own is not None and own.callback is not None and group is not app:
+        own.callback = utf8_arguments(own.callback)
     for sub in group.registered_groups:
         if sub.typer_instance is not None:
             _require_utf8(sub.typer_instance)

@@ -32,7 +32,10 @@
 #   txmq stats
 #   txmq store repair
 #   txmq store verify
-#   txmq topics
+#   txmq topics create
+#   txmq topics delete
+#   txmq topics describe
+#   txmq topics update
 
 _txmq_completion() {
     local IFS=$'\n'

@@ -32,7 +32,10 @@
 #   txmq stats
 #   txmq store repair
 #   txmq store verify
-#   txmq topics
+#   txmq topics create
+#   txmq topics delete
+#   txmq topics describe
+#   txmq topics update
 
 complete --command txmq --no-files \
   --arguments "(env _TXMQ_COMPLETE=complete_fish _TYPER_COMPLETE_FISH_ACTION=get-args _TYPER_COMPLETE_ARGS=(commandline -cp) txmq)" \

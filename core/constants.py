@@ -36,6 +36,11 @@ PROP_REPLAYED = "TXMQ_REPLAYED"  # on a half copy put back from the discard topi
 
 SYSTEM_TOPICS = frozenset({HALF_TOPIC, OP_TOPIC, DISCARD_TOPIC})
 
+# The message types a topic may accept (RocketMQ's: NORMAL, FIFO, DELAY, TRANSACTION), in this order everywhere,
+# and what a topic accepts unless created or updated with others: what every topic accepted before topics had types.
+MESSAGE_TYPES = ("normal", "fifo", "delay", "transaction")
+DEFAULT_MESSAGE_TYPES = ("normal", "transaction")
+
 TOPIC_RE = re.compile(r"^[%|a-zA-Z0-9_-]{1,127}\Z")  # \Z: `$` would let a trailing newline through
 
 DEFAULT_PORT = 10911

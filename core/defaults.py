@@ -26,6 +26,10 @@ FRAME_TIMEOUT_S = 60.0  # first byte of a frame -> its last; 0 = none
 MAX_CONNECTIONS_PER_IP = 0  # 0 = unlimited
 PARTIAL_FRAME_BUDGET = 256 << 20  # bytes all connections together may hold in partly received frames
 
+# A send to a topic the broker does not know creates it (with the default queues and message types);
+# False: such sends are refused until `txmq topics create` (docs/cli.md, "txmq topics").
+AUTO_CREATE_TOPICS = True
+
 # The check settings (`txmq config set` changes them while the broker runs; docs/transactions.md).
 CHECK_INTERVAL_S = 60.0
 TRANSACTION_TIMEOUT_S = 6.0

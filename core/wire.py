@@ -61,6 +61,9 @@ class ErrorCode(IntEnum):
     GROUP_ACTIVE = 40
     NO_SUCH_GROUP = 41
     NO_SUCH_MESSAGE = 42
+    NO_SUCH_TOPIC = 43
+    TOPIC_IN_USE = 44
+    MESSAGE_TYPE_NOT_ACCEPTED = 45
     INTERNAL = 99
 
 

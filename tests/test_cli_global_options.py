@@ -88,6 +88,7 @@ def test_context_supplies_broker_and_token(tmp_path, config_home):
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
         # the first context added is the current one
         assert [t["topic"] for t in json.loads(out(ok(_topics(env=config_home))))] == ["t-ctx"]
+        assert json.loads(out(ok(txmq("topics", "describe", "t-ctx", "-o", "json", env=config_home))))["messages"] == 1
         # --context before or after the command, and TXMQ_CONTEXT
         _one_line_error(_topics("--context", "nowhere", env=config_home), UNREACHABLE)
         _one_line_error(txmq("topics", "--context", "nowhere", env=config_home), UNREACHABLE)

@@ -114,7 +114,7 @@ def test_topics(broker):
     ok(run(broker, "send", "m-topics", "x"))
     rows = lines(ok(run(broker, "topics")))
     t = next(r for r in rows if r["topic"] == "m-topics")
-    assert t == {"topic": "m-topics", "queues": 4, "messages": 1, "system": False}
+    assert t == {"topic": "m-topics", "queues": 4, "messages": 1, "system": False, "message_types": ["normal", "transaction"]}
     assert not any(r["system"] for r in rows)
     system = {r["topic"] for r in lines(ok(run(broker, "topics", "--system")))}
     assert "RMQ_SYS_TRANS_HALF_TOPIC" in system

@@ -81,6 +81,7 @@ FIELD = {
     "after_half_offset": ints, "after_discard_offset": ints, "max_scan": ints, "summary": st.booleans(), "force": st.booleans(),
     "time_ms": ints, "since_ms": ints, "until_ms": ints, "msg_id": texts, "queue_ids": st.one_of(ints, st.lists(ints, max_size=3)),
     "value": st.one_of(ints, floats), "token": texts, "client_id": texts, "producer_groups": groups, "consumer_groups": groups,
+    "message_types": st.one_of(st.lists(st.sampled_from(["normal", "fifo", "delay", "transaction", "NORMAL", "x", ""]), max_size=5), wild),
 }
 # Values that pass validation, so a request with one field broken reaches deep into the handler.
 small = st.integers(0, 64)
@@ -104,6 +105,7 @@ VALID = {
     "msg_id": st.sampled_from(["0000000000000000", "nope"]), "queue_ids": st.sampled_from([[0], [0, 1]]),
     "value": st.sampled_from([1, 2, 5, 60, 0.5, 3600]), "token": texts, "client_id": texts,
     "producer_groups": st.sampled_from([[], ["g"], ["fz"]]), "consumer_groups": st.sampled_from([[], ["c"]]),
+    "message_types": st.lists(st.sampled_from(["normal", "fifo", "delay", "transaction"]), min_size=1, max_size=4),
 }
 OPS = {
     "hello": ["token", "client_id", "producer_groups", "consumer_groups"],
@@ -115,7 +117,10 @@ OPS = {
     "pull": ["topic", "queue_id", "offset", "max_count", "max_bytes", "wait_ms"],
     "commit_offset": ["group", "topic", "queue_id", "offset"],
     "fetch_offsets": ["group", "topic"],
-    "create_topic": ["topic", "queues"],
+    "create_topic": ["topic", "queues", "message_types"],
+    "update_topic": ["topic", "queues", "message_types"],
+    "delete_topic": ["topic", "force"],
+    "describe_topic": ["topic"],
     "list_topics": ["system"],
     "tx_pending": ["group", "topic", "min_age_ms", "limit", "after_half_offset"],
     "tx_offsets": [],

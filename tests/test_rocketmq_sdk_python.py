@@ -154,3 +154,49 @@ def test_python_sdk_delay_and_fifo_messages_fail_fast_and_the_producer_goes_on(s
         assert refused["took_s"] < 10, refused
     stored = lines(ok(txmq("read", topic, "-o", "jsonl", broker=b.address)))
     assert [m["body"] for m in stored] == ["normal-after"]
+
+
+def test_python_sdk_simple_consumer_on_a_topic_nothing_was_sent_to_long_polls_instead_of_failing(sdk_python, broker, tmp_path):
+    """RocketMQ's simple-consumer example receives in a loop; on a topic nothing was sent to, each receive waits its
+    long polling time (1 s here) and comes back empty: a handful of calls in 5 s, none failed."""
+    b, endpoint = broker
+    r = python_scenario(sdk_python, "idle", tmp_path / "home", "--endpoint", endpoint, "--topic", "PySdkNeverSent",
+                        "--group", "py-idle", "--await-duration", "1", "--seconds", "5")
+    assert r["failed"] == 0, r["failures"]
+    assert 1 <= r["calls"] <= 10, f"{r['calls']} receives in 5 s"
+    assert r["received"] == []
+    assert "PySdkNeverSent" in [t["topic"] for t in lines(ok(txmq("topics", broker=b.address)))]  # its route created it
+
+
+def test_python_sdk_against_a_broker_that_does_not_create_topics_gets_topic_not_found(sdk_python, tmp_path):
+    b, endpoint = start_rocketmq_broker(tmp_path / "broker", "--no-auto-create-topics")
+    try:
+        topic = "PySdkNowhere"
+        r = python_scenario(sdk_python, "unknown", tmp_path / "home", "--endpoint", endpoint, "--topic", topic,
+                            "--group", "py-nowhere", "--await-duration", "1")
+        for what in ("send", "receive"):
+            assert r[what]["ok"] is False and topic in r[what]["error"], r
+        log = r["_sdk_log"]
+        assert f"40402, CODE: 17  DESC: No topic route info in name server for the topic: {topic}" in log, log[-3000:]
+        assert [t for t in lines(ok(txmq("topics", broker=b.address)))] == []
+        # once the operator creates it, the same producer code sends
+        ok(txmq("topics", "create", topic, "--queues", "2", broker=b.address))
+        sent = python_scenario(sdk_python, "send", tmp_path / "home2", "--endpoint", endpoint, "--topic", topic, "--count", "1")
+        assert [m["body"] for m in lines(ok(txmq("read", topic, broker=b.address)))] == [x["body"] for x in sent["sent"]]
+    finally:
+        b.stop()
+
+
+def test_python_sdk_sends_fifo_and_delay_to_a_topic_that_accepts_them_and_the_broker_refuses_them(sdk_python, broker, tmp_path):
+    """The route says the topic accepts FIFO and DELAY, so the SDK sends them; this broker does not deliver such
+    messages yet and refuses each with UNSUPPORTED, storing nothing; a normal message goes through."""
+    b, endpoint = broker
+    topic = "PySdkWide"
+    ok(txmq("topics", "create", topic, "--message-types", "normal,fifo,delay", broker=b.address))
+    r = python_scenario(sdk_python, "unsupported", tmp_path / "home", "--endpoint", endpoint, "--topic", topic)
+    for kind in ("delay", "fifo"):
+        refused = r["refused"][kind]
+        assert refused is not None, f"a {kind} message was accepted"
+        assert "not delivered by this broker yet" in refused["error"], refused
+        assert refused["took_s"] < 10, refused
+    assert [m["body"] for m in lines(ok(txmq("read", topic, "-o", "jsonl", broker=b.address)))] == ["normal-after"]

@@ -15,6 +15,7 @@ from txmq.constants import PROP_TRAN_MSG, canonical_topic
 from txmq.store import Message, TxType
 from txmq.wire import PROTOCOL_VERSION, ErrorCode, TxmqError
 
+from ..topics import MAX_QUEUES, message_types_of
 from .operations import HANDLERS, Handler, Reply, _bad, body_of, opt_bool, opt_int, opt_str, props_of, refs_of, req_int, req_str, user_topic
 
 if TYPE_CHECKING:
@@ -22,8 +23,10 @@ if TYPE_CHECKING:
     from ..core import BrokerCore
 
 # What this broker supports beyond protocol 1's first requests (additive, in `hello`):
-# "config_set_dry_run": config_set takes dry_run and answers what the change would discard.
-FEATURES = ["config_set_dry_run"]
+# "config_set_dry_run": config_set takes dry_run and answers what the change would discard;
+# "topic_message_types": create_topic takes message_types, update_topic, delete_topic and describe_topic exist,
+# list_topics' rows carry message_types (an older broker would create a topic without the types it was given).
+FEATURES = ["config_set_dry_run", "topic_message_types"]
 
 
 # ---- session ---------------------------------------------------------------
@@ -62,7 +65,7 @@ def send(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
         if core.keeper.must_wait():
             return core.keeper.when_ready(lambda: core.tx.send_half(topic, qid, body, props, born))
         return core.tx.send_half(topic, qid, body, props, born)
-    qid = core.topics.pick_queue(topic, qid)
+    qid = core.topics.pick_queue(topic, qid, "normal")
     return core.send([Message(topic, qid, TxType.NORMAL, born, props, body)], single=True)
 
 
@@ -71,7 +74,7 @@ def send_batch(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
     items = f.get("messages")
     if not isinstance(items, list) or not items or len(items) > 10_000:
         raise _bad("field 'messages' must be a non-empty list of at most 10000 messages")
-    qid = core.topics.pick_queue(topic, opt_int(f, "queue_id", None, -1, 1023))
+    qid = core.topics.pick_queue(topic, opt_int(f, "queue_id", None, -1, 1023), "normal")
     now = int(core.clock() * 1000)
     msgs = []
     for m in items:
@@ -126,10 +129,28 @@ def fetch_offsets(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
     return {"offsets": {str(q): off for q, off in offsets.items()}}  # msgpack map keys are strings
 
 
+def _message_types(f: dict) -> tuple[str, ...] | None:
+    return None if f.get("message_types") is None else message_types_of(f["message_types"])
+
+
 def create_topic(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
+    return core.create_topic(user_topic(f), opt_int(f, "queues", None, 1, MAX_QUEUES), _message_types(f))
+
+
+def update_topic(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
     topic = user_topic(f)
-    n, created = core.topics.ensure(topic, opt_int(f, "queues", None, 1, 1024))
-    return {"topic": topic, "queues": n, "created": created}
+    queues, types = opt_int(f, "queues", None, 1, MAX_QUEUES), _message_types(f)
+    if queues is None and types is None:
+        raise _bad("give queues, message_types or both")
+    return core.update_topic(topic, queues, types)
+
+
+def delete_topic(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
+    return core.delete_topic(user_topic(f), opt_bool(f, "force"))
+
+
+def describe_topic(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
+    return core.describe_topic(user_topic(f))
 
 
 def list_topics(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
@@ -277,6 +298,9 @@ HANDLERS.update({
     "commit_offset": commit_offset,
     "fetch_offsets": fetch_offsets,
     "create_topic": create_topic,
+    "update_topic": _needs_index(update_topic),
+    "delete_topic": _needs_index(delete_topic),
+    "describe_topic": _needs_index(describe_topic),
     "list_topics": list_topics,
     "tx_pending": _needs_index(tx_pending),
     "tx_offsets": _needs_index(tx_offsets),

@@ -15,7 +15,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
-from . import convert
+from . import convert, routes
 from .pb import definition_pb2 as d
 from .pb import service_pb2 as s
 from .pop import PopConfig, PopError, PopService, check_group, parse_tags
@@ -104,6 +104,7 @@ class ReceiveFrontend:
         client_id = _client_id(context)
         try:
             group, topic, queue_id, tags, batch, invisible, poll = self._receive_args(request, context)
+            routes.check_receive(self.core, topic)  # an unknown topic: TOPIC_NOT_FOUND, as RocketMQ's proxy answers it
             got = await self.pop.receive(group, topic, queue_id, tags, batch, invisible, poll,
                                          auto_renew=request.auto_renew, client_id=client_id or None)
         except PopError as exc:

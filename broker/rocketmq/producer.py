@@ -33,7 +33,7 @@ from txmq.broker.topics import check_topic_name
 from txmq.broker.transactions.ids import known, split_with_offsets
 from txmq.broker.transactions.service import MAX_NAME
 
-from . import convert
+from . import convert, routes
 from .pb import definition_pb2 as d
 from .pb import service_pb2 as s
 from .status import Code, RmqError, of_error, ok
@@ -77,6 +77,8 @@ async def send_message(core: BrokerCore, req: s.SendMessageRequest) -> s.SendMes
         raise RmqError(Code.BAD_REQUEST, "no message to send")
     if len(msgs) > MAX_BATCH:
         raise RmqError(Code.BAD_REQUEST, f"at most {MAX_BATCH} messages in one SendMessage")
+    topic = topic_of(msgs[0].topic)
+    routes.check_send(core, topic, msgs)  # TOPIC_NOT_FOUND, the topic's message types (broker/rocketmq/routes.py)
     cfg = core.config
     # GZIP bodies are inflated one by one up to --max-body: the batch as a whole is held to --max-frame,
     # as a native send_batch is by its frame (a 4 MB request of 1,024 bombs would inflate to 4 GiB)
@@ -93,7 +95,6 @@ async def send_message(core: BrokerCore, req: s.SendMessageRequest) -> s.SendMes
             raise
         budget -= len(o.body)
         out.append(o)
-    topic = topic_of(msgs[0].topic)
     if any(m.topic.name != msgs[0].topic.name for m in msgs):
         raise RmqError(Code.BAD_REQUEST, "the messages of one SendMessage must have the same topic")
     transactional = any(o.transactional for o in out)

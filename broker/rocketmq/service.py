@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from txmq.wire import TxmqError
 
-from . import producer
+from . import producer, routes
 from .clients import MAX_TOPICS, Client, TelemetryStream, answer_settings
 from .pb import definition_pb2 as d
 from .pb import service_pb2 as s
@@ -30,7 +30,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("txmq.rocketmq")
 
 BROKER_NAME = "txmq"  # the one broker of every route (RocketMQ's routes name brokers; txmq is one)
-ACCEPTED_TYPES = (d.NORMAL, d.TRANSACTION)
 MAX_GROUP_LEN = 255
 
 
@@ -81,7 +80,7 @@ class MessagingService:
         return d.Endpoints(scheme=scheme, addresses=[d.Address(host=host, port=self.port)])
 
     def queue(self, topic: str, qid: int, endpoints: d.Endpoints) -> d.MessageQueue:
-        mq = d.MessageQueue(id=qid, permission=d.READ_WRITE, accept_message_types=ACCEPTED_TYPES)
+        mq = d.MessageQueue(id=qid, permission=d.READ_WRITE, accept_message_types=routes.accept_types(self.core, topic))
         mq.topic.name = topic
         mq.broker.name = BROKER_NAME
         mq.broker.id = 0
@@ -90,13 +89,14 @@ class MessagingService:
 
     async def QueryRoute(self, req: s.QueryRouteRequest, context: Any) -> s.QueryRouteResponse:  # noqa: N802
         topic = producer.topic_of(req.topic)
-        n = self.core.topics.queues(topic) or self.core.config.default_queues  # a new topic is created by its first send
+        n = routes.route_queues(self.core, topic)  # an unknown topic: created (auto-creation), else TOPIC_NOT_FOUND
         eps = self.endpoints(req.endpoints)
         return s.QueryRouteResponse(status=ok(), message_queues=[self.queue(topic, q, eps) for q in range(n)])
 
     async def QueryAssignment(self, req: s.QueryAssignmentRequest, context: Any) -> s.QueryAssignmentResponse:  # noqa: N802
         topic = producer.topic_of(req.topic)
         group_of(req.group)
+        routes.route_queues(self.core, topic)
         # POP-style, as RocketMQ's proxy answers it: one queue with id -1 per broker, the broker picks the queues.
         mq = self.queue(topic, -1, self.endpoints(req.endpoints))
         return s.QueryAssignmentResponse(status=ok(), assignments=[d.Assignment(message_queue=mq)])

@@ -38,6 +38,9 @@ _FROM_TXMQ = {
     ErrorCode.INVALID_CONFIG: Code.BAD_REQUEST,
     ErrorCode.NO_SUCH_GROUP: Code.CONSUMER_GROUP_NOT_FOUND,
     ErrorCode.NO_SUCH_MESSAGE: Code.MESSAGE_NOT_FOUND,
+    ErrorCode.NO_SUCH_TOPIC: Code.TOPIC_NOT_FOUND,
+    ErrorCode.TOPIC_IN_USE: Code.PRECONDITION_FAILED,
+    ErrorCode.MESSAGE_TYPE_NOT_ACCEPTED: Code.MESSAGE_PROPERTY_CONFLICT_WITH_TYPE,
     ErrorCode.INTERNAL: Code.INTERNAL_ERROR,
 }
 
@@ -49,6 +52,36 @@ class RmqError(Exception):
         super().__init__(message)
         self.code = code
         self.message = message
+
+
+# RocketMQ's answer for a topic without a route, as its proxy writes it: TopicRouteService throws
+# MQClientException(ResponseCode.TOPIC_NOT_EXIST (17), "No topic route info in name server for the topic: " + topic),
+# and ResponseBuilder.buildStatus answers TOPIC_NOT_FOUND with that exception's getMessage(), which MQClientException
+# builds as "CODE: 17  DESC: " + the text + FAQUrl.attachDefaultURL's line (RocketMQ 5.3).
+_TOPIC_NOT_EXIST = 17
+_FAQ_URL = "https://rocketmq.apache.org/docs/bestPractice/06FAQ"
+
+
+def topic_not_found(topic: str) -> RmqError:
+    """TOPIC_NOT_FOUND (40402) with the message RocketMQ's proxy gives a QueryRoute, SendMessage or ReceiveMessage."""
+    return RmqError(Code.TOPIC_NOT_FOUND, f"CODE: {_TOPIC_NOT_EXIST}  DESC: No topic route info in name server for the topic: "
+                                          f"{topic}\nFor more information, please visit the url, {_FAQ_URL}")
+
+
+# RocketMQ's names of message types, as its proxy's TopicMessageType writes them.
+TYPE_NAMES = {"normal": "NORMAL", "fifo": "FIFO", "delay": "DELAY", "transaction": "TRANSACTION"}
+
+
+def type_conflict(accepted: tuple[str, ...] | list[str], actual: str) -> RmqError:
+    """MESSAGE_PROPERTY_CONFLICT_WITH_TYPE (40014) with the text of RocketMQ's DefaultTopicMessageTypeValidator.
+
+    A RocketMQ topic has one type (or MIXED: all four); a txmq topic a set,
+    named here by its one type, MIXED for all four, else the list.
+    """
+    names = [TYPE_NAMES.get(t, t.upper()) for t in accepted]
+    expected = names[0] if len(names) == 1 else "MIXED" if len(names) == len(TYPE_NAMES) else "[" + ", ".join(names) + "]"
+    return RmqError(Code.MESSAGE_PROPERTY_CONFLICT_WITH_TYPE, f"TopicMessageType validate failed, the expected type is "
+                                                              f"{expected}, but actual type is {TYPE_NAMES.get(actual, actual.upper())}")
 
 
 def ok(message: str = "OK") -> d.Status:
@@ -64,6 +97,11 @@ def of_error(exc: BaseException) -> d.Status:
     if isinstance(exc, RmqError):
         return d.Status(code=exc.code, message=exc.message)
     if isinstance(exc, TxmqError):
+        fields = exc.fields
+        if exc.code == ErrorCode.NO_SUCH_TOPIC and isinstance(fields.get("topic"), str):
+            return of_error(topic_not_found(fields["topic"]))
+        if exc.code == ErrorCode.MESSAGE_TYPE_NOT_ACCEPTED and isinstance(fields.get("message_type"), str):
+            return of_error(type_conflict(fields.get("message_types") or [], fields["message_type"]))
         return d.Status(code=_FROM_TXMQ.get(exc.code, Code.INTERNAL_ERROR), message=str(exc))
     return d.Status(code=Code.INTERNAL_ERROR, message=f"internal error: {type(exc).__name__}")
 

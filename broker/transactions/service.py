@@ -130,7 +130,7 @@ class TransactionService:
             raise TxmqError(f"producer group (PGROUP) is longer than {MAX_NAME} characters", ErrorCode.INVALID_FIELD)
         if len(props.get(PROP_UNIQ_KEY) or "") > MAX_NAME:
             raise TxmqError(f"transaction id (UNIQ_KEY) is longer than {MAX_NAME} characters", ErrorCode.INVALID_FIELD)
-        qid = self.topics.pick_queue(topic, queue_id)
+        qid = self.topics.pick_queue(topic, queue_id, "transaction")
         props = dict(props)
         props.pop(PROP_DELAY, None)  # delay levels do not apply to transactional messages
         tx_id = props.get(PROP_UNIQ_KEY)

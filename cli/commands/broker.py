@@ -33,7 +33,8 @@ def _duration(seconds: float) -> str:
 @app.command(
     epilog="Examples:\n\n  txmq broker start\n\n  txmq broker start --data-dir /var/lib/txmq --flush sync\n\n"
     "  txmq broker start --check-interval 30s --transaction-timeout 10s --max-checks 5\n\n"
-    "  txmq broker start --rocketmq-port 8081"
+    "  txmq broker start --rocketmq-port 8081\n\n"
+    "  txmq broker start --no-auto-create-topics      # topics only by `txmq topics create`"
 )
 def start(
     data_dir: Annotated[Optional[Path], typer.Option("--data-dir", "-d", envvar="TXMQ_DATA_DIR", help="Data directory [default: ~/.local/share/txmq].", show_default=False)] = None,
@@ -85,6 +86,10 @@ def start(
                                             "priority (SCHED_IDLE) this long, so the next request or the end of an fsync finds it "
                                             "awake instead of halted; costs only idle CPU; 0 = off, at most 100ms "
                                             "(docs/architecture.md, \"Busy polling\").")] = _duration(defaults.BUSY_POLL_S),
+    auto_create_topics: Annotated[bool, typer.Option("--auto-create-topics/--no-auto-create-topics",
+                                                     help="Create a topic the first time a send names it (native or RocketMQ), or a "
+                                                     "RocketMQ route or receive; with --no-auto-create-topics such requests are refused "
+                                                     "until `txmq topics create`.")] = defaults.AUTO_CREATE_TOPICS,
     index_snapshot_records: Annotated[Optional[int], typer.Option(min=0, hidden=True, help="Deprecated, no effect: the transaction index is flushed to txindex.db every second.", show_default=False)] = None,
 ) -> None:
     """Run a broker in the foreground until SIGINT/SIGTERM (logs on stderr)."""
@@ -102,7 +107,7 @@ def start(
         max_connections=max_connections, max_connections_per_ip=max_connections_per_ip, partial_frame_budget=partial_frame_budget,
         rocketmq_port=rocketmq_port, rocketmq_tls_cert=rocketmq_tls_cert, rocketmq_tls_key=rocketmq_tls_key,
         rocketmq_max_connections=rocketmq_max_connections,
-        busy_poll_s=parse_duration(busy_poll),
+        busy_poll_s=parse_duration(busy_poll), auto_create_topics=auto_create_topics,
     )
     _run_broker(config)
 
@@ -190,6 +195,7 @@ def status(broker: BrokerOpt = DEFAULT_BROKER, token: TokenOpt = None, output: O
         "log_sync_error": info.get("log_sync_error"),  # set while the log cannot be fsynced (docs/reliability.md)
         "busy_poll": info.get("busy_poll", "unknown"), "busy_poll_window_us": info.get("busy_poll_window_us"),
         "damaged_records": info.get("damaged_records", 0),
+        "auto_create_topics": info.get("auto_create_topics"),  # null: a broker older than the option (it creates them)
         # the check settings in effect (start options, else config.json, else the defaults)
         **{k: check.get(k) for k in ("check_interval_s", "transaction_timeout_s", "max_checks", "retention_s")},
         "rtt_ms": round(rtt_ms, 2),

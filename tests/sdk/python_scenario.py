@@ -12,6 +12,8 @@ tests assert on it. Every scenario has a deadline and exits (os._exit) even if a
     python python_scenario.py receive --endpoint ... --topic T --group G --expect N [--settle S]
     python python_scenario.py push --endpoint ... --topic T --group G --expect N [--fail-first BODY]
     python python_scenario.py invisible --endpoint ... --topic T --group G
+    python python_scenario.py idle --endpoint ... --topic T --group G --seconds S
+    python python_scenario.py unknown --endpoint ... --topic T --group G
 """
 
 from __future__ import annotations
@@ -323,9 +325,58 @@ def scenario_invisible(args) -> None:
     RESULT["shutdown"] = True
 
 
+def scenario_idle(args) -> None:
+    """A SimpleConsumer receiving from a topic nothing was sent to, as RocketMQ's simple-consumer example does: a loop of
+    receive() for --seconds, counting the calls and the failed ones (each should long-poll --await-duration)."""
+    consumer = SimpleConsumer(config(args), args.group, {args.topic: FilterExpression()}, await_duration=args.await_duration,
+                              tls_enable=args.tls)
+    consumer.startup()
+    RESULT["consumer_started"] = True
+    calls, failures, got = 0, [], []
+    end = time.monotonic() + args.seconds
+    while time.monotonic() < end:
+        calls += 1
+        try:
+            got += consumer.receive(16, 15)
+        except Exception as e:  # noqa: BLE001 - counted: the example's loop goes on after a failed receive
+            failures.append(f"{type(e).__name__}: {e}")
+    RESULT["calls"], RESULT["failures"], RESULT["failed"] = calls, failures[:3], len(failures)
+    RESULT["received"] = [view(m) for m in got]
+    consumer.shutdown()
+    RESULT["shutdown"] = True
+
+
+def _attempt(what: str, fn) -> None:
+    t0 = time.monotonic()
+    try:
+        fn()
+        RESULT[what] = {"ok": True}
+    except Exception as e:  # noqa: BLE001 - what the application gets is the result
+        RESULT[what] = {"ok": False, "error": f"{type(e).__name__}: {e}", "took_s": round(time.monotonic() - t0, 2)}
+
+
+def scenario_unknown(args) -> None:
+    """A producer and a SimpleConsumer of a topic the broker does not have (it does not create topics): what each sees."""
+    t = args.topic
+    producer = Producer(config(args), (t,), tls_enable=args.tls)
+    _attempt("producer_startup", producer.startup)
+    _attempt("send", lambda: producer.send(message(t, "to-nowhere")))
+    consumer = SimpleConsumer(config(args), args.group, {t: FilterExpression()}, await_duration=args.await_duration,
+                              tls_enable=args.tls)
+    _attempt("consumer_startup", consumer.startup)
+    _attempt("receive", lambda: consumer.receive(16, 15))
+    for c in (producer, consumer):
+        try:
+            c.shutdown()
+        except Exception:  # noqa: BLE001 - a client that never started
+            pass
+    RESULT["shutdown"] = True
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("scenario", choices=["transactions", "half", "checker", "send", "unsupported", "receive", "push", "invisible"])
+    p.add_argument("scenario", choices=["transactions", "half", "checker", "send", "unsupported", "receive", "push", "invisible",
+                                        "idle", "unknown"])
     p.add_argument("--endpoint", required=True)
     p.add_argument("--topic", required=True)
     p.add_argument("--group", default="sdk-consumers")
@@ -343,6 +394,7 @@ def main() -> None:
     p.add_argument("--check-wait", type=float, default=30.0, help="seconds to wait for check-backs")
     p.add_argument("--receive-wait", type=float, default=30.0, help="seconds to wait for the expected messages")
     p.add_argument("--settle", type=float, default=2.0, help="seconds to keep receiving after that")
+    p.add_argument("--seconds", type=float, default=5.0, help="idle: how long to keep receiving")
     p.add_argument("--deadline", type=float, default=120.0)
     args = p.parse_args()
     RESULT["scenario"] = args.scenario
@@ -350,7 +402,8 @@ def main() -> None:
     try:
         {"transactions": scenario_transactions, "half": scenario_half, "checker": scenario_checker, "send": scenario_send,
          "unsupported": scenario_unsupported,
-         "receive": scenario_receive, "push": scenario_push, "invisible": scenario_invisible}[args.scenario](args)
+         "receive": scenario_receive, "push": scenario_push, "invisible": scenario_invisible, "idle": scenario_idle,
+         "unknown": scenario_unknown}[args.scenario](args)
     except BaseException as e:  # noqa: BLE001 - reported to the test, which fails on it
         RESULT["errors"].append(f"{type(e).__name__}: {e}")
         RESULT["traceback"] = traceback.format_exc()
