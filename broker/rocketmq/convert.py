@@ -18,9 +18,11 @@ check-back push) and the receive side (ReceiveMessage):
 | ``user_properties``                         | every other property; RocketMQ's and txmq's system property names are refused on send and left out on delivery |
 | ``user_properties["__transactionId__"]``    | ``UNIQ_KEY`` of a transactional message (half, or committed): its transaction id, as RocketMQ's broker stores it on the half message and keeps it on the committed one |
 
-Delay and timed messages, message groups (FIFO), lite topics and
-priorities are refused on send with RocketMQ's UNSUPPORTED code; txmq has
-none of them.
+A send whose type the topic does not accept is refused before this module
+sees it (routes.py: MESSAGE_PROPERTY_CONFLICT_WITH_TYPE); delay and timed
+messages and message groups (FIFO) to a topic that accepts them, lite
+topics and priorities are refused with RocketMQ's UNSUPPORTED code: txmq
+does not deliver them yet.
 """
 
 from __future__ import annotations
