@@ -25,6 +25,7 @@ import pytest
 
 from brokerproc import BrokerProcess, free_port
 from conftest import arun
+from sdkenv import wait_for_port
 from txmq.broker import logs
 
 KV_LINE = r"^ts=\S+ level=\w+ logger=\S+ "
@@ -99,6 +100,7 @@ def test_telemetry_streams_gone_with_check_backs_being_written_leave_no_tracebac
         return received
 
     with broker:
+        wait_for_port(rport)  # the native port listens from before the start, the gRPC port once the broker serves
         received = arun(go())
     assert received == 12  # each stream was sent check-backs
     text = broker.log.read_text()
