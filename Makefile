@@ -7,7 +7,7 @@ PY      = $(VENV)/bin/python
 PIP     = $(VENV)/bin/pip
 ARGS   ?=
 
-.PHONY: help run test test-fast lint format fault-long binary bench completions clean
+.PHONY: help run test test-fast lint format fault-long binary dist bench completions clean
 .DEFAULT_GOAL := help
 
 # The compiled speed-ups (setup.py) are rebuilt when their sources change.
@@ -15,25 +15,31 @@ SPEEDUPS_SRC = setup.py store/_speedups.pyx broker/_speedups.pyx broker/_fsyncer
 # So are the RocketMQ front end's protobuf modules (setup.py, grpcio-tools).
 PROTO_SRC = broker/rocketmq/pb/definition.proto broker/rocketmq/pb/service.proto
 
+# With the rocketmq extra, so `make run ARGS="--rocketmq-port 8081"` serves RocketMQ's gRPC service.
 $(VENV)/.installed: pyproject.toml $(SPEEDUPS_SRC) $(PROTO_SRC)
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -e .
+	$(PIP) install -q -e '.[rocketmq]'
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed pyproject.toml $(SPEEDUPS_SRC) $(PROTO_SRC)
 	$(PIP) install -q -e '.[test,spark,rocketmq]'
 	touch $@
 
+# `make dist` needs only PyPA's build (the test extra has it too, with the same pin).
+$(VENV)/.installed-dist: $(VENV)/.installed
+	$(PIP) install -q 'build>=1.2'
+	touch $@
+
 ## help: list these targets
 help:
 	@awk '/^## /{ l = substr($$0, 4); i = index(l, ": "); printf "  %-12s %s\n", substr(l, 1, i - 1), substr(l, i + 2) }' $(MAKEFILE_LIST)
 
-## run: install into .venv and run the broker on the default data directory (~/.local/share/txmq)
+## run: install into .venv (with the rocketmq extra) and run the broker on the default data directory (~/.local/share/txmq)
 run: $(VENV)/.installed
 	$(VENV)/bin/txmq broker start $(ARGS)
 
-## test: install (with the test and spark extras), lint (ruff check) and run the whole suite
+## test: install (with the test, spark and rocketmq extras), lint (ruff check) and run the whole suite
 test: $(VENV)/.installed-test
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q $(ARGS)
@@ -62,6 +68,15 @@ binary: $(VENV)/.installed-test
 	$(VENV)/bin/shiv --compressed -c txmq -o dist/txmq.pyz --reproducible '.[rocketmq]' -q
 	@echo "built dist/txmq.pyz"
 
+## dist: an sdist and a wheel in dist/ to install elsewhere: pip install 'dist/txmq-<version>-<tag>.whl[rocketmq]' (README "Install")
+# The sdist is built first and the wheel from it (PyPA's build, in isolated environments that fetch
+# setuptools, Cython and grpcio-tools), so a file missing from MANIFEST.in fails here, not on a user's machine.
+# The wheel holds the compiled speed-ups: it is for this OS, CPU architecture and Python minor version.
+dist: $(VENV)/.installed-dist
+	rm -f dist/txmq-*.whl dist/txmq-*.tar.gz
+	$(PY) -m build -q --outdir dist .
+	@for w in dist/txmq-*.whl; do echo "built $$w: pip install '$$w[rocketmq]' (or [spark])"; done
+
 ## bench: the side-by-side comparison (machine limits, txmq, RabbitMQ if installed) into docs/benchmarks.md
 bench: $(VENV)/.installed-test
 	$(PY) benchmarks/compare.py --write docs/benchmarks.md
@@ -74,4 +89,4 @@ completions: $(VENV)/.installed
 clean:
 	rm -rf build dist *.egg-info .pytest_cache store/_speedups.c broker/_speedups.c store/_speedups.*.so broker/_speedups.*.so \
 		broker/rocketmq/pb/*_pb2.py broker/rocketmq/pb/*_pb2_grpc.py \
-		$(VENV)/.installed $(VENV)/.installed-test
+		$(VENV)/.installed $(VENV)/.installed-test $(VENV)/.installed-dist
