@@ -129,8 +129,8 @@ async def _serve(config: BrokerConfig, sock, loop_name: str) -> None:
         except BindError as e:
             raise ListenError(str(e)) from None
     metrics = None
-    if config.metrics_port is not None:
-        from .prom import serve_metrics
+    if config.metrics_port is not None:  # Prometheus's /metrics (README, "Metrics"); empty until the store is open
+        from .prom import METRICS_PATH, serve_metrics
 
         try:
             metrics = serve_metrics(broker.core, config.host, config.metrics_port)
@@ -138,6 +138,8 @@ async def _serve(config: BrokerConfig, sock, loop_name: str) -> None:
             for frontend in broker.frontends:  # the RocketMQ port, bound already
                 await frontend.stop()
             raise ListenError(f"cannot listen on {_address(config.host, config.metrics_port)} (--metrics-port): {e.strerror or e}") from None
+        broker.core.listening("metrics", config.host, metrics.server_port, path=METRICS_PATH)
+        log.info("event=metrics_listening host=%s port=%d path=%s", config.host, metrics.server_port, METRICS_PATH)
     try:
         await broker.serve(sock, shutdown)
     finally:

@@ -121,6 +121,7 @@ class RocketMQServer:
         if not port:
             raise BindError(f"cannot listen on {address} (--rocketmq-port)")
         self.port = port
+        self.core.listening("rocketmq", host, port, tls=self.tls)
         self.settings.port = port
         self.service = MessagingService(self.core, self.settings)
         self.server.add_generic_rpc_handlers((self._handlers(),))
