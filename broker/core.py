@@ -60,6 +60,7 @@ from .transactions.service import TransactionService
 
 log = logging.getLogger("txmq.broker")
 
+LISTENER_NAMES = ("native", "rocketmq", "metrics")  # the ports broker_info lists, in this order
 MAX_WAIT_MS = 30_000
 # A pull that meets a long rebuild of damaged queue entries answers within this (or its wait), with no
 # messages and its own offset as next_offset: the client pulls again and the rebuild goes on.
@@ -110,6 +111,9 @@ class BrokerCore:
         # The native front end's connections, as info, stats and Prometheus show them (native.server.ServerState.gauges).
         self.connection_gauges: Callable[[], dict[str, int]] = lambda: {"connections": 0, "partial_frame_bytes": 0}
         self.draining: bool = False  # refuse new requests; in-flight ones finish
+        # Every port the broker listens on, by name (native, rocketmq, metrics): {host, port, ...}, as
+        # ``broker_info`` shows them; each is entered by what binds it (``listening``).
+        self.listeners: dict[str, dict[str, Any]] = {}
         self.shutting_down: bool = False  # refuse appends
         self.disk: DiskState = DiskState()  # a full disk, logged once per change of state
         self.fds: DescriptorState = DescriptorState()  # no descriptor left for a request, logged once per change of state
@@ -415,6 +419,11 @@ class BrokerCore:
                 "messages": sum(r["messages"] for r in rows), "pending_transactions": sum(pending.values()),
                 "per_queue": rows}
 
+    def listening(self, name: str, host: str, port: int, **extra: Any) -> None:
+        assert name in LISTENER_NAMES, name
+        """A port the broker now listens on (the native port, --rocketmq-port, --metrics-port)."""
+        self.listeners[name] = {"host": host, "port": port, **extra}
+
     def info(self) -> dict[str, Any]:
         return {
             "version": __version__,
@@ -425,6 +434,7 @@ class BrokerCore:
             "flush": self.config.flush,
             "host": self.config.host,
             "port": self.config.port,
+            "listeners": {n: dict(self.listeners[n]) for n in sorted(self.listeners, key=LISTENER_NAMES.index)},
             "max_offset": self.store.max_offset,
             "durable_offset": self.store.durable_offset,
             "min_offset": self.store.min_offset,

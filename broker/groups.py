@@ -94,6 +94,13 @@ def offsets_for_time(core, topic: str, time_ms: int, queue_ids: list[int] | None
 
 
 # ---- groups ---------------------------------------------------------------
+def queue_lag(committed: int | None, lo: int, hi: int) -> int:
+    """What the group has left to read in a queue holding [lo, hi): from its committed offset, or, in a queue it
+    never committed, from where its consumers start one (the queue's first message still stored: a txmq consumer's
+    default ``from_="earliest"``, and RocketMQ's pop consumption), so every queue of the topic counts."""
+    return max(0, hi - max(lo if committed is None else committed, lo))
+
+
 def _queue_rows(core, group: str, topic: str, committed: dict[int, int]) -> list[dict[str, Any]]:
     n = core.topics.queues(topic) or 0
     rows = []
@@ -101,7 +108,7 @@ def _queue_rows(core, group: str, topic: str, committed: dict[int, int]) -> list
         lo, hi = queue_bounds(core, topic, q)
         off = committed.get(q)
         rows.append({"topic": topic, "queue_id": q, "committed": off, "min_offset": lo, "max_offset": hi,
-                     "lag": None if off is None else max(0, hi - max(off, lo))})
+                     "lag": queue_lag(off, lo, hi)})
     return rows
 
 
@@ -111,7 +118,7 @@ def list_groups(core) -> dict[str, Any]:
     out = []
     for g in sorted(set(by_group) | set(live)):
         topics = by_group.get(g, {})
-        lag = sum(r["lag"] or 0 for t, qs in topics.items() for r in _queue_rows(core, g, t, qs))
+        lag = sum(r["lag"] for t, qs in topics.items() for r in _queue_rows(core, g, t, qs))
         out.append({"group": g, "topics": sorted(topics), "consumers": live.get(g, 0), "lag": lag})
     return {"groups": out}
 
@@ -125,7 +132,7 @@ def describe_group(core, group: str, topic: str | None) -> dict[str, Any]:
     names = sorted(topics) if topic is None else [topic]
     queues = [r for t in names for r in _queue_rows(core, group, t, topics.get(t, {}))]
     return {"group": group, "consumers": consumers, "topics": names, "queues": queues,
-            "total_lag": sum(r["lag"] or 0 for r in queues)}
+            "total_lag": sum(r["lag"] for r in queues)}
 
 
 async def reset_offsets(core, group: str, topic: str, to: str, offset: int | None, time_ms: int | None,

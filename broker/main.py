@@ -107,7 +107,7 @@ def run(config: BrokerConfig) -> None:
     try:
         sock = bind(config.host, config.port)
     except OSError as e:
-        raise ListenError(f"cannot listen on {config.host}:{config.port}: {e.strerror or e}") from None
+        raise ListenError(f"cannot listen on {_address(config.host, config.port)}: {e.strerror or e}") from None
     try:
         asyncio.run(_serve(config, sock, loop_name))
     except StoreLockedError as e:
@@ -129,10 +129,17 @@ async def _serve(config: BrokerConfig, sock, loop_name: str) -> None:
         except BindError as e:
             raise ListenError(str(e)) from None
     metrics = None
-    if config.metrics_port is not None:
-        from .prom import serve_metrics
+    if config.metrics_port is not None:  # Prometheus's /metrics (README, "Metrics"); empty until the store is open
+        from .prom import METRICS_PATH, serve_metrics
 
-        metrics = serve_metrics(broker.core, config.host, config.metrics_port)
+        try:
+            metrics = serve_metrics(broker.core, config.host, config.metrics_port)
+        except OSError as e:
+            for frontend in broker.frontends:  # the RocketMQ port, bound already
+                await frontend.stop()
+            raise ListenError(f"cannot listen on {_address(config.host, config.metrics_port)} (--metrics-port): {e.strerror or e}") from None
+        broker.core.listening("metrics", config.host, metrics.server_port, path=METRICS_PATH)
+        log.info("event=metrics_listening host=%s port=%d path=%s", config.host, metrics.server_port, METRICS_PATH)
     try:
         await broker.serve(sock, shutdown)
     finally:
@@ -140,6 +147,10 @@ async def _serve(config: BrokerConfig, sock, loop_name: str) -> None:
             metrics.shutdown()
         for frontend in broker.frontends:  # a start that failed never reached Broker.stop (stopping twice is nothing)
             await frontend.stop()
+
+
+def _address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def _stop_event() -> asyncio.Event:

@@ -14,6 +14,7 @@ from prometheus_client import start_http_server
 from prometheus_client.core import CollectorRegistry, CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 SOURCES = ("producer", "check", "operator")
+METRICS_PATH = "/metrics"  # prometheus_client's server answers any path; this is the one documented and logged
 
 
 COUNTERS = (
@@ -76,6 +77,8 @@ class BrokerCollector:
 
     def collect(self) -> Iterator[Any]:
         core = self.core
+        if getattr(core, "keeper", None) is None:  # the store is not open yet (a start's recovery): nothing to show
+            return
         c = dict(core.metrics.counters)
         pending = GaugeMetricFamily("txmq_pending_half_messages", "Pending (undecided) transactions, by real topic", labels=["topic"])
         by_topic, oldest_ts = core.tx.index.pending_summary()  # this runs in the metrics server's thread
@@ -135,7 +138,10 @@ class BrokerCollector:
 
 
 def serve_metrics(core: Any, host: str, port: int):
-    """Start the HTTP endpoint in a thread; returns the server (call .shutdown())."""
+    """Start the HTTP endpoint in a thread; returns the server (``.server_port``; call ``.shutdown()``).
+
+    Raises OSError when host:port cannot be bound.
+    """
     registry = CollectorRegistry(auto_describe=False)
     registry.register(BrokerCollector(core))
     server, _thread = start_http_server(port, addr=host, registry=registry)

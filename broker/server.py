@@ -135,6 +135,7 @@ class Broker:
         for frontend in self.frontends:
             await frontend.start()
         host, port = sock.getsockname()[:2]
+        self.core.listening("native", host, port)
         cfg = self.config
         rmq = "" if cfg.rocketmq_max_connections is None else f" rocketmq_max_connections={cfg.rocketmq_max_connections}"
         log.info("event=listening host=%s port=%d flush=%s data_dir=%s speedups=%s max_connections=%d%s fd_limit=%d", host, port,

@@ -32,7 +32,7 @@ PROP_DECIDED_BY = "TXMQ_DECIDED_BY"  # producer | check | operator, on op record
 PROP_HALF_CL_OFFSET = "TXMQ_HALF_CL_OFFSET"  # on op records: commit-log offset of the decided half copy
 PROP_ORIGIN_CL_OFFSET = "TXMQ_ORIGIN_CL_OFFSET"  # on check copies / discards: the first half record
 PROP_DISCARD_REASON = "TXMQ_DISCARD_REASON"  # max-checks | retention
-PROP_REPLAYED = "TXMQ_REPLAYED"  # on a half copy put back from the discard topic
+PROP_REPLAYED = "TXMQ_REPLAYED"  # on a half copy put back from the discard topic, and on the op record of a replay to commit
 
 SYSTEM_TOPICS = frozenset({HALF_TOPIC, OP_TOPIC, DISCARD_TOPIC})
 

@@ -40,6 +40,26 @@ def test_groups_describe_shows_committed_max_and_lag_per_queue(broker):
     assert listed["gd"]["topics"] == ["g-desc"] and listed["gd"]["lag"] == 2
 
 
+def test_groups_lag_counts_a_queue_never_committed_from_where_the_group_starts_reading_it(broker):
+    # queue 0: 5 messages, 3 consumed and committed; queue 1: 4 messages the group never read (a new
+    # consumer of the group starts it at its first message still stored, the queue's min offset)
+    send_lines(broker, "g-lag", 5)
+    ok(run(broker, "send", "g-lag", "--queue", "1", input="".join(f"q1-{i}\n" for i in range(4))))
+    ok(run(broker, "consume", "g-lag", "--group", "gl", "--limit", "3", "-q", "0"))
+    d = one(run(broker, "groups", "describe", "gl", "-o", "json"))
+    by_q = {q["queue_id"]: q for q in d["queues"]}
+    assert (by_q[0]["committed"], by_q[0]["lag"]) == (3, 2)
+    assert (by_q[1]["committed"], by_q[1]["min_offset"], by_q[1]["max_offset"], by_q[1]["lag"]) == (None, 0, 4, 4)
+    assert d["total_lag"] == 6
+    listed = {g["group"]: g for g in lines(ok(run(broker, "groups", "list")))}
+    assert listed["gl"]["lag"] == 6
+    # what is left to read is what a consumer of the group then reads
+    read = lines(ok(run(broker, "consume", "g-lag", "--group", "gl")))
+    assert len(read) == 6
+    listed = {g["group"]: g for g in lines(ok(run(broker, "groups", "list")))}
+    assert listed["gl"]["lag"] == 0
+
+
 def test_groups_describe_unknown_group_is_not_found(broker):
     r = run(broker, "groups", "describe", "no-such-group")
     assert r.returncode == NOT_FOUND and "no consumer group" in err(r)

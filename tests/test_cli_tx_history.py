@@ -193,3 +193,33 @@ def test_a_transaction_named_with_its_half_copy_offsets_is_found_by_inspect_tx_a
     rows = lines(ok(run(broker, "resolve", "--commit", own, "-o", "jsonl")))
     assert [(r["tx_id"], r["status"]) for r in rows] == [(own, "ok")], rows
     assert one(run(broker, "inspect", "tx", sent["tx_id"], "-o", "json"))["state"] == "rolled_back"
+
+
+def test_a_discarded_transaction_replayed_to_commit_keeps_its_checks_the_discard_and_the_replay(tmp_path):
+    b = start_broker(tmp_path)
+    try:
+        ok(txmq("config", "set", "max-checks", "3", broker=b.address))
+        sent = pend(b.address, "kept", "audit-me", topic="t-kept")
+        ok(txmq("checker", "--group", "kept", "--answer", "unknown", "--limit", "3", "--idle-exit", "20s", broker=b.address, timeout=60))
+        wait_for(lambda: one(txmq("inspect", "tx", sent["tx_id"], "-o", "json", broker=b.address))["state"] == "discarded",
+                 what="the discard after 3 checks")
+        (row,) = lines(ok(txmq("discard", "replay", sent["tx_id"], "--to", "commit", "--yes", "-o", "jsonl", broker=b.address)))
+        assert row["status"] == "ok", row
+
+        def audited(doc):
+            assert doc["state"] == "committed" and doc["decided_by"] == "operator" and doc["checks"] == 3, doc
+            kinds = [e["event"] for e in doc["events"]]
+            assert kinds == ["half", "check", "check", "check", "discard", "replay", "commit", "message"], kinds
+            by_kind = {e["event"]: e for e in doc["events"]}
+            assert [e["checks"] for e in doc["events"] if e["event"] == "check"] == [1, 2, 3]
+            assert by_kind["discard"]["reason"] == "max-checks" and by_kind["discard"]["checks"] == 3
+            assert by_kind["replay"]["by"] == "operator" and by_kind["replay"]["to"] == "commit"
+            assert by_kind["commit"]["by"] == "operator" and by_kind["commit"]["checks"] == 3
+            assert doc["message"]["topic"] == "t-kept"
+
+        audited(one(txmq("inspect", "tx", sent["tx_id"], "-o", "json", broker=b.address)))
+        assert b.stop() == 0
+        # the same from the data directory (the index file and the log), with no broker running
+        audited(one(txmq("inspect", "tx", sent["tx_id"], "--data-dir", str(b.data_dir), "-o", "json")))
+    finally:
+        b.stop()

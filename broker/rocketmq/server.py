@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import socket
 import time
 from hashlib import sha1
 from pathlib import Path
@@ -100,9 +101,10 @@ class RocketMQServer:
         ]
         if cfg.auth_timeout_s:  # else gRPC's own: 2 minutes
             options.append(("grpc.server_handshake_timeout_ms", max(1, int(cfg.auth_timeout_s * 1000))))
-        self.server = aio.server(options=options, maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS)
         host = cfg.host
         address = f"[{host}]:{cfg.rocketmq_port}" if ":" in host else f"{host}:{cfg.rocketmq_port}"
+        check_port_free(host, cfg.rocketmq_port or 0, address)
+        self.server = aio.server(options=options, maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS)
         try:
             if self.tls:
                 creds = grpc.ssl_server_credentials([(_read(cfg.rocketmq_tls_key, "--rocketmq-tls-key"),
@@ -112,11 +114,14 @@ class RocketMQServer:
                 port = self.server.add_insecure_port(address)
         except BindError:
             raise
-        except Exception as exc:  # grpc raises RuntimeError("Failed to bind ...")
-            raise BindError(f"cannot listen on {address} (--rocketmq-port): {exc}") from None
+        except Exception as exc:  # grpc raises RuntimeError("Failed to bind ...; set GRPC_VERBOSITY=debug ...")
+            # Taken since check_port_free (a race): gRPC's own reason is in its log line, not in the exception.
+            why = str(exc).split(";", 1)[0] if "GRPC_VERBOSITY" in str(exc) else str(exc)
+            raise BindError(f"cannot listen on {address} (--rocketmq-port): {why}") from None
         if not port:
             raise BindError(f"cannot listen on {address} (--rocketmq-port)")
         self.port = port
+        self.core.listening("rocketmq", host, port, tls=self.tls)
         self.settings.port = port
         self.service = MessagingService(self.core, self.settings)
         self.server.add_generic_rpc_handlers((self._handlers(),))
@@ -327,6 +332,37 @@ def signed(md: dict[str, str], token: str) -> bool:
     given = parts.get("Signature", "").lower()
     want = hmac.new(token.encode(), date_time.encode(), sha1).hexdigest()
     return hmac.compare_digest(given.encode(), want.encode())
+
+
+def check_port_free(host: str, port: int, address: str) -> None:
+    """Bind and listen on host:port as gRPC will, and let go: a port that cannot be is a BindError with the OS's reason.
+
+    gRPC reports a failed bind with a line of its C core on stderr and an
+    exception that only points at GRPC_VERBOSITY; binding first gives the
+    one line the native port gives (``Address already in use``, ``Cannot
+    assign requested address``, ``Permission denied``), and leaves gRPC's
+    own logging as it is for everything else. As gRPC does, the address is
+    usable when any of the addresses host resolves to is. Port 0 (any free
+    port) always is.
+    """
+    if not port:
+        return
+    try:
+        infos = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise BindError(f"cannot listen on {address} (--rocketmq-port): {exc.strerror or exc}") from None
+    first: OSError | None = None
+    for family, kind, proto, _name, sockaddr in infos:
+        try:
+            with socket.socket(family, kind, proto) as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC sets it: TIME_WAIT is no obstacle
+                s.bind(sockaddr)
+                s.listen(1)
+            return
+        except OSError as exc:
+            first = first or exc
+    reason = (first.strerror or str(first)) if first is not None else "no address to bind"
+    raise BindError(f"cannot listen on {address} (--rocketmq-port): {reason}")
 
 
 def _read(path: Path | None, option: str) -> bytes:

@@ -172,7 +172,7 @@ class TransactionAdmin:
                     if to == "half":
                         await self.tx.replay_half(rec, d.cl_offset)
                     else:
-                        await self.tx.decide(self._half_of_discard(rec), True, "operator", allow_discarded=True)
+                        await self.tx.replay_commit(rec, d.cl_offset, self._half_of_discard(rec))
                     self.metrics.inc("replayed")
                     log.info("event=discard_replay tx_id=%s to=%s", tx_id, to)
                     row.update(status="ok", message=f"replayed to {to}")

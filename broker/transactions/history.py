@@ -113,12 +113,19 @@ class History:
                 doc["queue_id"] = _int(props.get(PROP_REAL_QID), 0)
             doc["born_at"] = origin.born_ts
             events.append(self._copy_event("half", origin))
+        # ---- the deciding record, and the discard a replay to commit undid (its op names it: TXMQ_REPLAYED)
+        op = _read(store, d.cl_offset) if d is not None and d.outcome is not Outcome.DISCARDED else None
+        if op is not None and op.topic != OP_TOPIC:
+            op = None
+        replayed = _int(op.properties.get(PROP_REPLAYED), -1) if op is not None else -1
         # ---- where the check copies can be: after the first copy, up to the latest one
         end_ho: int | None = None
         if p is not None:
             end_ho = p.half_offset
         elif d.outcome is Outcome.DISCARDED:  # type: ignore[union-attr]
             end_ho = first_entry_from(store, HALF_TOPIC, 0, d.cl_offset) - 1  # type: ignore[union-attr]
+        elif replayed >= 0:  # committed from the discard topic: the copies before its discard record
+            end_ho = first_entry_from(store, HALF_TOPIC, 0, replayed) - 1
         else:
             end_ho = d.half_offset  # type: ignore[union-attr]
         copies: list[dict[str, Any]] = []
@@ -133,6 +140,7 @@ class History:
                     events.append(self._discard_event(disc))
                 c["event"] = "replay"
                 c["by"] = "operator"
+                c["to"] = "half"
                 mark = m
             events.append(c)
         # ---- the outcome
@@ -142,9 +150,14 @@ class History:
                           {"event": "discard", "at": d.decided_at, "by": "check", "reason": d.decided_by, "checks": d.checks,
                            "discard_offset": d.discard_offset, "commit_log_offset": d.cl_offset, "half_offset": None})
         elif d is not None:
-            op = _read(store, d.cl_offset)
-            if op is not None and op.topic == OP_TOPIC:
+            if op is not None:
                 action = "commit" if d.outcome is Outcome.COMMITTED else "rollback"
+                if replayed >= 0:  # `discard replay --to commit`: the discard it undid, then the replay (this op record)
+                    disc = _read(store, replayed)
+                    if disc is not None and disc.topic == DISCARD_TOPIC and disc.properties.get(PROP_UNIQ_KEY) == tx_id:
+                        events.append(self._discard_event(disc))
+                    events.append({"event": "replay", "at": op.store_ts, "by": "operator", "to": action,
+                                   "half_offset": None, "commit_log_offset": op.commit_log_offset, "checks": None, "answer": None})
                 decided_ho = _int(op.body.decode("ascii", "replace") if op.body else None, -1)
                 ev = {"event": action, "at": op.store_ts, "by": op.properties.get(PROP_DECIDED_BY, "producer"),
                       "op_offset": op.queue_offset, "commit_log_offset": op.commit_log_offset, "half_offset": decided_ho,

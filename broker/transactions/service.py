@@ -217,18 +217,20 @@ class TransactionService:
                 p.last_check_result = state
         return self.decide(rec, state == "commit", source)
 
-    def decide(self, rec: Record, commit: bool, source: str, allow_discarded: bool = False) -> asyncio.Future:
+    def decide(self, rec: Record, commit: bool, source: str, allow_discarded: bool = False,
+               op_props: dict[str, str] | None = None) -> asyncio.Future:
         """Commit or roll back the transaction of half record `rec`, at most once.
 
         Returns a future of the reply. The outcome is entered in the index
         as soon as the records are written, before the fsync, so a
         concurrent duplicate sees it; a duplicate that arrives while the
-        write is pending waits for it (``deciding``).
+        write is pending waits for it (``deciding``). ``op_props`` are set
+        on the op record over the ones taken from `rec` (a replay's).
         """
         tx_id = rec.properties[PROP_UNIQ_KEY]
         inflight = self.deciding.get(tx_id)
         if inflight is not None:
-            return asyncio.ensure_future(self._decide_after(inflight, rec, commit, source, allow_discarded))
+            return asyncio.ensure_future(self._decide_after(inflight, rec, commit, source, allow_discarded, op_props))
         loop = self.appender.loop
         want = Outcome.COMMITTED if commit else Outcome.ROLLED_BACK
         d = None if tx_id in self.index.pending else self.index.lookup(tx_id)
@@ -254,7 +256,7 @@ class TransactionService:
         msgs = []
         if commit:
             msgs.append(self._rebuild(rec))
-        msgs.append(self._op(rec, commit, source))
+        msgs.append(self._op(rec, commit, source, op_props))
         gate = loop.create_future()
         self.deciding[tx_id] = gate
 
@@ -289,9 +291,10 @@ class TransactionService:
         if not gate.done():
             gate.set_result(None)
 
-    async def _decide_after(self, inflight: asyncio.Future, rec: Record, commit: bool, source: str, allow_discarded: bool) -> dict[str, Any]:
+    async def _decide_after(self, inflight: asyncio.Future, rec: Record, commit: bool, source: str, allow_discarded: bool,
+                            op_props: dict[str, str] | None) -> dict[str, Any]:
         await asyncio.shield(inflight)
-        return await self.decide(rec, commit, source, allow_discarded)
+        return await self.decide(rec, commit, source, allow_discarded, op_props)
 
     async def repair_commits(self, records) -> int:
         """Re-append the op record of commits whose op was lost.
@@ -344,7 +347,7 @@ class TransactionService:
             qid = qid % n
         return Message(topic, qid, TxType.COMMIT, rec.born_ts, p, rec.body, prepared_offset=rec.commit_log_offset)
 
-    def _op(self, rec: Record, commit: bool, source: str) -> Message:
+    def _op(self, rec: Record, commit: bool, source: str, extra: dict[str, str] | None = None) -> Message:
         p = rec.properties
         props = {
             PROP_TAGS: OP_TAG,
@@ -355,6 +358,8 @@ class TransactionService:
             PROP_DECIDED_BY: source,
             PROP_CHECK_TIMES: p.get(PROP_CHECK_TIMES, "0"),
         }
+        if extra:
+            props.update(extra)
         body = str(rec.queue_offset).encode()
         kind = TxType.COMMIT if commit else TxType.ROLLBACK
         return Message(OP_TOPIC, 0, kind, int(self.clock() * 1000), props, body, prepared_offset=rec.commit_log_offset)
@@ -406,3 +411,14 @@ class TransactionService:
             self.remember(rec)
 
         return self.appender.submit([msg], shape)
+
+    def replay_commit(self, discard: Record, discard_cl_offset: int, half: Record) -> asyncio.Future:
+        """Commit a discarded transaction (``txmq discard replay --to commit``) from its half record `half`.
+
+        The op record keeps what the discard ended: the check count of the
+        discard record (so the index row keeps the checks made) and
+        ``TXMQ_REPLAYED`` naming the discard record, from which the
+        transaction's history finds the discard and the replay again.
+        """
+        extra = {PROP_CHECK_TIMES: discard.properties.get(PROP_CHECK_TIMES, "0"), PROP_REPLAYED: str(discard_cl_offset)}
+        return self.decide(half, True, "operator", allow_discarded=True, op_props=extra)

@@ -47,7 +47,8 @@ def start(
     max_checks: Annotated[Optional[int], typer.Option(help=f"Checks before a transaction is discarded [default: {defaults.MAX_CHECKS}].", show_default=False)] = None,
     retention: Annotated[Optional[str], typer.Option(help=f"Log retention [default: {_duration(defaults.RETENTION_S)}].", show_default=False)] = None,
     auth_token: Annotated[Optional[str], typer.Option(envvar="TXMQ_AUTH_TOKEN", help="Shared secret clients must present.", show_default=False)] = None,
-    metrics_port: Annotated[Optional[int], typer.Option(help="Serve Prometheus metrics on 127.0.0.1:PORT (same host as --host).", show_default=False, min=1, max=65535)] = None,
+    metrics_port: Annotated[Optional[int], typer.Option(help="Also serve Prometheus metrics at http://HOST:PORT/metrics, HOST being --host's address "
+                                                     "(README, \"Metrics\").", show_default=False, min=1, max=65535)] = None,
     log_format: Annotated[str, typer.Option(help="kv (key=value) or json.", autocompletion=choices("kv", "json"))] = "kv",
     log_level: Annotated[str, typer.Option(help="debug, info, warning, error.", autocompletion=choices("debug", "info", "warning", "error"))] = "info",
     segment_size: Annotated[int, typer.Option(help="Commit-log segment size in bytes.", hidden=True, min=1 << 16, max=1 << 40)] = defaults.SEGMENT_SIZE,
@@ -169,6 +170,22 @@ def _run_broker(config: BrokerConfig) -> None:
         raise CliError(str(e)) from None
 
 
+def _listeners(listeners: dict | None) -> str:
+    """native 127.0.0.1:9876, rocketmq 127.0.0.1:8081 (tls), metrics http://127.0.0.1:9100/metrics"""
+    if not listeners:
+        return "-"
+    parts = []
+    for name, v in listeners.items():
+        host, port = v.get("host", ""), v.get("port")
+        address = f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
+        if "path" in v:
+            address = f"http://{address}{v['path']}"
+        parts.append(f"{name} {address}" + (" (tls)" if v.get("tls") else ""))
+    from rich.markup import escape
+
+    return escape(", ".join(parts))
+
+
 @app.command(epilog="Examples:\n\n  txmq broker status\n\n  txmq broker status -o json | jq .uptime_s")
 def status(broker: BrokerOpt = DEFAULT_BROKER, token: TokenOpt = None, output: OutputOpt = None) -> None:
     """Whether a broker answers at --broker, and its basic figures."""
@@ -196,12 +213,14 @@ def status(broker: BrokerOpt = DEFAULT_BROKER, token: TokenOpt = None, output: O
         "busy_poll": info.get("busy_poll", "unknown"), "busy_poll_window_us": info.get("busy_poll_window_us"),
         "damaged_records": info.get("damaged_records", 0),
         "auto_create_topics": info.get("auto_create_topics"),  # null: a broker older than the option (it creates them)
+        # every port it listens on: native, and rocketmq and metrics when started with them (null: an older broker)
+        "listeners": info.get("listeners"),
         # the check settings in effect (start options, else config.json, else the defaults)
         **{k: check.get(k) for k in ("check_interval_s", "transaction_timeout_s", "max_checks", "retention_s")},
         "rtt_ms": round(rtt_ms, 2),
         "messages_sent": counters.get("messages_sent", 0), "half_stored": counters.get("half_stored", 0),
     }
-    kv_table(row, output, title=f"txmq broker at {broker}")
+    kv_table(row, output, title=f"txmq broker at {broker}", formatters={"listeners": _listeners})
     if row["log_sync_error"]:
         warn(f"the last fsync of the commit log failed ({row['log_sync_error']}); nothing past durable_offset "
              "is acknowledged until one succeeds (docs/reliability.md, \"A failed fsync\")")

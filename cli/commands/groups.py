@@ -20,7 +20,8 @@ QUEUE_COLUMNS = [("topic", "TOPIC"), ("queue_id", "QUEUE"), ("committed", "COMMI
 
   txmq groups list -o jsonl | jq -r 'select(.lag > 0) | .group'
 
-Keys: group, topics, consumers (live consumer connections), lag (messages behind, over committed queues).""")
+Keys: group, topics, consumers (live consumer connections), lag (messages left to read in every queue of its topics: from the
+committed offset, or from the queue's first message in a queue it never committed, where its consumers start).""")
 def list_(broker: BrokerOpt = DEFAULT_BROKER, token: TokenOpt = None, output: OutputOpt = None) -> None:
     """List consumer groups: those with committed offsets, and those with live consumers."""
     from ..client_ops import call
@@ -38,7 +39,8 @@ def list_(broker: BrokerOpt = DEFAULT_BROKER, token: TokenOpt = None, output: Ou
   txmq groups describe audit --topic orders -o json
 
 Keys (one row per topic and queue): topic, queue_id, committed (null when the group never committed that queue),
-min_offset, max_offset, lag (null when not committed). -o json: {group, consumers, topics, queues, total_lag}.""")
+min_offset, max_offset, lag (max_offset minus the committed offset, or minus min_offset when not committed).
+-o json: {group, consumers, topics, queues, total_lag}.""")
 def describe(
     group: Annotated[str, typer.Argument(metavar="GROUP", help="Consumer group.", show_default=False)],
     topic: Annotated[Optional[str], typer.Option("--topic", "-t", help="Only this topic (also one the group never committed).", show_default=False)] = None,
