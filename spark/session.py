@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-INSTALL_HINT = "pip install 'txmq[spark]'"
+INSTALL_HINT = "install txmq with its spark extra: pip install '.[spark]' in a checkout, or 'dist/txmq-...whl[spark]' (README, Install)"
 MIN_PYSPARK = (4, 0)
 
 # WARN for Spark itself; the few warnings every local run prints are not worth showing.

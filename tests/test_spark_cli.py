@@ -38,7 +38,7 @@ def test_without_pyspark_it_says_what_to_install(tmp_path):
     r = run_cli(["spark-export", "--data-dir", data_dir(tmp_path), "--out", str(tmp_path / "out")],
                 prelude="sys.modules['pyspark'] = None")
     assert r.returncode == MISSING_DEPENDENCY, r.stderr
-    assert "pyspark" in r.stderr and "pip install 'txmq[spark]'" in r.stderr
+    assert "pyspark" in r.stderr and "'.[spark]'" in r.stderr
     assert "Traceback" not in r.stderr and not (tmp_path / "out").exists()
 
 
@@ -46,7 +46,7 @@ def test_without_pyarrow_it_says_what_to_install(tmp_path):
     r = run_cli(["spark-export", "--data-dir", data_dir(tmp_path), "--out", str(tmp_path / "out")],
                 prelude="sys.modules['pyarrow'] = None")
     assert r.returncode == MISSING_DEPENDENCY, r.stderr
-    assert "pyarrow" in r.stderr and "pip install 'txmq[spark]'" in r.stderr
+    assert "pyarrow" in r.stderr and "'.[spark]'" in r.stderr
 
 
 def test_without_java_it_says_so(tmp_path):

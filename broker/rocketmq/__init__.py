@@ -22,7 +22,7 @@ missing before anything is started.
 
 from __future__ import annotations
 
-EXTRA_HINT = "install the extra: pip install 'txmq[rocketmq]'"
+EXTRA_HINT = "install txmq with its rocketmq extra: pip install '.[rocketmq]' in a checkout, or 'dist/txmq-...whl[rocketmq]' (README, Install)"
 
 
 def missing_dependency() -> str | None:
