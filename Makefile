@@ -65,7 +65,7 @@ fault-long: $(VENV)/.installed-test
 ## binary: a single-file zipapp, dist/txmq.pyz (`python3 dist/txmq.pyz broker start`), with the RocketMQ front end's extra
 binary: $(VENV)/.installed-test
 	rm -rf build/shiv && mkdir -p dist
-	$(VENV)/bin/shiv --compressed -c txmq -o dist/txmq.pyz --reproducible '.[rocketmq]' -q
+	$(VENV)/bin/shiv --compressed -c txmq --preamble scripts/zipapp_preamble.py -o dist/txmq.pyz --reproducible '.[rocketmq]' -q
 	@echo "built dist/txmq.pyz"
 
 ## dist: an sdist and a wheel in dist/ to install elsewhere: pip install 'dist/txmq-<version>-<tag>.whl[rocketmq]' (README "Install")
