@@ -103,11 +103,15 @@ def bench(
                 res["broker_rss_mb"] = round(eb.rss_mb(), 1)
                 res["flush"] = flush
                 return res
+        res = run(main())
+        res["flush"] = flush_mode
+        return res
+
+    flush_mode = None
+    if not embedded:  # a broker answers there (not another service, not refusing the token) before the run starts
         from ..client_ops import call
 
-        res = run(main())
-        res["flush"] = call(broker, token, "broker_info", {}).get("flush")
-        return res
+        flush_mode = call(broker, token, "broker_info", {}).get("flush")
 
     try:
         if output is Output.table and err.is_terminal:
