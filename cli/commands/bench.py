@@ -9,7 +9,7 @@ import typer
 from txmq.defaults import MAX_BUSY_POLL_S
 
 from .. import exitcodes
-from ..common import DEFAULT_BROKER, BrokerOpt, CliError, choices, OutputOpt, TokenOpt, parse_address, parse_duration, run
+from ..common import DEFAULT_BROKER, BrokerOpt, CliError, check_choice, choices, OutputOpt, TokenOpt, parse_address, parse_duration, run
 from ..console import Output, default_output, emit_json, err, out
 
 EPILOG = (
@@ -62,14 +62,11 @@ def bench(
 
     from ..console import note, warn
 
-    if mode not in ("tx", "tx-client", "send", "consume"):
-        raise CliError(f"mode must be tx, tx-client, send or consume, not {mode!r}", exitcodes.USAGE)
-    if end not in ("pipelined", "wait"):
-        raise CliError("--end must be pipelined or wait", exitcodes.USAGE)
+    check_choice(mode, ("tx", "tx-client", "send", "consume"), "'MODE'")
+    check_choice(end, ("pipelined", "wait"), "'--end'")
     if mode == "tx-client" and rate:
         raise CliError("--rate applies to tx, send and consume, not tx-client (producers send back to back)", exitcodes.USAGE)
-    if flush not in ("sync", "async"):
-        raise CliError("--flush must be sync or async", exitcodes.USAGE)
+    check_choice(flush, ("sync", "async"), "'--flush'")
     if not embedded:
         parse_address(broker)
     dur = parse_duration(duration) if duration else None
