@@ -217,9 +217,12 @@ def new_table(title: str | None = None):
 
     from rich.text import Text
 
+    # Two spaces between columns, on a terminal (the rule under the header; each column's divider is a
+    # space of the box) as in a pipe (no box: a space of padding each side), so rows fit 120 columns.
+    terminal = out.is_terminal
     return Table(
-        title=Text(title) if title is not None else None, box=box.SIMPLE_HEAD if out.is_terminal else None, header_style="bold",
-        show_edge=False, pad_edge=False, title_justify="left",
+        title=Text(title) if title is not None else None, box=box.SIMPLE_HEAD if terminal else None, header_style="bold",
+        show_edge=False, pad_edge=False, title_justify="left", padding=(0, 1, 0, 0) if terminal else (0, 1),
     )
 
 

@@ -10,7 +10,7 @@ from txmq.defaults import MAX_BUSY_POLL_S
 
 from .. import exitcodes
 from ..common import DEFAULT_BROKER, BrokerOpt, CliError, check_choice, choices, OutputOpt, TokenOpt, parse_address, parse_duration, run
-from ..console import Output, default_output, emit_json, err, out
+from ..console import Output, default_output, emit_json, err, esc, new_table, out, print_table
 
 EPILOG = (
     "Examples:\n\n"
@@ -130,16 +130,18 @@ def bench(
 
 
 def _table(res: dict) -> None:
-    from rich.table import Table
-
+    """The summary line and a latency table, drawn as every command's tables are (plain text in a pipe)."""
     out.print(f"[bold]{res['mode']}[/bold] flush={res.get('flush')} connections={res['connections']} inflight={res['inflight']} "
               f"size={res['size']} batch={res['batch']}: [ok]{res['throughput']:,.0f} {res['unit']}[/ok] "
               f"({res['completed']:,} in {res['elapsed_s']}s)")
-    t = Table("operation", "count", "p50 ms", "p90 ms", "p99 ms", "p99.9 ms", "max ms")
+    t = new_table()
+    t.add_column("OPERATION")
+    for label in ("COUNT", "P50 MS", "P90 MS", "P99 MS", "P99.9 MS", "MAX MS"):
+        t.add_column(label, justify="right", no_wrap=True)
     for op, p in res["latency_ms"].items():
         if p.get("count"):
-            t.add_row(op, f"{p['count']:,}", *(str(p[k]) for k in ("p50", "p90", "p99", "p999", "max")))
-    out.print(t)
+            t.add_row(esc(op), f"{p['count']:,}", *(str(p[k]) for k in ("p50", "p90", "p99", "p999", "max")))
+    print_table(t)
     if res["errors"]:
         err.print(f"[err]errors:[/err] {res['errors']}")
 
