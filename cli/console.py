@@ -191,11 +191,17 @@ def fmt_duration(seconds: float | None) -> str:
 
 
 def fmt_ts(ms: int | None) -> str:
+    """An absolute time (ms since the epoch) as every command shows one: ISO 8601 in UTC, to the
+    millisecond, with its zone: 2026-01-31T12:00:00.250Z (what `--since`/`--to` read back)."""
     if not ms:
         return "-"
     import datetime as _dt
 
-    return _dt.datetime.fromtimestamp(ms / 1000).strftime("%Y-%m-%d %H:%M:%S")
+    try:
+        t = _dt.datetime.fromtimestamp(ms / 1000, _dt.timezone.utc)
+    except (OverflowError, OSError, ValueError):  # beyond what datetime holds: the number itself
+        return str(ms)
+    return t.strftime("%Y-%m-%dT%H:%M:%S.") + f"{t.microsecond // 1000:03d}Z"
 
 
 def fmt_when(ms: int | None, now_ms: int | None = None) -> str:

@@ -7,7 +7,7 @@ import typer
 
 from .. import exitcodes
 from ..common import DEFAULT_BROKER, BrokerOpt, CliError, OutputOpt, TokenOpt, parse_duration, run, stop_event
-from ..console import Output, emit_json, emit_line, esc, interactive, new_table, out, print_table, resolve_output
+from ..console import Output, emit_json, emit_line, esc, fmt_ts, interactive, new_table, out, print_table, resolve_output
 
 EPILOG = """Examples:
 
@@ -153,9 +153,7 @@ def _num(v: Any, name: str = "") -> str:
     if isinstance(v, list):
         return f"{len(v)} (see -o json)" if v else "0"
     if isinstance(v, int) and name.endswith(("_at", ".at", "_ms")) and v > 10**11:  # epoch ms
-        import datetime as dt
-
-        return dt.datetime.fromtimestamp(v / 1000, dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3] + "Z"
+        return fmt_ts(v)
     if isinstance(v, int):
         return f"{v:,}"
     if isinstance(v, float):
