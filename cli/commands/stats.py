@@ -153,14 +153,14 @@ def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 _NOT_RATES = ("_avg", "_max", "_min", "_mean")  # in `counters` on the wire, but levels, not running totals
 
 
-def _table(doc: dict[str, Any], prev: dict[str, Any] | None, dt: float, title: str | None = None, compact: bool = False) -> Any:
+def _table(doc: dict[str, Any], prev: dict[str, Any] | None, dt: float, title: str | None = None) -> Any:
     """Counters (with per-second rates once there is a previous sample) and gauges.
 
     Averages and maxima the broker reports among its counters are shown as
     gauges, without a rate; a gauge that repeats a counter's name is shown
     once; times (keys ending in ``_at`` or ``_ms`` holding epoch
-    milliseconds) are shown as UTC times; lists as their length. ``compact``
-    (the live view) drops the lists of places only.
+    milliseconds) are shown as UTC times; lists as their length. (The live
+    view on a terminal is `watch_frame`'s, which drops those lists.)
     """
     t = new_table(title)
     t.add_column("KIND", style="dim")
@@ -174,7 +174,7 @@ def _table(doc: dict[str, Any], prev: dict[str, Any] | None, dt: float, title: s
     for name, v in sorted(counters.items()):
         rows.append(("gauge" if name.endswith(_NOT_RATES) else "counter", name, v))
     for name, v in sorted(_flat(doc["gauges"]).items()):
-        if name in counters or (compact and isinstance(v, list)):
+        if name in counters:
             continue
         rows.append(("gauge", name, v))
     for kind, name, v in rows:
