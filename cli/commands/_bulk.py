@@ -242,7 +242,7 @@ class Tally:
             text += (f", {'up to ' if self.total is None else ''}{self.inflight} unconfirmed"
                      " (sent when it stopped: each is decided once or not at all)")
         if stopped and self.read_to is not None:
-            text += f", stdin read up to line {self.read_to}"
+            text += f", stdin read up to line {self.read_to}" if self.read_to else ", nothing read from stdin yet"
         if stopped:
             text = f"stopped ({stopped}): {text}; to resume, {self.resume}"
         return text
