@@ -35,8 +35,10 @@ _CODE_EXIT = {
 
 
 def exit_code_of(exc: BaseException) -> int:
-    from txmq.client.connection import ConnectionLost
+    from txmq.client.connection import ConnectionLost, NotATxmqBroker
 
+    if isinstance(exc, NotATxmqBroker):
+        return exitcodes.NOT_TXMQ
     if isinstance(exc, ConnectionLost) or isinstance(exc, TimeoutError):
         return exitcodes.UNREACHABLE
     if isinstance(exc, TxmqError):
@@ -45,7 +47,10 @@ def exit_code_of(exc: BaseException) -> int:
 
 
 def cli_error(exc: BaseException, address: str, token_given: bool | None = None) -> CliError:
-    from txmq.client.connection import ConnectionLost
+    from txmq.client.connection import ConnectionLost, NotATxmqBroker
+
+    if isinstance(exc, NotATxmqBroker):  # another service's port: a wrong -b, not a broker that is down
+        return CliError(f"not a txmq broker at {address}: {exc.seen}", exitcodes.NOT_TXMQ)
 
     if isinstance(exc, TxmqError) and exc.code in (ErrorCode.AUTH_REQUIRED, ErrorCode.AUTH_FAILED) and token_given is not None:
         if token_given:

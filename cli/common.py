@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Awaitable, Callable, Coroutine, TypeVar
+from typing import Annotated, Any, Awaitable, Callable, Coroutine, Sequence, TypeVar
 
 import typer
 
@@ -72,6 +72,27 @@ def digits_are_offset(text: str) -> bool:
 def choices(*values: str) -> Callable[[str], list[str]]:
     """Tab completion of an option whose value is one of a few words (validated where it is used)."""
     return lambda incomplete: [v for v in values if v.startswith(incomplete)]
+
+
+def did_you_mean(word: str, candidates: Any) -> str:
+    """". Did you mean 'x'?" (or 'x', 'y') for the candidates close to `word`, as a mistyped command gets; "" if none is."""
+    from difflib import get_close_matches
+
+    close = get_close_matches(word, list(candidates))
+    return (". Did you mean " + ", ".join(repr(c) for c in close) + "?") if close else ""
+
+
+def invalid_choice(value: str, allowed: Any, label: str) -> str:
+    """The one wording of a value outside an option's few: "Invalid value 'comit' for '--state'
+    (one of commit, rollback, unknown). Did you mean 'commit'?"."""
+    return f"Invalid value {value!r} for {label} (one of {', '.join(allowed)})" + did_you_mean(value, allowed)
+
+
+def check_choice(value: str, allowed: Sequence[str], label: str) -> str:
+    """`value` if it is one of `allowed`, else a usage error in the words of `invalid_choice`."""
+    if value not in allowed:
+        raise CliError(invalid_choice(value, allowed, label), exitcodes.USAGE)
+    return value
 
 
 def parse_duration(text: str) -> float:

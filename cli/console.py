@@ -191,11 +191,17 @@ def fmt_duration(seconds: float | None) -> str:
 
 
 def fmt_ts(ms: int | None) -> str:
+    """An absolute time (ms since the epoch) as every command shows one: ISO 8601 in UTC, to the
+    millisecond, with its zone: 2026-01-31T12:00:00.250Z (what `--since`/`--to` read back)."""
     if not ms:
         return "-"
     import datetime as _dt
 
-    return _dt.datetime.fromtimestamp(ms / 1000).strftime("%Y-%m-%d %H:%M:%S")
+    try:
+        t = _dt.datetime.fromtimestamp(ms / 1000, _dt.timezone.utc)
+    except (OverflowError, OSError, ValueError):  # beyond what datetime holds: the number itself
+        return str(ms)
+    return t.strftime("%Y-%m-%dT%H:%M:%S.") + f"{t.microsecond // 1000:03d}Z"
 
 
 def fmt_when(ms: int | None, now_ms: int | None = None) -> str:
@@ -217,9 +223,12 @@ def new_table(title: str | None = None):
 
     from rich.text import Text
 
+    # Two spaces between columns, on a terminal (the rule under the header; each column's divider is a
+    # space of the box) as in a pipe (no box: a space of padding each side), so rows fit 120 columns.
+    terminal = out.is_terminal
     return Table(
-        title=Text(title) if title is not None else None, box=box.SIMPLE_HEAD if out.is_terminal else None, header_style="bold",
-        show_edge=False, pad_edge=False, title_justify="left",
+        title=Text(title) if title is not None else None, box=box.SIMPLE_HEAD if terminal else None, header_style="bold",
+        show_edge=False, pad_edge=False, title_justify="left", padding=(0, 1, 0, 0) if terminal else (0, 1),
     )
 
 

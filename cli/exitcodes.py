@@ -12,4 +12,5 @@ STORE_FULL = 8  # the broker's disk is full
 MISSING_DEPENDENCY = 9  # e.g. pyspark or Java for spark-export
 DATA_PROBLEM = 10  # `txmq store verify` found problems in the data directory
 IN_USE = 11  # the data directory is locked by a running broker (`txmq store repair`)
+NOT_TXMQ = 12  # something answers at the address, but not a txmq broker (another service's port)
 INTERRUPTED = 130

@@ -13,7 +13,7 @@ from txmq import __version__
 from . import exitcodes
 from .commands import register_all
 from .commands.completion import COMPLETE_VAR, answer_tab
-from .common import CliError, utf8_arguments
+from .common import CliError, did_you_mean, invalid_choice, utf8_arguments
 from .globalopts import normalize_args, state
 
 app = typer.Typer(
@@ -159,9 +159,69 @@ def _usage_message(e: Any, args: list[str]) -> str:
         word = next((a for a in args if a.startswith(name)), name)
         msg = (f"{word!r} is read as an option: values have no sign (a duration or a count is never negative); "
                f"a value that must start with '-' goes after '--'")
+    elif isinstance(e, clickx.NoSuchOption):
+        msg = e.message.rstrip(".") + did_you_mean(name, getattr(e, "possibilities", None) or ())
+    elif isinstance(e, clickx.BadParameter) and not isinstance(e, clickx.MissingParameter):
+        try:
+            msg = _choice_message(e, args) or msg
+        except Exception:  # noqa: BLE001  # Typer's own words rather than none
+            _debug_traceback()
     ctx = getattr(e, "ctx", None)
     path = ctx.command_path if ctx is not None else "txmq"
     return f"{msg} (see '{path} --help')"
+
+
+def _choices(param: Any) -> list[str]:
+    """The values an option or argument of an Enum (or Literal) type takes; [] for any other type."""
+    import enum
+    import typing
+
+    annotation = getattr(getattr(param, "type_descriptor", None), "annotation", None)
+    while typing.get_origin(annotation) in (list, typing.Union) or type(annotation).__name__ == "UnionType":
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if len(args) != 1:
+            return []
+        annotation = args[0]
+    if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
+        return [str(m.value) for m in annotation]
+    if typing.get_origin(annotation) is typing.Literal:
+        return [str(v) for v in typing.get_args(annotation)]
+    return []
+
+
+def _choice_message(e: Any, args: list[str]) -> str | None:
+    """A value outside an option's choices, in the words a mistyped command gets:
+    "Invalid value 'comit' for '--state' (one of commit, rollback, unknown). Did you mean 'commit'?"."""
+    param = getattr(e, "param", None)
+    choices = _choices(param)
+    if not choices:
+        return None
+    value = _given_value(param, args, choices)
+    if value is None:
+        return None
+    hint = e.param_hint if e.param_hint is not None else param.get_error_hint()
+    hint = hint if isinstance(hint, str) else " / ".join(hint)
+    return invalid_choice(value, choices, hint)
+
+
+def _given_value(param: Any, args: list[str], choices: list[str]) -> str | None:
+    """The value given to `param` that is not one of `choices` (the first such), from the command line."""
+    opts = [*getattr(param, "opts", ()), *getattr(param, "secondary_opts", ())]
+    if getattr(param, "param_type_name", "") == "argument":
+        words = [a for a in args if not a.startswith("-")]
+    else:
+        words = []
+        for i, a in enumerate(args):
+            if a == "--":
+                break
+            if a in opts and i + 1 < len(args):
+                words.append(args[i + 1])
+            for o in opts:
+                if a.startswith(o + "=") and o.startswith("--"):
+                    words.append(a[len(o) + 1:])
+                elif not o.startswith("--") and a.startswith(o) and len(a) > len(o):
+                    words.append(a[len(o):])  # -ocomit
+    return next((w for w in reversed(words) if w not in choices), None)
 
 
 def _fail(message: str, code: int) -> None:

@@ -33,7 +33,8 @@ Runnable against a broker on the default address (``txmq broker``)::
 Blocking scripts use `SyncProducer`, `SyncTransactionProducer` and
 `SyncConsumer` the same way, as context managers. Every error is a
 `txmq.wire.TxmqError` with a wire ``code`` and a ``retriable`` flag; a dropped
-connection is `ConnectionLost` (retriable). See docs/protocol.md for the wire.
+connection is `ConnectionLost` (retriable); an address where another service
+answers is `NotATxmqBroker` (not retriable). See docs/protocol.md for the wire.
 """
 
 from txmq.wire import ErrorCode, TxmqError
@@ -45,6 +46,7 @@ from .connection import (
     ClientClosed,
     Connection,
     ConnectionLost,
+    NotATxmqBroker,
     connect,
     parse_address,
 )
@@ -74,6 +76,7 @@ __all__ = [
     "LocalTransactionState",
     "Message",
     "MessageView",
+    "NotATxmqBroker",
     "Producer",
     "ReceivedMessage",
     "SendResult",

@@ -21,7 +21,9 @@ Errors: a broker error reply is rebuilt with `TxmqError.from_reply`. A lost
 connection fails every request in flight with `ConnectionLost`, a
 `TxmqError` with code `SHUTTING_DOWN` (so ``retriable`` is true): the
 request may or may not have reached the broker. Using a closed `Client`
-raises `ClientClosed` (same code, but not retriable).
+raises `ClientClosed` (same code, but not retriable). A peer whose first
+bytes are not a txmq reply (another service's port: AMQP, gRPC/HTTP2, HTTP,
+TLS) fails the connection with `NotATxmqBroker` (not retriable either).
 """
 
 from __future__ import annotations
@@ -92,6 +94,66 @@ class ClientClosed(ConnectionLost):
     @property
     def retriable(self) -> bool:
         return False
+
+
+class NotATxmqBroker(TxmqError):
+    """The peer is not a txmq broker: its first bytes are no txmq reply (another service's port).
+
+    ``seen`` says briefly what answered instead (an AMQP server, HTTP/2 such
+    as a gRPC server or a broker's own ``--rocketmq-port``, HTTP, TLS, or the
+    bytes themselves). Not retriable: asking again reaches the same service.
+    """
+
+    code = ErrorCode.MALFORMED_FRAME
+
+    def __init__(self, peer: str, seen: str) -> None:
+        super().__init__(f"{peer} is not a txmq broker: {seen}")
+        self.peer = peer
+        self.seen = seen
+
+
+# What the first reply of a txmq broker starts with: a u32 length of at least MIN_REPLY, then the
+# msgpack array [kind, id, code, fields]: 0x94, and kind 1 (a reply) or 2 (a push).
+MIN_REPLY = 5  # [1, 0, 0, {}]
+_REPLY_START = 0x94
+_REPLY_KINDS = (wire.REPLY, wire.PUSH)
+_SHOWN_BYTES = 16  # of a foreign peer's first bytes, in its description
+
+
+def first_bytes_problem(head: bytes, max_frame: int = CLIENT_MAX_FRAME) -> str | None:
+    """Why the first bytes a peer sent cannot start a txmq reply ("" when they can; None while too few arrived).
+
+    The first frame of a txmq broker has a length from MIN_REPLY to
+    ``max_frame`` and a payload that starts as an array of four with kind
+    reply or push. Anything else is another service: see `describe_foreign`.
+    """
+    if len(head) < 4:
+        return None
+    (length,) = wire.HEADER.unpack_from(head, 0)
+    if length < MIN_REPLY or length > max_frame:
+        return describe_foreign(head)
+    if len(head) < 5:
+        return None
+    if head[4] != _REPLY_START:
+        return describe_foreign(head)
+    if len(head) < 6:
+        return None
+    return "" if head[5] in _REPLY_KINDS else describe_foreign(head)
+
+
+def describe_foreign(head: bytes) -> str:
+    """What a peer whose first bytes are `head` seems to be, briefly (the bytes themselves when not known)."""
+    if head.startswith(b"AMQP"):
+        version = "-".join(str(b) for b in head[5:8]) if len(head) >= 8 else ""
+        return f"it greets like an AMQP {version} server".replace("  ", " ")
+    if len(head) >= 9 and head[3] == 0x04 and head[4] in (0, 1) and head[5:9] == b"\0\0\0\0":  # a SETTINGS frame
+        return "it speaks HTTP/2 (gRPC? a broker's --rocketmq-port?)"
+    if head.startswith((b"HTTP/", b"SSH-")):
+        first = head.split(b"\r")[0].split(b"\n")[0][: 2 * _SHOWN_BYTES].decode("ascii", "replace")
+        return f"it speaks {'HTTP' if head.startswith(b'HTTP/') else 'SSH'} ({first!r})"
+    if head[:1] in (b"\x15", b"\x16") and head[1:2] == b"\x03":
+        return "it speaks TLS"
+    return f"its first bytes are no txmq reply: {bytes(head[:_SHOWN_BYTES])!r}" + ("..." if len(head) > _SHOWN_BYTES else "")
 
 
 _HOST = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9.\-_]*[A-Za-z0-9])?")
@@ -199,6 +261,11 @@ class Connection(asyncio.Protocol):
         self._closed = False
         self._close_reason: TxmqError | None = None
         self.lost = self._loop.create_future()  # resolves once the socket is gone
+        # The first bytes from the peer, until they look like the start of a txmq reply (then None):
+        # another service on the port is told apart from a broker sending bad data.
+        self._head: bytes | None = b""
+        self._answered = False  # a first frame was parsed
+        self._aborted = False  # bad data: what still arrives before the transport is gone is not read
         self.peer = "?"
         self.hello: dict[str, Any] = {}
 
@@ -385,6 +452,8 @@ class Connection(asyncio.Protocol):
     # ---- incoming -----------------------------------------------------
 
     def data_received(self, data: bytes) -> None:
+        if self._aborted or (self._head is not None and not self._check_first_bytes(data)):
+            return
         try:
             payloads = self._decoder.feed(data)
         except TxmqError as exc:
@@ -396,8 +465,11 @@ class Connection(asyncio.Protocol):
             try:
                 frame = wire.parse_payload(payload)
             except TxmqError as exc:
+                if not self._answered:  # the first frame is not txmq: another service that happened to pass the first bytes
+                    exc = NotATxmqBroker(self.peer, f"its first reply is not a txmq frame ({exc.message})")
                 self._abort(exc)
                 return
+            self._answered = True
             if frame.kind == wire.REPLY:
                 fut = pending.pop(frame.id, None)
                 if deadlines:
@@ -424,9 +496,27 @@ class Connection(asyncio.Protocol):
         if self._poll_fd >= 0 and pending:
             self._schedule_poll()  # more replies are due (e.g. a half's after its end's)
 
+    def _check_first_bytes(self, data: bytes) -> bool:
+        """Whether the peer's first bytes (so far) may start a txmq reply; if not, the connection is dropped."""
+        assert self._head is not None
+        self._head += data[: 2 * _SHOWN_BYTES - len(self._head)]
+        problem = first_bytes_problem(self._head, self._decoder.max_frame)
+        if problem is None:  # too few bytes to tell
+            return True
+        if problem:
+            self._head = None
+            self._abort(NotATxmqBroker(self.peer, problem))
+            return False
+        self._head = None
+        return True
+
     def _abort(self, exc: TxmqError) -> None:
-        log.error("bad data from %s: %s; closing", self.peer, exc)
+        if isinstance(exc, NotATxmqBroker):  # the caller's error says it all (a CLI prints it as one line)
+            log.debug("%s; closing", exc.message)
+        else:
+            log.error("bad data from %s: %s; closing", self.peer, exc)
         self._close_reason = exc
+        self._aborted = True
         if self._transport is not None:
             self._transport.abort()
 
@@ -459,7 +549,10 @@ class Connection(asyncio.Protocol):
         if self._on_lost is not None:
             self._on_lost(self, exc)
 
-    def _lost_error(self, exc: BaseException | None = None) -> ConnectionLost:
+    def _lost_error(self, exc: BaseException | None = None) -> TxmqError:
+        """What requests in flight (and later ones) fail with: `ConnectionLost`, or `NotATxmqBroker` for another service."""
+        if isinstance(self._close_reason, NotATxmqBroker):
+            return NotATxmqBroker(self._close_reason.peer, self._close_reason.seen)
         reason = self._close_reason or exc
         detail = f": {reason}" if reason else ""
         return ConnectionLost(f"connection to {self.peer} lost{detail}")

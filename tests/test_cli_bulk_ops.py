@@ -400,3 +400,74 @@ def test_a_command_that_ends_before_ctrl_c_returns_its_result():
         return 42
 
     assert run_interruptible(main()) == 42
+
+
+def _resolve_with_open_stdin(broker: str, first: list[str], then=None, *args: str):
+    """`resolve --rollback - --yes -o jsonl ARGS` fed `first` (lines) with stdin left open; once their rows are out,
+    then(process) (Ctrl-C, more input); (exit code, stdout rows, stderr)."""
+    import subprocess
+    import threading
+    import time
+
+    from clihelpers import cli_argv, cli_env
+
+    p = subprocess.Popen(cli_argv("resolve", "--rollback", "-", "--yes", "-o", "jsonl", *args), stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=cli_env(broker))
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.extend(p.stdout))
+    reader.start()
+    try:
+        p.stdin.write("".join(line + "\n" for line in first).encode())
+        p.stdin.flush()  # and stdin stays open: more lines may come
+        deadline = time.monotonic() + 15
+        while len(got) < len(first) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(got) == len(first), f"no rows while stdin is open: {got}"  # resolved as they arrived
+        then(p)
+        e = p.stderr.read().decode()
+        code = p.wait(15)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        reader.join(5)
+    return code, [json.loads(x) for x in got], e
+
+
+def test_resolve_of_stdin_decides_lines_as_they_arrive_and_ctrl_c_prints_the_summary_and_exits_130(broker):
+    import signal
+
+    sent = pend_many(broker, "stream-int", 3)
+    code, rows, e = _resolve_with_open_stdin(broker, [s["tx_id"] for s in sent], lambda p: p.send_signal(signal.SIGINT))
+    assert code == 130, e
+    assert {r["tx_id"] for r in rows} == {s["tx_id"] for s in sent} and {r["status"] for r in rows} == {"ok"}
+    assert ("stopped (interrupted): 3 rolled back, 0 already, 0 failed, 0 not attempted, stdin read up to line 3; "
+            "to resume, run the same command again") in e, e
+    assert "Traceback" not in e, e
+    left = {r["tx_id"] for r in lines(ok(run(broker, "inspect", "half", "--group", "stream-int")))}
+    assert not left
+
+
+def test_resolve_of_stdin_stops_at_a_bad_line_and_says_what_it_resolved_before(broker):
+    sent = pend_many(broker, "stream-bad", 2)
+
+    def bad_line_then_eof(p):
+        p.stdin.write(b"two tokens\n")
+        p.stdin.close()
+
+    code, rows, e = _resolve_with_open_stdin(broker, [s["tx_id"] for s in sent], bad_line_then_eof)
+    assert code == 2, e
+    assert len(rows) == 2 and {r["status"] for r in rows} == {"ok"}
+    assert "stopped (error: stdin line 3: expected one REF per line" in e and "2 rolled back" in e, e
+    assert e.splitlines()[-1].startswith("error: stdin line 3: "), e
+
+
+def test_resolve_of_many_stdin_lines_at_once_keeps_their_order_and_counts_them_all(broker):
+    from txmq.cli.commands._bulk import STREAM_BATCH
+
+    sent = pend_many(broker, "stream-many", STREAM_BATCH * 2 + 5)
+    text = "".join(s["tx_id"] + "\n" for s in sent)
+    r = run(broker, "resolve", "--rollback", "-", "--yes", "-o", "jsonl", input=text)
+    assert r.returncode == OK, err(r)
+    assert [x["ref"] for x in lines(r)] == [s["tx_id"] for s in sent]  # in input order
+    assert f"{len(sent)} rolled back, 0 already, 0 failed, 0 not attempted" in err(r)

@@ -48,6 +48,27 @@ def test_bad_input_fails_before_any_connection(args, needle):
     _one_line_error(txmq(*args, broker=f"127.0.0.1:{free_port()}"), USAGE, needle)
 
 
+@pytest.mark.parametrize("args, said", [
+    (["send", "t", "x", "--tx", "--group", "g", "--state", "comit"],
+     "Invalid value 'comit' for '--state' (one of commit, rollback, unknown). Did you mean 'commit'?"),
+    (["send", "t", "x", "--tx", "--group", "g", "--state=rolback"], "Did you mean 'rollback'?"),
+    (["checker", "--group", "g", "--answer", "comit"],
+     "Invalid value 'comit' for '--answer' / '-a' (one of commit, rollback, unknown). Did you mean 'commit'?"),
+    (["checker", "--group", "g", "-a", "yes"], "Invalid value 'yes' for '--answer' / '-a' (one of commit, rollback, unknown) (see"),
+    (["resolve", "--comit", "1"], "No such option: --comit. Did you mean '--commit'?"),
+    (["-o", "tabel", "stats"], "Invalid value 'tabel' for '--output' / '-o' (one of table, json, jsonl). Did you mean 'table'?"),
+    (["discard", "replay", "1", "--to", "hlf"], "Did you mean 'half'?"),
+    (["completion", "fsh"], "Invalid value 'fsh' for 'SHELL' (one of bash, zsh, fish). Did you mean 'fish'"),
+    (["bench", "snd"], "Invalid value 'snd' for 'MODE' (one of tx, tx-client, send, consume). Did you mean 'send'?"),
+    (["config", "set", "check-intervl", "1s"], "Did you mean 'check-interval'?"),
+    (["stast"], "No such command 'stast'. Did you mean 'stats'?"),  # the words the others follow
+])
+def test_a_mistyped_choice_or_option_gets_the_did_you_mean_of_a_mistyped_command(args, said):
+    r = txmq(*args, broker=f"127.0.0.1:{free_port()}")
+    _one_line_error(r, USAGE, said)
+    assert "Value error" not in err(r) and "Possible options" not in err(r)
+
+
 def test_token(tmp_path):
     b = start_broker(tmp_path, "--auth-token", "s3cret")
     try:

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from clihelpers import cli_argv, cli_env, lines, ok, start_broker, txmq
+from clihelpers import cli_argv, cli_env, lines, ok, out, start_broker, txmq
 
 
 def run_in_pty(args, env, columns=120, timeout=20.0) -> str:
@@ -119,3 +119,31 @@ def test_consume_follow_prints_messages_on_their_own_lines_not_onto_the_spinner(
         mine = [line for line in shown if body in line]
         assert mine, (body, shown)
         assert all("following" not in line for line in mine), mine
+
+
+def test_pending_transactions_checked_with_no_producer_keep_each_row_on_one_line_at_120_columns(tmp_path):
+    from clihelpers import wait_for
+
+    b = start_broker(tmp_path)  # checks every second, transactions due at once: "no producer online" soon
+    try:
+        sent = [lines(ok(txmq("send", "orders", f"o{i}", "--tx", "--group", "shop", broker=b.address)))[0] for i in range(3)]
+        wait_for(lambda: all(r["last_check_result"] == "no producer online"
+                             for r in lines(ok(txmq("inspect", "half", "-o", "jsonl", broker=b.address)))),
+                 what="a check pass that found no producer")
+        screen = run_in_pty(["inspect", "half"], cli_env(b.address), columns=120)
+    finally:
+        b.stop()
+    shown = [line for line in screen.splitlines() if line.strip()]
+    assert len(shown) == 2 + len(sent), screen  # the header, its rule, a line per transaction: nothing folded
+    for s in sent:
+        row = next(line for line in shown if s["tx_id"] in line)
+        assert len(row.rstrip()) <= 120 and "no producer" in row and "shop" in row, screen
+
+
+def test_tables_in_a_pipe_have_no_box_drawing(broker):
+    r = ok(txmq("bench", "send", "--messages", "50", "-o", "table", broker=broker.address))
+    text = out(r)
+    assert not re.search("[\u2500-\u257f]", text), text  # no box-drawing characters: plain aligned text
+    header = next(line for line in text.splitlines() if line.startswith("OPERATION"))
+    assert header.split() == ["OPERATION", "COUNT", "P50", "MS", "P90", "MS", "P99", "MS", "P99.9", "MS", "MAX", "MS"], text
+    assert re.search(r"^send\s+50\s", text, re.M), text

@@ -223,3 +223,31 @@ def test_a_discarded_transaction_replayed_to_commit_keeps_its_checks_the_discard
         audited(one(txmq("inspect", "tx", sent["tx_id"], "--data-dir", str(b.data_dir), "-o", "json")))
     finally:
         b.stop()
+
+
+def test_absolute_times_are_iso_8601_utc_with_a_zone_in_every_command(broker):
+    import datetime
+    import re
+
+    sent = one(run(broker, "send", "t-times", "x", "--tx", "--group", "times", "--state", "commit", "-o", "json"))
+    doc = one(run(broker, "inspect", "tx", sent["tx_id"], "-o", "json"))
+    iso = re.compile(r"\b(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z)(?=\s|$)")
+
+    def utc_ms(text: str) -> int:
+        return int(datetime.datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp() * 1000)
+
+    table = out(ok(run(broker, "inspect", "tx", sent["tx_id"], "-o", "table")))
+    shown = [utc_ms(m) for m in iso.findall(table)]
+    assert shown == [e["at"] for e in doc["events"]], table  # each event's time, in UTC, to the millisecond
+    config = out(ok(run(broker, "config", "get", "-o", "table")))
+    since = one(run(broker, "config", "get", "-o", "json"))["outcomes_known_since"]
+    assert [utc_ms(m) for m in iso.findall(config)] == [since], config
+    def stats_after_a_check_pass() -> str | None:
+        text = out(ok(run(broker, "stats", "-o", "table")))
+        return text if "last_check_pass.at" in text else None
+
+    stats = wait_for(stats_after_a_check_pass, what="a check pass")
+    at = next(line for line in stats.splitlines() if "last_check_pass.at" in line)
+    assert iso.search(at), at
+    for text in (table, config, stats):  # no time without its zone
+        assert not re.search(r"\d\d:\d\d:\d\d(?!\.\d{3}Z)", text), text

@@ -283,13 +283,41 @@ def test_ids_wrap_and_skip_ids_still_in_flight():
 def test_garbage_from_the_broker_closes_the_connection():
     async def main():
         conn, t = make_conn()
+        first = conn.send_request("x", {})
         fut = conn.send_request("x", {})
         await next_iteration()
+        conn.data_received(wire.reply(t.sent_frames()[0].id, {}))  # it spoke txmq: what follows is a broker's bad data
+        assert (await first) == {}
         conn.data_received(wire.HEADER.pack(3) + b"\xc1\xc1\xc1")
         with pytest.raises(ConnectionLost) as info:
             await fut
         assert "MALFORMED_FRAME" in str(info.value)
         assert t.closed
+
+    run(main())
+
+
+@pytest.mark.parametrize("first", [
+    b"AMQP\x00\x00\x09\x01",  # a length far past any reply
+    wire.HEADER.pack(2) + b"\x94\x01",  # a length shorter than any reply
+    wire.HEADER.pack(6) + b"\x00\x04",  # no array of four
+    wire.HEADER.pack(6) + b"\x94\x00\x01\xa1x\x80",  # a request, not a reply
+    wire.HEADER.pack(6) + b"\x94\x01\xc1\xc1\xc1\xc1",  # a reply's start, then no msgpack
+])
+def test_a_first_reply_that_is_no_txmq_frame_is_not_a_txmq_broker(first):
+    from txmq.client.connection import NotATxmqBroker
+
+    async def main():
+        conn, t = make_conn()
+        fut = conn.send_request("hello", {})
+        await next_iteration()
+        for i in range(len(first)):  # byte by byte: decided as soon as the bytes tell
+            conn.data_received(first[i:i + 1])
+        with pytest.raises(NotATxmqBroker) as info:
+            await fut
+        assert not info.value.retriable and t.closed
+        with pytest.raises(NotATxmqBroker):
+            conn.send_request("x", {})
 
     run(main())
 

@@ -136,12 +136,20 @@ def _json_document_refs(first: str, rest: Iterator[str], offset_key: str, object
     parts, size = [first], len(first)
     for line in rest:
         size += len(line)
-        if size > MAX_JSON_DOCUMENT:
-            raise CliError(f"stdin: a JSON document larger than {MAX_JSON_DOCUMENT >> 20} MiB: use -o jsonl for long listings",
-                           exitcodes.USAGE)
+        _check_document_size(size)
         parts.append(line)
+    return _document_refs("".join(parts), offset_key, object_keys)
+
+
+def _check_document_size(size: int) -> None:
+    if size > MAX_JSON_DOCUMENT:
+        raise CliError(f"stdin: a JSON document larger than {MAX_JSON_DOCUMENT >> 20} MiB: use -o jsonl for long listings",
+                       exitcodes.USAGE)
+
+
+def _document_refs(text: str, offset_key: str, object_keys: tuple[str, ...]) -> list[Ref]:
     try:
-        doc = json.loads("".join(parts))
+        doc = json.loads(text)
     except ValueError as e:
         raise CliError(f"stdin: not a valid JSON document ({e})", exitcodes.USAGE) from None
     if not isinstance(doc, list):
@@ -167,18 +175,19 @@ def collect_refs(args: Sequence[str], offset_key: str, object_keys: tuple[str, .
             if sys.stdin.isatty():
                 err.print("[dim]reading REFs from stdin, one per line; end with Ctrl-D[/dim]")
             lines = _stdin_lines()
-            for n, line in enumerate(lines, 1):
-                if not refs and line.lstrip().startswith("["):  # a JSON document (`-o json` of a listing)
-                    refs.extend(_json_document_refs(line, lines, offset_key, object_keys))
-                    break
-                ref = parse_ref(line, f"stdin line {n}", offset_key, object_keys)
-                if ref is not None:
-                    refs.append(ref)
+            try:
+                for n, line in enumerate(lines, 1):
+                    if not refs and line.lstrip().startswith("["):  # a JSON document (`-o json` of a listing)
+                        refs.extend(_json_document_refs(line, lines, offset_key, object_keys))
+                        break
+                    ref = parse_ref(line, f"stdin line {n}", offset_key, object_keys)
+                    if ref is not None:
+                        refs.append(ref)
+            except KeyboardInterrupt:
+                err.print("[warn]stopped (interrupted) while reading REFs from stdin: nothing was changed[/warn]")
+                raise
         else:
-            ref = parse_ref(a, f"REF {_show(a)}", offset_key, object_keys)
-            if ref is None:
-                raise CliError("an empty REF argument: name a transaction by offset or id", exitcodes.USAGE)
-            refs.append(ref)
+            refs.extend(_argument_refs([a], offset_key, object_keys))
     return refs
 
 
@@ -204,6 +213,7 @@ class Tally:
         self.failed_rows: list[dict[str, Any]] = []
         self.done = self.already = self.failed = 0
         self.inflight = 0  # items sent in a request not answered yet
+        self.read_to: int | None = None  # REFs streamed from stdin: the last line read while more may come
 
     def add(self, row: dict[str, Any], keep: bool) -> None:
         status = row["status"]
@@ -231,6 +241,8 @@ class Tally:
         if self.inflight:
             text += (f", {'up to ' if self.total is None else ''}{self.inflight} unconfirmed"
                      " (sent when it stopped: each is decided once or not at all)")
+        if stopped and self.read_to is not None:
+            text += f", stdin read up to line {self.read_to}" if self.read_to else ", nothing read from stdin yet"
         if stopped:
             text = f"stopped ({stopped}): {text}; to resume, {self.resume}"
         return text
@@ -285,6 +297,156 @@ def run_bulk(broker: str, token: str | None, op: str, build: Callable[[list[Any]
 
     guarded(go(), t, bulk=tally is not None)
     return t.rows
+
+
+# REFs from stdin (`-` with --yes or --dry-run) go to the broker as they arrive: a request once this many
+# are read, or when the oldest not sent has waited STREAM_WAIT_S, or at the end of the input.
+STREAM_BATCH = 256
+STREAM_WAIT_S = 0.1
+
+
+def streams(args: Sequence[str], yes: bool, dry_run: bool) -> bool:
+    """Whether REFs are resolved as stdin delivers them: '-' is among them and nothing is to be confirmed
+    (asking needs the count, so without --yes or --dry-run stdin is read whole first)."""
+    return "-" in args and (yes or dry_run)
+
+
+def run_bulk_stream(broker: str, token: str | None, op: str, build: Callable[[list[Any]], dict[str, Any]],
+                    args: Sequence[str], offset_key: str, object_keys: tuple[str, ...], output: Output, label: str,
+                    tally: Tally) -> list[dict[str, Any]] | None:
+    """Like run_bulk, for REF arguments where '-' stands for stdin's lines, sent while stdin is still being read.
+
+    The arguments are parsed first (a bad one is refused before anything is
+    sent); stdin's REFs go in batches of STREAM_BATCH, or fewer once the
+    oldest has waited STREAM_WAIT_S, so a slow producer upstream (a long
+    `inspect half` listing) does not hold up the first decisions. A line that
+    is not a REF stops the run there: the batches sent before it stand, what
+    was read after the last one is not attempted (the summary says so, exit
+    2). Ctrl-C prints the summary of what was done. None when there was no
+    REF at all (nothing was sent).
+    """
+    import contextlib
+    import time
+
+    from ..client_ops import connect
+    from ._stdin import TIMEOUT, TOO_LONG, StdinReader
+
+    cut = list(args).index("-")
+    before = _argument_refs(args[:cut], offset_key, object_keys)
+    after = _argument_refs([a for a in args[cut + 1:] if a != "-"], offset_key, object_keys)
+    t = tally
+    t.total = 0
+
+    async def go() -> None:
+        progress = None
+        if interactive() and output is Output.table:
+            from rich.progress import MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+            progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), MofNCompleteColumn(), TimeElapsedColumn(),
+                                console=err, transient=True)
+        async with contextlib.AsyncExitStack() as stack:
+            task = progress.add_task(label, total=None) if progress else None
+            pending: list[Ref] = []
+            client: Any = None
+
+            async def send(part: list[Ref]) -> None:
+                nonlocal client
+                if client is None:  # connected with the first batch: input refused at once never reaches the broker
+                    client = await stack.enter_async_context(connect(broker, token, request_timeout=300.0))
+                    if progress:
+                        progress.start()
+                t.inflight = len(part)
+                results = (await client.request(op, build([w for _, w in part])))["results"]
+                t.inflight = 0
+                for (text, _), r in zip(part, results):
+                    row = {"ref": text, "tx_id": r.get("tx_id"), "status": r.get("status", "error"), "message": r.get("message", "")}
+                    t.add(row, keep=output is not Output.jsonl)
+                    if output is Output.jsonl:
+                        emit_line(row)
+                if progress:
+                    progress.advance(task, len(part))
+
+            async def take(refs: list[Ref]) -> bool:
+                """Queue refs, sending every full batch; whether any was sent."""
+                pending.extend(refs)
+                t.total = (t.total or 0) + len(refs)
+                sent = False
+                while len(pending) >= STREAM_BATCH:
+                    part = pending[:STREAM_BATCH]
+                    del pending[:STREAM_BATCH]
+                    await send(part)
+                    sent = True
+                return sent
+
+            async def flush() -> None:
+                if pending:
+                    part = pending[:]
+                    pending.clear()
+                    await send(part)
+
+            reader = StdinReader(MAX_REF_LINE).start()
+            try:
+                await take(before)
+                if sys.stdin.isatty():
+                    err.print("[dim]reading REFs from stdin, one per line, each resolved as it comes; end with Ctrl-D[/dim]")
+                n = 0  # lines read
+                t.read_to = 0
+                document: list[str] | None = None  # a JSON array (`-o json` of a listing): parsed at its end
+                size = 0
+                oldest = 0.0  # when the oldest REF not sent yet arrived
+                while True:
+                    wait = None if not pending else oldest + STREAM_WAIT_S - time.monotonic()
+                    batch = await reader.next_batch(wait)
+                    if batch is TIMEOUT:
+                        await flush()
+                        continue
+                    if batch is None:
+                        break
+                    if batch is TOO_LONG:
+                        raise CliError(f"stdin line {n + 1}: longer than {MAX_REF_LINE // 1024} KiB: not a REF", exitcodes.USAGE)
+                    arrived = time.monotonic()
+                    refs: list[Ref] = []
+                    try:
+                        for raw in batch:
+                            n += 1
+                            t.read_to = n
+                            line = raw.decode("utf-8", "surrogateescape")
+                            if document is not None:
+                                size += len(line) + 1
+                                _check_document_size(size)
+                                document.append(line)
+                            elif not t.total and not refs and line.lstrip().startswith("["):
+                                document, size = [line], len(line) + 1
+                            elif (ref := parse_ref(line, f"stdin line {n}", offset_key, object_keys)) is not None:
+                                refs.append(ref)
+                    except CliError:
+                        t.total = (t.total or 0) + len(refs)  # read, not attempted
+                        raise
+                    had = bool(pending)
+                    if await take(refs) or not had:
+                        oldest = arrived
+                if document is not None:
+                    await take(_document_refs("\n".join(document), offset_key, object_keys))
+                t.read_to = None  # the input ended
+                await take(after)
+                await flush()
+            finally:
+                reader.close()
+                if progress:
+                    progress.stop()
+
+    guarded(go(), t, bulk=True)
+    return t.rows if t.total else None
+
+
+def _argument_refs(args: Sequence[str], offset_key: str, object_keys: tuple[str, ...]) -> list[Ref]:
+    refs: list[Ref] = []
+    for a in args:
+        ref = parse_ref(a, f"REF {_show(a)}", offset_key, object_keys)
+        if ref is None:
+            raise CliError("an empty REF argument: name a transaction by offset or id", exitcodes.USAGE)
+        refs.append(ref)
+    return refs
 
 
 def guarded(coro: Any, t: Tally, bulk: bool) -> None:

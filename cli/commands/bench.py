@@ -9,8 +9,8 @@ import typer
 from txmq.defaults import MAX_BUSY_POLL_S
 
 from .. import exitcodes
-from ..common import DEFAULT_BROKER, BrokerOpt, CliError, choices, OutputOpt, TokenOpt, parse_address, parse_duration, run
-from ..console import Output, default_output, emit_json, err, out
+from ..common import DEFAULT_BROKER, BrokerOpt, CliError, check_choice, choices, OutputOpt, TokenOpt, parse_address, parse_duration, run
+from ..console import Output, default_output, emit_json, err, esc, new_table, out, print_table
 
 EPILOG = (
     "Examples:\n\n"
@@ -62,14 +62,11 @@ def bench(
 
     from ..console import note, warn
 
-    if mode not in ("tx", "tx-client", "send", "consume"):
-        raise CliError(f"mode must be tx, tx-client, send or consume, not {mode!r}", exitcodes.USAGE)
-    if end not in ("pipelined", "wait"):
-        raise CliError("--end must be pipelined or wait", exitcodes.USAGE)
+    check_choice(mode, ("tx", "tx-client", "send", "consume"), "'MODE'")
+    check_choice(end, ("pipelined", "wait"), "'--end'")
     if mode == "tx-client" and rate:
         raise CliError("--rate applies to tx, send and consume, not tx-client (producers send back to back)", exitcodes.USAGE)
-    if flush not in ("sync", "async"):
-        raise CliError("--flush must be sync or async", exitcodes.USAGE)
+    check_choice(flush, ("sync", "async"), "'--flush'")
     if not embedded:
         parse_address(broker)
     dur = parse_duration(duration) if duration else None
@@ -103,11 +100,15 @@ def bench(
                 res["broker_rss_mb"] = round(eb.rss_mb(), 1)
                 res["flush"] = flush
                 return res
+        res = run(main())
+        res["flush"] = flush_mode
+        return res
+
+    flush_mode = None
+    if not embedded:  # a broker answers there (not another service, not refusing the token) before the run starts
         from ..client_ops import call
 
-        res = run(main())
-        res["flush"] = call(broker, token, "broker_info", {}).get("flush")
-        return res
+        flush_mode = call(broker, token, "broker_info", {}).get("flush")
 
     try:
         if output is Output.table and err.is_terminal:
@@ -129,16 +130,18 @@ def bench(
 
 
 def _table(res: dict) -> None:
-    from rich.table import Table
-
+    """The summary line and a latency table, drawn as every command's tables are (plain text in a pipe)."""
     out.print(f"[bold]{res['mode']}[/bold] flush={res.get('flush')} connections={res['connections']} inflight={res['inflight']} "
               f"size={res['size']} batch={res['batch']}: [ok]{res['throughput']:,.0f} {res['unit']}[/ok] "
               f"({res['completed']:,} in {res['elapsed_s']}s)")
-    t = Table("operation", "count", "p50 ms", "p90 ms", "p99 ms", "p99.9 ms", "max ms")
+    t = new_table()
+    t.add_column("OPERATION")
+    for label in ("COUNT", "P50 MS", "P90 MS", "P99 MS", "P99.9 MS", "MAX MS"):
+        t.add_column(label, justify="right", no_wrap=True)
     for op, p in res["latency_ms"].items():
         if p.get("count"):
-            t.add_row(op, f"{p['count']:,}", *(str(p[k]) for k in ("p50", "p90", "p99", "p999", "max")))
-    out.print(t)
+            t.add_row(esc(op), f"{p['count']:,}", *(str(p[k]) for k in ("p50", "p90", "p99", "p999", "max")))
+    print_table(t)
     if res["errors"]:
         err.print(f"[err]errors:[/err] {res['errors']}")
 

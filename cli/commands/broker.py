@@ -12,7 +12,7 @@ from txmq import defaults
 from txmq.constants import DEFAULT_HOST, DEFAULT_PORT
 
 from .. import exitcodes
-from ..common import DEFAULT_BROKER, BrokerOpt, CliError, choices, OutputOpt, TokenOpt, parse_duration
+from ..common import DEFAULT_BROKER, BrokerOpt, CliError, check_choice, choices, OutputOpt, TokenOpt, parse_duration
 from ..console import default_output, kv_table, warn
 
 if TYPE_CHECKING:
@@ -115,12 +115,10 @@ def start(
 
 def _check_start_options(flush: str, log_format: str, log_level: str, data_dir: Path | None) -> None:
     """The checks of `broker start`'s options that come before anything is logged."""
-    if flush not in ("sync", "async"):
-        raise CliError(f"--flush must be sync or async, not {flush!r}", exitcodes.USAGE)
-    if log_format not in ("kv", "json"):
-        raise CliError("--log-format must be kv or json", exitcodes.USAGE)
+    check_choice(flush, ("sync", "async"), "'--flush'")
+    check_choice(log_format, ("kv", "json"), "'--log-format'")
     if log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
-        raise CliError(f"--log-level must be debug, info, warning or error, not {log_level!r}", exitcodes.USAGE)
+        check_choice(log_level, ("debug", "info", "warning", "error"), "'--log-level'")
     if data_dir is not None and data_dir.exists() and not data_dir.is_dir():
         raise CliError(f"data directory {data_dir} is not a directory", exitcodes.NOT_FOUND)
 

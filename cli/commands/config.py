@@ -6,7 +6,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from .. import exitcodes
-from ..common import DEFAULT_BROKER, BrokerOpt, CliError, choices, OutputOpt, TokenOpt, parse_duration
+from ..common import DEFAULT_BROKER, BrokerOpt, CliError, choices, did_you_mean, OutputOpt, TokenOpt, parse_duration
 from ..console import emit_document, fmt_duration, fmt_ts, fmt_when, new_table, out, print_table, resolve_output
 
 app = typer.Typer(help="Read and change the check settings of a running broker.", no_args_is_help=True)
@@ -37,7 +37,7 @@ def wire_key(name: str) -> str:
     if name in WIRE_ORDER:
         return name
     raise CliError(f"unknown setting {name!r}: one of check-interval, transaction-timeout (timeout), max-checks, retention"
-                   " (and outcomes-known-since, read-only)", exitcodes.USAGE)
+                   " (and outcomes-known-since, read-only)" + did_you_mean(k, KEYS), exitcodes.USAGE)
 
 
 def human(key: str, value: Any) -> str:

@@ -85,6 +85,24 @@ def replay(
         raise CliError("give REFs or --all (not both)", exitcodes.USAGE)
     out_fmt = resolve_output(output)
     verb = "replay" if to is ReplayTo.half else "replay and commit"
+
+    def build(part: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"to": to.value, "refs": part, "dry_run": dry_run}
+
+    verb_done = ("would be " if dry_run else "") + f"replayed to {to.value}"
+    resume = ("feed what is still discarded: `txmq discard list -o jsonl | txmq discard replay - --yes`"
+              + (f" --to {to.value}" if to is not ReplayTo.half else ""))
+    label = f"replaying to {to.value}" + (" (dry run)" if dry_run else "")
+    if refs and _bulk.streams(refs, yes, dry_run):  # stdin's REFs replayed as they arrive
+        tally = _bulk.Tally(None, verb_done, resume)
+        streamed = _bulk.run_bulk_stream(broker, token, "discard_replay", build, refs, "discard_offset", (), out_fmt, label, tally)
+        if streamed is None:
+            note("nothing to replay")
+            if out_fmt.value == "json":
+                emit_json([])
+            return
+        _bulk.finish(streamed, out_fmt, verb_done, tally)
+        return
     if all_:
         from ..client_ops import call
         from ._paging import stream_pages
@@ -104,15 +122,8 @@ def replay(
     texts = [t for t, _ in refs_]
     items = [w for _, w in refs_]
     _bulk.confirm(len(items), verb, yes, dry_run, always=all_)
-
-    def build(part: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"to": to.value, "refs": part, "dry_run": dry_run}
-
-    verb_done = ("would be " if dry_run else "") + f"replayed to {to.value}"
-    tally = _bulk.Tally(len(items), verb_done, "feed what is still discarded: `txmq discard list -o jsonl | txmq discard replay - --yes`"
-                        + (f" --to {to.value}" if to is not ReplayTo.half else ""))
-    rows = _bulk.run_bulk(broker, token, "discard_replay", build, items, texts, out_fmt,
-                          f"replaying to {to.value}" + (" (dry run)" if dry_run else ""), tally=tally)
+    tally = _bulk.Tally(len(items), verb_done, resume)
+    rows = _bulk.run_bulk(broker, token, "discard_replay", build, items, texts, out_fmt, label, tally=tally)
     _bulk.finish(rows, out_fmt, verb_done, tally)
 
 

@@ -76,7 +76,7 @@ def half(
     now_ms = int(time.time() * 1000)
     if out_fmt is Output.table:  # "sent 3s ago" in one column
         shown = [{**r, "last_check_result": None if r["last_check_result"] is None
-                  else f"{r['last_check_result']} {fmt_when(r['last_check_at'], now_ms)}".strip()} for r in rows]
+                  else f"{check_word(r['last_check_result'])} {fmt_when(r['last_check_at'], now_ms)}".strip()} for r in rows]
         render(
             shown, out_fmt,
             columns=[("tx_id", "TX ID"), ("half_offset", "HALF OFFSET"), ("topic", "TOPIC"), ("queue_id", "Q"), ("group", "GROUP"),
@@ -90,6 +90,16 @@ def half(
         if not paged and limit is None:
             raise CliError(msg, exitcodes.ERROR)
         note(msg)
+
+
+def check_word(result: str) -> str:
+    """A last check's result as a table shows it, short enough for a row of 120 columns: "no producer" for
+    "no producer online", "unreadable" for "unreadable: <why>" (-o json has the broker's words)."""
+    if result == "no producer online":
+        return "no producer"
+    if result.startswith("unreadable"):
+        return "unreadable"
+    return result
 
 
 @app.command(epilog="""Examples:

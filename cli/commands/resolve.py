@@ -67,25 +67,40 @@ def resolve(
     if not refs:
         raise CliError("no REF given: name transactions by half offset or id, or '-' to read them from stdin", exitcodes.USAGE)
     action = "commit" if commit else "rollback"
-    refs_ = _bulk.collect_refs(refs, "commit_log_offset" if commit_log_offset else "half_offset", ("half_offset", "commit_log_offset"))
+    offset_key = "commit_log_offset" if commit_log_offset else "half_offset"
     out_fmt = resolve_output(output)
-    if not refs_:
-        note("no REFs on stdin: nothing to resolve")
-        if out_fmt.value == "json":
-            emit_json([])
-        return
-    texts = [t for t, _ in refs_]
-    items = [w for _, w in refs_]
-    _bulk.confirm(len(items), "commit" if commit else "roll back", yes, dry_run)
 
     def build(part: list[dict[str, Any]]) -> dict[str, Any]:
         return {"action": action, "refs": part, "dry_run": dry_run}
 
     label = ("committing" if commit else "rolling back") + (" (dry run)" if dry_run else "")
     verb = ("would be " if dry_run else "") + ("committed" if commit else "rolled back")
-    tally = _bulk.Tally(len(items), verb, "run the same command again (those decided answer `already`)")
+    resume = "run the same command again (those decided answer `already`)"
+    if _bulk.streams(refs, yes, dry_run):  # stdin's REFs resolved as they arrive
+        tally = _bulk.Tally(None, verb, resume)
+        rows = _bulk.run_bulk_stream(broker, token, "tx_resolve", build, refs, offset_key, ("half_offset", "commit_log_offset"),
+                                     out_fmt, label, tally)
+        if rows is None:
+            _nothing_on_stdin(out_fmt)
+            return
+        _bulk.finish(rows, out_fmt, verb, tally)
+        return
+    refs_ = _bulk.collect_refs(refs, offset_key, ("half_offset", "commit_log_offset"))
+    if not refs_:
+        _nothing_on_stdin(out_fmt)
+        return
+    texts = [t for t, _ in refs_]
+    items = [w for _, w in refs_]
+    _bulk.confirm(len(items), "commit" if commit else "roll back", yes, dry_run)
+    tally = _bulk.Tally(len(items), verb, resume)
     rows = _bulk.run_bulk(broker, token, "tx_resolve", build, items, texts, out_fmt, label, tally=tally)
     _bulk.finish(rows, out_fmt, verb, tally)
+
+
+def _nothing_on_stdin(out_fmt: Output) -> None:
+    note("no REFs on stdin: nothing to resolve")
+    if out_fmt is Output.json:
+        emit_json([])
 
 
 def _resolve_where(commit: bool, group: str, topic: str | None, min_age_ms: int, yes: bool, dry_run: bool,

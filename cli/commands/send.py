@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING, Annotated, Any, AsyncIterator, Callable, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Callable, Optional
 
 import typer
 
@@ -324,7 +323,9 @@ class _Stream:
         import asyncio
         import contextlib
 
-        async with contextlib.aclosing(_stdin_lines()) as lines:
+        from ._stdin import stdin_lines
+
+        async with contextlib.aclosing(stdin_lines()) as lines:
             async for line in lines:
                 self.st.line += 1
                 if not line.strip():
@@ -425,84 +426,3 @@ def _msg(exc: BaseException) -> str:
     from rich.markup import escape
 
     return escape(getattr(exc, "message", None) or str(exc) or type(exc).__name__)
-
-
-# Batches of stdin lines the reader thread may hold ahead of the sender.
-_READ_AHEAD = 16
-
-
-async def _stdin_lines() -> AsyncIterator[bytes]:
-    """Lines of stdin (bytes, without the newline) read by a thread, in chunks as they arrive.
-
-    The thread never waits on the event loop: it hands each batch over with
-    call_soon_threadsafe and waits only for room (a semaphore the consumer
-    releases, and releases once more when it stops), so a loop that stopped
-    or closed cannot strand it, nor leave a coroutine of it unawaited. It is
-    a daemon blocked in read(), left behind at exit, and it blocks SIGINT so
-    Ctrl-C always lands on the main thread, where the loop's handler runs.
-    """
-    import asyncio
-    import collections
-    import signal
-    import threading
-
-    loop = asyncio.get_running_loop()
-    batches: collections.deque[list[bytes] | None] = collections.deque()
-    arrived = asyncio.Event()
-    room = threading.Semaphore(_READ_AHEAD)
-    stop = threading.Event()
-    fd = sys.stdin.fileno()
-
-    def hand(batch: list[bytes] | None) -> bool:
-        batches.append(batch)
-        try:
-            loop.call_soon_threadsafe(arrived.set)
-        except RuntimeError:  # the loop is closed: the command ended
-            return False
-        return True
-
-    def reader() -> None:
-        buf = b""
-        try:
-            while not stop.is_set():
-                chunk = os.read(fd, 1 << 16)
-                if not chunk:
-                    break
-                buf += chunk
-                *lines, buf = buf.split(b"\n")
-                if lines:
-                    room.acquire()
-                    if stop.is_set() or not hand([ln[:-1] if ln.endswith(b"\r") else ln for ln in lines]):
-                        return
-            if buf and not stop.is_set():
-                room.acquire()
-                hand([buf[:-1] if buf.endswith(b"\r") else buf])
-        except OSError:
-            pass
-        finally:
-            hand(None)
-
-    thread = threading.Thread(target=reader, name="txmq-stdin", daemon=True)
-    if hasattr(signal, "pthread_sigmask"):  # the thread starts with SIGINT blocked (a thread inherits the mask)
-        mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-        try:
-            thread.start()
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-    else:
-        thread.start()
-    try:
-        while True:
-            while not batches:
-                arrived.clear()
-                if not batches:
-                    await arrived.wait()
-            batch = batches.popleft()
-            if batch is None:
-                return
-            room.release()
-            for line in batch:
-                yield line
-    finally:
-        stop.set()
-        room.release()  # a reader waiting for room sees the stop
