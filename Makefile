@@ -7,7 +7,7 @@ PY      = $(VENV)/bin/python
 PIP     = $(VENV)/bin/pip
 ARGS   ?=
 
-.PHONY: help run test test-fast lint format fault-long binary dist bench completions clean
+.PHONY: help run test test-fast lint format fault-long binary dist wheelhouse image bench completions clean
 .DEFAULT_GOAL := help
 
 # The compiled speed-ups (setup.py) are rebuilt when their sources change.
@@ -76,6 +76,17 @@ dist: $(VENV)/.installed-dist
 	rm -f dist/txmq-*.whl dist/txmq-*.tar.gz
 	$(PY) -m build -q --outdir dist .
 	@for w in dist/txmq-*.whl; do echo "built $$w: pip install '$$w[rocketmq]' (or [spark])"; done
+
+## wheelhouse: dist/wheelhouse, txmq's wheel and its dependencies' (with the rocketmq extra), for the container image
+wheelhouse: dist
+	rm -rf dist/wheelhouse
+	$(PIP) wheel -q --wheel-dir dist/wheelhouse "$$(ls dist/txmq-*.whl)[rocketmq]"
+
+## image: the container image (Dockerfile, docs/container.md) from the wheelhouse: make image [BASE=debian:bookworm-slim] [IMAGE=txmq:latest]
+BASE  ?= debian:bookworm-slim
+IMAGE ?= txmq:latest
+image: wheelhouse
+	docker build --build-arg BASE=$(BASE) -t $(IMAGE) .
 
 ## bench: the side-by-side comparison (machine limits, txmq, RabbitMQ if installed) into docs/benchmarks.md
 bench: $(VENV)/.installed-test
