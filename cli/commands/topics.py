@@ -115,12 +115,7 @@ def create(
     output: OutputOpt = None,
 ) -> None:
     """Create a topic with its queues and the message types it accepts."""
-    fields: dict[str, Any] = {"topic": topic}
-    if queues is not None:
-        fields["queues"] = queues
-    types = parse_message_types(message_types)
-    if types is not None:
-        fields["message_types"] = types
+    fields = _topic_fields(topic, queues, message_types)
     r = _call_with_types(broker, token, "create_topic", fields)
     if not r.get("created"):
         have = f"{r.get('queues')} queues, message types {_types_text(r.get('message_types'))}"
@@ -128,6 +123,17 @@ def create(
                        exitcodes.CONFLICT)
     row = {"topic": r["topic"], "queues": r["queues"], "message_types": r.get("message_types"), "created": True}
     kv_table(row, resolve_output(output), title=f"topic {topic} created", formatters={"message_types": _types_text})
+
+
+def _topic_fields(topic: str, queues: int | None, message_types: list[str] | None) -> dict[str, Any]:
+    """A create_topic / update_topic request's fields: what was given of the queues and the message types."""
+    fields: dict[str, Any] = {"topic": topic}
+    if queues is not None:
+        fields["queues"] = queues
+    types = parse_message_types(message_types)
+    if types is not None:
+        fields["message_types"] = types
+    return fields
 
 
 @app.command("update", epilog="""Examples:
@@ -148,12 +154,7 @@ def update(
     output: OutputOpt = None,
 ) -> None:
     """Change a topic's queue count or the message types it accepts."""
-    fields: dict[str, Any] = {"topic": topic}
-    if queues is not None:
-        fields["queues"] = queues
-    types = parse_message_types(message_types)
-    if types is not None:
-        fields["message_types"] = types
+    fields = _topic_fields(topic, queues, message_types)
     if len(fields) == 1:
         raise CliError("nothing to change: give --queues, --message-types or both", exitcodes.USAGE)
     r = _call_with_types(broker, token, "update_topic", fields)
