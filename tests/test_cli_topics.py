@@ -209,3 +209,14 @@ def test_topics_json_of_a_broker_with_types_keeps_plain_queue_counts(broker, tmp
     assert data["tp-file"] == 3
     assert data["txmq:message_types"]["tp-file"] == ["normal", "fifo"]
     assert all(isinstance(v, int) for k, v in data.items() if ":" not in k)
+
+
+def test_a_send_that_creates_its_topic_says_so_on_stderr_once(broker):
+    for args in (("send", "tp-typo", "x", "-o", "json"), ("send", "tp-typo-tx", "x", "--tx", "--group", "g-typo", "--state", "commit", "-o", "json")):
+        r = ok(run(broker, *args))
+        assert "tp-typo" in err(r) and "this send created it" in err(r), err(r)
+        assert "topic_created" not in one(r)  # stdout's rows keep their keys
+        again = ok(run(broker, *args))
+        assert "created" not in err(again), err(again)
+    ok(run(broker, "topics", "create", "tp-made", "-o", "json"))
+    assert "created" not in err(ok(run(broker, "send", "tp-made", "x")))

@@ -61,6 +61,12 @@ def send(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
     props = props_of(f, core.config.max_properties)
     qid = opt_int(f, "queue_id", None, -1, 1023)
     born = opt_int(f, "born_ts", None) or int(core.clock() * 1000)
+    if core.topics.queues(topic) is None:  # rare: the reply says this send created the topic
+        return _created_topic(_send(core, topic, qid, body, props, born))
+    return _send(core, topic, qid, body, props, born)
+
+
+def _send(core: BrokerCore, topic: str, qid: int | None, body: bytes, props: dict[str, str], born: int) -> Reply:
     if props.get(PROP_TRAN_MSG) == "true":
         if core.keeper.must_wait():
             return core.keeper.when_ready(lambda: core.tx.send_half(topic, qid, body, props, born))
@@ -69,11 +75,18 @@ def send(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
     return core.send([Message(topic, qid, TxType.NORMAL, born, props, body)], single=True)
 
 
+async def _created_topic(reply: Reply) -> dict[str, Any]:
+    """The reply of a send that created its topic, with ``topic_created``: an operator may not have meant to."""
+    result = reply if isinstance(reply, dict) else await reply
+    return {**result, "topic_created": True}
+
+
 def send_batch(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
     topic = user_topic(f)
     items = f.get("messages")
     if not isinstance(items, list) or not items or len(items) > 10_000:
         raise _bad("field 'messages' must be a non-empty list of at most 10000 messages")
+    created = core.topics.queues(topic) is None
     qid = core.topics.pick_queue(topic, opt_int(f, "queue_id", None, -1, 1023), "normal")
     now = int(core.clock() * 1000)
     msgs = []
@@ -84,7 +97,7 @@ def send_batch(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
         if props.get(PROP_TRAN_MSG) == "true":
             raise _bad("transactional messages cannot be sent in a batch")
         msgs.append(Message(topic, qid, TxType.NORMAL, opt_int(m, "born_ts", None) or now, props, body_of(m, core.config.max_body)))
-    return core.send(msgs, single=False)
+    return _created_topic(core.send(msgs, single=False)) if created else core.send(msgs, single=False)
 
 
 # ---- transactions ----------------------------------------------------------

@@ -219,6 +219,8 @@ async def _deliver(client: Any, spec: _Spec, body: bytes, end_queued: Any = None
 
 async def _send_and_end(client: Any, spec: _Spec, body: bytes, started: _Unended | None, end_queued: Any) -> dict[str, Any]:
     r = await client.request("send", spec.fields(body, started.tx_id if started is not None else None))
+    if r.get("topic_created"):
+        _note_topic_created(r["topic"])
     if spec.group is None:
         return {"msg_id": r["msg_id"], "topic": r["topic"], "queue_id": r["queue_id"],
                 "queue_offset": r["queue_offset"], "commit_log_offset": r["commit_log_offset"]}
@@ -245,6 +247,17 @@ async def _send_and_end(client: Any, spec: _Spec, body: bytes, started: _Unended
                 e = await reply
         row["state"] = e.get("outcome", _OUTCOME[spec.state])
     return row
+
+
+def _note_topic_created(topic: str) -> None:
+    """Once per topic, on stderr: a send that created its topic may be a typo (`txmq send ordres ...`)."""
+    if topic not in _CREATED:
+        _CREATED.add(topic)
+        err.print(f"[warn]note: topic {esc(topic)} did not exist: this send created it (`txmq topics describe {esc(topic)}`; "
+                  f"a broker started with --no-auto-create-topics refuses such sends)[/warn]")
+
+
+_CREATED: set[str] = set()
 
 
 def _name_unended(unended: dict[int, _Unended], spec: _Spec, broker: str) -> None:
