@@ -166,9 +166,22 @@ def _usage_message(e: Any, args: list[str]) -> str:
             msg = _choice_message(e, args) or msg
         except Exception:  # noqa: BLE001  # Typer's own words rather than none
             _debug_traceback()
+    for pydantic, plain in _PLAIN_WORDS:
+        msg = msg.replace(pydantic, plain)
     ctx = getattr(e, "ctx", None)
     path = ctx.command_path if ctx is not None else "txmq"
     return f"{msg} (see '{path} --help')"
+
+
+# Typer checks numbers with pydantic, whose words name its own types; an operator reads these instead.
+_PLAIN_WORDS = (
+    ("Input should be a valid integer, unable to parse string as an integer", "not a whole number"),
+    ("Input should be a valid number, unable to parse string as a number", "not a number"),
+    ("Input should be greater than or equal to", "must be at least"),
+    ("Input should be less than or equal to", "must be at most"),
+    ("Input should be greater than", "must be more than"),
+    ("Input should be less than", "must be less than"),
+)
 
 
 def _choices(param: Any) -> list[str]:

@@ -157,3 +157,13 @@ def test_checker_now_does_not_wait_for_the_check_interval(tmp_path):
     finally:
         b.stop()
 
+
+
+def test_a_number_out_of_range_or_not_a_number_is_said_in_plain_words():
+    import subprocess
+    import sys
+
+    for args, words in ((["bench", "tx", "-c", "abc"], "'--connections' / '-c': not a whole number"),
+                        (["topics", "create", "t", "--queues", "0"], "'--queues' / '-q': must be at least 1")):
+        r = subprocess.run([sys.executable, "-m", "txmq", *args], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and words in r.stderr and "Input should" not in r.stderr, r.stderr
