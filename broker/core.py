@@ -60,7 +60,7 @@ from .transactions.service import TransactionService
 
 log = logging.getLogger("txmq.broker")
 
-LISTENER_NAMES = ("native", "rocketmq", "metrics")  # the ports broker_info lists, in this order
+LISTENER_NAMES = ("native", "rocketmq", "remoting", "metrics")  # the ports broker_info lists, in this order
 MAX_WAIT_MS = 30_000
 # A pull that meets a long rebuild of damaged queue entries answers within this (or its wait), with no
 # messages and its own offset as next_offset: the client pulls again and the rebuild goes on.
@@ -421,7 +421,7 @@ class BrokerCore:
 
     def listening(self, name: str, host: str, port: int, **extra: Any) -> None:
         assert name in LISTENER_NAMES, name
-        """A port the broker now listens on (the native port, --rocketmq-port, --metrics-port)."""
+        """A port the broker now listens on (the native port, --rocketmq-port, --remoting-port, --metrics-port)."""
         self.listeners[name] = {"host": host, "port": port, **extra}
 
     def info(self) -> dict[str, Any]:
