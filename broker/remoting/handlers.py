@@ -47,7 +47,17 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("txmq.remoting")
 
-Result = p.Command | None | Awaitable[p.Command | None]
+class Then:
+    """A future of the services' and what turns its result into the response: no task per request (the hot paths)."""
+
+    __slots__ = ("fut", "fn")
+
+    def __init__(self, fut: Any, fn: Callable[[Any], p.Command]) -> None:
+        self.fut = fut
+        self.fn = fn
+
+
+Result = p.Command | None | Then | Awaitable[p.Command | None]
 Handler = Callable[["RemotingFrontend", "RemotingConnection", p.Command], Result]
 HANDLERS: dict[int, Handler] = {}
 
@@ -245,10 +255,17 @@ V2_NAMES = {"a": "producerGroup", "b": "topic", "c": "defaultTopic", "d": "defau
             "l": "maxReconsumeTimes", "m": "batch", "n": "brokerName"}
 
 
+V1_KEYS = tuple(V2_NAMES.values())
+V2_KEYS = tuple(V2_NAMES)
+
+
 def send_header(cmd: p.Command) -> dict[str, str]:
-    if cmd.code == p.SEND_MESSAGE_V2 or (cmd.code == p.SEND_BATCH_MESSAGE and "b" in cmd.ext):
-        return {V2_NAMES.get(k, k): v for k, v in cmd.ext.items()}
-    return cmd.ext
+    """The header of a send by SEND_MESSAGE's field names, whichever of the two forms the request has."""
+    ext = cmd.ext
+    if cmd.code == p.SEND_MESSAGE_V2 or (cmd.code == p.SEND_BATCH_MESSAGE and "b" in ext):
+        get = ext.get
+        return {name: v for name, v in zip(V1_KEYS, map(get, V2_KEYS)) if v is not None}
+    return ext
 
 
 def _props(front: RemotingFrontend, text: str) -> dict[str, str]:
@@ -309,13 +326,12 @@ def send_message(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Comma
         return _send_half(front, conn, cmd, topic, qid, body, props, born)
     q = core.topics.pick_queue(topic, qid if qid >= 0 else None, "normal")
     fut = core.send([Message(topic, q, TxType.NORMAL, born, props, body)], single=True)
+    addr, port, uniq = conn.store_addr, front.port, props.get(PROP_UNIQ_KEY)
 
-    async def reply() -> p.Command:
-        row = await fut
-        cl = row["commit_log_offset"]
-        return ok(cmd, _send_ext(conn, front, offset_msg_id(conn.store_addr, front.port, cl), q, row["queue_offset"], props.get(PROP_UNIQ_KEY)))
+    def reply(row: dict) -> p.Command:
+        return ok(cmd, _send_ext(conn, front, offset_msg_id(addr, port, row["commit_log_offset"]), q, row["queue_offset"], uniq))
 
-    return reply()
+    return Then(fut, reply)
 
 
 def _send_half(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Command, topic: str, qid: int, body: bytes,
@@ -329,16 +345,21 @@ def _send_half(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Command
     def send() -> Any:
         return core.tx.send_half(topic, qid if qid >= 0 else None, body, props, born)
 
-    result = core.keeper.when_ready(send) if core.keeper.must_wait() else send()
+    addr, port = conn.store_addr, front.port
 
-    async def reply() -> p.Command:
-        row = await _await(result)
+    def reply(row: dict) -> p.Command:
         # RocketMQ's client ends the transaction with this queueOffset (tranStateTableOffset) and the
         # commit-log offset in this msgId: those of the half message.
-        return ok(cmd, _send_ext(conn, front, offset_msg_id(conn.store_addr, front.port, row["commit_log_offset"]), row["queue_id"],
-                                 row["half_offset"], row["tx_id"]))
+        return ok(cmd, _send_ext(conn, front, offset_msg_id(addr, port, row["commit_log_offset"]), row["queue_id"], row["half_offset"],
+                                 row["tx_id"]))
 
-    return reply()
+    if core.keeper.must_wait():  # right after a start, while the transaction index is built
+        return _later(core.keeper.when_ready(send), reply)
+    return Then(send(), reply)
+
+
+async def _later(result: Any, fn: Callable[[Any], p.Command]) -> p.Command:
+    return fn(await _await(result))
 
 
 def _sent_before(core: BrokerCore, topic: str, props: dict[str, str]) -> tuple[str, int, int, int] | None:
@@ -400,10 +421,7 @@ def end_transaction(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Co
     def end() -> Any:
         return core.tx.end_transaction(group, tx_id, cl, half, state, source)
 
-    result = core.keeper.when_ready(end) if core.keeper.must_wait() else end()
-
-    async def reply() -> p.Command:
-        r = await _await(result)
+    def reply(r: dict) -> p.Command:
         status = r.get("status")
         if status == "already":
             remark = f"transaction {tx_id} was already {r.get('outcome')} (by {r.get('decided_by')})"
@@ -413,7 +431,10 @@ def end_transaction(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Co
             remark = f"transaction {tx_id} {r.get('outcome', 'decided')}"
         return ok(cmd, remark=remark)
 
-    return reply()
+    if core.keeper.must_wait():
+        return _later(core.keeper.when_ready(end), reply)
+    result = end()
+    return reply(result) if isinstance(result, dict) else Then(result, reply)
 
 
 # ---- consuming ------------------------------------------------------------------------------

@@ -125,6 +125,9 @@ class Command:
 
 
 _I32 = struct.Struct(">i")
+_MIN32, _MAX32 = -(1 << 31), (1 << 31) - 1
+_loads = json.JSONDecoder().decode  # a str: json.loads of bytes first guesses their encoding
+_dumps = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode  # one encoder: json.dumps builds one per call
 _HEAD = struct.Struct(">ii")
 _BIN_FIXED = struct.Struct(">hbhii")
 
@@ -140,17 +143,17 @@ def _text(v: object) -> str:
     raise FrameError("a header field is not a string, number or boolean")
 
 
-def decode(payload: memoryview | bytes) -> Command:
+def decode(payload: bytes) -> Command:
     """A command from one frame's payload (what follows the 4-byte length)."""
     if len(payload) < 4:
         raise FrameError("frame shorter than its header length")
-    (raw,) = _I32.unpack_from(payload, 0)
-    kind = (raw >> 24) & 0xFF
+    raw = int.from_bytes(payload[:4], "big")
+    kind = raw >> 24
     hlen = raw & 0xFFFFFF
     if hlen > len(payload) - 4:
         raise FrameError(f"header length {hlen} exceeds the frame")
-    header = bytes(payload[4 : 4 + hlen])
-    body = bytes(payload[4 + hlen :])
+    header = payload[4 : 4 + hlen]
+    body = payload[4 + hlen :]
     if kind == JSON_TYPE:
         cmd = _decode_json(header)
     elif kind == ROCKETMQ_TYPE:
@@ -163,27 +166,28 @@ def decode(payload: memoryview | bytes) -> Command:
 
 def _decode_json(header: bytes) -> Command:
     try:
-        obj = json.loads(header)
+        obj = _loads(header.decode())
     except (ValueError, UnicodeDecodeError) as exc:
         raise FrameError(f"header is not JSON: {exc}") from None
-    if not isinstance(obj, dict):
+    if type(obj) is not dict:
         raise FrameError("header is not a JSON object")
-    code, opaque, flag, version = obj.get("code"), obj.get("opaque", 0), obj.get("flag", 0), obj.get("version", 0)
-    for name, v in (("code", code), ("opaque", opaque), ("flag", flag), ("version", version)):
-        if type(v) is not int or not (-(1 << 31) <= v < (1 << 31)):
-            raise FrameError(f"header field {name!r} is not a 32-bit integer")
-    ext_raw = obj.get("extFields") or {}
-    if not isinstance(ext_raw, dict) or len(ext_raw) > MAX_EXT_FIELDS:
+    get = obj.get
+    code, opaque, flag, version = get("code"), get("opaque", 0), get("flag", 0), get("version", 0)
+    if type(code) is not int or type(opaque) is not int or type(flag) is not int or type(version) is not int:
+        raise FrameError("header fields code, opaque, flag and version must be integers")
+    if not (_MIN32 <= code <= _MAX32 and _MIN32 <= opaque <= _MAX32 and _MIN32 <= flag <= _MAX32 and _MIN32 <= version <= _MAX32):
+        raise FrameError("header fields code, opaque, flag and version must be 32-bit integers")
+    ext_raw = get("extFields") or {}
+    if type(ext_raw) is not dict or len(ext_raw) > MAX_EXT_FIELDS:
         raise FrameError(f"extFields is not a map of at most {MAX_EXT_FIELDS} entries")
-    ext = {}
-    for k, v in ext_raw.items():
-        if v is None:
-            continue
-        ext[k] = _text(v)
-    remark = obj.get("remark") or ""
-    language = obj.get("language") or "OTHER"
-    return Command(code=code, opaque=opaque, flag=flag, ext=ext, remark=remark if isinstance(remark, str) else "",
-                   version=version, language=language if isinstance(language, str) else "OTHER", serialize=JSON_TYPE)
+    for v in ext_raw.values():
+        if type(v) is not str:  # some clients write numbers and booleans (the C++ client): their text, as Java's map holds it
+            ext_raw = {k: _text(v) for k, v in ext_raw.items() if v is not None}
+            break
+    remark = get("remark") or ""
+    language = get("language") or "OTHER"
+    return Command(code, opaque, flag, ext_raw, b"", remark if type(remark) is str else "", version,
+                   language if type(language) is str else "OTHER", JSON_TYPE)
 
 
 def _decode_binary(h: bytes) -> Command:
@@ -231,11 +235,9 @@ def encode(cmd: Command) -> bytes:
     if cmd.serialize == ROCKETMQ_TYPE:
         header = _encode_binary(cmd)
     else:
-        obj = {"code": cmd.code, "language": cmd.language, "version": cmd.version, "opaque": cmd.opaque, "flag": cmd.flag,
-               "extFields": cmd.ext, "serializeTypeCurrentRPC": "JSON"}
-        if cmd.remark:
-            obj["remark"] = cmd.remark
-        header = json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+        remark = f'"remark":{_dumps(cmd.remark)},' if cmd.remark else ""
+        header = (f'{{"code":{cmd.code},"language":"{cmd.language}","version":{cmd.version},"opaque":{cmd.opaque},"flag":{cmd.flag},'
+                  f'{remark}"extFields":{_dumps(cmd.ext)},"serializeTypeCurrentRPC":"JSON"}}').encode()
     body = cmd.body or b""
     return b"".join((_HEAD.pack(4 + len(header) + len(body), (cmd.serialize << 24) | len(header)), header, body))
 

@@ -45,7 +45,7 @@ from txmq.wire import PUSH, ErrorCode, FrameDecoder, TxmqError, parse_payload
 
 from . import protocol as p
 from .clients import ClientTable
-from .handlers import HANDLERS, error_response, served_codes
+from .handlers import HANDLERS, Then, error_response, served_codes
 from .messages import address_bytes
 
 if TYPE_CHECKING:
@@ -79,6 +79,7 @@ class RemotingFrontend:
         self.connections: set[RemotingConnection] = set()
         self.by_ip: dict[str, int] = {}
         self.inflight: set[asyncio.Future] = set()
+        self.busy = 0  # connections with requests in flight (busy polling only for a lone client, as on the native port)
         self.partial_frame_bytes = 0
         self.clients = ClientTable(core, self)
         self.ready = asyncio.Event()
@@ -268,8 +269,8 @@ class RemotingConnection(asyncio.Protocol):
         if self._closing:
             return
         arm = self.core.busy_poll.arm
-        if arm is not None:
-            arm()
+        if arm is not None and self.front.busy <= 1:
+            arm()  # a lone client's request: keep a CPU awake through its fsync (broker/busypoll.py), as the native port does
         self._buf += data
         while True:
             was_authed = self.authed
@@ -348,7 +349,7 @@ class RemotingConnection(asyncio.Protocol):
                 self._backlog.extend(frames[i:])
                 return
             try:
-                cmd = p.decode(memoryview(frame))
+                cmd = p.decode(frame)
             except p.FrameError as exc:
                 self._close_with(f"malformed frame: {exc}", "remoting_malformed_frames")
                 return
@@ -392,8 +393,11 @@ class RemotingConnection(asyncio.Protocol):
         except Exception as exc:
             self._respond(cmd, error_response(self.core, cmd, exc))
             return
-        if result is None or isinstance(result, p.Command):
+        if result is None or type(result) is p.Command:
             self._respond(cmd, result)
+            return
+        if type(result) is Then:
+            self._track(cmd, result.fut, result.fn)
             return
         self._track(cmd, asyncio.ensure_future(result))
 
@@ -408,10 +412,14 @@ class RemotingConnection(asyncio.Protocol):
         result = handler(self.front, self, cmd)
         if result is None or isinstance(result, p.Command):
             return result
+        if type(result) is Then:
+            return result.fn(await result.fut)
         return await result
 
-    def _track(self, cmd: p.Command, fut: asyncio.Future) -> None:
+    def _track(self, cmd: p.Command, fut: asyncio.Future, then: Any = None) -> None:
         self.inflight += 1
+        if self.inflight == 1:
+            self.front.busy += 1
         if self.inflight >= self.core.config.max_inflight_per_conn:
             self._pause_reading()
         self.front.inflight.add(fut)
@@ -421,19 +429,28 @@ class RemotingConnection(asyncio.Protocol):
             self.pull_bytes += cost
             if self.pull_bytes > PULL_BUDGET:
                 self._pause_reading()
-        fut.add_done_callback(partial(self._done, cmd, cost))
+        fut.add_done_callback(partial(self._done, cmd, cost, then))
 
-    def _done(self, cmd: p.Command, cost: int, fut: asyncio.Future) -> None:
+    def _done(self, cmd: p.Command, cost: int, then: Any, fut: asyncio.Future) -> None:
         self.front.inflight.discard(fut)
         self.inflight -= 1
+        if self.inflight == 0:
+            self.front.busy -= 1
         self.pull_bytes -= cost
         if fut.cancelled():
             self._respond(cmd, p.response(cmd, p.SYSTEM_BUSY, remark="the broker is shutting down"))
         elif fut.exception() is not None:
             self._respond(cmd, error_response(self.core, cmd, fut.exception()))
         else:
-            self._respond(cmd, fut.result(), now=not self.inflight)
-        self._maybe_resume_reading()
+            result = fut.result()
+            if then is not None:
+                try:
+                    result = then(result)
+                except Exception as exc:
+                    result = error_response(self.core, cmd, exc)
+            self._respond(cmd, result, now=not self.inflight)
+        if self._read_paused:
+            self._maybe_resume_reading()
 
     # ---- output ----------------------------------------------------------------------------
     def _respond(self, cmd: p.Command, resp: p.Command | None, now: bool = False) -> None:
@@ -472,7 +489,7 @@ class RemotingConnection(asyncio.Protocol):
             out, self._out = self._out, []
             self.transport.write(b"".join(out) if len(out) > 1 else out[0])
             arm = self.core.busy_poll.arm
-            if arm is not None:
+            if arm is not None and self.front.busy <= 1:
                 arm()
         else:
             self._out.clear()
