@@ -39,7 +39,7 @@ NODE_SDK = ("rocketmq-client-nodejs", "1.0.8")
 # rocketmq-client-cpp; its manylinux wheel bundles librocketmq.so (and its zlib). npm's `ali-ons` is a pure
 # JavaScript remoting client.
 REMOTING_PYTHON_CLIENT = ("rocketmq", "0.4.4")
-REMOTING_NODE_CLIENT = ("ali-ons", "3.14.0")
+REMOTING_NODE_CLIENT = ("ali-ons", "3.12.0")
 _MARKER = ".complete"
 
 
@@ -155,6 +155,36 @@ def build_remoting_python() -> Path:
 
 def remoting_python_scenario(python: Path, scenario: str, home: Path, *args: str, timeout: float = 150) -> dict:
     return run_scenario([str(python), str(SCENARIOS / "remoting_python_scenario.py"), scenario, *args], home, timeout)
+
+
+def remoting_node_dir() -> Path:
+    """A directory whose node_modules holds npm's ali-ons (installed on first use); skips without node/npm or the package."""
+    if "remoting-node" in _UNAVAILABLE:
+        pytest.skip(_UNAVAILABLE["remoting-node"])
+    name, version = REMOTING_NODE_CLIENT
+    node, npm = shutil.which("node"), shutil.which("npm")
+    if not node or not npm:
+        _UNAVAILABLE["remoting-node"] = "node and npm are needed for ali-ons"
+        pytest.skip(_UNAVAILABLE["remoting-node"])
+    env_dir = CACHE / f"node-{name}-{version}"
+    with _locked(env_dir.name):
+        if not (env_dir / _MARKER).exists():
+            shutil.rmtree(env_dir, ignore_errors=True)
+            env_dir.mkdir(parents=True)
+            (env_dir / "package.json").write_text(json.dumps({"name": "txmq-remoting-tests", "private": True, "version": "0.0.0"}))
+            r = subprocess.run([npm, "install", "--no-audit", "--no-fund", "--save-exact", f"{name}@{version}"],
+                               cwd=env_dir, capture_output=True, timeout=900)
+            if r.returncode != 0:
+                shutil.rmtree(env_dir, ignore_errors=True)
+                _UNAVAILABLE["remoting-node"] = f"cannot install {name}@{version} (offline?): {_errors(r.stderr)}"
+                pytest.skip(_UNAVAILABLE["remoting-node"])
+            (env_dir / _MARKER).write_text(f"{name}@{version}\n")
+    return env_dir
+
+
+def remoting_node_scenario(sdk_dir: Path, scenario: str, home: Path, *args: str, timeout: float = 150) -> dict:
+    env_node = shutil.which("node") or "node"
+    return run_scenario([env_node, str(SCENARIOS / "remoting_node_scenario.js"), scenario, "--sdk", str(sdk_dir), *args], home, timeout)
 
 
 def start_remoting_broker(root: Path, *args: str, name: str = "broker"):
