@@ -50,6 +50,7 @@ class _Load(asyncio.Protocol):
         self.ids = itertools.count(1)
         self.body = b"x" * SIZE
         self.halves: dict[int, str] = {}
+        self.run = time.time_ns()  # transaction ids are unique across runs on one broker
 
     def connection_made(self, transport) -> None:
         self.t = transport
@@ -67,7 +68,7 @@ class _Load(asyncio.Protocol):
         if self.mode == "send":
             return self._frame(310, o, {"a": "bench-pg", "b": "RemBench", "c": "TBW102", "d": "4", "e": "-1", "f": "0", "g": "0",
                                         "h": "0", "i": ""}, self.body)
-        tx = f"B{self.n}-{o}"
+        tx = f"B{self.run}-{self.n}-{o}"
         self.halves[o] = tx
         return self._frame(310, o, {"a": "bench-pg", "b": "RemBenchTx", "c": "TBW102", "d": "4", "e": "-1", "f": "4", "g": "0",
                                     "h": "0", "i": f"TRAN_MSG\x01true\x02PGROUP\x01bench-pg\x02UNIQ_KEY\x01{tx}\x02"}, self.body)
@@ -85,7 +86,9 @@ class _Load(asyncio.Protocol):
             head = json.loads(bytes(buf[pos + 8 : pos + 8 + (hl & 0xFFFFFF)]))
             pos += 4 + n
             if head["code"] != 0:
-                raise RuntimeError(head.get("remark"))
+                if not self.done.done():
+                    self.done.set_exception(RuntimeError(head.get("remark")))
+                return
             if self.mode == "tx":
                 ext = head["extFields"]
                 tx = self.halves.pop(head["opaque"])
