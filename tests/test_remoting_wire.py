@@ -267,6 +267,7 @@ def test_consumers_of_a_group_are_listed_and_told_when_it_changes(tmp_path):
 def test_a_queue_lock_is_held_by_one_client_until_it_unlocks_or_goes_away(tmp_path):
     async def test(b):
         a, c = await RemotingClient.connect(b.remoting_address), await RemotingClient.connect(b.remoting_address)
+        assert (await a.request(GET_ROUTEINFO_BY_TOPIC, {"topic": "Locked"})).code == 0  # the route creates it: 4 queues
         await a.heartbeat("A", consumers={"og": ["Locked"]})
         await c.heartbeat("C", consumers={"og": ["Locked"]})
 
@@ -274,7 +275,7 @@ def test_a_queue_lock_is_held_by_one_client_until_it_unlocks_or_goes_away(tmp_pa
             return json.dumps({"consumerGroup": "og", "clientId": cid, "mqSet": [{"topic": "Locked", "brokerName": "txmq", "queueId": q}
                                                                                  for q in qs]}).encode()
 
-        r = await a.request(LOCK_BATCH_MQ, {}, body("A", [0, 1]))
+        r = await a.request(LOCK_BATCH_MQ, {}, body("A", [0, 1, 9]))  # queue 9 does not exist: not locked
         assert sorted(m["queueId"] for m in json.loads(r.body)["lockOKMQSet"]) == [0, 1]
         r = await c.request(LOCK_BATCH_MQ, {}, body("C", [1, 2]))
         assert [m["queueId"] for m in json.loads(r.body)["lockOKMQSet"]] == [2]

@@ -47,6 +47,7 @@ RETRY_PREFIX = "%RETRY%"
 DLQ_PREFIX = "%DLQ%"
 MAX_GROUP = 127 - len(RETRY_PREFIX)  # %RETRY%<group> must be a topic name
 MAX_SUBSCRIPTIONS = 1024  # topics one consumer group of one client subscribes to
+MAX_CLIENT_IDS_PER_CONN = 64
 INNER_PRODUCER = "CLIENT_INNER_PRODUCER"  # every Java client's own producer group (its sends of retries)
 
 
@@ -96,7 +97,10 @@ class ClientTable:
         client_id = data.get("clientID")
         if not isinstance(client_id, str) or not client_id or len(client_id) > 255:
             raise TxmqError("the heartbeat has no clientID (1 to 255 characters)", ErrorCode.INVALID_FIELD)
-        conn.client_ids.add(client_id)
+        if client_id not in conn.client_ids:
+            if len(conn.client_ids) >= MAX_CLIENT_IDS_PER_CONN:
+                raise TxmqError(f"a connection carries at most {MAX_CLIENT_IDS_PER_CONN} client ids", ErrorCode.INVALID_FIELD)
+            conn.client_ids.add(client_id)
         for pd in _list(data.get("producerDataSet")):
             group = pd.get("groupName") if isinstance(pd, dict) else None
             if isinstance(group, str) and group and len(group) <= 255:
@@ -122,8 +126,8 @@ class ClientTable:
             before = {c.client_id for c in members.values()}
             c = members.get(key)
             if c is None:
+                self.core.consumer_registry.register(group, conn)  # raises past the groups one connection may hold
                 c = members[key] = Consumer(client_id, conn)
-                self.core.consumer_registry.register(group, conn)
             c.subscriptions, c.clustering = subs, clustering
             if client_id not in before:
                 changed.append(group)

@@ -545,7 +545,8 @@ def consumer_list(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Comm
     return ok(cmd, body=json_body({"consumerIdList": ids}))
 
 
-def _mq_set(data: dict) -> list[tuple[str, int]]:
+def _mq_set(data: dict, core: BrokerCore | None = None) -> list[tuple[str, int]]:
+    """The queues of a lock request; with ``core``, only those that exist (a lock is kept per queue)."""
     out = []
     mqs = data.get("mqSet")
     if not isinstance(mqs, list) or len(mqs) > 10_000:
@@ -553,6 +554,8 @@ def _mq_set(data: dict) -> list[tuple[str, int]]:
     for mq in mqs:
         if not isinstance(mq, dict) or not isinstance(mq.get("topic"), str) or type(mq.get("queueId")) is not int:
             raise _bad("each message queue of mqSet needs a topic and a queueId")
+        if core is not None and not 0 <= mq["queueId"] < (core.topics.queues(mq["topic"]) or 0):
+            continue  # no such queue: not locked, as it is not in the answer
         out.append((mq["topic"], mq["queueId"]))
     return out
 
@@ -563,7 +566,7 @@ def lock_batch(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Command
     group, client_id = data.get("consumerGroup"), data.get("clientId")
     if not isinstance(group, str) or not isinstance(client_id, str) or not group or not client_id:
         raise _bad("LOCK_BATCH_MQ needs consumerGroup and clientId")
-    locked = front.clients.lock(group, client_id, _mq_set(data))
+    locked = front.clients.lock(group, client_id, _mq_set(data, front.core))
     return ok(cmd, body=json_body({"lockOKMQSet": [{"topic": t, "brokerName": front.broker_name, "queueId": q} for t, q in locked]}))
 
 
