@@ -410,3 +410,16 @@ def test_a_raw_socket_frame_split_across_writes_is_reassembled(tmp_path):
         resp = decode(await loop.run_in_executor(None, talk))
         assert resp.code == 0 and resp.opaque == 7
     with_broker(tmp_path, test)
+
+
+def test_a_message_sent_with_txmqs_own_protocol_is_pulled_by_a_remoting_client(tmp_path):
+    async def test(b):
+        loop = asyncio.get_running_loop()
+        r = await loop.run_in_executor(None, lambda: txmq("send", "Native", "from-native", "--queue", "1", "--key", "nk",
+                                                          broker=b.address, subprocess_=True))
+        ok(r)
+        c = await RemotingClient.connect(b.remoting_address)
+        [m] = decode_messages((await c.pull("g", "Native", 1, 0)).body)
+        assert m["body"] == b"from-native" and m["topic"] == "Native" and m["properties"].get("KEYS") == "nk"
+        await c.close()
+    with_broker(tmp_path, test)
