@@ -90,6 +90,8 @@ class RemotingFrontend:
         self._refusals = 0
         self._refusal_logged_at = float("-inf")
         self._opaque = itertools.count(1)
+        self._oneway_failures = 0  # failed oneway requests not logged yet
+        self._oneway_logged_at = float("-inf")
 
     # ---- lifecycle --------------------------------------------------------------------------
     async def bind(self) -> int:
@@ -162,6 +164,16 @@ class RemotingFrontend:
                         "'over a connection limit; counted in remoting_connections_refused*, logged at most every 10s'")
             self._refusals = 0
             self._refusal_logged_at = now
+
+    def note_oneway_failure(self, peer: str, cmd: p.Command, resp: p.Command) -> None:
+        """Log a failed oneway request (a lost END_TRANSACTION, say): at most one line per REFUSAL_LOG_EVERY_S, with the count."""
+        self._oneway_failures += 1
+        now = time.monotonic()
+        if now - self._oneway_logged_at >= REFUSAL_LOG_EVERY_S:
+            log.warning("event=remoting_oneway_failed peer=%s code=%d response=%d failures=%d remark=%r", peer, cmd.code, resp.code,
+                        self._oneway_failures, resp.remark[:200])
+            self._oneway_failures = 0
+            self._oneway_logged_at = now
 
     def next_opaque(self) -> int:
         return next(self._opaque) & 0x7FFFFFFF
@@ -459,8 +471,7 @@ class RemotingConnection(asyncio.Protocol):
         if cmd.oneway:  # nothing is sent back for a oneway request; a failure is counted and logged
             if resp.code != p.SUCCESS:
                 self.core.metrics.inc("remoting_oneway_failures")
-                log.info("event=remoting_oneway_failed peer=%s code=%d response=%d remark=%r", self.peer, cmd.code, resp.code,
-                         resp.remark[:200])
+                self.front.note_oneway_failure(self.peer, cmd, resp)
             return
         try:
             data = p.encode(resp)
