@@ -423,3 +423,13 @@ def test_a_message_sent_with_txmqs_own_protocol_is_pulled_by_a_remoting_client(t
         assert m["body"] == b"from-native" and m["topic"] == "Native" and m["properties"].get("KEYS") == "nk"
         await c.close()
     with_broker(tmp_path, test)
+
+
+def test_the_java_producers_template_topic_is_routed_but_never_created(tmp_path):
+    async def test(b):
+        c = await RemotingClient.connect(b.remoting_address)
+        r = await c.request(GET_ROUTEINFO_BY_TOPIC, {"topic": "TBW102"})
+        assert r.code == 0 and json.loads(r.body)["queueDatas"][0]["writeQueueNums"] == 4
+        assert b.core.topics.queues("TBW102") is None
+        await c.close()
+    with_broker(tmp_path, test)

@@ -66,6 +66,7 @@ DEFAULT_PULL_BYTES = 4 << 20
 MAX_RECONSUME_TIMES = 16  # RocketMQ's default maxReconsumeTimes
 MAX_PROPERTIES_COUNT = 256
 PERM_READ_WRITE = 6
+AUTO_CREATE_TOPIC = "TBW102"  # RocketMQ's template topic: Java producers ask for its route, then send to their own topic
 
 # txmq's error codes -> RocketMQ's response codes (docs/remoting.md, "Response codes").
 _CODES = {
@@ -208,7 +209,10 @@ def get_route(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Command)
         if not core.topics.auto_create:
             return p.response(cmd, p.TOPIC_NOT_EXIST, remark=f"No topic route info in name server for the topic: {topic} (this broker "
                               "creates topics only with `txmq topics create`)")
-        n, _ = core.topics.ensure(topic)
+        if topic == AUTO_CREATE_TOPIC:  # the Java producer's template topic: routed, never created
+            n = core.config.default_queues
+        else:
+            n, _ = core.topics.ensure(topic)
     host = conn.local_host
     addr = f"[{host}]:{front.port}" if ":" in host else f"{host}:{front.port}"
     route = {
