@@ -433,3 +433,30 @@ def test_the_java_producers_template_topic_is_routed_but_never_created(tmp_path)
         assert b.core.topics.queues("TBW102") is None
         await c.close()
     with_broker(tmp_path, test)
+
+
+def test_random_frames_close_their_connections_and_the_broker_keeps_serving(tmp_path):
+    import random
+
+    rnd = random.Random(30)
+
+    async def test(b):
+        for i in range(60):
+            kind = rnd.choice([0, 1, 2])
+            header = bytes(rnd.getrandbits(8) for _ in range(rnd.randint(0, 80)))
+            if kind == 1:  # a JSON header with fields of the wrong types
+                header = json.dumps({"code": rnd.choice(["x", 1.5, None, [1]]), "opaque": rnd.randint(-9, 9),
+                                     "extFields": rnd.choice([[1], "s", {"k": [1]}])}).encode()
+            body = bytes(rnd.getrandbits(8) for _ in range(rnd.randint(0, 40)))
+            frame = struct.pack(">ii", 4 + len(header) + len(body), ((i % 3) << 24) | len(header)) + header + body
+            reader, writer = await asyncio.open_connection("127.0.0.1", b.remoting_port)
+            writer.write(frame)
+            try:
+                await asyncio.wait_for(reader.read(), 5)
+            except (ConnectionError, asyncio.TimeoutError):  # a frame that happens to be a command is answered, not closed
+                pass
+            writer.close()
+        c = await RemotingClient.connect(b.remoting_address)
+        assert (await c.send("AfterFuzz", b"ok")).code == 0
+        await c.close()
+    with_broker(tmp_path, test)
