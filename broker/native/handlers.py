@@ -322,7 +322,7 @@ def list_scheduled(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
     topic = opt_str(f, "topic")
     after = f.get("after")
     if after is not None and not (isinstance(after, list) and len(after) == 2 and all(type(x) is int for x in after)):
-        raise _bad("field 'after' must be [deliver_at_ms, commit_log_offset], as a listing's 'next' gives it")
+        raise _bad("field 'after' must be [deliver_at_ms, commit_log_offset], as a listing's 'cursor' gives it")
     return core.scheduled.listing(canonical_topic(topic) if topic else None, tuple(after) if after else None,
                                   opt_int(f, "limit", 1000, 1, 100_000))
 

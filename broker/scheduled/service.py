@@ -612,8 +612,10 @@ class ScheduleService:
                         "born_ts": rec.born_ts if rec is not None else None, "store_ts": rec.store_ts if rec is not None else None,
                         "size": rec.size if rec is not None else None})
         by_topic = {t: {"scheduled": n, "first_due_ms": first} for t, (n, first) in sorted(summary.items())}
-        return {"messages": out, "by_topic": by_topic, "scheduled": sum(v["scheduled"] for v in by_topic.values()),
-                "next": [out[-1]["deliver_at_ms"], out[-1]["commit_log_offset"]] if len(out) == limit else None}
+        total = sum(v["scheduled"] for t, v in by_topic.items() if topic is None or t == topic)
+        # cursor: where the next page starts (``after``), None after the last one
+        return {"messages": out, "by_topic": by_topic, "total": total,
+                "cursor": [out[-1]["deliver_at_ms"], out[-1]["commit_log_offset"]] if len(out) == limit else None}
 
     # ---- what the operators see ----------------------------------------------------------
     def gauges(self) -> dict[str, Any]:
