@@ -272,10 +272,7 @@ def from_message(msg: d.Message, max_body: int, max_properties: int) -> Outgoing
     if sp.HasField("delivery_timestamp"):
         if transactional:  # as RocketMQ's clients refuse it before sending
             raise RmqError(Code.BAD_REQUEST, "a transactional message cannot have a delivery_timestamp")
-        try:
-            props[PROP_TIMER_DELIVER_MS] = str(sp.delivery_timestamp.ToMilliseconds())
-        except ValueError:
-            raise RmqError(Code.ILLEGAL_DELIVERY_TIME, "delivery_timestamp is not a valid timestamp (years 1 to 9999)") from None
+        props[PROP_TIMER_DELIVER_MS] = str(delivery_ms(sp.delivery_timestamp))
     elif sp.message_type == d.DELAY:
         raise RmqError(Code.ILLEGAL_DELIVERY_TIME, "a DELAY message needs a delivery_timestamp")
     if sp.HasField("orphaned_transaction_recovery_duration"):
@@ -297,6 +294,23 @@ def from_message(msg: d.Message, max_body: int, max_properties: int) -> Outgoing
 
 # What a protobuf Timestamp holds (0001-01-01 to 9999-12-31); FromMilliseconds refuses the rest.
 _PROTO_MS_MAX = 253_402_300_799_999
+_PROTO_S_MAX = _PROTO_MS_MAX // 1000
+
+
+def delivery_ms(ts: Any) -> int:
+    """A send's delivery_timestamp in epoch ms.
+
+    RocketMQ's Python SDK (5.1.2) writes the time in milliseconds into the
+    Timestamp's ``seconds``: a value past year 9999 that no valid Timestamp
+    holds, so such a ``seconds`` (with no nanos) is read as milliseconds.
+    Anything else out of a Timestamp's range is ILLEGAL_DELIVERY_TIME.
+    """
+    seconds, nanos = ts.seconds, ts.nanos
+    if seconds > _PROTO_S_MAX and nanos == 0 and seconds <= _PROTO_MS_MAX:
+        return seconds
+    if not (0 <= seconds <= _PROTO_S_MAX) or not (0 <= nanos < 1_000_000_000):
+        raise RmqError(Code.ILLEGAL_DELIVERY_TIME, "delivery_timestamp is not a valid timestamp (1970 to 9999)")
+    return seconds * 1000 + nanos // 1_000_000
 
 
 def _proto_ms(ms: int) -> int:
