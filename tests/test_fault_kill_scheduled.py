@@ -91,6 +91,6 @@ def test_cancel_and_schedule_survive_a_kill(tmp_path):
         b.kill()
         time.sleep(2.5)
         b.start()
-        got = _wait_for(b.address, "orders", 2)
+        assert len(_wait_for(b.address, "orders", 2)) == 2
         time.sleep(1.0)
         assert sorted(arun(_bodies(b.address, "orders"))) == [b"c0", b"c2"]
