@@ -30,7 +30,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from benchlib import BrokerProc, command_line, machine_info, percentiles_ms, proc_status, save_result  # noqa: E402
+from benchlib import BrokerProc, command_line, cpu_seconds, machine_info, percentiles_ms, proc_status, save_result  # noqa: E402
 
 from txmq.client.connection import Client  # noqa: E402
 
@@ -149,7 +149,11 @@ def part_burst(root: Path, n: int, batch: int, ahead_s: float) -> dict[str, Any]
         if time.time() * 1000 > due:
             raise RuntimeError(f"sending took {took:.1f}s, past the due time: raise --burst-ahead")
         rss_before = proc_status(b.pid, "VmRSS")
+        while time.time() * 1000 < due:
+            time.sleep(0.01)
+        cpu0 = cpu_seconds(b.pid)
         _wait_empty(b.address, 600)
+        cpu = cpu_seconds(b.pid) - cpu0
         rss_peak = proc_status(b.pid, "VmHWM")
         late, last = asyncio.run(_lateness(b.address))
     finally:
@@ -157,6 +161,9 @@ def part_burst(root: Path, n: int, batch: int, ahead_s: float) -> dict[str, Any]
     span = max(0.001, (last - due) / 1000)
     return {"n": n, "delivered": len(late), "send_s": round(took, 2), "delivery_rate": round(len(late) / span),
             "last_delivery_after_due_s": round(span, 3), "lateness_ms": percentiles_ms(late),
+            # the broker's CPU seconds from the due time until the schedule was empty (the machine may be shared):
+            # the rate one CPU of its own would give
+            "broker_cpu_s": round(cpu, 2), "delivery_rate_per_cpu_s": round(len(late) / max(cpu, 0.001)),
             "rss_before_mib": round(rss_before, 1), "rss_peak_mib": round(rss_peak, 1)}
 
 
