@@ -122,6 +122,8 @@ class BrokerConfig:
     # A send (native or gRPC), a gRPC route or receive naming an unknown topic creates it; False: refused
     # (NO_SUCH_TOPIC natively, TOPIC_NOT_FOUND over gRPC) until the topic is created (`txmq topics create`).
     auto_create_topics: bool = defaults.AUTO_CREATE_TOPICS
+    # A delayed or timed message due further ahead than this is refused (docs/scheduled.md).
+    max_delay_s: float = defaults.MAX_DELAY_S
     auth_token: str | None = None
     segment_size: int = defaults.SEGMENT_SIZE
     cq_entries_per_file: int = 300_000
@@ -178,6 +180,8 @@ class BrokerConfig:
             raise ValueError("--auth-timeout and --frame-timeout must be between 0 (none) and 1d")
         if not (0 <= self.busy_poll_s <= defaults.MAX_BUSY_POLL_S):
             raise ValueError(f"--busy-poll must be between 0 (off) and {defaults.MAX_BUSY_POLL_S * 1000:g}ms, not {self.busy_poll_s * 1000:g}ms")
+        if not (1 <= self.max_delay_s <= 3650 * 86400):
+            raise ValueError(f"--max-delay must be between 1s and 3650d, not {self.max_delay_s:g}s")
         if self.max_connections is not None and self.max_connections < 1:
             raise ValueError(f"--max-connections must be at least 1, not {self.max_connections}")
         if self.max_connections_per_ip < 0:

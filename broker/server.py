@@ -145,6 +145,7 @@ class Broker:
         core.open(stored)  # the store, then every collaborator: topics, offsets, flusher, appender, tx, check, admin, keeper
         await core.start()
         core.keeper.start(t0)  # the transaction index, built while plain traffic is served
+        core.scheduled.start()  # the schedule's index (timers.db), then the delivery of what is due
         self._janitor = asyncio.get_running_loop().create_task(self._janitor_loop(), name="txmq-janitor")
         log.info("event=store_ready took_s=%.3f", time.perf_counter() - t0)
 
@@ -185,6 +186,10 @@ class Broker:
                 await self._janitor
             except (asyncio.CancelledError, Exception):
                 pass
+        try:
+            await self.core.scheduled.stop()  # no more deliveries, then the schedule's index file
+        except Exception:
+            log.exception("event=timers_stop_failed")
         await self.core.keeper.stop()  # the check service, then the index file
         await self.core.stop()  # refuses new work, flushes, closes the store
         for frontend in self.frontends:
@@ -202,7 +207,7 @@ class Broker:
             core = self.core
             core.store.config = replace(core.store.config, retention_s=core.check.settings.retention_s)
             pend = core.tx.index.pending.values()
-            protect = min((p.origin_cl_offset for p in pend), default=core.store.max_offset)
+            protect = min(min((p.origin_cl_offset for p in pend), default=core.store.max_offset), core.scheduled.protect_from())
             try:
                 deleted = await asyncio.get_running_loop().run_in_executor(None, core.store.delete_expired, core.clock(), protect)
             except Exception:

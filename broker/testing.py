@@ -68,6 +68,7 @@ async def running_broker(data_dir: str | Path, clock: Clock | None = None, **ove
             await frontend.stop()
         task.result()  # raises the start-up error
     await broker.core.keeper.ready.wait()  # tests start from a fully ready broker
+    await broker.core.scheduled.ready.wait()
     try:
         yield RunningBroker(broker, "127.0.0.1", port)
     finally:

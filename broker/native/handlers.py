@@ -11,10 +11,11 @@ import time
 from typing import TYPE_CHECKING, Any, Callable
 
 from txmq import __version__
-from txmq.constants import PROP_TRAN_MSG, canonical_topic
+from txmq.constants import DEFAULT_MESSAGE_TYPES, PROP_TRAN_MSG, canonical_topic
 from txmq.store import Message, TxType
 from txmq.wire import PROTOCOL_VERSION, ErrorCode, TxmqError
 
+from ..scheduled.timing import asks_for_time
 from ..topics import MAX_QUEUES, message_types_of
 from .operations import HANDLERS, Handler, Reply, _bad, body_of, opt_bool, opt_int, opt_str, props_of, refs_of, req_int, req_str, user_topic
 
@@ -26,7 +27,9 @@ if TYPE_CHECKING:
 # "config_set_dry_run": config_set takes dry_run and answers what the change would discard;
 # "topic_message_types": create_topic takes message_types, update_topic, delete_topic and describe_topic exist,
 # list_topics' rows carry message_types (an older broker would create a topic without the types it was given).
-FEATURES = ["config_set_dry_run", "topic_message_types"]
+# "scheduled_messages": sends with TIMER_DELIVER_MS / TIMER_DELAY_SEC / TIMER_DELAY_MS / DELAY are delivered when due,
+# and cancel_scheduled and list_scheduled exist (an older broker would deliver such a send at once).
+FEATURES = ["config_set_dry_run", "topic_message_types", "scheduled_messages"]
 
 
 # ---- session ---------------------------------------------------------------
@@ -71,8 +74,21 @@ def _send(core: BrokerCore, topic: str, qid: int | None, body: bytes, props: dic
         if core.keeper.must_wait():
             return core.keeper.when_ready(lambda: core.tx.send_half(topic, qid, body, props, born))
         return core.tx.send_half(topic, qid, body, props, born)
-    qid = core.topics.pick_queue(topic, qid, "normal")
+    qid = core.topics.pick_queue(topic, qid, _kind(core, topic, props))
     return core.send([Message(topic, qid, TxType.NORMAL, born, props, body)], single=True)
+
+
+def _kind(core: BrokerCore, topic: str, props: dict[str, str]) -> str:
+    """The message type a plain send is checked against: delay when its properties ask for a later delivery.
+
+    A topic the send creates (auto-creation) accepts delayed messages too
+    when the send that creates it is one.
+    """
+    if not asks_for_time(props):
+        return "normal"
+    if core.topics.auto_create and core.topics.queues(topic) is None:
+        core.topics.ensure(topic, None, (*DEFAULT_MESSAGE_TYPES, "delay"))
+    return "delay"
 
 
 async def _created_topic(reply: Reply) -> dict[str, Any]:
@@ -87,16 +103,22 @@ def send_batch(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
     if not isinstance(items, list) or not items or len(items) > 10_000:
         raise _bad("field 'messages' must be a non-empty list of at most 10000 messages")
     created = core.topics.queues(topic) is None
-    qid = core.topics.pick_queue(topic, opt_int(f, "queue_id", None, -1, 1023), "normal")
+    queue_id = opt_int(f, "queue_id", None, -1, 1023)
     now = int(core.clock() * 1000)
-    msgs = []
+    parts = []
+    kinds = set()
     for m in items:
         if not isinstance(m, dict):
             raise _bad("each message must be a map")
         props = props_of(m, core.config.max_properties)
         if props.get(PROP_TRAN_MSG) == "true":
             raise _bad("transactional messages cannot be sent in a batch")
-        msgs.append(Message(topic, qid, TxType.NORMAL, opt_int(m, "born_ts", None) or now, props, body_of(m, core.config.max_body)))
+        kinds.add(_kind(core, topic, props))
+        parts.append((opt_int(m, "born_ts", None) or now, props, body_of(m, core.config.max_body)))
+    for kind in kinds - {"normal"}:  # every type in the batch must be one the topic accepts
+        core.topics.pick_queue(topic, 0, kind)
+    qid = core.topics.pick_queue(topic, queue_id, "normal" if "normal" in kinds else "delay")
+    msgs = [Message(topic, qid, TxType.NORMAL, born, props, body) for born, props, body in parts]
     return _created_topic(core.send(msgs, single=False)) if created else core.send(msgs, single=False)
 
 
@@ -290,6 +312,21 @@ def stats(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
     return core.stats()
 
 
+# ---- scheduled messages ------------------------------------------------------
+def cancel_scheduled(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
+    topic = opt_str(f, "topic")
+    return core.scheduled.cancel(req_str(f, "msg_id"), canonical_topic(topic) if topic else None)
+
+
+def list_scheduled(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
+    topic = opt_str(f, "topic")
+    after = f.get("after")
+    if after is not None and not (isinstance(after, list) and len(after) == 2 and all(type(x) is int for x in after)):
+        raise _bad("field 'after' must be [deliver_at_ms, commit_log_offset], as a listing's 'cursor' gives it")
+    return core.scheduled.listing(canonical_topic(topic) if topic else None, tuple(after) if after else None,
+                                  opt_int(f, "limit", 1000, 1, 100_000))
+
+
 def _needs_index(handler: Handler) -> Handler:
     def gated(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
         if core.keeper.must_wait():
@@ -326,4 +363,6 @@ HANDLERS.update({
     "config_get": config_get,
     "config_set": config_set,
     "stats": _needs_index(stats),
+    "cancel_scheduled": cancel_scheduled,
+    "list_scheduled": list_scheduled,
 })

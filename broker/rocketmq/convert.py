@@ -19,8 +19,10 @@ check-back push) and the receive side (ReceiveMessage):
 | ``user_properties["__transactionId__"]``    | ``UNIQ_KEY`` of a transactional message (half, or committed): its transaction id, as RocketMQ's broker stores it on the half message and keeps it on the committed one |
 
 A send whose type the topic does not accept is refused before this module
-sees it (routes.py: MESSAGE_PROPERTY_CONFLICT_WITH_TYPE); delay and timed
-messages and message groups (FIFO) to a topic that accepts them, lite
+sees it (routes.py: MESSAGE_PROPERTY_CONFLICT_WITH_TYPE). A DELAY message's
+``delivery_timestamp`` becomes ``TIMER_DELIVER_MS``, which the core's send
+schedules (broker/scheduled/); a delivered one shows it again as
+``delivery_timestamp`` with message type DELAY. Message groups (FIFO), lite
 topics and priorities are refused with RocketMQ's UNSUPPORTED code: txmq
 does not deliver them yet.
 """
@@ -42,6 +44,7 @@ from txmq.constants import (
     PROP_REAL_QID,
     PROP_REAL_TOPIC,
     PROP_TAGS,
+    PROP_TIMER_DELIVER_MS,
     PROP_TRAN_MSG,
     PROP_UNIQ_KEY,
 )
@@ -107,9 +110,12 @@ def user_properties(props: Mapping[str, str]) -> dict[str, str]:
 
 
 def message_type_of(props: Mapping[str, str], prepared_offset: int = -1) -> int:
-    """TRANSACTION for a half message or a committed transactional message (it keeps its half offset), else NORMAL."""
+    """TRANSACTION for a half message or a committed transactional message (it keeps its half offset), DELAY for a
+    delayed or timed one (``TIMER_DELIVER_MS`` or ``DELAY``, as RocketMQ's proxy reads them), else NORMAL."""
     if props.get(PROP_TRAN_MSG) == "true" or PROP_PREPARED_QUEUE_OFFSET in props or prepared_offset >= 0:
         return d.TRANSACTION
+    if PROP_TIMER_DELIVER_MS in props or PROP_DELAY in props:
+        return d.DELAY
     return d.NORMAL
 
 
@@ -154,6 +160,12 @@ def to_message(
     sp.born_timestamp.FromMilliseconds(_proto_ms(born_ts))  # a native producer may have said anything
     if store_ts is not None:
         sp.store_timestamp.FromMilliseconds(_proto_ms(store_ts))
+    deliver_ms = props.get(PROP_TIMER_DELIVER_MS)
+    if deliver_ms:
+        try:
+            sp.delivery_timestamp.FromMilliseconds(_proto_ms(int(deliver_ms)))
+        except ValueError:
+            pass
     if store_host:
         sp.store_host = store_host
     sp.queue_id = int(queue_id)
@@ -223,15 +235,13 @@ def from_message(msg: d.Message, max_body: int, max_properties: int) -> Outgoing
     txmq's: --max-body, --max-properties).
     """
     sp = msg.system_properties
-    if sp.HasField("delivery_timestamp") or sp.message_type == d.DELAY:
-        raise unsupported("delay and timed messages (delivery_timestamp, message type DELAY)")
     if sp.HasField("message_group") or sp.message_type == d.FIFO:
         raise unsupported("FIFO messages (message_group)")
     if sp.HasField("lite_topic") or sp.message_type == d.LITE:
         raise unsupported("lite topics")
     if sp.HasField("priority") or sp.message_type == d.PRIORITY:
         raise unsupported("message priorities")
-    if sp.message_type not in (d.MESSAGE_TYPE_UNSPECIFIED, d.NORMAL, d.TRANSACTION):
+    if sp.message_type not in (d.MESSAGE_TYPE_UNSPECIFIED, d.NORMAL, d.DELAY, d.TRANSACTION):
         raise unsupported(f"message type {sp.message_type}")
     body = _body(msg, max_body)
     if not body:
@@ -259,6 +269,12 @@ def from_message(msg: d.Message, max_body: int, max_properties: int) -> Outgoing
             raise RmqError(Code.ILLEGAL_MESSAGE_ID, "message_id must be at most 128 characters, without white space")
         props[PROP_UNIQ_KEY] = message_id
     transactional = sp.message_type == d.TRANSACTION
+    if sp.HasField("delivery_timestamp"):
+        if transactional:  # as RocketMQ's clients refuse it before sending
+            raise RmqError(Code.BAD_REQUEST, "a transactional message cannot have a delivery_timestamp")
+        props[PROP_TIMER_DELIVER_MS] = str(delivery_ms(sp.delivery_timestamp))
+    elif sp.message_type == d.DELAY:
+        raise RmqError(Code.ILLEGAL_DELIVERY_TIME, "a DELAY message needs a delivery_timestamp")
     if sp.HasField("orphaned_transaction_recovery_duration"):
         seconds = sp.orphaned_transaction_recovery_duration.seconds
         if transactional and seconds > 0:
@@ -278,6 +294,23 @@ def from_message(msg: d.Message, max_body: int, max_properties: int) -> Outgoing
 
 # What a protobuf Timestamp holds (0001-01-01 to 9999-12-31); FromMilliseconds refuses the rest.
 _PROTO_MS_MAX = 253_402_300_799_999
+_PROTO_S_MAX = _PROTO_MS_MAX // 1000
+
+
+def delivery_ms(ts: Any) -> int:
+    """A send's delivery_timestamp in epoch ms.
+
+    RocketMQ's Python SDK (5.1.2) writes the time in milliseconds into the
+    Timestamp's ``seconds``: a value past year 9999 that no valid Timestamp
+    holds, so such a ``seconds`` (with no nanos) is read as milliseconds.
+    Anything else out of a Timestamp's range is ILLEGAL_DELIVERY_TIME.
+    """
+    seconds, nanos = ts.seconds, ts.nanos
+    if seconds > _PROTO_S_MAX and nanos == 0 and seconds <= _PROTO_MS_MAX:
+        return seconds
+    if not (0 <= seconds <= _PROTO_S_MAX) or not (0 <= nanos < 1_000_000_000):
+        raise RmqError(Code.ILLEGAL_DELIVERY_TIME, "delivery_timestamp is not a valid timestamp (1970 to 9999)")
+    return seconds * 1000 + nanos // 1_000_000
 
 
 def _proto_ms(ms: int) -> int:

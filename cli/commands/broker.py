@@ -100,6 +100,8 @@ def start(
                                                      help="Create a topic the first time a send names it (native or RocketMQ), or a "
                                                      "RocketMQ route or receive; with --no-auto-create-topics such requests are refused "
                                                      "until `txmq topics create`.")] = defaults.AUTO_CREATE_TOPICS,
+    max_delay: Annotated[str, typer.Option(help="The furthest ahead a delayed or timed message may be due (RocketMQ's default: "
+                                           "3 days); a send due later is refused (docs/scheduled.md).")] = _duration(defaults.MAX_DELAY_S),
     index_snapshot_records: Annotated[Optional[int], typer.Option(min=0, hidden=True, help="Deprecated, no effect: the transaction index is flushed to txindex.db every second.", show_default=False)] = None,
 ) -> None:
     """Run a broker in the foreground until SIGINT/SIGTERM (logs on stderr)."""
@@ -118,7 +120,7 @@ def start(
         rocketmq_port=rocketmq_port, rocketmq_tls_cert=rocketmq_tls_cert, rocketmq_tls_key=rocketmq_tls_key,
         rocketmq_max_connections=rocketmq_max_connections,
         remoting_port=remoting_port, remoting_max_connections=remoting_max_connections,
-        busy_poll_s=parse_duration(busy_poll), auto_create_topics=auto_create_topics,
+        busy_poll_s=parse_duration(busy_poll), auto_create_topics=auto_create_topics, max_delay_s=parse_duration(max_delay),
     )
     _run_broker(config)
 

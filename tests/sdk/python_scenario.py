@@ -234,6 +234,39 @@ def scenario_unsupported(args) -> None:
     RESULT["shutdown"] = True
 
 
+def scenario_delay(args) -> None:
+    """--count DELAY messages due --delay-ms after the send (a message with --keep-ms is due later and not awaited),
+    then a SimpleConsumer receives until --expect arrived: each with when it arrived and its delivery_timestamp."""
+    t = args.topic
+    producer = Producer(config(args), (t,), tls_enable=args.tls)
+    producer.startup()
+    sent = []
+    for i in range(args.count):
+        m = message(t, f"delayed-{i}", tag="timeout", keys=[f"order-{i}"])
+        m.delivery_timestamp = int(time.time() * 1000) + args.delay_ms
+        sent.append({**receipt(producer.send(m)), "body": f"delayed-{i}", "due_ms": m.delivery_timestamp})
+    if args.keep_ms:
+        m = message(t, "kept")
+        m.delivery_timestamp = int(time.time() * 1000) + args.keep_ms
+        sent.append({**receipt(producer.send(m)), "body": "kept", "due_ms": m.delivery_timestamp})
+    RESULT["sent"] = sent
+    producer.shutdown()
+    if args.expect <= 0:
+        RESULT["shutdown"] = True
+        return
+    consumer = SimpleConsumer(config(args), args.group, {t: FilterExpression()}, await_duration=args.await_duration, tls_enable=args.tls)
+    consumer.startup()
+    got: list = []
+    end = time.monotonic() + args.receive_wait
+    while len(got) < args.expect and time.monotonic() < end:
+        for m in consumer.receive(16, 15):
+            got.append({**view(m), "received_ms": int(time.time() * 1000), "delivery_timestamp": m.delivery_timestamp})
+            consumer.ack(m)
+    RESULT["received"] = got
+    consumer.shutdown()
+    RESULT["shutdown"] = True
+
+
 def scenario_receive(args) -> None:
     t = args.topic
     consumer = SimpleConsumer(config(args), args.group, {t: FilterExpression()}, await_duration=args.await_duration, tls_enable=args.tls)
@@ -376,7 +409,7 @@ def scenario_unknown(args) -> None:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("scenario", choices=["transactions", "half", "checker", "send", "unsupported", "receive", "push", "invisible",
-                                        "idle", "unknown"])
+                                        "idle", "unknown", "delay"])
     p.add_argument("--endpoint", required=True)
     p.add_argument("--topic", required=True)
     p.add_argument("--group", default="sdk-consumers")
@@ -395,6 +428,8 @@ def main() -> None:
     p.add_argument("--receive-wait", type=float, default=30.0, help="seconds to wait for the expected messages")
     p.add_argument("--settle", type=float, default=2.0, help="seconds to keep receiving after that")
     p.add_argument("--seconds", type=float, default=5.0, help="idle: how long to keep receiving")
+    p.add_argument("--delay-ms", type=int, default=3000, help="delay: how long after the send a message is due")
+    p.add_argument("--keep-ms", type=int, default=0, help="delay: one more message due this long after the send, not awaited")
     p.add_argument("--deadline", type=float, default=120.0)
     args = p.parse_args()
     RESULT["scenario"] = args.scenario
@@ -403,7 +438,7 @@ def main() -> None:
         {"transactions": scenario_transactions, "half": scenario_half, "checker": scenario_checker, "send": scenario_send,
          "unsupported": scenario_unsupported,
          "receive": scenario_receive, "push": scenario_push, "invisible": scenario_invisible, "idle": scenario_idle,
-         "unknown": scenario_unknown}[args.scenario](args)
+         "unknown": scenario_unknown, "delay": scenario_delay}[args.scenario](args)
     except BaseException as e:  # noqa: BLE001 - reported to the test, which fails on it
         RESULT["errors"].append(f"{type(e).__name__}: {e}")
         RESULT["traceback"] = traceback.format_exc()
