@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 from txmq.constants import (
+    DELAY_LEVELS_S,
     PROP_DELAY,
     PROP_REAL_QID,
     PROP_REAL_TOPIC,
@@ -91,7 +92,8 @@ class ScheduleService:
     """Scheduled messages: the send path, the index and its file, the delivery task, cancels and listings."""
 
     def __init__(self, appender: Appender, store: Store, topics: TopicTable, flusher: Flusher, disk: DiskState, metrics: Metrics,
-                 clock: Clock, data_dir: Path, max_delay_s: float) -> None:
+                 clock: Clock, data_dir: Path, max_delay_s: float,
+                 delay_levels_ms: tuple[int, ...] = tuple(s * 1000 for s in DELAY_LEVELS_S)) -> None:
         self.appender = appender
         self.store = store
         self.topics = topics
@@ -101,6 +103,7 @@ class ScheduleService:
         self.clock = clock
         self.data_dir = data_dir
         self.max_delay_ms = int(max_delay_s * 1000)
+        self.delay_levels_ms = delay_levels_ms  # RocketMQ 4's DELAY levels 1..n (broker start --delay-levels)
         self.new_id = TxIds()
         self.ready = asyncio.Event()  # the file is loaded and the log replayed: deliveries, cancels and listings go
         self.error: TxmqError | None = None  # why the index could not be built
@@ -136,7 +139,7 @@ class ScheduleService:
         info: list[tuple[int, str, int, str] | None] = []
         for m in msgs:
             p = m.properties
-            due = due_ms(p, now, self.max_delay_ms) if asks_for_time(p) else None
+            due = due_ms(p, now, self.max_delay_ms, self.delay_levels_ms) if asks_for_time(p) else None
             if due is None or due <= now:  # no delay, or due already: delivered now
                 out.append(m)
                 info.append(None)

@@ -12,6 +12,9 @@ from txmq.constants import (
     PROP_TIMER_DELAY_MS,
     PROP_TIMER_DELAY_SEC,
     PROP_TIMER_DELIVER_MS,
+    PROP_TIMER_DEQUEUE_MS,
+    PROP_TIMER_ENQUEUE_MS,
+    PROP_TIMER_OUT_MS,
 )
 from txmq.wire import ErrorCode, TxmqError
 
@@ -20,6 +23,11 @@ from txmq.wire import ErrorCode, TxmqError
 TIMER_PROPERTIES = (PROP_TIMER_DELAY_SEC, PROP_TIMER_DELAY_MS, PROP_TIMER_DELIVER_MS)
 # What a client may not set: the broker's own marks (a forged one would make a replay of the log drop a schedule).
 RESERVED = (PROP_SCHEDULED_FROM, PROP_SCHEDULE_CANCEL)
+# What asked for a delay and what a delivery added: a delivered message sent again by the broker (a 4.x consumer's
+# retry, a dead letter) drops them all, or its old due time would deliver it at once and its mark name a schedule
+# it is not part of.
+SCHEDULE_PROPERTIES = frozenset({*RESERVED, *TIMER_PROPERTIES, PROP_DELAY, PROP_TIMER_ENQUEUE_MS, PROP_TIMER_DEQUEUE_MS,
+                                 PROP_TIMER_OUT_MS})
 MAX_MS = 253_402_300_799_999  # 9999-12-31, the largest time a protobuf Timestamp (and the CLI) can name
 
 
@@ -27,6 +35,11 @@ def asks_for_time(props: Mapping[str, str]) -> bool:
     """Whether the properties carry any of the scheduling properties (cheap: the send path asks it of every message)."""
     return (PROP_TIMER_DELIVER_MS in props or PROP_DELAY in props or PROP_TIMER_DELAY_SEC in props
             or PROP_TIMER_DELAY_MS in props or PROP_SCHEDULED_FROM in props or PROP_SCHEDULE_CANCEL in props)
+
+
+def without_schedule(props: Mapping[str, str]) -> dict[str, str]:
+    """A copy of a stored message's properties to send it again: nothing of its earlier delay or delivery."""
+    return {k: v for k, v in props.items() if k not in SCHEDULE_PROPERTIES}
 
 
 def _int(props: Mapping[str, str], key: str) -> int:
@@ -38,13 +51,15 @@ def _int(props: Mapping[str, str], key: str) -> int:
     return value
 
 
-def due_ms(props: Mapping[str, str], now_ms: int, max_delay_ms: int) -> int | None:
+def due_ms(props: Mapping[str, str], now_ms: int, max_delay_ms: int,
+           levels_ms: tuple[int, ...] = tuple(s * 1000 for s in DELAY_LEVELS_S)) -> int | None:
     """The time (epoch ms) the message is due, or None when it asks for no delay (no property, ``DELAY`` 0 or less).
 
     A due time at or before ``now_ms`` is returned as it is (the caller
     delivers it now). Raises INVALID_DELIVERY_TIME for a value that is not a
     whole number, or that is due more than ``max_delay_ms`` ahead. A delay
-    level above 18 is the longest level, as RocketMQ's broker takes it.
+    level above the last (18 by default) is the longest level, as RocketMQ's broker takes it; ``levels_ms``
+    is the level table (broker start --delay-levels, RocketMQ's messageDelayLevel).
     """
     for key in RESERVED:
         if key in props:
@@ -59,7 +74,7 @@ def due_ms(props: Mapping[str, str], now_ms: int, max_delay_ms: int) -> int | No
         level = _int(props, PROP_DELAY)
         if level <= 0:
             return None
-        return now_ms + DELAY_LEVELS_S[min(level, len(DELAY_LEVELS_S)) - 1] * 1000
+        return now_ms + levels_ms[min(level, len(levels_ms)) - 1]
     else:
         return None
     if due - now_ms > max_delay_ms:
