@@ -27,6 +27,9 @@ PROP_PREPARED_QUEUE_OFFSET = "TRAN_PREPARED_QUEUE_OFFSET"
 PROP_TAGS = "TAGS"
 PROP_KEYS = "KEYS"
 PROP_DELAY = "DELAY"
+PROP_TIMER_DELAY_MS = "TIMER_DELAY_MS"  # RocketMQ's: deliver this many ms after the store (the delayed-message scheduler's)
+# RocketMQ's broker setting messageDelayLevel, its default: the delay of each level, DELAY=1 ... DELAY=18.
+MESSAGE_DELAY_LEVEL = "1s 5s 10s 30s 1m 2m 3m 4m 5m 6m 7m 8m 9m 10m 20m 30m 1h 2h"
 # txmq's own additions (prefixed so they never collide with user properties).
 PROP_DECIDED_BY = "TXMQ_DECIDED_BY"  # producer | check | operator, on op records
 PROP_HALF_CL_OFFSET = "TXMQ_HALF_CL_OFFSET"  # on op records: commit-log offset of the decided half copy

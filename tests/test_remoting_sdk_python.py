@@ -26,7 +26,8 @@ def client_python():
 
 @pytest.fixture(scope="module")
 def broker(client_python, tmp_path_factory):
-    b, namesrv = start_remoting_broker(tmp_path_factory.mktemp("remoting-py"))
+    # Retries at once whatever the delayed-message scheduler does with their delay: a one-level table of 0 s.
+    b, namesrv = start_remoting_broker(tmp_path_factory.mktemp("remoting-py"), "--message-delay-level", "0s")
     yield b, namesrv
     b.stop()
 
