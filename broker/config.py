@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from txmq import defaults
-from txmq.constants import DEFAULT_HOST, DEFAULT_PORT, DEFAULT_QUEUES
+from txmq.constants import DEFAULT_HOST, DEFAULT_PORT, DEFAULT_QUEUES, MESSAGE_DELAY_LEVEL
 from txmq.store import StoreError, read_json
 from txmq.store.errors import DataFileError
 
@@ -107,6 +107,25 @@ def _short(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+MAX_DELAY_LEVELS = 64
+MAX_LEVEL_DELAY_MS = 3 * 86_400_000
+_LEVEL_UNITS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
+
+
+def parse_delay_levels(text: str) -> tuple[int, ...]:
+    """RocketMQ's messageDelayLevel ("1s 5s 10s 30s 1m ... 2h"): each level's delay in ms; ValueError if it is not one."""
+    out = []
+    for part in text.split():
+        num = part.rstrip("smhd")
+        unit = part[len(num):]
+        if unit not in _LEVEL_UNITS or not num.isascii() or not num.isdigit():
+            raise ValueError(f"--message-delay-level: {part[:20]!r} is not a delay (a whole number with a unit: ms, s, m, h, d)")
+        out.append(int(num) * _LEVEL_UNITS[unit])
+    if not 1 <= len(out) <= MAX_DELAY_LEVELS or max(out) > MAX_LEVEL_DELAY_MS:
+        raise ValueError(f"--message-delay-level must give 1 to {MAX_DELAY_LEVELS} delays separated by spaces, each at most 3d")
+    return tuple(out)
+
+
 @dataclass(frozen=True, slots=True)
 class BrokerConfig:
     data_dir: Path = field(default_factory=default_data_dir)
@@ -156,6 +175,11 @@ class BrokerConfig:
     remoting_port: int | None = None
     # Open connections to remoting_port at most (None: derived from RLIMIT_NOFILE, server.connection_limits).
     remoting_max_connections: int | None = None
+    # Also serve remoting on remoting_port - 2: the "VIP channel" Java clients before 4.5.1 send to by default.
+    remoting_vip_channel: bool = False
+    # RocketMQ's messageDelayLevel: the delay (ms) of each delay level, 1 first (parse_delay_levels). A 4.x
+    # consumer's retry (CONSUMER_SEND_MSG_BACK) waits level 3 + its reconsume times (remoting.handlers.retry_delay_ms).
+    message_delay_levels_ms: tuple[int, ...] = parse_delay_levels(MESSAGE_DELAY_LEVEL)
     # Seconds one CPU keeps spinning (lowest priority) after a lone client's request or reply; 0 = off
     # (broker/busypoll.py; docs/architecture.md, "Busy polling").
     busy_poll_s: float = defaults.BUSY_POLL_S
@@ -205,6 +229,17 @@ class BrokerConfig:
                 raise ValueError("--remoting-max-connections needs --remoting-port")
             if self.remoting_max_connections < 1:
                 raise ValueError(f"--remoting-max-connections must be at least 1, not {self.remoting_max_connections}")
+        if self.remoting_vip_channel:
+            if self.remoting_port is None:
+                raise ValueError("--remoting-vip-channel needs --remoting-port")
+            if self.remoting_port and self.remoting_port - 2 in (self.port, self.metrics_port, self.rocketmq_port):
+                raise ValueError(f"--remoting-vip-channel listens on --remoting-port - 2 = {self.remoting_port - 2}, already the "
+                                 "broker's --port, --metrics-port or --rocketmq-port")
+            if self.remoting_port and self.remoting_port < 3:
+                raise ValueError("--remoting-vip-channel listens on --remoting-port - 2: --remoting-port must be at least 3")
+        if not 1 <= len(self.message_delay_levels_ms) <= MAX_DELAY_LEVELS or any(
+                type(d) is not int or not 0 <= d <= MAX_LEVEL_DELAY_MS for d in self.message_delay_levels_ms):
+            raise ValueError(f"--message-delay-level must give 1 to {MAX_DELAY_LEVELS} delays, each from 0 to 3 days")
         if self.remoting_port is not None:
             if not (0 <= self.remoting_port <= 65535):
                 raise ValueError(f"--remoting-port must be between 0 (a free port) and 65535, not {self.remoting_port}")

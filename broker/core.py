@@ -112,6 +112,8 @@ class BrokerCore:
         self.busy_poll: BusyPoll = BusyPoll(0)  # the spinner, started in start()
         # The native front end's connections, as info, stats and Prometheus show them (native.server.ServerState.gauges).
         self.connection_gauges: Callable[[], dict[str, int]] = lambda: {"connections": 0, "partial_frame_bytes": 0}
+        # The other front ends' own ({"remoting_connections": n, ...}), which connection_stats adds in.
+        self.frontend_gauges: list[Callable[[], dict[str, int]]] = []
         self.draining: bool = False  # refuse new requests; in-flight ones finish
         # Every port the broker listens on, by name (native, rocketmq, metrics): {host, port, ...}, as
         # ``broker_info`` shows them; each is entered by what binds it (``listening``).
@@ -174,7 +176,8 @@ class BrokerCore:
         self.keeper = IndexKeeper(self.tx, self.check, self.store, self.flusher, self.disk, self.metrics, self.data_dir, self.recovery,
                                   self.config.max_body + self.config.max_properties + FRAME_OVERHEAD)
         self.scheduled = ScheduleService(self.appender, self.store, self.topics, self.flusher, self.disk, self.metrics, self.clock,
-                                         self.data_dir, self.config.max_delay_s)
+                                         self.data_dir, self.config.max_delay_s,
+                                         self.config.message_delay_levels_ms)
 
     def _settings(self, stored: dict) -> CheckSettings:
         """Defaults < config.json (what `txmq config set` stored) < explicit start options.
@@ -438,6 +441,16 @@ class BrokerCore:
         """A port the broker now listens on (the native port, --rocketmq-port, --remoting-port, --metrics-port)."""
         self.listeners[name] = {"host": host, "port": port, **extra}
 
+    def connection_stats(self) -> dict[str, int]:
+        """``connections`` (every front end's open client connections), ``partial_frame_bytes`` (the native port's), and
+        each other front end's own (``remoting_connections``, ``remoting_partial_frame_bytes``)."""
+        stats = dict(self.connection_gauges())
+        for gauges in self.frontend_gauges:
+            own = gauges()
+            stats.update(own)
+            stats["connections"] += sum(v for k, v in own.items() if k.endswith("_connections"))
+        return stats
+
     def info(self) -> dict[str, Any]:
         return {
             "version": __version__,
@@ -452,7 +465,7 @@ class BrokerCore:
             "max_offset": self.store.max_offset,
             "durable_offset": self.store.durable_offset,
             "min_offset": self.store.min_offset,
-            "connections": self.connection_gauges()["connections"],
+            **{k: v for k, v in self.connection_stats().items() if k.endswith("connections")},
             "topics": len([t for t in self.topics.all() if not is_system_topic(t)]),
             "auto_create_topics": self.topics.auto_create,
             "producer_groups": self.registry.groups(),
@@ -483,7 +496,7 @@ class BrokerCore:
                 "pending_by_topic": by_topic,
                 # age (s, broker store time) of each group's oldest pending transaction: what to alert on
                 "oldest_pending_age_s": oldest,
-                **self.connection_gauges(),  # connections, partial_frame_bytes
+                **self.connection_stats(),  # connections, partial_frame_bytes, remoting_connections, ...
                 "max_offset": self.store.max_offset,
                 "durable_offset": self.store.durable_offset,
                 **self.scheduled.gauges(),  # scheduled, scheduled_lag_s, scheduled_index, lateness

@@ -51,6 +51,23 @@ COUNTERS = (
     ("rmq_messages_acked", "RocketMQ front end: messages acknowledged by AckMessage"),
     ("rmq_telemetry_streams", "RocketMQ front end: telemetry streams opened"),
     ("rmq_telemetry_overflows", "RocketMQ front end: telemetry streams closed because the client did not read"),
+    # the RocketMQ 4 remoting front end (--remoting-port)
+    ("remoting_requests", "Remoting front end: requests received"),
+    ("remoting_errors", "Remoting front end: requests answered with an error"),
+    ("remoting_unsupported_requests", "Remoting front end: requests of a code it does not serve"),
+    ("remoting_oneway_failures", "Remoting front end: oneway requests that failed (nothing is answered)"),
+    ("remoting_connections_accepted", "Remoting front end: connections accepted"),
+    ("remoting_connections_refused", "Remoting front end: connections closed at once, --remoting-max-connections reached"),
+    ("remoting_connections_refused_per_ip", "Remoting front end: connections closed at once, --max-connections-per-ip reached"),
+    ("remoting_malformed_frames", "Remoting front end: connections closed for a frame that is not a command"),
+    ("remoting_auth_failures", "Remoting front end: connections closed for a request not signed with --auth-token"),
+    ("remoting_auth_timeouts", "Remoting front end: connections closed for no first request within --auth-timeout"),
+    ("remoting_frame_timeouts", "Remoting front end: connections closed for a frame not complete within --frame-timeout"),
+    ("remoting_partial_frame_refusals", "Remoting front end: connections closed, their partial frame would pass --partial-frame-budget"),
+    ("remoting_checks_sent", "Remoting front end: CHECK_TRANSACTION_STATE requests sent"),
+    ("remoting_consumer_notifications", "Remoting front end: NOTIFY_CONSUMER_IDS_CHANGED requests sent"),
+    ("remoting_retried", "Remoting front end: messages sent back to a %RETRY% topic"),
+    ("remoting_dead_lettered", "Remoting front end: messages sent back past their retries, into a %DLQ% topic"),
 )
 
 
@@ -116,8 +133,15 @@ class BrokerCollector:
         yield _histogram("txmq_checkpoint_seconds", "Duration of each checkpoint cycle (log fsync, consume queues, checkpoint file)",
                          m.checkpoint.buckets, m.checkpoint.hist, m.checkpoint.total)
         yield GaugeMetricFamily("txmq_checkpoint_seconds_max", "Longest checkpoint cycle", value=m.checkpoint.max)
-        gauges = core.connection_gauges()
-        yield GaugeMetricFamily("txmq_connections", "Open client connections", value=gauges["connections"])
+        gauges = core.connection_stats()
+        yield GaugeMetricFamily("txmq_connections", "Open client connections, every front end", value=gauges["connections"])
+        yield GaugeMetricFamily("txmq_remoting_connections", "Open connections to --remoting-port (and its VIP channel); 0 without it",
+                                value=gauges.get("remoting_connections", 0))
+        yield GaugeMetricFamily("txmq_remoting_max_connections",
+                                "Remoting front end's connection limit (--remoting-max-connections, or derived from RLIMIT_NOFILE); 0 without --remoting-port",
+                                value=core.config.remoting_max_connections or 0)
+        yield GaugeMetricFamily("txmq_remoting_partial_frame_bytes", "Bytes held in partly received frames, remoting connections",
+                                value=gauges.get("remoting_partial_frame_bytes", 0))
         yield GaugeMetricFamily("txmq_max_connections", "Connection limit (--max-connections, or derived from RLIMIT_NOFILE)",
                                 value=core.config.max_connections or 0)
         yield GaugeMetricFamily("txmq_rocketmq_max_connections",

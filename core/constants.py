@@ -27,6 +27,9 @@ PROP_PREPARED_QUEUE_OFFSET = "TRAN_PREPARED_QUEUE_OFFSET"
 PROP_TAGS = "TAGS"
 PROP_KEYS = "KEYS"
 PROP_DELAY = "DELAY"
+PROP_TIMER_DELAY_MS = "TIMER_DELAY_MS"  # RocketMQ's: deliver this many ms after the store (the delayed-message scheduler's)
+# RocketMQ's broker setting messageDelayLevel, its default: the delay of each level, DELAY=1 ... DELAY=18.
+MESSAGE_DELAY_LEVEL = "1s 5s 10s 30s 1m 2m 3m 4m 5m 6m 7m 8m 9m 10m 20m 30m 1h 2h"
 # txmq's own additions (prefixed so they never collide with user properties).
 PROP_DECIDED_BY = "TXMQ_DECIDED_BY"  # producer | check | operator, on op records
 PROP_HALF_CL_OFFSET = "TXMQ_HALF_CL_OFFSET"  # on op records: commit-log offset of the decided half copy
@@ -46,8 +49,6 @@ PROP_TIMER_DEQUEUE_MS = "TIMER_DEQUEUE_MS"
 PROP_TIMER_OUT_MS = "TIMER_OUT_MS"  # on the scheduled record: its due time, as RocketMQ's timer topic records carry it
 PROP_SCHEDULED_FROM = "TXMQ_SCHEDULED_FROM"  # on a delivered message: the commit-log offset of its scheduled record
 PROP_SCHEDULE_CANCEL = "TXMQ_SCHEDULE_CANCEL"  # on a cancel record: the commit-log offset of the scheduled record
-# RocketMQ 4's delay levels (messageDelayLevel's default), in seconds: DELAY=1 is 1 s ... DELAY=18 is 2 h.
-DELAY_LEVELS_S = (1, 5, 10, 30, 60, 120, 180, 240, 300, 360, 420, 480, 540, 600, 1200, 1800, 3600, 7200)
 
 SYSTEM_TOPICS = frozenset({HALF_TOPIC, OP_TOPIC, DISCARD_TOPIC})
 

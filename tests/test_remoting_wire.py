@@ -51,7 +51,7 @@ TX = dict(transaction_timeout_s=0.5, check_interval_s=0.3)
 
 def with_broker(tmp_path, test, **overrides):
     async def main():
-        async with running_broker(tmp_path / "data", remoting_port=0, **overrides) as b:
+        async with running_broker(tmp_path / "data", **{"remoting_port": 0, **overrides}) as b:
             await test(b)
     arun(main())
 
@@ -298,16 +298,21 @@ def test_a_message_sent_back_goes_to_the_retry_topic_then_past_its_retries_to_th
         r = await c.request(CONSUMER_SEND_MSG_BACK, {"offset": cl, "group": "fg", "delayLevel": 0, "originMsgId": "P1",
                                                      "originTopic": "Failing", "maxReconsumeTimes": 1})
         assert r.code == 0
-        [retry] = decode_messages((await c.pull("fg", "%RETRY%fg", 0, 0)).body)
+        # level 3 is 300 ms here: nothing in the retry topic before it, the message after it, scheduled that far ahead
+        assert (await c.pull("fg", "%RETRY%fg", 0, 0)).code != 0
+        [retry] = decode_messages((await c.pull("fg", "%RETRY%fg", 0, 0, suspend_ms=5000)).body)
         assert retry["body"] == b"poison" and retry["reconsume_times"] == 1
-        assert retry["properties"]["RETRY_TOPIC"] == "Failing" and retry["properties"]["DELAY"] == "3"
+        props = retry["properties"]
+        assert props["RETRY_TOPIC"] == "Failing" and int(props["TIMER_DELIVER_MS"]) - int(props["TIMER_ENQUEUE_MS"]) == 300
         assert retry["properties"]["UNIQ_KEY"] == "P1"
+        # sent back again (its delivery's marks with it): past its retries, into the dead-letter topic at once
         r = await c.request(CONSUMER_SEND_MSG_BACK, {"offset": retry["cl_offset"], "group": "fg", "delayLevel": 0, "maxReconsumeTimes": 1})
-        assert r.code == 0
+        assert r.code == 0, r.remark
         [dead] = decode_messages((await c.pull("fg", "%DLQ%fg", 0, 0)).body)
-        assert dead["body"] == b"poison" and dead["reconsume_times"] == 2 and "DELAY" not in dead["properties"]
+        assert dead["body"] == b"poison" and dead["reconsume_times"] == 2
+        assert not {"DELAY", "TIMER_DELAY_MS", "TIMER_DELIVER_MS", "TXMQ_SCHEDULED_FROM"} & dead["properties"].keys()
         await c.close()
-    with_broker(tmp_path, test)
+    with_broker(tmp_path, test, message_delay_levels_ms=(0, 0, 300))
 
 
 # ---- transactions -------------------------------------------------------------------------------------
@@ -460,3 +465,222 @@ def test_random_frames_close_their_connections_and_the_broker_keeps_serving(tmp_
         assert (await c.send("AfterFuzz", b"ok")).code == 0
         await c.close()
     with_broker(tmp_path, test)
+
+
+# ---- bad input and bounded memory ------------------------------------------------------------------
+async def _refusal(port: int, frame: bytes):
+    """Send one raw frame on a fresh connection; the broker's one response before it closes the connection."""
+    from remotingwire import decode
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(frame)
+    data = await asyncio.wait_for(reader.read(), 5)
+    writer.close()
+    assert data, "the connection was closed without a response saying why"
+    (n,) = struct.unpack_from(">i", data)
+    return decode(data[4 : 4 + n])
+
+
+def test_a_json_header_nested_too_deeply_gets_a_reason_and_closes_that_connection_only(tmp_path):
+    async def test(b):
+        good = await RemotingClient.connect(b.remoting_address)
+        for header in (b"[" * 200_000, b'{"code":105,"remark":' + b"[" * 200_000 + b"}"):
+            resp = await _refusal(b.remoting_port, struct.pack(">ii", 4 + len(header), len(header)) + header)
+            assert resp.code == 1 and "nested" in resp.remark
+        assert b.core.metrics.counters["remoting_malformed_frames"] == 2
+        assert (await good.request(GET_ROUTEINFO_BY_TOPIC, {"topic": "StillServed"})).code == 0
+        await good.close()
+    with_broker(tmp_path, test)
+
+
+def _batch(*messages: tuple[bytes, dict]) -> bytes:
+    body = b""
+    for mb, props in messages:
+        pb = properties(props).encode()
+        body += struct.pack(">iiiii", 20 + len(mb) + 2 + len(pb), 0, 0, 0, len(mb)) + mb + len(pb).to_bytes(2, "big") + pb
+    return body
+
+
+def test_each_message_of_a_batch_is_held_to_the_property_limits_of_a_single_send(tmp_path):
+    async def test(b):
+        c = await RemotingClient.connect(b.remoting_address)
+        head = {"a": "pg", "b": "BatchProps", "c": "TBW102", "d": 4, "e": 0, "f": 0, "g": 0, "h": 0, "i": "", "m": "true"}
+        for props in ({f"k{i}": "v" for i in range(300)}, {"big": "x" * 5000}):  # 256 entries, --max-properties 4096
+            r = await c.request(SEND_BATCH_MESSAGE, head, _batch((b"ok", {"UNIQ_KEY": "A"}), (b"bad", props)))
+            assert r.code == 13 and "properties" in r.remark
+        assert b.core.store.queue_max_offset("BatchProps", 0) == 0  # nothing of a refused batch is stored
+        r = await c.request(SEND_BATCH_MESSAGE, head, _batch((b"ok", {"UNIQ_KEY": "A"}), (b"fine", {"k": "v"})))
+        assert r.code == 0
+        await c.close()
+    with_broker(tmp_path, test, max_properties=4096)
+
+
+def test_a_compressed_body_is_inflated_within_max_body_and_one_cut_short_or_inflating_past_it_is_refused(tmp_path):
+    import zlib
+
+    async def test(b):
+        c = await RemotingClient.connect(b.remoting_address)
+        whole = zlib.compress(b"payload " * 1000)
+        assert (await c.send("Zipped", whole, queue_id=0, sys_flag=1)).code == 0
+        [m] = decode_messages((await c.pull("zg", "Zipped", 0, 0)).body)
+        assert m["body"] == b"payload " * 1000
+        r = await c.send("Zipped", whole[: len(whole) // 2], queue_id=0, sys_flag=1)  # a stream that does not end
+        assert r.code == 13 and "cut short" in r.remark
+        bomb = zlib.compress(b"\0" * (64 << 20), 9)  # 64 KiB that inflate to 64 MiB: stopped at --max-body
+        r = await c.send("Zipped", bomb, queue_id=0, sys_flag=1)
+        assert r.code == 13 and "--max-body" in r.remark
+        assert b.core.store.queue_max_offset("Zipped", 0) == 1
+        await c.close()
+    with_broker(tmp_path, test)
+
+
+def test_suspended_pulls_end_with_their_connection_instead_of_waiting_out_their_timeout(tmp_path):
+    async def test(b):
+        c = await RemotingClient.connect(b.remoting_address)
+        assert (await c.request(GET_ROUTEINFO_BY_TOPIC, {"topic": "Quiet"})).code == 0
+        pulls = [asyncio.ensure_future(c.pull("qg", "Quiet", q, 0, suspend_ms=25_000)) for q in range(4)]
+        for _ in range(100):
+            if sum(len(w) for w in b.core._pollers.values()) == 4:
+                break
+            await asyncio.sleep(0.02)
+        assert sum(len(w) for w in b.core._pollers.values()) == 4
+        await c.close()
+        for p in pulls:
+            p.cancel()
+        for _ in range(100):
+            if not any(b.core._pollers.values()) and not b.remoting.inflight:
+                break
+            await asyncio.sleep(0.02)
+        assert not any(b.core._pollers.values()) and not b.remoting.inflight  # not 25 s later
+    with_broker(tmp_path, test)
+
+
+def test_only_a_live_consumer_of_the_group_takes_queue_locks(tmp_path):
+    async def test(b):
+        c = await RemotingClient.connect(b.remoting_address)
+        assert (await c.request(GET_ROUTEINFO_BY_TOPIC, {"topic": "Guarded"})).code == 0
+        await c.heartbeat("member", consumers={"lg": ["Guarded"]})
+        mqs = [{"topic": "Guarded", "brokerName": "txmq", "queueId": q} for q in range(4)]
+        for group, cid in (("lg", "stranger"), ("no-such-group", "member"), ("g" * 5000, "x" * 5000)):
+            r = await c.request(LOCK_BATCH_MQ, {}, json.dumps({"consumerGroup": group, "clientId": cid, "mqSet": mqs}).encode())
+            assert r.code == 0 and json.loads(r.body)["lockOKMQSet"] == []
+        assert b.remoting.clients.locks == {}
+        r = await c.request(LOCK_BATCH_MQ, {}, json.dumps({"consumerGroup": "lg", "clientId": "member", "mqSet": mqs}).encode())
+        assert len(json.loads(r.body)["lockOKMQSet"]) == 4
+        await c.close()
+    with_broker(tmp_path, test)
+
+
+def test_a_pull_committing_an_offset_for_a_name_no_group_can_have_is_refused_and_commits_nothing(tmp_path):
+    async def test(b):
+        c = await RemotingClient.connect(b.remoting_address)
+        assert (await c.request(GET_ROUTEINFO_BY_TOPIC, {"topic": "Offsets"})).code == 0
+        from remotingwire import PULL_MESSAGE
+        r = await c.request(PULL_MESSAGE, {"consumerGroup": "bad group\n", "topic": "Offsets", "queueId": 0, "queueOffset": 0,
+                                           "maxMsgNums": 1, "sysFlag": 1, "commitOffset": 5})
+        assert r.code == 29 and "group" in r.remark
+        assert b.core.offsets.get("bad group\n", "Offsets", 0) is None
+        await c.close()
+    with_broker(tmp_path, test)
+
+
+def test_a_heartbeat_subscribing_a_topic_name_or_expression_past_their_lengths_is_refused(tmp_path):
+    async def test(b):
+        c = await RemotingClient.connect(b.remoting_address)
+        from remotingwire import HEART_BEAT
+        for topic, expr in (("t" * 5000, "*"), ("T", "a || " * 2000)):
+            data = {"clientID": "hb", "consumerDataSet": [{"groupName": "hg", "messageModel": "CLUSTERING",
+                                                           "subscriptionDataSet": [{"topic": topic, "subString": expr}]}]}
+            r = await c.request(HEART_BEAT, {}, json.dumps(data).encode())
+            assert r.code == 29 and "subscription" in r.remark
+        assert b.remoting.clients.consumers == {}
+        await c.close()
+    with_broker(tmp_path, test)
+
+
+def test_a_retry_waits_the_delay_of_level_3_plus_its_reconsume_times_from_the_one_level_table():
+    from txmq.broker.config import BrokerConfig, parse_delay_levels
+    from txmq.broker.remoting.handlers import retry_delay_ms
+    from txmq.constants import MESSAGE_DELAY_LEVEL
+
+    levels = parse_delay_levels(MESSAGE_DELAY_LEVEL)
+    assert BrokerConfig().message_delay_levels_ms == levels
+    assert [retry_delay_ms(levels, t, 0) for t in (0, 1, 15, 99)] == [10_000, 30_000, 7_200_000, 7_200_000]
+    assert retry_delay_ms(levels, -5, 0) == 10_000  # a RECONSUME_TIME property below 0 counts as 0
+    assert retry_delay_ms(levels, 0, 1) == 1_000 and retry_delay_ms((0,), 7, 0) == 0
+    assert parse_delay_levels("100ms 2s 1m 1h 1d") == (100, 2000, 60_000, 3_600_000, 86_400_000)
+    for bad in ("", "1x", "-1s", "1.5s", "4d", "1s " * 65):
+        try:
+            parse_delay_levels(bad)
+        except ValueError:
+            continue
+        raise AssertionError(f"{bad!r} accepted")
+
+
+def test_remoting_connections_count_in_broker_status_stats_and_prometheus(tmp_path):
+    from txmq.broker.prom import BrokerCollector
+
+    async def test(b):
+        held = [await RemotingClient.connect(b.remoting_address) for _ in range(3)]
+        assert (await held[0].request(GET_ROUTEINFO_BY_TOPIC, {"topic": "Counted"})).code == 0
+        await asyncio.sleep(0.05)
+        info = b.core.info()
+        assert info["remoting_connections"] == 3 and info["connections"] >= 3
+        gauges = (await b.core.stats())["gauges"]
+        assert gauges["remoting_connections"] == 3 and gauges["connections"] == info["connections"]
+        assert "remoting_partial_frame_bytes" in gauges
+        prom = {m.name: m for m in BrokerCollector(b.core).collect()}
+        assert prom["txmq_remoting_connections"].samples[0].value == 3
+        assert prom["txmq_connections"].samples[0].value == info["connections"]
+        assert prom["txmq_remoting_max_connections"].samples[0].value == b.remoting.max_connections > 0
+        assert prom["txmq_remoting_requests"].samples[0].value >= 1
+        for c in held:
+            await c.close()
+        await asyncio.sleep(0.2)
+        assert b.core.info()["remoting_connections"] == 0
+    with_broker(tmp_path, test)
+
+
+def _ports_two_apart() -> int:
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port < 3:
+            continue
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port - 2))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError("no two free ports two apart")
+
+
+def test_with_the_vip_channel_the_port_minus_2_serves_the_same_front_end(tmp_path):
+    port = _ports_two_apart()
+
+    async def test(b):
+        assert b.core.info()["listeners"]["remoting"]["vip_port"] == port - 2
+        vip = await RemotingClient.connect(f"127.0.0.1:{port - 2}")
+        r = await vip.send("ViaVip", b"vip", queue_id=0)
+        assert r.code == 0
+        main = await RemotingClient.connect(b.remoting_address)
+        [m] = decode_messages((await main.pull("vg", "ViaVip", 0, 0)).body)
+        assert m["body"] == b"vip"
+        assert b.core.info()["remoting_connections"] == 2
+        await vip.close()
+        await main.close()
+    with_broker(tmp_path, test, remoting_port=port, remoting_vip_channel=True)
+
+
+def test_the_vip_channel_needs_the_remoting_port():
+    from txmq.broker.config import BrokerConfig
+
+    for kwargs, why in (({"remoting_vip_channel": True}, "needs --remoting-port"),
+                        ({"remoting_vip_channel": True, "remoting_port": 9878, "port": 9876}, "--remoting-port - 2")):
+        try:
+            BrokerConfig(**kwargs).validated()
+        except ValueError as exc:
+            assert why in str(exc)
+        else:
+            raise AssertionError(kwargs)

@@ -48,6 +48,8 @@ DLQ_PREFIX = "%DLQ%"
 MAX_GROUP = 127 - len(RETRY_PREFIX)  # %RETRY%<group> must be a topic name
 MAX_SUBSCRIPTIONS = 1024  # topics one consumer group of one client subscribes to
 MAX_CLIENT_IDS_PER_CONN = 64
+MAX_TOPIC = 255  # characters of a subscribed topic's name (a longer one is no topic)
+MAX_EXPRESSION = 4096  # characters of a subscription's tag expression
 INNER_PRODUCER = "CLIENT_INNER_PRODUCER"  # every Java client's own producer group (its sends of retries)
 
 
@@ -114,7 +116,11 @@ class ClientTable:
             for sd in _list(cd.get("subscriptionDataSet")):
                 if isinstance(sd, dict) and isinstance(sd.get("topic"), str):
                     expr = sd.get("subString")
-                    subs[sd["topic"]] = expr if isinstance(expr, str) else "*"
+                    expr = expr if isinstance(expr, str) else "*"
+                    if len(sd["topic"]) > MAX_TOPIC or len(expr) > MAX_EXPRESSION:
+                        raise TxmqError(f"a subscription names a topic of at most {MAX_TOPIC} characters with an expression of at most "
+                                        f"{MAX_EXPRESSION}", ErrorCode.INVALID_FIELD)
+                    subs[sd["topic"]] = expr
                     if len(subs) > MAX_SUBSCRIPTIONS:
                         raise TxmqError(f"a consumer subscribes to at most {MAX_SUBSCRIPTIONS} topics", ErrorCode.INVALID_FIELD)
             clustering = cd.get("messageModel", "CLUSTERING") != "BROADCASTING"
@@ -165,6 +171,9 @@ class ClientTable:
 
     def consumer_ids(self, group: str) -> list[str]:
         return sorted({c.client_id for c in self.consumers.get(group, {}).values()})
+
+    def is_member(self, group: str, client_id: str) -> bool:
+        return any(c.client_id == client_id for c in self.consumers.get(group, {}).values())
 
     def subscription(self, group: str, topic: str) -> str | None:
         for c in self.consumers.get(group, {}).values():

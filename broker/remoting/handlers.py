@@ -16,11 +16,19 @@ import json
 import logging
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
-from txmq.constants import PROP_DELAY, PROP_PGROUP, PROP_TRAN_MSG, PROP_UNIQ_KEY, canonical_topic, is_system_topic
+from txmq.constants import (
+    PROP_PGROUP,
+    PROP_TIMER_DELAY_MS,
+    PROP_TRAN_MSG,
+    PROP_UNIQ_KEY,
+    canonical_topic,
+    is_system_topic,
+)
 from txmq.store import Message, TxType
 from txmq.wire import ErrorCode, TxmqError
 
 from txmq.broker.groups import offset_for_time
+from txmq.broker.scheduled.timing import without_schedule
 from txmq.broker.topics import MAX_QUEUES, check_topic_name
 
 from . import protocol as p
@@ -276,11 +284,16 @@ def _props(front: RemotingFrontend, text: str) -> dict[str, str]:
     cfg = front.core.config
     if len(text) > cfg.max_properties:
         raise MessageFormatError(f"the properties exceed {cfg.max_properties} bytes (--max-properties)")
-    props = decode_properties(text)
+    return _checked_props(front, decode_properties(text))
+
+
+def _checked_props(front: RemotingFrontend, props: dict[str, str]) -> dict[str, str]:
+    """A message's properties within --max-properties and MAX_PROPERTIES_COUNT (a single send's or each of a batch's)."""
+    limit = front.core.config.max_properties
     if len(props) > MAX_PROPERTIES_COUNT:
         raise MessageFormatError(f"a message has at most {MAX_PROPERTIES_COUNT} properties")
-    if sum(len(k.encode()) + len(v.encode()) for k, v in props.items()) > cfg.max_properties:
-        raise MessageFormatError(f"the properties exceed {cfg.max_properties} bytes (--max-properties)")
+    if sum(len(k.encode()) + len(v.encode()) for k, v in props.items()) > limit:
+        raise MessageFormatError(f"the properties exceed {limit} bytes (--max-properties)")
     return props
 
 
@@ -383,6 +396,7 @@ def _send_batch(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Comman
     budget = core.config.max_frame
     msgs_in = []
     for flag, body, props in items:
+        _checked_props(front, props)
         if props.get(PROP_TRAN_MSG) == "true":
             raise MessageFormatError("transactional messages cannot be sent in a batch")
         body = _body(front, body, 0)
@@ -461,6 +475,8 @@ def pull_message(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Comma
     offset = req_int(ext, "queueOffset", 0)
     count = min(opt_int(ext, "maxMsgNums", 32, 1, 1 << 31), MAX_PULL_MESSAGES)
     sys_flag = opt_int(ext, "sysFlag", 0, 0, (1 << 31) - 1)
+    if sys_flag & p.PULL_COMMIT_OFFSET:
+        check_group(group, "consumer group")  # the group's offset is written: a name txmq's offsets take
     max_bytes = opt_int(ext, "maxMsgBytes", 0, 0, 1 << 31) or DEFAULT_PULL_BYTES
     max_bytes = min(max_bytes, 64 << 20)
     wait = opt_int(ext, "suspendTimeoutMillis", 0, 0, 1 << 31) if sys_flag & p.PULL_SUSPEND else 0
@@ -570,7 +586,10 @@ def lock_batch(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Command
     group, client_id = data.get("consumerGroup"), data.get("clientId")
     if not isinstance(group, str) or not isinstance(client_id, str) or not group or not client_id:
         raise _bad("LOCK_BATCH_MQ needs consumerGroup and clientId")
-    locked = front.clients.lock(group, client_id, _mq_set(data, front.core))
+    queues = _mq_set(data, front.core)
+    # Only a live consumer of the group (its heartbeat came first, as the clients send it) takes locks: the
+    # table holds no group or client id that no connection carries, and a client's locks go with its last connection.
+    locked = front.clients.lock(group, client_id, queues) if front.clients.is_member(group, client_id) else []
     return ok(cmd, body=json_body({"lockOKMQSet": [{"topic": t, "brokerName": front.broker_name, "queueId": q} for t, q in locked]}))
 
 
@@ -584,9 +603,20 @@ def unlock_batch(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Comma
     return ok(cmd)
 
 
+RETRY_FIRST_DELAY_LEVEL = 3  # RocketMQ's broker: a consumer's retry waits delay level 3 + its reconsume times
+
+
+def retry_delay_ms(levels_ms: tuple[int, ...], reconsume_times: int, asked_level: int) -> int:
+    """How long a message sent back for its ``reconsume_times``-th retry waits: the delay of level ``asked_level``, or of
+    level 3 + ``reconsume_times`` when the client asks none (0), as RocketMQ's broker picks it; a level past the table is
+    its last (``--message-delay-level``, BrokerConfig.message_delay_levels_ms: the one table of level delays)."""
+    level = asked_level if asked_level > 0 else RETRY_FIRST_DELAY_LEVEL + max(reconsume_times, 0)
+    return levels_ms[min(level, len(levels_ms)) - 1]
+
+
 @handles(p.CONSUMER_SEND_MSG_BACK)
 def send_msg_back(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Command) -> Result:
-    """A message its consumer failed: again through %RETRY%<group> (delay level 3 + its retries, as RocketMQ's), or,
+    """A message its consumer failed: again through %RETRY%<group> after retry_delay_ms (level 3 + its retries), or,
     past maxReconsumeTimes (16) or with a negative delay level, into the dead-letter topic %DLQ%<group>."""
     core = front.core
     ext = cmd.ext
@@ -597,10 +627,9 @@ def send_msg_back(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Comm
     if max_times < 0:
         max_times = MAX_RECONSUME_TIMES
     rec = _read_message(core, cl)
-    props = dict(rec.properties)
-    props.pop(PROP_DELAY, None)
+    props = without_schedule(rec.properties)  # the copy's own delay, not the original's (nor its delivery's marks)
     try:
-        times = int(props.get(PROP_RECONSUME_TIME, "0"))
+        times = max(0, int(props.get(PROP_RECONSUME_TIME, "0")))  # a client's property: any text
     except ValueError:
         times = 0
     if PROP_RETRY_TOPIC not in props:
@@ -612,7 +641,9 @@ def send_msg_back(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Comm
         core.metrics.inc("remoting_dead_lettered")
     else:
         topic = retry_topic(group)
-        props[PROP_DELAY] = str(min(3 + times if level == 0 else level, 18))
+        delay = retry_delay_ms(core.config.message_delay_levels_ms, times, level)
+        if delay > 0:
+            props[PROP_TIMER_DELAY_MS] = str(delay)
         props[PROP_MAX_RECONSUME_TIMES] = str(max_times)
         core.metrics.inc("remoting_retried")
     core.topics.ensure(topic, 1)

@@ -120,6 +120,8 @@ def inflate(body: bytes, sys_flag: int, limit: int) -> bytes:
         raise MessageFormatError(f"the body is flagged compressed but is not zlib data: {exc}") from None
     if len(out) > limit or d.unconsumed_tail:
         raise MessageFormatError(f"the body inflates to more than {limit} bytes (--max-body)")
+    if not d.eof:
+        raise MessageFormatError("the compressed body is cut short: its zlib stream does not end")
     return out
 
 

@@ -169,6 +169,8 @@ def _decode_json(header: bytes) -> Command:
         obj = _loads(header.decode())
     except (ValueError, UnicodeDecodeError) as exc:
         raise FrameError(f"header is not JSON: {exc}") from None
+    except RecursionError:  # arrays or objects nested deeper than the decoder goes: no command nests at all
+        raise FrameError("header is not a command: JSON nested too deeply") from None
     if type(obj) is not dict:
         raise FrameError("header is not a JSON object")
     get = obj.get

@@ -75,7 +75,9 @@ class RemotingFrontend:
         self.max_connections: int = config.remoting_max_connections
         self.sock: socket.socket | None = None
         self.server: asyncio.AbstractServer | None = None
+        self.vip_server: asyncio.AbstractServer | None = None
         self.port = 0
+        self.vip_port: int | None = None
         self.connections: set[RemotingConnection] = set()
         self.by_ip: dict[str, int] = {}
         self.inflight: set[asyncio.Future] = set()
@@ -96,39 +98,45 @@ class RemotingFrontend:
     # ---- lifecycle --------------------------------------------------------------------------
     async def bind(self) -> int:
         cfg = self.config
-        family = socket.AF_INET6 if ":" in cfg.host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((cfg.host, cfg.remoting_port or 0))
-            sock.listen(2048)
-            sock.setblocking(False)
-        except OSError as exc:
-            sock.close()
-            address = f"[{cfg.host}]:{cfg.remoting_port}" if ":" in cfg.host else f"{cfg.host}:{cfg.remoting_port}"
-            raise BindError(f"cannot listen on {address} (--remoting-port): {exc.strerror or exc}") from None
+        sock = _listen(cfg.host, cfg.remoting_port or 0, "--remoting-port")
         self.sock = sock
         self.port = sock.getsockname()[1]
-        self.core.listening("remoting", cfg.host, self.port)
+        vip = None
+        if cfg.remoting_vip_channel:  # the same service on port - 2 (docs/remoting.md, "The VIP channel")
+            try:
+                vip = _listen(cfg.host, self.port - 2, "--remoting-vip-channel, --remoting-port - 2")
+            except BindError:
+                sock.close()
+                raise
+            self.vip_port = self.port - 2
+        self.core.listening("remoting", cfg.host, self.port, **({"vip_port": self.vip_port} if vip is not None else {}))
         loop = asyncio.get_running_loop()
         # Listening from now on: connections are accepted, their requests wait until the broker serves.
         self.server = await loop.create_server(lambda: RemotingConnection(self), sock=sock, backlog=2048)
+        if vip is not None:
+            self.vip_server = await loop.create_server(lambda: RemotingConnection(self), sock=vip, backlog=2048)
         return self.port
+
+    def gauges(self) -> dict[str, int]:
+        """The remoting port's share of `txmq broker status`, `txmq stats` and Prometheus (BrokerCore.connection_stats)."""
+        return {"remoting_connections": len(self.connections), "remoting_partial_frame_bytes": self.partial_frame_bytes}
 
     async def start(self) -> None:
         self.ready.set()
         cfg = self.config
         self._sweeper = asyncio.get_running_loop().create_task(self._sweep(), name="txmq-remoting-sweeper")
-        log.info("event=remoting_listening host=%s port=%d max_connections=%d codes=%d", cfg.host, self.port, self.max_connections,
-                 len(served_codes()))
+        self.core.frontend_gauges.append(self.gauges)
+        log.info("event=remoting_listening host=%s port=%d vip_port=%s max_connections=%d codes=%d", cfg.host, self.port,
+                 self.vip_port if self.vip_port is not None else "-", self.max_connections, len(served_codes()))
 
     async def stop(self) -> None:
         if self.stopping:
             return
         self.stopping = True
         self.ready.set()
-        if self.server is not None:
-            self.server.close()
+        for server in (self.server, self.vip_server):
+            if server is not None:
+                server.close()
         if self.inflight:
             await asyncio.wait(list(self.inflight), timeout=self.config.shutdown_timeout_s)
         if self._sweeper is not None:
@@ -137,11 +145,12 @@ class RemotingFrontend:
     async def close(self) -> None:
         for conn in list(self.connections):
             conn.close()
-        if self.server is not None:
-            try:
-                await asyncio.wait_for(self.server.wait_closed(), 2.0)
-            except (asyncio.TimeoutError, Exception):
-                pass
+        for server in (self.server, self.vip_server):
+            if server is not None:
+                try:
+                    await asyncio.wait_for(server.wait_closed(), 2.0)
+                except (asyncio.TimeoutError, Exception):
+                    pass
 
     async def _sweep(self) -> None:
         cfg = self.config
@@ -207,6 +216,7 @@ class RemotingConnection(asyncio.Protocol):
         self._flush_scheduled = False
         self.inflight = 0
         self.pull_bytes = 0
+        self._pulls: set[asyncio.Future] = set()  # its pulls in flight (suspended ones too): cancelled when it closes
         self._backlog: list[bytes] = []
         self.client_ids: set[str] = set()  # the client ids that sent heartbeats over this connection
         self.json_requests = True  # the serialize type of the requests it sends: the broker's requests follow it
@@ -268,6 +278,9 @@ class RemotingConnection(asyncio.Protocol):
         self.core.registry.unregister_all(self)
         self.core.consumer_registry.unregister_all(self)
         front.clients.connection_closed(self)
+        # A suspended pull waits up to 30 s for a message no one will read: it ends now, and its waiter with it.
+        for fut in list(self._pulls):
+            fut.cancel()
 
     def pause_writing(self) -> None:
         self._write_paused = True
@@ -437,6 +450,7 @@ class RemotingConnection(asyncio.Protocol):
         self.front.inflight.add(fut)
         cost = 0
         if cmd.code == p.PULL_MESSAGE:
+            self._pulls.add(fut)
             cost = pull_cost(cmd)
             self.pull_bytes += cost
             if self.pull_bytes > PULL_BUDGET:
@@ -445,6 +459,7 @@ class RemotingConnection(asyncio.Protocol):
 
     def _done(self, cmd: p.Command, cost: int, then: Any, fut: asyncio.Future) -> None:
         self.front.inflight.discard(fut)
+        self._pulls.discard(fut)
         self.inflight -= 1
         if self.inflight == 0:
             self.front.busy -= 1
@@ -581,6 +596,21 @@ class RemotingConnection(asyncio.Protocol):
         if not self.json_requests:
             cmd.serialize = p.ROCKETMQ_TYPE
         self._send(p.encode(cmd))
+
+
+def _listen(host: str, port: int, what: str) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+        sock.setblocking(False)
+    except (OSError, OverflowError) as exc:
+        sock.close()
+        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        raise BindError(f"cannot listen on {address} ({what}): {getattr(exc, 'strerror', None) or exc}") from None
+    return sock
 
 
 def pull_cost(cmd: p.Command) -> int:

@@ -39,7 +39,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 from txmq.constants import (
-    DELAY_LEVELS_S,
     PROP_DELAY,
     PROP_REAL_QID,
     PROP_REAL_TOPIC,
@@ -64,7 +63,7 @@ from txmq.wire import ErrorCode, TxmqError
 from ..metrics import Durations
 from ..records import msg_id
 from .indexfile import DB_FILE, TimerDatabase, TimerFileError, damaged, remove_db
-from .timing import asks_for_time, due_ms
+from .timing import DEFAULT_LEVELS_MS, asks_for_time, due_ms
 
 if TYPE_CHECKING:
     from ..appender import Appender
@@ -93,7 +92,7 @@ class ScheduleService:
 
     def __init__(self, appender: Appender, store: Store, topics: TopicTable, flusher: Flusher, disk: DiskState, metrics: Metrics,
                  clock: Clock, data_dir: Path, max_delay_s: float,
-                 delay_levels_ms: tuple[int, ...] = tuple(s * 1000 for s in DELAY_LEVELS_S)) -> None:
+                 delay_levels_ms: tuple[int, ...] = DEFAULT_LEVELS_MS) -> None:
         self.appender = appender
         self.store = store
         self.topics = topics
@@ -103,7 +102,7 @@ class ScheduleService:
         self.clock = clock
         self.data_dir = data_dir
         self.max_delay_ms = int(max_delay_s * 1000)
-        self.delay_levels_ms = delay_levels_ms  # RocketMQ 4's DELAY levels 1..n (broker start --delay-levels)
+        self.delay_levels_ms = delay_levels_ms  # RocketMQ 4's DELAY levels 1..n (broker start --message-delay-level)
         self.new_id = TxIds()
         self.ready = asyncio.Event()  # the file is loaded and the log replayed: deliveries, cancels and listings go
         self.error: TxmqError | None = None  # why the index could not be built

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Mapping
 
 from txmq.constants import (
-    DELAY_LEVELS_S,
+    MESSAGE_DELAY_LEVEL,
     PROP_DELAY,
     PROP_SCHEDULE_CANCEL,
     PROP_SCHEDULED_FROM,
@@ -18,6 +18,8 @@ from txmq.constants import (
 )
 from txmq.wire import ErrorCode, TxmqError
 
+from ..config import parse_delay_levels
+
 # The properties that ask for a later delivery, in RocketMQ's order of precedence (HookUtils.transformTimerMessage:
 # TIMER_DELAY_SEC, then TIMER_DELAY_MS, then TIMER_DELIVER_MS; a delay level only without any of them).
 TIMER_PROPERTIES = (PROP_TIMER_DELAY_SEC, PROP_TIMER_DELAY_MS, PROP_TIMER_DELIVER_MS)
@@ -28,6 +30,7 @@ RESERVED = (PROP_SCHEDULED_FROM, PROP_SCHEDULE_CANCEL)
 # it is not part of.
 SCHEDULE_PROPERTIES = frozenset({*RESERVED, *TIMER_PROPERTIES, PROP_DELAY, PROP_TIMER_ENQUEUE_MS, PROP_TIMER_DEQUEUE_MS,
                                  PROP_TIMER_OUT_MS})
+DEFAULT_LEVELS_MS = parse_delay_levels(MESSAGE_DELAY_LEVEL)  # RocketMQ's 18 levels, 1s to 2h
 MAX_MS = 253_402_300_799_999  # 9999-12-31, the largest time a protobuf Timestamp (and the CLI) can name
 
 
@@ -52,14 +55,14 @@ def _int(props: Mapping[str, str], key: str) -> int:
 
 
 def due_ms(props: Mapping[str, str], now_ms: int, max_delay_ms: int,
-           levels_ms: tuple[int, ...] = tuple(s * 1000 for s in DELAY_LEVELS_S)) -> int | None:
+           levels_ms: tuple[int, ...] = DEFAULT_LEVELS_MS) -> int | None:
     """The time (epoch ms) the message is due, or None when it asks for no delay (no property, ``DELAY`` 0 or less).
 
     A due time at or before ``now_ms`` is returned as it is (the caller
     delivers it now). Raises INVALID_DELIVERY_TIME for a value that is not a
     whole number, or that is due more than ``max_delay_ms`` ahead. A delay
     level above the last (18 by default) is the longest level, as RocketMQ's broker takes it; ``levels_ms``
-    is the level table (broker start --delay-levels, RocketMQ's messageDelayLevel).
+    is the level table (broker start --message-delay-level, RocketMQ's messageDelayLevel).
     """
     for key in RESERVED:
         if key in props:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Annotated, Optional
 import typer
 
 from txmq import defaults
-from txmq.constants import DEFAULT_HOST, DEFAULT_PORT
+from txmq.constants import DEFAULT_HOST, DEFAULT_PORT, MESSAGE_DELAY_LEVEL
 
 from .. import exitcodes
 from ..common import DEFAULT_BROKER, BrokerOpt, CliError, check_choice, choices, OutputOpt, TokenOpt, parse_duration
@@ -92,6 +92,12 @@ def start(
                                                                     "most; more are accepted and closed at once [default: an equal "
                                                                     "share of RLIMIT_NOFILE - 512 with the other ports].",
                                                                     show_default=False, min=1)] = None,
+    remoting_vip_channel: Annotated[bool, typer.Option(help="With --remoting-port: also serve it on --remoting-port - 2, the "
+                                                       "\"VIP channel\" Java clients before 4.5.1 send to by default "
+                                                       "(docs/remoting.md).")] = False,
+    message_delay_level: Annotated[str, typer.Option(help="RocketMQ's messageDelayLevel: the delay of each delay level, 1 first, "
+                                                     "separated by spaces (ms, s, m, h, d); a RocketMQ 4 consumer's retry waits "
+                                                     "level 3 + its reconsume times.")] = MESSAGE_DELAY_LEVEL,
     busy_poll: Annotated[str, typer.Option(help="After a lone client's request or reply, keep one CPU spinning at the lowest "
                                             "priority (SCHED_IDLE) this long, so the next request or the end of an fsync finds it "
                                             "awake instead of halted; costs only idle CPU; 0 = off, at most 100ms "
@@ -119,10 +125,20 @@ def start(
         max_connections=max_connections, max_connections_per_ip=max_connections_per_ip, partial_frame_budget=partial_frame_budget,
         rocketmq_port=rocketmq_port, rocketmq_tls_cert=rocketmq_tls_cert, rocketmq_tls_key=rocketmq_tls_key,
         rocketmq_max_connections=rocketmq_max_connections,
-        remoting_port=remoting_port, remoting_max_connections=remoting_max_connections,
+        remoting_port=remoting_port, remoting_max_connections=remoting_max_connections, remoting_vip_channel=remoting_vip_channel,
+        message_delay_levels_ms=_delay_levels(message_delay_level),
         busy_poll_s=parse_duration(busy_poll), auto_create_topics=auto_create_topics, max_delay_s=parse_duration(max_delay),
     )
     _run_broker(config)
+
+
+def _delay_levels(text: str) -> tuple[int, ...]:
+    from txmq.broker.config import parse_delay_levels
+
+    try:
+        return parse_delay_levels(text)
+    except ValueError as exc:
+        raise CliError(str(exc), exitcodes.USAGE) from None
 
 
 def _check_start_options(flush: str, log_format: str, log_level: str, data_dir: Path | None) -> None:
