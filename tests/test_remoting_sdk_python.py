@@ -26,7 +26,7 @@ def client_python():
 
 @pytest.fixture(scope="module")
 def broker(client_python, tmp_path_factory):
-    # Retries at once whatever the delayed-message scheduler does with their delay: a one-level table of 0 s.
+    # Level 1 is 1 s (the delay-level test); every later level, a 4.x consumer's retries (level 3 and up), 0 s.
     b, namesrv = start_remoting_broker(tmp_path_factory.mktemp("remoting-py"), "--message-delay-level", "1s 0s")
     yield b, namesrv
     b.stop()
