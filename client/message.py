@@ -19,6 +19,7 @@ from txmq.constants import (
     PROP_PREPARED_QUEUE_OFFSET,
     PROP_REAL_QID,
     PROP_REAL_TOPIC,
+    PROP_SHARDING_KEY,
     PROP_TAGS,
     PROP_UNIQ_KEY,
 )
@@ -66,24 +67,39 @@ def now_ms() -> int:
 
 @dataclass(frozen=True, slots=True)
 class Message:
-    """A message to send. ``keys`` may be one string or several (joined with a space)."""
+    """A message to send. ``keys`` may be one string or several (joined with a space).
+
+    ``message_group``: a FIFO message's group (stored as ``__SHARDINGKEY``):
+    every message of a group goes to one queue, in the order the sends were
+    acknowledged, and a FIFO consumer group receives them in that order
+    (docs/client.md, "FIFO messages"). Not with a transactional send.
+    """
 
     topic: str
     body: Body
     tags: str | None = None
     keys: Keys | None = None
     properties: Mapping[str, str] | None = None
+    message_group: str | None = None
 
     def wire_properties(self, base: Mapping[str, str] | None = None) -> dict[str, str] | None:
-        return build_properties(self.tags, self.keys, self.properties, base)
+        return _with_group(build_properties(self.tags, self.keys, self.properties, base), self.message_group)
 
     def send_fields(self, base: Mapping[str, str] | None = None) -> dict[str, Any]:
         """Fields of a `send` request for this message (without queue_id)."""
         fields: dict[str, Any] = {"topic": self.topic, "body": to_bytes(self.body), "born_ts": now_ms()}
-        props = build_properties(self.tags, self.keys, self.properties, base)
+        props = _with_group(build_properties(self.tags, self.keys, self.properties, base), self.message_group)
         if props is not None:
             fields["properties"] = props
         return fields
+
+
+def _with_group(props: dict[str, str] | None, group: str | None) -> dict[str, str] | None:
+    if group is None:
+        return props
+    if not isinstance(group, str) or not group.strip():
+        raise ValueError("message_group must be a non-blank string")
+    return {**(props or {}), PROP_SHARDING_KEY: group}
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +148,11 @@ class ReceivedMessage:
     @property
     def keys(self) -> str | None:
         return self.properties.get(PROP_KEYS)
+
+    @property
+    def message_group(self) -> str | None:
+        """A FIFO message's group (``__SHARDINGKEY``), None for others."""
+        return self.properties.get(PROP_SHARDING_KEY)
 
     @property
     def key_list(self) -> list[str]:

@@ -27,6 +27,7 @@ PROP_PREPARED_QUEUE_OFFSET = "TRAN_PREPARED_QUEUE_OFFSET"
 PROP_TAGS = "TAGS"
 PROP_KEYS = "KEYS"
 PROP_DELAY = "DELAY"
+PROP_SHARDING_KEY = "__SHARDINGKEY"  # a FIFO message's message group (RocketMQ's MessageConst.PROPERTY_SHARDING_KEY)
 # txmq's own additions (prefixed so they never collide with user properties).
 PROP_DECIDED_BY = "TXMQ_DECIDED_BY"  # producer | check | operator, on op records
 PROP_HALF_CL_OFFSET = "TXMQ_HALF_CL_OFFSET"  # on op records: commit-log offset of the decided half copy

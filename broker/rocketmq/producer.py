@@ -29,6 +29,7 @@ from txmq.constants import PROP_PGROUP, PROP_TRAN_MSG, is_system_topic
 from txmq.store import Message, TxType
 from txmq.wire import ErrorCode, TxmqError
 
+from txmq.broker.fifo import queue_of_group
 from txmq.broker.topics import check_topic_name
 from txmq.broker.transactions.ids import known, split_with_offsets
 from txmq.broker.transactions.service import MAX_NAME
@@ -116,7 +117,9 @@ async def send_message(core: BrokerCore, req: s.SendMessageRequest) -> s.SendMes
         rows = [await core.tx.send_half(topic, None, o.body, props, o.born_ts or now)]
     else:
         qid = core.topics.pick_queue(topic, None)
-        rows = (await core.send([Message(topic, qid, TxType.NORMAL, o.born_ts or now, o.properties, o.body) for o in out], False))["results"]
+        n = core.topics.queues(topic) or 1  # FIFO: each message to its group's queue, as RocketMQ's proxy chooses it
+        rows = (await core.send([Message(topic, qid if o.message_group is None else queue_of_group(o.message_group, n),
+                                         TxType.NORMAL, o.born_ts or now, o.properties, o.body) for o in out], False))["results"]
     for o, row in zip(out, rows):
         e = resp.entries.add()
         e.status.CopyFrom(ok())

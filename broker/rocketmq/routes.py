@@ -13,9 +13,10 @@
   transactional, else a delivery time makes it DELAY, else a message group
   FIFO, else NORMAL), must be one the topic accepts
   (MESSAGE_PROPERTY_CONFLICT_WITH_TYPE otherwise, as the proxy's
-  DefaultTopicMessageTypeValidator); and FIFO and DELAY messages, which
-  this broker does not deliver as such yet, are refused with UNSUPPORTED
-  even by a topic that accepts them.
+  DefaultTopicMessageTypeValidator); and DELAY messages, which this
+  broker does not deliver as such yet, are refused with UNSUPPORTED even
+  by a topic that accepts them. FIFO messages go to their group's queue
+  (broker/fifo.py).
 """
 
 from __future__ import annotations
@@ -67,8 +68,7 @@ def message_type(m: d.Message) -> str:
     return "normal"  # a LITE or PRIORITY message is refused later (convert.py: UNSUPPORTED)
 
 
-_NOT_YET = {"delay": "delivers no message at a later time (delivery_timestamp)",
-            "fifo": "keeps no order per message group (message_group)"}
+_NOT_YET = {"delay": "delivers no message at a later time (delivery_timestamp)"}
 
 
 def check_send(core: BrokerCore, topic: str, msgs: Iterable[d.Message]) -> None:
