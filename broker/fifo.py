@@ -109,7 +109,7 @@ def pick_group_queue(topics, topic: str, group: str, queue_id: int | None) -> in
     types = topics.message_types(topic)
     if "fifo" not in types:
         raise TxmqError(f"topic {topic} does not accept fifo messages (a message group): it accepts {', '.join(types)} "
-                        f"(txmq topics update {topic} --message-types {','.join((*types, 'fifo'))})",
+                        f"(txmq topics update {topic} --message-types {','.join(t for t in MESSAGE_TYPES if t in types or t == 'fifo')})",
                         ErrorCode.MESSAGE_TYPE_NOT_ACCEPTED, topic=topic, message_type="fifo", message_types=list(types))
     qid = queue_of_group(group, n)
     if queue_id is not None and queue_id >= 0 and queue_id != qid:

@@ -386,6 +386,10 @@ class PopService:
             sub.live -= 1
         slot.version = 0
         self.slots -= 1
+        if offset in q.held:  # FIFO: the last of its queue's batch settled frees the queue for a waiting receive
+            q.held.discard(offset)
+            if not self._blocked(q):
+                self._wake(sub)
         if offset == q.committed:
             self._advance(sub, q)  # the committed offset covers it: no range to keep
         elif not q.dirty:
