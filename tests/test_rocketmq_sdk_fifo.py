@@ -172,3 +172,16 @@ def test_node_sdk_fifo_producer_and_push_consumer_keep_each_groups_order_across_
     assert result.get("all_consumed"), result
     events = [{"body": d["body"], "event": "processed" if d["result"] == "SUCCESS" else "failed"} for d in result["deliveries"]]
     assert_in_order(events, bodies)
+
+
+def test_python_sdk_lite_subscription_is_refused_by_the_broker_as_unsupported_not_by_a_zero_length_limit(sdk_python, broker, tmp_path):
+    """Without the lite limits in the settings answer the SDK read them as 0 and refused every lite topic itself
+    ("length exceeded max length 0"); with them it asks, and the broker answers UNSUPPORTED, saying lite topics are
+    not supported. Lite-topic and priority messages are refused before sending: no route accepts those types."""
+    r = python_scenario(sdk_python, "lite", tmp_path / "home", "--endpoint", broker.endpoint, "--topic", "PySdkLite",
+                        "--group", "py-lite")
+    sub = r["subscribe_lite"]
+    assert sub["ok"] is False and "max length" not in sub["error"], sub
+    assert "lite topics" in sub["error"] and "not supported by txmq" in sub["error"], sub
+    for kind in ("lite", "priority"):
+        assert r["sends"][kind] is not None and "accept message types" in r["sends"][kind], r["sends"]

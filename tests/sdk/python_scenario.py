@@ -17,6 +17,7 @@ tests assert on it. Every scenario has a deadline and exits (os._exit) even if a
     python python_scenario.py fifo-send --endpoint ... --topic T --groups N --count M [--body PREFIX]
     python python_scenario.py fifo-receive --endpoint ... --topic T --group G --expect N [--invisible S]
         [--skip-first BODY] [--crash-after N] [--already BODY,...]
+    python python_scenario.py lite --endpoint ... --topic T --group G
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ import threading
 import time
 import traceback
 
-from rocketmq import (ClientConfiguration, ConsumeResult, Credentials, FilterExpression, Message, MessageListener, Producer,
-                      PushConsumer, SimpleConsumer, TransactionChecker, TransactionResolution)
+from rocketmq import (ClientConfiguration, ConsumeResult, Credentials, FilterExpression, LitePushConsumer, Message, MessageListener,
+                      Producer, PushConsumer, SimpleConsumer, TransactionChecker, TransactionResolution)
 
 RESULT: dict = {"errors": []}
 
@@ -443,10 +444,36 @@ def scenario_fifo_receive(args) -> None:
     RESULT["shutdown"] = True
 
 
+def scenario_lite(args) -> None:
+    """What an application sees of lite topics and priorities, which txmq does not have: a LitePushConsumer's
+    subscribe_lite, and a producer's lite-topic and priority messages (each error, or None when it went through)."""
+    t = args.topic
+    out: dict = {}
+    consumer = LitePushConsumer(config(args), args.group, t, RecordingListener(None), tls_enable=args.tls)
+    consumer.startup()
+    _attempt("subscribe_lite", lambda: consumer.subscribe_lite("lt-1"))
+    producer = Producer(config(args), (t,), tls_enable=args.tls)
+    producer.startup()
+    lite = message(t, "lite")
+    lite.lite_topic = "lt-1"
+    prio = message(t, "priority")
+    prio.priority = 3
+    for name, m in (("lite", lite), ("priority", prio)):
+        try:
+            producer.send(m)
+            out[name] = None
+        except Exception as e:  # noqa: BLE001 - what the application gets is the result
+            out[name] = f"{type(e).__name__}: {e}"
+    RESULT["sends"] = out
+    for c in (producer, consumer):
+        c.shutdown()
+    RESULT["shutdown"] = True
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("scenario", choices=["transactions", "half", "checker", "send", "unsupported", "receive", "push", "invisible",
-                                        "idle", "unknown", "fifo-send", "fifo-receive"])
+                                        "idle", "unknown", "fifo-send", "fifo-receive", "lite"])
     p.add_argument("--endpoint", required=True)
     p.add_argument("--topic", required=True)
     p.add_argument("--group", default="sdk-consumers")
@@ -480,7 +507,8 @@ def main() -> None:
         {"transactions": scenario_transactions, "half": scenario_half, "checker": scenario_checker, "send": scenario_send,
          "unsupported": scenario_unsupported,
          "receive": scenario_receive, "push": scenario_push, "invisible": scenario_invisible, "idle": scenario_idle,
-         "unknown": scenario_unknown, "fifo-send": scenario_fifo_send, "fifo-receive": scenario_fifo_receive}[args.scenario](args)
+         "unknown": scenario_unknown, "fifo-send": scenario_fifo_send, "fifo-receive": scenario_fifo_receive,
+         "lite": scenario_lite}[args.scenario](args)
     except BaseException as e:  # noqa: BLE001 - reported to the test, which fails on it
         RESULT["errors"].append(f"{type(e).__name__}: {e}")
         RESULT["traceback"] = traceback.format_exc()
