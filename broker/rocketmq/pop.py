@@ -39,6 +39,16 @@ moves. After a restart a queue's state starts from the committed offset and
 its ranges: the offsets between them are received again, those in them are
 not.
 
+FIFO groups (``fifo(group)``: groups.json, ``txmq groups update G --fifo``)
+receive each queue in order, as RocketMQ's POP with order=true: a queue
+whose last batch still has a message in flight or being dead-lettered
+(``QueueState.held``) hands out nothing; otherwise a receive takes its
+unsettled messages in offset order, then new ones, and that batch holds
+the queue until each of it is settled or ready again. The unit is the
+queue, not the message group (RocketMQ's ConsumerOrderInfoManager); an
+acknowledgement that frees a queue wakes the waiting receives. After a
+restart the unsettled messages come again in offset order.
+
 Costs: receiving, acknowledging or changing a message is O(log n) (one heap
 push per in-flight deadline); expiries are popped from the heap lazily, so
 no operation walks the in-flight set. Messages are read through the store's
@@ -254,7 +264,7 @@ class PopService:
         self.config = config or PopConfig()
         self.now = now
         self._max_attempts = max_attempts
-        # fifo(group): the group receives each queue in order, one batch in flight per queue (see "FIFO groups" above)
+        # fifo(group): the group receives each queue in order, one batch in flight per queue ("FIFO groups" above)
         self.fifo = fifo or (lambda group: False)
         self.client_alive = client_alive
         self.epoch = int.from_bytes(os.urandom(4), "little")
