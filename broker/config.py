@@ -122,6 +122,8 @@ class BrokerConfig:
     # A send (native or gRPC), a gRPC route or receive naming an unknown topic creates it; False: refused
     # (NO_SUCH_TOPIC natively, TOPIC_NOT_FOUND over gRPC) until the topic is created (`txmq topics create`).
     auto_create_topics: bool = defaults.AUTO_CREATE_TOPICS
+    # A delayed or timed message due further ahead than this is refused (docs/scheduled.md).
+    max_delay_s: float = defaults.MAX_DELAY_S
     auth_token: str | None = None
     segment_size: int = defaults.SEGMENT_SIZE
     cq_entries_per_file: int = 300_000
@@ -149,6 +151,11 @@ class BrokerConfig:
     rocketmq_tls_key: Path | None = None
     # Open connections to rocketmq_port at most (None: derived from RLIMIT_NOFILE, server.connection_limits).
     rocketmq_max_connections: int | None = None
+    # RocketMQ 4's remoting protocol on this port too (None: not served; docs/remoting.md), on the same host: the
+    # name server's requests and the broker's, so a 4.x client's namesrvAddr is host:remoting_port.
+    remoting_port: int | None = None
+    # Open connections to remoting_port at most (None: derived from RLIMIT_NOFILE, server.connection_limits).
+    remoting_max_connections: int | None = None
     # Seconds one CPU keeps spinning (lowest priority) after a lone client's request or reply; 0 = off
     # (broker/busypoll.py; docs/architecture.md, "Busy polling").
     busy_poll_s: float = defaults.BUSY_POLL_S
@@ -173,6 +180,8 @@ class BrokerConfig:
             raise ValueError("--auth-timeout and --frame-timeout must be between 0 (none) and 1d")
         if not (0 <= self.busy_poll_s <= defaults.MAX_BUSY_POLL_S):
             raise ValueError(f"--busy-poll must be between 0 (off) and {defaults.MAX_BUSY_POLL_S * 1000:g}ms, not {self.busy_poll_s * 1000:g}ms")
+        if not (1 <= self.max_delay_s <= 3650 * 86400):
+            raise ValueError(f"--max-delay must be between 1s and 3650d, not {self.max_delay_s:g}s")
         if self.max_connections is not None and self.max_connections < 1:
             raise ValueError(f"--max-connections must be at least 1, not {self.max_connections}")
         if self.max_connections_per_ip < 0:
@@ -191,6 +200,16 @@ class BrokerConfig:
                 raise ValueError(f"--rocketmq-port must be between 0 (a free port) and 65535, not {self.rocketmq_port}")
             if self.rocketmq_port and self.rocketmq_port in (self.port, self.metrics_port):
                 raise ValueError(f"--rocketmq-port {self.rocketmq_port} is already the broker's --port or --metrics-port")
+        if self.remoting_max_connections is not None:
+            if self.remoting_port is None:
+                raise ValueError("--remoting-max-connections needs --remoting-port")
+            if self.remoting_max_connections < 1:
+                raise ValueError(f"--remoting-max-connections must be at least 1, not {self.remoting_max_connections}")
+        if self.remoting_port is not None:
+            if not (0 <= self.remoting_port <= 65535):
+                raise ValueError(f"--remoting-port must be between 0 (a free port) and 65535, not {self.remoting_port}")
+            if self.remoting_port and self.remoting_port in (self.port, self.metrics_port, self.rocketmq_port):
+                raise ValueError(f"--remoting-port {self.remoting_port} is already the broker's --port, --metrics-port or --rocketmq-port")
         return self
 
 

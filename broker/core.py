@@ -53,6 +53,8 @@ from .groupconfig import GROUPS_FILE, GroupConfigTable
 from .metrics import Metrics
 from .records import msg_id, record_to_map
 from .registry import ClientRegistry
+from .scheduled.service import ScheduleService
+from .scheduled.timing import asks_for_time
 from .topics import TopicTable, no_such_topic
 from .transactions.admin import TransactionAdmin
 from .transactions.check import CheckProgress, CheckService
@@ -61,7 +63,7 @@ from .transactions.service import TransactionService
 
 log = logging.getLogger("txmq.broker")
 
-LISTENER_NAMES = ("native", "rocketmq", "metrics")  # the ports broker_info lists, in this order
+LISTENER_NAMES = ("native", "rocketmq", "remoting", "metrics")  # the ports broker_info lists, in this order
 MAX_WAIT_MS = 30_000
 # A pull that meets a long rebuild of damaged queue entries answers within this (or its wait), with no
 # messages and its own offset as next_offset: the client pulls again and the rebuild goes on.
@@ -128,6 +130,7 @@ class BrokerCore:
         self.check: CheckService  # check-backs and discards, a pass every check interval
         self.admin: TransactionAdmin  # the operator's transaction operations
         self.keeper: IndexKeeper  # the index file, and the gate transactional requests wait at until it is built
+        self.scheduled: ScheduleService  # delayed and timed messages: their index (timers.db) and their delivery
 
     # ---- lifecycle -------------------------------------------------------
     def open(self, stored: dict[str, Any] | None = None) -> None:
@@ -173,6 +176,8 @@ class BrokerCore:
         self.admin = TransactionAdmin(self.tx, self.check, self.store, self.metrics, self.clock, self.registry)
         self.keeper = IndexKeeper(self.tx, self.check, self.store, self.flusher, self.disk, self.metrics, self.data_dir, self.recovery,
                                   self.config.max_body + self.config.max_properties + FRAME_OVERHEAD)
+        self.scheduled = ScheduleService(self.appender, self.store, self.topics, self.flusher, self.disk, self.metrics, self.clock,
+                                         self.data_dir, self.config.max_delay_s)
 
     def _settings(self, stored: dict) -> CheckSettings:
         """Defaults < config.json (what `txmq config set` stored) < explicit start options.
@@ -237,7 +242,16 @@ class BrokerCore:
 
     # ---- sending -------------------------------------------------------
     def send(self, msgs: list[Message], single: bool) -> asyncio.Future:
-        """Send plain messages, as every front end does: the future's result is each one's receipt (``single``: the only one's)."""
+        """Send plain messages, as every front end does: the future's result is each one's receipt (``single``: the only one's).
+
+        A message whose properties ask for a later delivery (RocketMQ's
+        ``DELAY`` level, ``TIMER_DELIVER_MS``, ``TIMER_DELAY_SEC``,
+        ``TIMER_DELAY_MS``) is scheduled instead (broker/scheduled/): every
+        front end gets it by passing the client's properties through.
+        """
+        for m in msgs:
+            if asks_for_time(m.properties):
+                return self.scheduled.send(msgs, single)
         def shape(results: list[AppendResult]) -> dict[str, Any]:
             self.metrics.counters["messages_sent"] += len(results)
             rows = [
@@ -424,7 +438,7 @@ class BrokerCore:
 
     def listening(self, name: str, host: str, port: int, **extra: Any) -> None:
         assert name in LISTENER_NAMES, name
-        """A port the broker now listens on (the native port, --rocketmq-port, --metrics-port)."""
+        """A port the broker now listens on (the native port, --rocketmq-port, --remoting-port, --metrics-port)."""
         self.listeners[name] = {"host": host, "port": port, **extra}
 
     def info(self) -> dict[str, Any]:
@@ -475,6 +489,7 @@ class BrokerCore:
                 **self.connection_gauges(),  # connections, partial_frame_bytes
                 "max_offset": self.store.max_offset,
                 "durable_offset": self.store.durable_offset,
+                **self.scheduled.gauges(),  # scheduled, scheduled_lag_s, scheduled_index, lateness
                 "check_passes": self.check.passes,
                 "last_check_pass": self.check.last_pass,
                 "recovery": recovery,

@@ -13,8 +13,10 @@ order (broker/rocketmq/pop.py; docs/rocketmq.md, "FIFO messages").
 
 from __future__ import annotations
 
-from txmq.constants import PROP_SHARDING_KEY, PROP_TRAN_MSG
+from txmq.constants import PROP_DELAY, PROP_SHARDING_KEY, PROP_TRAN_MSG
 from txmq.wire import ErrorCode, TxmqError
+
+from .scheduled.timing import TIMER_PROPERTIES, asks_for_time
 
 MAX_GROUP_BYTES = 64  # RocketMQ's proxy: maxMessageGroupSize, a group of this many UTF-8 bytes or more is refused
 
@@ -75,7 +77,10 @@ def message_group_of(props: dict[str, str]) -> str | None:
     """A native send's message group (``__SHARDINGKEY``), checked; None for a message without one.
 
     A transactional message with a message group is refused, as RocketMQ 5's
-    clients refuse it ("Transactional message should not set messageGroup").
+    clients refuse it ("Transactional message should not set messageGroup"),
+    and so is one with a delivery time (``TIMER_DELIVER_MS``,
+    ``TIMER_DELAY_SEC``, ``TIMER_DELAY_MS`` or ``DELAY``): FIFO and DELAY are
+    two message types, and RocketMQ 5's clients refuse that pair too.
     """
     group = props.get(PROP_SHARDING_KEY)
     if group is None:
@@ -86,6 +91,11 @@ def message_group_of(props: dict[str, str]) -> str | None:
     if props.get(PROP_TRAN_MSG) == "true":
         raise TxmqError("a transactional message cannot have a message group: FIFO and transactional messages are two "
                         "types, as in RocketMQ 5 (its clients refuse the pair)", ErrorCode.INVALID_FIELD)
+    if asks_for_time(props):
+        timed = next((k for k in (*TIMER_PROPERTIES, PROP_DELAY) if k in props), "a schedule property")
+        raise TxmqError(f"a message with a message group ({PROP_SHARDING_KEY}) cannot also have a delivery time ({timed}): "
+                        "FIFO and delayed messages are two types, as in RocketMQ 5 (its clients refuse the pair)",
+                        ErrorCode.INVALID_FIELD)
     return group
 
 

@@ -4,7 +4,8 @@
 built the BrokerConfig (as uvicorn.run does for a web server): it checks the
 config, raises the descriptor limit, installs uvloop, tunes the garbage
 collector, binds the socket (and RocketMQ's gRPC port with --rocketmq-port:
-broker/rocketmq/), serves the metrics endpoint if asked, and runs
+broker/rocketmq/; RocketMQ 4's remoting port with --remoting-port:
+broker/remoting/), serves the metrics endpoint if asked, and runs
 the broker until SIGINT or SIGTERM, then shuts it down cleanly
 (``Broker.stop``). Logging is set up by the caller (``txmq.broker.logs.setup``).
 
@@ -128,6 +129,16 @@ async def _serve(config: BrokerConfig, sock, loop_name: str) -> None:
             await attach(broker, config)
         except BindError as e:
             raise ListenError(str(e)) from None
+    if config.remoting_port is not None:  # RocketMQ 4's remoting protocol (docs/remoting.md): bound now, served once the broker is
+        from .remoting.server import BindError as RemotingBindError
+        from .remoting.server import attach as attach_remoting
+
+        try:
+            await attach_remoting(broker, config)
+        except RemotingBindError as e:
+            for frontend in broker.frontends:
+                await frontend.stop()
+            raise ListenError(str(e)) from None
     metrics = None
     if config.metrics_port is not None:  # Prometheus's /metrics (README, "Metrics"); empty until the store is open
         from .prom import METRICS_PATH, serve_metrics
@@ -135,7 +146,7 @@ async def _serve(config: BrokerConfig, sock, loop_name: str) -> None:
         try:
             metrics = serve_metrics(broker.core, config.host, config.metrics_port)
         except OSError as e:
-            for frontend in broker.frontends:  # the RocketMQ port, bound already
+            for frontend in broker.frontends:  # the RocketMQ and remoting ports, bound already
                 await frontend.stop()
             raise ListenError(f"cannot listen on {_address(config.host, config.metrics_port)} (--metrics-port): {e.strerror or e}") from None
         broker.core.listening("metrics", config.host, metrics.server_port, path=METRICS_PATH)

@@ -31,6 +31,17 @@ class Durations:
                 self.hist[i] += 1
                 break
 
+    def observe_n(self, seconds: float, n: int) -> None:
+        """n events that each took about ``seconds`` (a batch measured once)."""
+        self.count += n
+        self.total += seconds * n
+        if seconds > self.max:
+            self.max = seconds
+        for i, b in enumerate(self.buckets):
+            if seconds <= b:
+                self.hist[i] += n
+                break
+
     def snapshot(self, count_key: str, prefix: str) -> dict[str, int | float]:
         return {count_key: self.count, f"{prefix}_seconds_avg": round(self.total / self.count, 6) if self.count else 0.0,
                 f"{prefix}_seconds_max": round(self.max, 6)}

@@ -26,6 +26,9 @@ COUNTERS = (
     ("replayed", "Discarded transactions replayed"),
     ("messages_sent", "Plain messages stored"),
     ("messages_pulled", "Messages returned to consumers"),
+    ("messages_scheduled", "Delayed and timed messages stored for a later delivery"),
+    ("scheduled_delivered", "Delayed and timed messages delivered to their topics when due"),
+    ("scheduled_cancelled", "Delayed and timed messages cancelled before they were due"),
     ("bytes_appended", "Bytes appended to the commit log"),
     ("records_appended", "Records appended to the commit log"),
     ("store_full_errors", "Appends refused because the disk was full"),
@@ -132,6 +135,15 @@ class BrokerCollector:
                                 value=1 if core.store.sync_error is not None else 0)
         yield GaugeMetricFamily("txmq_damaged_records", "Damaged records skipped since start (each reported once in the log)",
                                 value=core.store.damage.count)
+        sched = getattr(core, "scheduled", None)
+        if sched is not None:
+            g = _retry(sched.gauges, {})
+            yield GaugeMetricFamily("txmq_scheduled_messages", "Delayed and timed messages waiting for their time (not yet delivered "
+                                    "or cancelled)", value=g.get("scheduled", 0))
+            yield GaugeMetricFamily("txmq_scheduled_lag_seconds", "How long the most overdue scheduled message has been due and "
+                                    "not delivered (0 when none waits)", value=g.get("scheduled_lag_s", 0.0))
+            yield _histogram("txmq_scheduled_lateness_seconds", "Delivery time minus due time of each delivered scheduled message",
+                             sched.lateness.buckets, sched.lateness.hist, sched.lateness.total)
         r = core.recovery
         yield GaugeMetricFamily("txmq_recovery_dropped_bytes", "Bytes of torn tail cut by recovery at this start",
                                 value=r.dropped_bytes if r is not None else 0)

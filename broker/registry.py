@@ -40,6 +40,21 @@ class ClientRegistry:
         mine.add(group)
         self._groups.setdefault(group, []).append(conn)
 
+    def unregister(self, group: str, conn: PushTarget) -> None:
+        """Take the connection out of one group (a RocketMQ 4 client's UNREGISTER_CLIENT)."""
+        mine = self._by_conn.get(conn)
+        if mine is None or group not in mine:
+            return
+        mine.discard(group)
+        if not mine:
+            del self._by_conn[conn]
+        conns = self._groups.get(group)
+        if conns is not None and conn in conns:
+            conns.remove(conn)
+            if not conns:
+                del self._groups[group]
+                self._rr.pop(group, None)
+
     def unregister_all(self, conn: PushTarget) -> None:
         for group in self._by_conn.pop(conn, ()):
             conns = self._groups.get(group)

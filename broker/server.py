@@ -63,16 +63,34 @@ def connection_limits(fd_limit: int, rocketmq: bool, max_connections: int | None
     before the other port, the store, the index, the checkpoints or the
     check service run out of descriptors.
     """
+    native, rmq, _ = port_limits(fd_limit, rocketmq, False, max_connections, rocketmq_max_connections, None)
+    return native, rmq
+
+
+def port_limits(fd_limit: int, rocketmq: bool, remoting: bool, max_connections: int | None = None,
+                rocketmq_max_connections: int | None = None,
+                remoting_max_connections: int | None = None) -> tuple[int, int | None, int | None]:
+    """(native cap, gRPC port's cap or None, remoting port's cap or None), as ``connection_limits`` for up to three ports.
+
+    What the caps given leave of fd_budget(fd_limit) is shared equally by
+    the ports without one (at least 1 each); the native port takes what
+    the division leaves over.
+    """
     budget = fd_budget(fd_limit)
-    if not rocketmq:
-        return (budget if max_connections is None else max_connections), None
-    if max_connections is None and rocketmq_max_connections is None:
-        rocketmq_max_connections = max(1, budget // 2)
-    if max_connections is None:
-        max_connections = max(1, budget - rocketmq_max_connections)
-    if rocketmq_max_connections is None:
-        rocketmq_max_connections = max(1, budget - max_connections)
-    return max_connections, rocketmq_max_connections
+    caps: dict[str, int | None] = {"native": max_connections}
+    if rocketmq:
+        caps["rocketmq"] = rocketmq_max_connections
+    if remoting:
+        caps["remoting"] = remoting_max_connections
+    open_ = [k for k, v in caps.items() if v is None]
+    if open_:
+        rest = budget - sum(v for v in caps.values() if v is not None)
+        share = max(1, rest // len(open_))
+        for k in open_:
+            caps[k] = share
+        if "native" in open_:
+            caps["native"] = max(1, rest - share * (len(open_) - 1))
+    return caps["native"], caps.get("rocketmq"), caps.get("remoting")  # type: ignore[return-value]
 
 
 def raise_fd_limit(wanted: int = FD_LIMIT_WANTED) -> tuple[int, int]:
@@ -103,18 +121,21 @@ class Broker:
         config = config.validated()
         self.fd_limit = fd_soft_limit()
         rocketmq = config.rocketmq_port is not None
-        native, rmq = connection_limits(self.fd_limit, rocketmq, config.max_connections, config.rocketmq_max_connections)
-        config = replace(config, max_connections=native, rocketmq_max_connections=rmq)
-        if native + (rmq or 0) > fd_budget(self.fd_limit):
-            log.warning("event=fd_budget_exceeded max_connections=%d rocketmq_max_connections=%d fd_limit=%d fd_reserve=%d msg=%s",
-                        native, rmq or 0, self.fd_limit, self.fd_limit - fd_budget(self.fd_limit),
+        remoting = config.remoting_port is not None
+        native, rmq, rem = port_limits(self.fd_limit, rocketmq, remoting, config.max_connections, config.rocketmq_max_connections,
+                                       config.remoting_max_connections)
+        config = replace(config, max_connections=native, rocketmq_max_connections=rmq, remoting_max_connections=rem)
+        if native + (rmq or 0) + (rem or 0) > fd_budget(self.fd_limit):
+            log.warning("event=fd_budget_exceeded max_connections=%d rocketmq_max_connections=%d remoting_max_connections=%d "
+                        "fd_limit=%d fd_reserve=%d msg=%s",
+                        native, rmq or 0, rem or 0, self.fd_limit, self.fd_limit - fd_budget(self.fd_limit),
                         "'connections may take the descriptors the store needs: its writes then fail with EMFILE'")
         self.config = config
         self.core = BrokerCore(config, clock)
         self.native: NativeFrontend | None = None  # built by serve() with its socket
         self.ready = asyncio.Event()
         self._janitor: asyncio.Task | None = None
-        self.frontends: list[Frontend] = []  # RocketMQ's gRPC service when attached (main, testing), then the native one (serve)
+        self.frontends: list[Frontend] = []  # RocketMQ's gRPC service and RocketMQ 4's remoting when attached (main, testing), then the native one (serve)
 
     async def start(self) -> None:
         core = self.core
@@ -124,6 +145,7 @@ class Broker:
         core.open(stored)  # the store, then every collaborator: topics, offsets, flusher, appender, tx, check, admin, keeper
         await core.start()
         core.keeper.start(t0)  # the transaction index, built while plain traffic is served
+        core.scheduled.start()  # the schedule's index (timers.db), then the delivery of what is due
         self._janitor = asyncio.get_running_loop().create_task(self._janitor_loop(), name="txmq-janitor")
         log.info("event=store_ready took_s=%.3f", time.perf_counter() - t0)
 
@@ -138,6 +160,8 @@ class Broker:
         self.core.listening("native", host, port)
         cfg = self.config
         rmq = "" if cfg.rocketmq_max_connections is None else f" rocketmq_max_connections={cfg.rocketmq_max_connections}"
+        if cfg.remoting_max_connections is not None:
+            rmq += f" remoting_max_connections={cfg.remoting_max_connections}"
         log.info("event=listening host=%s port=%d flush=%s data_dir=%s speedups=%s max_connections=%d%s fd_limit=%d", host, port,
                  cfg.flush, self.core.data_dir, speedups_in_use(), cfg.max_connections, rmq, self.fd_limit)
         self.ready.set()
@@ -162,6 +186,10 @@ class Broker:
                 await self._janitor
             except (asyncio.CancelledError, Exception):
                 pass
+        try:
+            await self.core.scheduled.stop()  # no more deliveries, then the schedule's index file
+        except Exception:
+            log.exception("event=timers_stop_failed")
         await self.core.keeper.stop()  # the check service, then the index file
         await self.core.stop()  # refuses new work, flushes, closes the store
         for frontend in self.frontends:
@@ -179,7 +207,7 @@ class Broker:
             core = self.core
             core.store.config = replace(core.store.config, retention_s=core.check.settings.retention_s)
             pend = core.tx.index.pending.values()
-            protect = min((p.origin_cl_offset for p in pend), default=core.store.max_offset)
+            protect = min(min((p.origin_cl_offset for p in pend), default=core.store.max_offset), core.scheduled.protect_from())
             try:
                 deleted = await asyncio.get_running_loop().run_in_executor(None, core.store.delete_expired, core.clock(), protect)
             except Exception:

@@ -21,9 +21,14 @@ class RunningBroker:
         self.port = port
         self.address = f"{host}:{port}"
         # With rocketmq_port=... (0: a free one): where RocketMQ's gRPC service listens (broker/rocketmq/).
-        fe = next((f for f in broker.frontends if hasattr(f, "port")), None)
+        fe = next((f for f in broker.frontends if type(f).__name__ == "RocketMQServer"), None)
         self.rocketmq_port: int | None = fe.port if fe is not None else None
         self.rocketmq_address = f"{host}:{self.rocketmq_port}" if fe is not None else None
+        # With remoting_port=... (0: a free one): where RocketMQ 4's remoting protocol listens (broker/remoting/).
+        rem = next((f for f in broker.frontends if type(f).__name__ == "RemotingFrontend"), None)
+        self.remoting = rem
+        self.remoting_port: int | None = rem.port if rem is not None else None
+        self.remoting_address = f"{host}:{self.remoting_port}" if rem is not None else None
 
 
 @contextlib.asynccontextmanager
@@ -49,6 +54,10 @@ async def running_broker(data_dir: str | Path, clock: Clock | None = None, **ove
         from .rocketmq.server import attach  # needs the rocketmq extra
 
         await attach(broker, config)
+    if config.remoting_port is not None:
+        from .remoting.server import attach as attach_remoting
+
+        await attach_remoting(broker, config)
     shutdown = asyncio.Event()
     task = asyncio.create_task(broker.serve(sock, shutdown))
     ready = asyncio.create_task(broker.ready.wait())
@@ -59,6 +68,7 @@ async def running_broker(data_dir: str | Path, clock: Clock | None = None, **ove
             await frontend.stop()
         task.result()  # raises the start-up error
     await broker.core.keeper.ready.wait()  # tests start from a fully ready broker
+    await broker.core.scheduled.ready.wait()
     try:
         yield RunningBroker(broker, "127.0.0.1", port)
     finally:

@@ -31,6 +31,7 @@ _CODE_EXIT = {
     ErrorCode.NO_SUCH_TOPIC: exitcodes.NOT_FOUND,
     ErrorCode.TOPIC_IN_USE: exitcodes.CONFLICT,
     ErrorCode.MESSAGE_TYPE_NOT_ACCEPTED: exitcodes.CONFLICT,
+    ErrorCode.INVALID_DELIVERY_TIME: exitcodes.USAGE,
 }
 
 

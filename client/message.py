@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from datetime import datetime, timedelta
 from typing import Any
 
 from txmq.constants import (
@@ -21,6 +22,8 @@ from txmq.constants import (
     PROP_REAL_TOPIC,
     PROP_SHARDING_KEY,
     PROP_TAGS,
+    PROP_TIMER_DELAY_MS,
+    PROP_TIMER_DELIVER_MS,
     PROP_UNIQ_KEY,
 )
 
@@ -30,6 +33,38 @@ TX_NORMAL, TX_HALF, TX_COMMIT, TX_ROLLBACK = 0, 1, 2, 3
 
 Body = bytes | bytearray | memoryview | str
 Keys = str | Iterable[str]
+When = float | int | datetime  # epoch seconds, or an aware datetime (a naive one is local time)
+Delay = float | int | timedelta  # seconds
+
+
+def schedule_properties(deliver_at: When | None = None, delay: Delay | None = None) -> dict[str, str] | None:
+    """The properties that ask the broker to deliver a message later (docs/client.md, "Delayed messages").
+
+    ``deliver_at`` becomes ``TIMER_DELIVER_MS`` (an absolute time);
+    ``delay`` becomes ``TIMER_DELAY_MS``, counted from the broker's clock
+    when it stores the message. None when neither is given.
+    """
+    if deliver_at is not None and delay is not None:
+        raise ValueError("give deliver_at or delay, not both")
+    if deliver_at is not None:
+        if isinstance(deliver_at, datetime):
+            ms = int(deliver_at.timestamp() * 1000)
+        elif isinstance(deliver_at, (int, float)) and not isinstance(deliver_at, bool):
+            ms = int(deliver_at * 1000)
+        else:
+            raise TypeError(f"deliver_at must be epoch seconds or a datetime, not {type(deliver_at).__name__}")
+        return {PROP_TIMER_DELIVER_MS: str(ms)}
+    if delay is not None:
+        if isinstance(delay, timedelta):
+            ms = int(delay.total_seconds() * 1000)
+        elif isinstance(delay, (int, float)) and not isinstance(delay, bool):
+            ms = int(delay * 1000)
+        else:
+            raise TypeError(f"delay must be seconds or a timedelta, not {type(delay).__name__}")
+        if ms < 0:
+            raise ValueError("delay must not be negative")
+        return {PROP_TIMER_DELAY_MS: str(ms)}
+    return None
 
 
 def to_bytes(body: Body) -> bytes:
@@ -72,7 +107,12 @@ class Message:
     ``message_group``: a FIFO message's group (stored as ``__SHARDINGKEY``):
     every message of a group goes to one queue, in the order the sends were
     acknowledged, and a FIFO consumer group receives them in that order
-    (docs/client.md, "FIFO messages"). Not with a transactional send.
+    (docs/client.md, "FIFO messages"). Not with a transactional send, nor
+    with ``deliver_at`` or ``delay``.
+
+    ``deliver_at`` (epoch seconds or a datetime) or ``delay`` (seconds or a
+    timedelta): the broker keeps the message from every consumer until then
+    (``schedule_properties``).
     """
 
     topic: str
@@ -81,14 +121,22 @@ class Message:
     keys: Keys | None = None
     properties: Mapping[str, str] | None = None
     message_group: str | None = None
+    deliver_at: When | None = None
+    delay: Delay | None = None
 
     def wire_properties(self, base: Mapping[str, str] | None = None) -> dict[str, str] | None:
+        when = schedule_properties(self.deliver_at, self.delay)
+        if when is not None:
+            if self.message_group is not None:
+                raise ValueError("a message with a message_group cannot have deliver_at or delay: FIFO and delayed "
+                                 "messages are two types (as in RocketMQ 5)")
+            base = {**when, **base} if base else when
         return _with_group(build_properties(self.tags, self.keys, self.properties, base), self.message_group)
 
     def send_fields(self, base: Mapping[str, str] | None = None) -> dict[str, Any]:
         """Fields of a `send` request for this message (without queue_id)."""
         fields: dict[str, Any] = {"topic": self.topic, "body": to_bytes(self.body), "born_ts": now_ms()}
-        props = _with_group(build_properties(self.tags, self.keys, self.properties, base), self.message_group)
+        props = self.wire_properties(base)
         if props is not None:
             fields["properties"] = props
         return fields
@@ -107,12 +155,13 @@ class SendResult:
     msg_id: str
     topic: str
     queue_id: int
-    queue_offset: int
+    queue_offset: int  # -1 for a scheduled message: it enters its queue when due
     commit_log_offset: int
+    deliver_at_ms: int | None = None  # a scheduled message's due time (epoch ms); None for one delivered now
 
     @classmethod
     def from_reply(cls, r: Mapping[str, Any]) -> "SendResult":
-        return cls(r["msg_id"], r["topic"], r["queue_id"], r["queue_offset"], r["commit_log_offset"])
+        return cls(r["msg_id"], r["topic"], r["queue_id"], r["queue_offset"], r["commit_log_offset"], r.get("deliver_at_ms"))
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,7 +17,7 @@ from typing import Any
 from txmq.wire import TxmqError
 
 from .connection import DEFAULT_ADDRESS, Client
-from .message import Body, Keys, Message, SendResult, build_properties, now_ms, to_bytes
+from .message import Body, Delay, Keys, Message, SendResult, When, build_properties, now_ms, schedule_properties, to_bytes
 
 
 class Producer:
@@ -53,14 +53,28 @@ class Producer:
         properties: Mapping[str, str] | None = None,
         queue_id: int | None = None,
         timeout: float | None = None,
+        deliver_at: When | None = None,
+        delay: Delay | None = None,
     ) -> SendResult:
+        """Send one message; with ``deliver_at`` or ``delay`` the broker delivers it then (``SendResult.deliver_at_ms``)."""
         fields: dict[str, Any] = {"topic": topic, "body": to_bytes(body), "born_ts": now_ms()}
-        props = build_properties(tags, keys, properties)
+        props = build_properties(tags, keys, properties, schedule_properties(deliver_at, delay))
         if props is not None:
             fields["properties"] = props
         if queue_id is not None:
             fields["queue_id"] = queue_id
         return SendResult.from_reply(await self._client.request("send", fields, timeout))
+
+    async def cancel_scheduled(self, msg_id: str, topic: str | None = None, *, timeout: float | None = None) -> dict[str, Any]:
+        """Cancel a delayed or timed message not yet delivered, by its id: ``{"msg_id", "cancelled": [...]}``.
+
+        Raises TxmqError NO_SUCH_MESSAGE when none with this id waits
+        (delivered already, cancelled, or never scheduled).
+        """
+        fields: dict[str, Any] = {"msg_id": msg_id}
+        if topic is not None:
+            fields["topic"] = topic
+        return await self._client.request("cancel_scheduled", fields, timeout)
 
     async def send_message(self, message: Message, *, queue_id: int | None = None, timeout: float | None = None) -> SendResult:
         fields = message.send_fields()

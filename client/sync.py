@@ -119,10 +119,16 @@ class SyncProducer(_SyncBase):
         properties: Mapping[str, str] | None = None,
         queue_id: int | None = None,
         timeout: float | None = None,
+        deliver_at: Any = None,
+        delay: Any = None,
     ) -> SendResult:
         return self._call(
-            self._async.send(topic, body, tags=tags, keys=keys, properties=properties, queue_id=queue_id, timeout=timeout)
+            self._async.send(topic, body, tags=tags, keys=keys, properties=properties, queue_id=queue_id, timeout=timeout,
+                             deliver_at=deliver_at, delay=delay)
         )
+
+    def cancel_scheduled(self, msg_id: str, topic: str | None = None) -> dict:
+        return self._call(self._async.cancel_scheduled(msg_id, topic))
 
     def send_message(self, message: Message, *, queue_id: int | None = None) -> SendResult:
         return self._call(self._async.send_message(message, queue_id=queue_id))

@@ -23,11 +23,13 @@
 #   txmq inspect half
 #   txmq inspect offsets
 #   txmq inspect op
+#   txmq inspect scheduled
 #   txmq inspect tx
 #   txmq message find
 #   txmq message get
 #   txmq read
 #   txmq resolve
+#   txmq scheduled cancel
 #   txmq send
 #   txmq spark-export
 #   txmq stats

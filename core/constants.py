@@ -35,6 +35,21 @@ PROP_ORIGIN_CL_OFFSET = "TXMQ_ORIGIN_CL_OFFSET"  # on check copies / discards: t
 PROP_DISCARD_REASON = "TXMQ_DISCARD_REASON"  # max-checks | retention
 PROP_REPLAYED = "TXMQ_REPLAYED"  # on a half copy put back from the discard topic, and on the op record of a replay to commit
 
+# Delayed and timed messages (docs/scheduled.md). RocketMQ's property names (MessageConst): a send carrying one
+# of the first four is scheduled; the delivered message carries TIMER_DELIVER_MS (its due time, epoch ms),
+# TIMER_ENQUEUE_MS (when it was stored) and TIMER_DEQUEUE_MS (when it was delivered).
+SCHEDULE_TOPIC = "RMQ_SYS_TXMQ_TIMER"
+PROP_TIMER_DELIVER_MS = "TIMER_DELIVER_MS"
+PROP_TIMER_DELAY_SEC = "TIMER_DELAY_SEC"
+PROP_TIMER_DELAY_MS = "TIMER_DELAY_MS"
+PROP_TIMER_ENQUEUE_MS = "TIMER_ENQUEUE_MS"
+PROP_TIMER_DEQUEUE_MS = "TIMER_DEQUEUE_MS"
+PROP_TIMER_OUT_MS = "TIMER_OUT_MS"  # on the scheduled record: its due time, as RocketMQ's timer topic records carry it
+PROP_SCHEDULED_FROM = "TXMQ_SCHEDULED_FROM"  # on a delivered message: the commit-log offset of its scheduled record
+PROP_SCHEDULE_CANCEL = "TXMQ_SCHEDULE_CANCEL"  # on a cancel record: the commit-log offset of the scheduled record
+# RocketMQ 4's delay levels (messageDelayLevel's default), in seconds: DELAY=1 is 1 s ... DELAY=18 is 2 h.
+DELAY_LEVELS_S = (1, 5, 10, 30, 60, 120, 180, 240, 300, 360, 420, 480, 540, 600, 1200, 1800, 3600, 7200)
+
 SYSTEM_TOPICS = frozenset({HALF_TOPIC, OP_TOPIC, DISCARD_TOPIC})
 
 # The message types a topic may accept (RocketMQ's: NORMAL, FIFO, DELAY, TRANSACTION), in this order everywhere,

@@ -30,6 +30,9 @@ PARTIAL_FRAME_BUDGET = 256 << 20  # bytes all connections together may hold in p
 # False: such sends are refused until `txmq topics create` (docs/cli.md, "txmq topics").
 AUTO_CREATE_TOPICS = True
 
+# The longest a message may be scheduled ahead (RocketMQ's timerMaxDelaySec default: 3 days); further is refused.
+MAX_DELAY_S = 3 * 86400.0
+
 # The check settings (`txmq config set` changes them while the broker runs; docs/transactions.md).
 CHECK_INTERVAL_S = 60.0
 TRANSACTION_TIMEOUT_S = 6.0

@@ -64,6 +64,7 @@ class ErrorCode(IntEnum):
     NO_SUCH_TOPIC = 43
     TOPIC_IN_USE = 44
     MESSAGE_TYPE_NOT_ACCEPTED = 45
+    INVALID_DELIVERY_TIME = 46  # a delayed or timed message's time cannot be read, or is beyond the broker's --max-delay
     INTERNAL = 99
 
 

@@ -35,6 +35,11 @@ CACHE = Path(os.environ.get("TXMQ_SDK_CACHE") or REPO / ".cache" / "sdk-venvs")
 
 PYTHON_SDK = ("rocketmq-python-client", "5.1.2")
 NODE_SDK = ("rocketmq-client-nodejs", "1.0.8")
+# RocketMQ 4's remoting protocol (--remoting-port): PyPI's `rocketmq` is the Python binding of Apache's
+# rocketmq-client-cpp; its manylinux wheel bundles librocketmq.so (and its zlib). npm's `ali-ons` is a pure
+# JavaScript remoting client.
+REMOTING_PYTHON_CLIENT = ("rocketmq", "0.4.4")
+REMOTING_NODE_CLIENT = ("ali-ons", "3.12.0")
 _MARKER = ".complete"
 
 
@@ -108,6 +113,94 @@ def build_python_sdk() -> Path:
             assert r.returncode == 0, f"{name}=={version} installed but does not import: {_tail(r.stderr)}"
             (env_dir / _MARKER).write_text(f"{name}=={version}\n")
     return python
+
+
+def remoting_python() -> Path:
+    """The interpreter of a virtual environment holding PyPI's `rocketmq` (RocketMQ 4's C++ client), built on first use.
+
+    Skips the calling test when it cannot be installed (no network and no cached build)."""
+    if "remoting-python" in _UNAVAILABLE:
+        pytest.skip(_UNAVAILABLE["remoting-python"])
+    try:
+        return build_remoting_python()
+    except SdkUnavailable as e:
+        _UNAVAILABLE["remoting-python"] = str(e)
+        pytest.skip(str(e))
+
+
+def build_remoting_python() -> Path:
+    name, version = REMOTING_PYTHON_CLIENT
+    pyver = f"py{sys.version_info.major}{sys.version_info.minor}"
+    env_dir = CACHE / f"python-{name}-{version}-{pyver}"
+    python = env_dir / "bin" / "python"
+    with _locked(env_dir.name):
+        if not (env_dir / _MARKER).exists():
+            shutil.rmtree(env_dir, ignore_errors=True)
+            r = subprocess.run([sys.executable, "-m", "venv", str(env_dir)], capture_output=True, timeout=300)
+            if r.returncode != 0:
+                shutil.rmtree(env_dir, ignore_errors=True)
+                raise SdkUnavailable(f"cannot create a virtual environment for {name}: {_errors(r.stderr)}")
+            pip_env = {**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+            pip_env.pop("PYTHONPATH", None)
+            r = subprocess.run([str(python), "-m", "pip", "install", "-q", "--only-binary", ":all:", f"{name}=={version}"],
+                               capture_output=True, timeout=900, env=pip_env)
+            if r.returncode != 0:
+                shutil.rmtree(env_dir, ignore_errors=True)
+                raise SdkUnavailable(f"cannot install {name}=={version} (offline, or no wheel for this platform?): {_errors(r.stderr)}")
+            r = subprocess.run([str(python), "-c", "import rocketmq.client"], capture_output=True, timeout=120)
+            assert r.returncode == 0, f"{name}=={version} installed but does not load librocketmq: {_tail(r.stderr)}"
+            (env_dir / _MARKER).write_text(f"{name}=={version}\n")
+    return python
+
+
+def remoting_python_scenario(python: Path, scenario: str, home: Path, *args: str, timeout: float = 150) -> dict:
+    return run_scenario([str(python), str(SCENARIOS / "remoting_python_scenario.py"), scenario, *args], home, timeout)
+
+
+def remoting_node_dir() -> Path:
+    """A directory whose node_modules holds npm's ali-ons (installed on first use); skips without node/npm or the package."""
+    if "remoting-node" in _UNAVAILABLE:
+        pytest.skip(_UNAVAILABLE["remoting-node"])
+    name, version = REMOTING_NODE_CLIENT
+    node, npm = shutil.which("node"), shutil.which("npm")
+    if not node or not npm:
+        _UNAVAILABLE["remoting-node"] = "node and npm are needed for ali-ons"
+        pytest.skip(_UNAVAILABLE["remoting-node"])
+    env_dir = CACHE / f"node-{name}-{version}"
+    with _locked(env_dir.name):
+        if not (env_dir / _MARKER).exists():
+            shutil.rmtree(env_dir, ignore_errors=True)
+            env_dir.mkdir(parents=True)
+            (env_dir / "package.json").write_text(json.dumps({"name": "txmq-remoting-tests", "private": True, "version": "0.0.0"}))
+            r = subprocess.run([npm, "install", "--no-audit", "--no-fund", "--save-exact", f"{name}@{version}"],
+                               cwd=env_dir, capture_output=True, timeout=900)
+            if r.returncode != 0:
+                shutil.rmtree(env_dir, ignore_errors=True)
+                _UNAVAILABLE["remoting-node"] = f"cannot install {name}@{version} (offline?): {_errors(r.stderr)}"
+                pytest.skip(_UNAVAILABLE["remoting-node"])
+            (env_dir / _MARKER).write_text(f"{name}@{version}\n")
+    return env_dir
+
+
+def remoting_node_scenario(sdk_dir: Path, scenario: str, home: Path, *args: str, timeout: float = 150) -> dict:
+    env_node = shutil.which("node") or "node"
+    return run_scenario([env_node, str(SCENARIOS / "remoting_node_scenario.js"), scenario, "--sdk", str(sdk_dir), *args], home, timeout)
+
+
+def start_remoting_broker(root: Path, *args: str, name: str = "broker"):
+    """A txmq broker subprocess that also serves RocketMQ 4's remoting protocol; returns (BrokerProcess, "127.0.0.1:PORT"),
+    the address 4.x clients take as their namesrvAddr."""
+    from brokerproc import free_port
+    from clihelpers import start_broker
+
+    port = free_port()
+    broker = start_broker(root, "--remoting-port", str(port), *args, name=name)
+    try:
+        wait_for_port(port)
+    except TimeoutError:
+        broker.stop()
+        raise
+    return broker, f"127.0.0.1:{port}"
 
 
 def node_sdk_dir() -> Path:

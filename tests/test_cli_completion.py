@@ -76,7 +76,7 @@ def test_completion_skips_global_options_before_the_command_and_completes_contex
     home = {"XDG_CONFIG_HOME": str(tmp_path / "cfg")}
     assert txmq("context", "add", "prod", "--broker", "127.0.0.1:1", env=home).returncode == 0
     assert txmq("context", "add", "staging", "--broker", "127.0.0.1:2", env=home).returncode == 0
-    assert set(_complete_bash("txmq -b 127.0.0.1:1 inspect ")) == {"half", "op", "tx", "offsets"}
+    assert set(_complete_bash("txmq -b 127.0.0.1:1 inspect ")) == {"half", "op", "tx", "offsets", "scheduled"}
     assert _complete_bash("txmq --context prod --debug inspect h") == ["half"]
     assert _complete_bash("txmq --context ", **home) == ["prod", "staging"]
     assert _complete_bash("txmq inspect half --context s", **home) == ["staging"]

@@ -43,6 +43,8 @@ def test_send_with_a_message_group_goes_to_the_groups_queue_and_stdin_lines_name
     (["x", "--message-group", "g", "--tx", "--group", "p"], "does not go with --tx"),
     (["x", "--message-group", "g", "--queue", "1"], "leave --queue out"),
     (["x", "--message-group", "-"], "pipe lines on stdin"),
+    (["x", "--message-group", "g", "--delay", "30s"], "does not go with --delay or --deliver-at"),
+    (["x", "--message-group", "-", "--deliver-at", "2030-01-01T00:00:00Z"], "does not go with --delay or --deliver-at"),
 ])
 def test_bad_message_group_options_are_usage_errors(broker, args, words):
     r = run(broker, "send", "cli-fifo", *args)

@@ -97,7 +97,8 @@ def test_stats_filter_keeps_the_matching_counters_and_gauges_in_every_output(bro
     assert all("pending" in n or n == "last_check_pass.at" for n in names), names
     table = out(ok(txmq("stats", "--filter", "*_seconds_*", "-o", "table", broker=broker.address)))
     assert {line.split()[1] for line in table.splitlines()[1:]} == {
-        "flush_seconds_avg", "flush_seconds_max", "checkpoint_seconds_avg", "checkpoint_seconds_max", "decision_seconds_sum"}
+        "flush_seconds_avg", "flush_seconds_max", "checkpoint_seconds_avg", "checkpoint_seconds_max", "decision_seconds_sum",
+        "scheduled_lateness_seconds_avg", "scheduled_lateness_seconds_max"}
     rows = lines(ok(txmq("stats", "--watch", "--count", "2", "--interval", "100ms", "--filter", "half_stored",
                          broker=broker.address)))
     assert len(rows) == 2 and all(r["counters"] == {"half_stored": 1} for r in rows), rows

@@ -126,6 +126,40 @@ def test_fifo_sends_are_refused_when_the_topic_does_not_accept_them_or_are_trans
     arun(go())
 
 
+@pytest.mark.parametrize("timed", [{"TIMER_DELIVER_MS": "4102444800000"}, {"TIMER_DELAY_SEC": "30"},
+                                   {"TIMER_DELAY_MS": "30000"}, {"DELAY": "3"}])
+def test_a_message_with_a_group_and_a_delivery_time_is_refused_alone_and_in_a_batch_and_nothing_is_stored(tmp_path, timed):
+    async def go():
+        async with running_broker(tmp_path / "d") as b:
+            c = await RawClient.open(b.address)
+            await c.ok("create_topic", {"topic": T, "message_types": ["normal", "fifo", "delay"]})
+            both = {"__SHARDINGKEY": "g1", **timed}
+            code, f = await c.req("send", {"topic": T, "body": b"x", "properties": both})
+            key = next(iter(timed))
+            assert f["name"] == "INVALID_FIELD" and f"cannot also have a delivery time ({key})" in f["error"], f
+            code, f = await c.req("send_batch", {"topic": T, "messages": [{"body": b"ok", "properties": {"__SHARDINGKEY": "g2"}},
+                                                                          {"body": b"x", "properties": both}]})
+            assert f["name"] == "INVALID_FIELD" and "cannot also have a delivery time" in f["error"], f
+            assert all(b.core.store.queue_max_offset(T, q) == 0 for q in range(b.core.topics.queues(T)))
+            assert b.core.scheduled.gauges()["scheduled"] == 0
+            # each alone goes through: the group to its queue, the delayed one scheduled
+            r = await c.ok("send", {"topic": T, "body": b"g", "properties": {"__SHARDINGKEY": "g1"}})
+            assert r["queue_id"] == queue_of_group("g1", b.core.topics.queues(T))
+            r = await c.ok("send", {"topic": T, "body": b"d", "properties": {"TIMER_DELAY_SEC": "60"}})
+            assert r["queue_offset"] == -1 and b.core.scheduled.gauges()["scheduled"] == 1
+            await c.close()
+
+    arun(go())
+
+
+def test_the_clients_message_refuses_a_group_with_a_delay_before_sending():
+    with pytest.raises(ValueError, match="message_group cannot have deliver_at or delay"):
+        Message(T, "x", message_group="g1", delay=30).send_fields()
+    with pytest.raises(ValueError, match="message_group cannot have deliver_at or delay"):
+        Message(T, "x", message_group="g1", deliver_at=4102444800).wire_properties()
+    assert Message(T, "x", delay=30).send_fields()["properties"] == {"TIMER_DELAY_MS": "30000"}
+
+
 # ---- FIFO consumer groups ------------------------------------------------------------------
 def test_a_fifo_group_gets_one_batch_per_queue_in_flight_and_the_next_only_after_the_acks(tmp_path):
     async def go():

@@ -49,7 +49,7 @@ def start_to_the_end(tmp_path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, timeout=60, stdin=subprocess.DEVNULL, env=cli_env())
 
 
-@pytest.mark.parametrize("option", ["--port", pytest.param("--rocketmq-port", marks=needs_rocketmq), "--metrics-port"])
+@pytest.mark.parametrize("option", ["--port", pytest.param("--rocketmq-port", marks=needs_rocketmq), "--remoting-port", "--metrics-port"])
 def test_a_port_in_use_ends_the_start_with_one_line(tmp_path, option):
     holder, busy = held_port()
     try:
@@ -67,8 +67,8 @@ def test_a_port_in_use_ends_the_start_with_one_line(tmp_path, option):
 
 @needs_rocketmq
 def test_every_port_is_logged_at_start_and_listed_by_broker_status(tmp_path):
-    rport, mport = free_port(), free_port()
-    with BrokerProcess(tmp_path / "data", "--rocketmq-port", str(rport), "--metrics-port", str(mport)) as b:
+    rport, mport, remport = free_port(), free_port(), free_port()
+    with BrokerProcess(tmp_path / "data", "--rocketmq-port", str(rport), "--metrics-port", str(mport), "--remoting-port", str(remport)) as b:
         deadline = time.monotonic() + 20
         while "event=listening" not in b.log.read_text():
             assert time.monotonic() < deadline, b.log.read_text()
@@ -78,16 +78,20 @@ def test_every_port_is_logged_at_start_and_listed_by_broker_status(tmp_path):
         table = ok(txmq("broker", "status", "-o", "table", broker=b.address)).stdout
         table = table.decode() if isinstance(table, bytes) else table
         scrape = urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics", timeout=10).read().decode()
-    starts = {ev: ln for ln in log.splitlines() for ev in ("event=listening ", "event=rocketmq_listening ", "event=metrics_listening ")
+    starts = {ev: ln for ln in log.splitlines()
+              for ev in ("event=listening ", "event=rocketmq_listening ", "event=metrics_listening ", "event=remoting_listening ")
               if ev in ln}
     assert f"host=127.0.0.1 port={b.port} " in starts["event=listening "]
     assert f"host=127.0.0.1 port={rport} " in starts["event=rocketmq_listening "]
     assert starts["event=metrics_listening "].endswith(f"host=127.0.0.1 port={mport} path=/metrics")
+    assert f"host=127.0.0.1 port={remport} " in starts["event=remoting_listening "]
     assert status["listeners"] == {"native": {"host": "127.0.0.1", "port": b.port},
                                    "rocketmq": {"host": "127.0.0.1", "port": rport, "tls": False},
+                                   "remoting": {"host": "127.0.0.1", "port": remport},
                                    "metrics": {"host": "127.0.0.1", "port": mport, "path": "/metrics"}}
     assert {"status", "address", "version", "uptime_s", "connections", "auth"} <= status.keys()  # the keys it always had
-    assert (f"native 127.0.0.1:{b.port}, rocketmq 127.0.0.1:{rport}, metrics http://127.0.0.1:{mport}/metrics"
+    assert (f"native 127.0.0.1:{b.port}, rocketmq 127.0.0.1:{rport}, remoting 127.0.0.1:{remport}, "
+            f"metrics http://127.0.0.1:{mport}/metrics"
             in " ".join(table.split())), table
     assert "txmq_pending_transactions" in scrape
 
@@ -96,3 +100,12 @@ def test_a_broker_without_other_ports_lists_only_its_native_port(tmp_path):
     with BrokerProcess(tmp_path / "data") as b:
         status = json.loads(ok(txmq("broker", "status", "-o", "json", broker=b.address)).stdout)
     assert status["listeners"] == {"native": {"host": "127.0.0.1", "port": b.port}}
+
+
+@pytest.mark.parametrize("args", [["--port", "19876", "--remoting-port", "19876"], ["--remoting-max-connections", "5"],
+                                  ["--remoting-port", "19877", "--remoting-max-connections", "0"]])
+def test_remoting_options_that_do_not_go_together_end_the_start_with_exit_2(tmp_path, args):
+    from clihelpers import refused_start
+
+    text = refused_start(tmp_path, *args)
+    assert "--remoting" in text

@@ -279,7 +279,7 @@ def test_unsupported_features_and_rpcs_answer_the_unsupported_code(tmp_path):
             r = await stub.SendMessage(s.SendMessageRequest(messages=[m]), metadata=MD)
             assert r.status.code == d.UNSUPPORTED and "not supported" in r.status.message
         r = await stub.RecallMessage(s.RecallMessageRequest(topic=d.Resource(name="orders"), recall_handle="h"), metadata=MD)
-        assert r.status.code == d.UNSUPPORTED
+        assert r.status.code == d.BAD_REQUEST and "recall_handle" in r.status.message  # served: tests/test_rocketmq_topics.py
         for call in (stub.UpdateOffset(s.UpdateOffsetRequest(), metadata=MD), stub.GetOffset(s.GetOffsetRequest(), metadata=MD),
                      stub.QueryOffset(s.QueryOffsetRequest(), metadata=MD), stub.SyncLiteSubscription(s.SyncLiteSubscriptionRequest(), metadata=MD)):
             assert (await call).status.code == d.UNSUPPORTED

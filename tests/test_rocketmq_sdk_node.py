@@ -7,6 +7,8 @@ be installed; an installed SDK that misbehaves fails the test.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from clihelpers import lines, ok, txmq
@@ -135,5 +137,38 @@ def test_node_sdk_signs_with_the_auth_token_as_secret_key_and_a_wrong_one_is_ref
                           "--access-key", "app", "--secret-key", token)
         stored = lines(ok(txmq("read", topic, "-o", "jsonl", broker=b.address, env={"TXMQ_AUTH_TOKEN": token})))
         assert sorted(m["body"] for m in stored) == sorted(x["body"] for x in r["sent"])
+    finally:
+        b.stop()
+
+
+def test_node_sdk_delayed_messages_arrive_at_their_time(sdk_node, broker, tmp_path):
+    b, endpoint = broker
+    topic = "NodeSdkDelay"
+    ok(txmq("topics", "create", topic, "--message-types", "normal,delay", broker=b.address))
+    r = node_scenario(sdk_node, "delay", tmp_path / "home", "--endpoint", endpoint, "--topic", topic, "--group", "node-delay",
+                      "--count", "3", "--delay-ms", "3000", "--expect", "3", "--await-duration", "1000", "--receive-wait", "20000")
+    sent = {x["message_id"]: x for x in r["sent"]}
+    got = r["received"]
+    assert sorted(m["message_id"] for m in got) == sorted(sent)
+    for m in got:
+        due = sent[m["message_id"]]["due_ms"]
+        assert m["delivery_timestamp"] == due
+        assert due - 50 <= m["received_ms"] <= due + 2500, (m["received_ms"] - due, m)
+        assert m["tag"] == "timeout"
+
+
+def test_node_sdk_delayed_messages_due_while_the_broker_was_stopped_arrive_after_the_start(sdk_node, tmp_path):
+    b, endpoint = start_rocketmq_broker(tmp_path / "broker")
+    try:
+        topic = "NodeSdkDelayDown"
+        ok(txmq("topics", "create", topic, "--message-types", "normal,delay", broker=b.address))
+        r = node_scenario(sdk_node, "delay", tmp_path / "home", "--endpoint", endpoint, "--topic", topic,
+                          "--count", "2", "--delay-ms", "1500", "--expect", "0")
+        b.stop()
+        time.sleep(2.0)
+        b.start()
+        got = node_scenario(sdk_node, "receive", tmp_path / "home2", "--endpoint", endpoint, "--topic", topic,
+                            "--group", "node-delay-down", "--expect", "2", "--await-duration", "1000", "--settle", "1000")
+        assert sorted(m["message_id"] for m in got["received"]) == sorted(x["message_id"] for x in r["sent"])
     finally:
         b.stop()

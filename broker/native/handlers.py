@@ -11,11 +11,12 @@ import time
 from typing import TYPE_CHECKING, Any, Callable
 
 from txmq import __version__
-from txmq.constants import PROP_TRAN_MSG, canonical_topic
+from txmq.constants import DEFAULT_MESSAGE_TYPES, PROP_TRAN_MSG, canonical_topic
 from txmq.store import Message, TxType
 from txmq.wire import PROTOCOL_VERSION, ErrorCode, TxmqError
 
 from ..fifo import message_group_of, pick_group_queue
+from ..scheduled.timing import asks_for_time
 from ..topics import MAX_QUEUES, message_types_of
 from .operations import HANDLERS, Handler, Reply, _bad, body_of, opt_bool, opt_int, opt_str, props_of, refs_of, req_int, req_str, user_topic
 
@@ -29,7 +30,9 @@ if TYPE_CHECKING:
 # list_topics' rows carry message_types (an older broker would create a topic without the types it was given).
 # "message_group": a send's __SHARDINGKEY property is its message group (FIFO): the group chooses the queue;
 # update_group marks a consumer group FIFO, and list_groups / describe_group carry fifo.
-FEATURES = ["config_set_dry_run", "topic_message_types", "message_group"]
+# "scheduled_messages": sends with TIMER_DELIVER_MS / TIMER_DELAY_SEC / TIMER_DELAY_MS / DELAY are delivered when due,
+# and cancel_scheduled and list_scheduled exist (an older broker would deliver such a send at once).
+FEATURES = ["config_set_dry_run", "topic_message_types", "message_group", "scheduled_messages"]
 
 
 # ---- session ---------------------------------------------------------------
@@ -78,8 +81,21 @@ def _send(core: BrokerCore, topic: str, qid: int | None, body: bytes, props: dic
         if core.keeper.must_wait():
             return core.keeper.when_ready(lambda: core.tx.send_half(topic, qid, body, props, born))
         return core.tx.send_half(topic, qid, body, props, born)
-    qid = core.topics.pick_queue(topic, qid, "normal")
+    qid = core.topics.pick_queue(topic, qid, _kind(core, topic, props))
     return core.send([Message(topic, qid, TxType.NORMAL, born, props, body)], single=True)
+
+
+def _kind(core: BrokerCore, topic: str, props: dict[str, str]) -> str:
+    """The message type a plain send is checked against: delay when its properties ask for a later delivery.
+
+    A topic the send creates (auto-creation) accepts delayed messages too
+    when the send that creates it is one.
+    """
+    if not asks_for_time(props):
+        return "normal"
+    if core.topics.auto_create and core.topics.queues(topic) is None:
+        core.topics.ensure(topic, None, (*DEFAULT_MESSAGE_TYPES, "delay"))
+    return "delay"
 
 
 async def _created_topic(reply: Reply) -> dict[str, Any]:
@@ -95,18 +111,26 @@ def send_batch(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
         raise _bad("field 'messages' must be a non-empty list of at most 10000 messages")
     created = core.topics.queues(topic) is None
     asked = opt_int(f, "queue_id", None, -1, 1023)
-    qid = core.topics.pick_queue(topic, asked, "normal")
     now = int(core.clock() * 1000)
-    msgs = []
+    parts = []
+    kinds = set()
     for m in items:
         if not isinstance(m, dict):
             raise _bad("each message must be a map")
         props = props_of(m, core.config.max_properties)
         if props.get(PROP_TRAN_MSG) == "true":
             raise _bad("transactional messages cannot be sent in a batch")
-        group = message_group_of(props)  # FIFO: each message to its group's queue
-        q = qid if group is None else pick_group_queue(core.topics, topic, group, asked)
-        msgs.append(Message(topic, q, TxType.NORMAL, opt_int(m, "born_ts", None) or now, props, body_of(m, core.config.max_body)))
+        born, body = opt_int(m, "born_ts", None) or now, body_of(m, core.config.max_body)
+        group = message_group_of(props)  # FIFO: each message to its group's queue (never with a delivery time)
+        if group is not None:
+            parts.append((pick_group_queue(core.topics, topic, group, asked), born, props, body))
+        else:
+            kinds.add(_kind(core, topic, props))
+            parts.append((None, born, props, body))
+    for kind in kinds - {"normal"}:  # every type in the batch must be one the topic accepts
+        core.topics.pick_queue(topic, 0, kind)
+    qid = core.topics.pick_queue(topic, asked, "normal" if "normal" in kinds else "delay") if kinds else 0
+    msgs = [Message(topic, qid if q is None else q, TxType.NORMAL, born, props, body) for q, born, props, body in parts]
     return _created_topic(core.send(msgs, single=False)) if created else core.send(msgs, single=False)
 
 
@@ -300,6 +324,21 @@ def stats(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
     return core.stats()
 
 
+# ---- scheduled messages ------------------------------------------------------
+def cancel_scheduled(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
+    topic = opt_str(f, "topic")
+    return core.scheduled.cancel(req_str(f, "msg_id"), canonical_topic(topic) if topic else None)
+
+
+def list_scheduled(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
+    topic = opt_str(f, "topic")
+    after = f.get("after")
+    if after is not None and not (isinstance(after, list) and len(after) == 2 and all(type(x) is int for x in after)):
+        raise _bad("field 'after' must be [deliver_at_ms, commit_log_offset], as a listing's 'cursor' gives it")
+    return core.scheduled.listing(canonical_topic(topic) if topic else None, tuple(after) if after else None,
+                                  opt_int(f, "limit", 1000, 1, 100_000))
+
+
 def _needs_index(handler: Handler) -> Handler:
     def gated(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
         if core.keeper.must_wait():
@@ -336,4 +375,6 @@ HANDLERS.update({
     "config_get": config_get,
     "config_set": config_set,
     "stats": _needs_index(stats),
+    "cancel_scheduled": cancel_scheduled,
+    "list_scheduled": list_scheduled,
 })

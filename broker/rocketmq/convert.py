@@ -12,20 +12,25 @@ check-back push) and the receive side (ReceiveMessage):
 | ``system_properties.born_timestamp``        | ``born_ts`` (ms)                                     |
 | ``system_properties.store_timestamp``       | ``store_ts`` (ms)                                    |
 | ``system_properties.queue_id`` / ``queue_offset`` | queue id / queue offset (``REAL_QID`` for a half) |
-| ``system_properties.message_type``          | TRANSACTION for a transactional message (half, or committed), FIFO for one with a message group, else NORMAL |
+| ``system_properties.message_type``          | TRANSACTION for a transactional message (half, or committed), DELAY for one with ``TIMER_DELIVER_MS`` or ``DELAY``, FIFO for one with a message group, else NORMAL |
 | ``system_properties.message_group``         | ``__SHARDINGKEY`` (a FIFO message's group, as RocketMQ's proxy stores it) |
+| ``system_properties.delivery_timestamp``    | ``TIMER_DELIVER_MS`` (a DELAY message's delivery time) |
 | ``system_properties.orphaned_transaction_recovery_duration`` | ``CHECK_IMMUNITY_TIME_IN_SECONDS`` |
 | ``system_properties.body_digest``           | CRC32 of the body (see ``body_digest``)              |
 | ``user_properties``                         | every other property; RocketMQ's and txmq's system property names are refused on send and left out on delivery |
 | ``user_properties["__transactionId__"]``    | ``UNIQ_KEY`` of a transactional message (half, or committed): its transaction id, as RocketMQ's broker stores it on the half message and keeps it on the committed one |
 
 A send whose type the topic does not accept is refused before this module
-sees it (routes.py: MESSAGE_PROPERTY_CONFLICT_WITH_TYPE); delay and timed
-messages to a topic that accepts them, lite topics and priorities are
-refused with RocketMQ's UNSUPPORTED code: txmq does not deliver them.
-A message group is checked as RocketMQ's proxy checks it
-(ILLEGAL_MESSAGE_GROUP); a transactional message with one is refused
-(MESSAGE_PROPERTY_CONFLICT_WITH_TYPE), as RocketMQ 5's clients refuse it.
+sees it (routes.py: MESSAGE_PROPERTY_CONFLICT_WITH_TYPE). A DELAY message's
+``delivery_timestamp`` becomes ``TIMER_DELIVER_MS``, which the core's send
+schedules (broker/scheduled/); a delivered one shows it again as
+``delivery_timestamp`` with message type DELAY. A message group (FIFO) is
+checked as RocketMQ's proxy checks it (ILLEGAL_MESSAGE_GROUP) and stored as
+``__SHARDINGKEY``; a transactional message with a group or a delivery time
+is refused, and so is a message with both a group and a delivery time
+(MESSAGE_PROPERTY_CONFLICT_WITH_TYPE), as RocketMQ 5's clients refuse these
+pairs. Lite topics and priorities are refused with RocketMQ's UNSUPPORTED
+code: txmq does not deliver them.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ from txmq.constants import (
     PROP_REAL_TOPIC,
     PROP_SHARDING_KEY,
     PROP_TAGS,
+    PROP_TIMER_DELIVER_MS,
     PROP_TRAN_MSG,
     PROP_UNIQ_KEY,
 )
@@ -112,9 +118,12 @@ def user_properties(props: Mapping[str, str]) -> dict[str, str]:
 
 
 def message_type_of(props: Mapping[str, str], prepared_offset: int = -1) -> int:
-    """TRANSACTION for a half message or a committed transactional message (it keeps its half offset), else NORMAL."""
+    """TRANSACTION for a half message or a committed transactional message (it keeps its half offset), DELAY for a
+    delayed or timed one (``TIMER_DELIVER_MS`` or ``DELAY``, as RocketMQ's proxy reads them), else NORMAL."""
     if props.get(PROP_TRAN_MSG) == "true" or PROP_PREPARED_QUEUE_OFFSET in props or prepared_offset >= 0:
         return d.TRANSACTION
+    if PROP_TIMER_DELIVER_MS in props or PROP_DELAY in props:
+        return d.DELAY
     return d.NORMAL
 
 
@@ -164,6 +173,12 @@ def to_message(
     sp.born_timestamp.FromMilliseconds(_proto_ms(born_ts))  # a native producer may have said anything
     if store_ts is not None:
         sp.store_timestamp.FromMilliseconds(_proto_ms(store_ts))
+    deliver_ms = props.get(PROP_TIMER_DELIVER_MS)
+    if deliver_ms:
+        try:
+            sp.delivery_timestamp.FromMilliseconds(_proto_ms(int(deliver_ms)))
+        except ValueError:
+            pass
     if store_host:
         sp.store_host = store_host
     sp.queue_id = int(queue_id)
@@ -234,14 +249,13 @@ def from_message(msg: d.Message, max_body: int, max_properties: int) -> Outgoing
     txmq's: --max-body, --max-properties).
     """
     sp = msg.system_properties
-    if sp.HasField("delivery_timestamp") or sp.message_type == d.DELAY:
-        raise unsupported("delay and timed messages (delivery_timestamp, message type DELAY)")
+    check_group_and_time(sp)
     group = _message_group(sp)
     if sp.HasField("lite_topic") or sp.message_type == d.LITE:
         raise unsupported("lite topics")
     if sp.HasField("priority") or sp.message_type == d.PRIORITY:
         raise unsupported("message priorities")
-    if sp.message_type not in (d.MESSAGE_TYPE_UNSPECIFIED, d.NORMAL, d.FIFO, d.TRANSACTION):
+    if sp.message_type not in (d.MESSAGE_TYPE_UNSPECIFIED, d.NORMAL, d.FIFO, d.DELAY, d.TRANSACTION):
         raise unsupported(f"message type {sp.message_type}")
     body = _body(msg, max_body)
     if not body:
@@ -271,6 +285,12 @@ def from_message(msg: d.Message, max_body: int, max_properties: int) -> Outgoing
     transactional = sp.message_type == d.TRANSACTION
     if group is not None:
         props[PROP_SHARDING_KEY] = group
+    if sp.HasField("delivery_timestamp"):
+        if transactional:  # as RocketMQ's clients refuse it before sending
+            raise RmqError(Code.BAD_REQUEST, "a transactional message cannot have a delivery_timestamp")
+        props[PROP_TIMER_DELIVER_MS] = str(delivery_ms(sp.delivery_timestamp))
+    elif sp.message_type == d.DELAY:
+        raise RmqError(Code.ILLEGAL_DELIVERY_TIME, "a DELAY message needs a delivery_timestamp")
     if sp.HasField("orphaned_transaction_recovery_duration"):
         seconds = sp.orphaned_transaction_recovery_duration.seconds
         if transactional and seconds > 0:
@@ -286,6 +306,19 @@ def from_message(msg: d.Message, max_body: int, max_properties: int) -> Outgoing
     except ValueError:  # seconds or nanos outside what a protobuf Timestamp allows
         raise RmqError(Code.BAD_REQUEST, "born_timestamp is not a valid timestamp (years 1 to 9999)") from None
     return Outgoing(msg.topic.name, body, props, born if born and born > 0 else None, transactional, message_id, group)
+
+
+def check_group_and_time(sp: d.SystemProperties) -> None:
+    """A message is FIFO (a message group) or DELAY (a delivery time), never both: RocketMQ 5's clients refuse the pair.
+
+    Checked before the topic's message types (routes.check_send), so the
+    sender learns of the pair rather than of one of its two types.
+    """
+    fifo = sp.HasField("message_group") or sp.message_type == d.FIFO
+    delay = sp.HasField("delivery_timestamp") or sp.message_type == d.DELAY
+    if fifo and delay:
+        raise RmqError(Code.MESSAGE_PROPERTY_CONFLICT_WITH_TYPE, "a message cannot have both a message group (FIFO) and a "
+                       "delivery time (DELAY): they are two message types, and RocketMQ 5's clients refuse the pair too")
 
 
 def _message_group(sp: d.SystemProperties) -> str | None:
@@ -306,6 +339,23 @@ def _message_group(sp: d.SystemProperties) -> str | None:
 
 # What a protobuf Timestamp holds (0001-01-01 to 9999-12-31); FromMilliseconds refuses the rest.
 _PROTO_MS_MAX = 253_402_300_799_999
+_PROTO_S_MAX = _PROTO_MS_MAX // 1000
+
+
+def delivery_ms(ts: Any) -> int:
+    """A send's delivery_timestamp in epoch ms.
+
+    RocketMQ's Python SDK (5.1.2) writes the time in milliseconds into the
+    Timestamp's ``seconds``: a value past year 9999 that no valid Timestamp
+    holds, so such a ``seconds`` (with no nanos) is read as milliseconds.
+    Anything else out of a Timestamp's range is ILLEGAL_DELIVERY_TIME.
+    """
+    seconds, nanos = ts.seconds, ts.nanos
+    if seconds > _PROTO_S_MAX and nanos == 0 and seconds <= _PROTO_MS_MAX:
+        return seconds
+    if not (0 <= seconds <= _PROTO_S_MAX) or not (0 <= nanos < 1_000_000_000):
+        raise RmqError(Code.ILLEGAL_DELIVERY_TIME, "delivery_timestamp is not a valid timestamp (1970 to 9999)")
+    return seconds * 1000 + nanos // 1_000_000
 
 
 def _proto_ms(ms: int) -> int:

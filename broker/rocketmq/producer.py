@@ -23,6 +23,7 @@ Ids (docs/rocketmq.md, "Ids"), as RocketMQ's proxy and broker give them:
 
 from __future__ import annotations
 
+import base64
 from typing import TYPE_CHECKING, Any
 
 from txmq.constants import PROP_PGROUP, PROP_TRAN_MSG, is_system_topic
@@ -42,6 +43,7 @@ from .status import Code, RmqError, of_error, ok
 if TYPE_CHECKING:
     from txmq.broker.core import BrokerCore
 
+RECALL_BROKER_NAME = "txmq"  # the broker name in the recall handles this broker gives
 MAX_BATCH = 1024  # messages in one SendMessage (txmq's send_batch takes more; RocketMQ's SDKs send a few)
 
 
@@ -116,8 +118,10 @@ async def send_message(core: BrokerCore, req: s.SendMessageRequest) -> s.SendMes
         await _index_ready(core)
         rows = [await core.tx.send_half(topic, None, o.body, props, o.born_ts or now)]
     else:
-        qid = core.topics.pick_queue(topic, None)
-        n = core.topics.queues(topic) or 1  # FIFO: each message to its group's queue, as RocketMQ's proxy chooses it
+        # every message's type is one the topic accepts (routes.check_send): the queue is picked for the first one's;
+        # FIFO: each message with a group goes to its group's queue, as RocketMQ's proxy chooses it
+        qid = core.topics.pick_queue(topic, None, routes.message_type(msgs[0]))
+        n = core.topics.queues(topic) or 1
         rows = (await core.send([Message(topic, qid if o.message_group is None else queue_of_group(o.message_group, n),
                                          TxType.NORMAL, o.born_ts or now, o.properties, o.body) for o in out], False))["results"]
     for o, row in zip(out, rows):
@@ -126,8 +130,38 @@ async def send_message(core: BrokerCore, req: s.SendMessageRequest) -> s.SendMes
         e.message_id = row["msg_id"]
         e.transaction_id = row["msg_id"]  # RocketMQ: the message's UNIQ_KEY, whatever its type (for a half, its tx_id)
         e.offset = row["half_offset"] if o.transactional else row["queue_offset"]
+        if "deliver_at_ms" in row:  # scheduled: RecallMessage takes this back to cancel it
+            e.recall_handle = recall_handle(topic, row["deliver_at_ms"], row["msg_id"])
     resp.status.CopyFrom(ok())
     return resp
+
+
+def recall_handle(topic: str, deliver_at_ms: int, message_id: str) -> str:
+    """A scheduled message's recall handle, in RocketMQ's form (RecallMessageHandle.HandleV1: URL-safe Base64 of
+    "v1 TOPIC BROKER_NAME DELIVER_MS MESSAGE_ID")."""
+    raw = " ".join(("v1", topic, RECALL_BROKER_NAME, str(deliver_at_ms), message_id))
+    return base64.urlsafe_b64encode(raw.encode()).decode()
+
+
+def parse_recall_handle(handle: str) -> tuple[str, str]:
+    """(topic, message id) of a recall handle; BAD_REQUEST for one that is not."""
+    try:
+        items = base64.urlsafe_b64decode(handle.encode() + b"=" * (-len(handle) % 4)).decode().split(" ")
+    except (ValueError, UnicodeError):
+        items = []
+    if len(items) < 5 or items[0] != "v1" or not items[1] or not items[4]:
+        raise RmqError(Code.BAD_REQUEST, "recall_handle is not one a SendMessage of a DELAY message answered")
+    return items[1], items[4]
+
+
+async def recall_message(core: BrokerCore, req: s.RecallMessageRequest) -> s.RecallMessageResponse:
+    """RocketMQ 5's RecallMessage: cancel a scheduled message by the recall handle its send answered."""
+    topic = topic_of(req.topic)
+    handle_topic, message_id = parse_recall_handle(req.recall_handle)
+    if handle_topic != topic:
+        raise RmqError(Code.BAD_REQUEST, f"the recall handle is of topic {handle_topic}, not {topic}")
+    await core.scheduled.cancel(message_id, topic)
+    return s.RecallMessageResponse(status=ok(), message_id=message_id)
 
 
 def _sent_before(core: BrokerCore, topic: str, message_id: str) -> s.SendResultEntry | None:

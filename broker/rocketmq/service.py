@@ -149,6 +149,9 @@ class MessagingService:
     async def EndTransaction(self, req: s.EndTransactionRequest, context: Any) -> s.EndTransactionResponse:  # noqa: N802
         return await producer.end_transaction(self.core, req)
 
+    async def RecallMessage(self, req: s.RecallMessageRequest, context: Any) -> s.RecallMessageResponse:  # noqa: N802
+        return await producer.recall_message(self.core, req)
+
     # ---- Telemetry (server.py drives the stream) -----------------------------------------------
     async def on_telemetry_command(self, stream: TelemetryStream, cmd: s.TelemetryCommand, client: Client, peer: str) -> None:
         """One command from the client on its Telemetry stream: its settings are answered, and make the stream a target."""
@@ -221,8 +224,6 @@ class MessagingService:
     async def QueryOffset(self, req: s.QueryOffsetRequest, context: Any) -> s.QueryOffsetResponse:  # noqa: N802
         raise unsupported("QueryOffset (the pull consumer)")
 
-    async def RecallMessage(self, req: s.RecallMessageRequest, context: Any) -> s.RecallMessageResponse:  # noqa: N802
-        raise unsupported("RecallMessage (recalling delay messages)")
 
     async def SyncLiteSubscription(self, req: s.SyncLiteSubscriptionRequest, context: Any) -> s.SyncLiteSubscriptionResponse:  # noqa: N802
         raise unsupported("SyncLiteSubscription (lite topics)")

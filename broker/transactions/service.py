@@ -37,6 +37,7 @@ from txmq.store import AppendResult, CorruptRecordError, Message, Record, Store,
 from txmq.txids import TxIds
 from txmq.wire import ErrorCode, TxmqError
 
+from ..scheduled.timing import RESERVED, TIMER_PROPERTIES, asks_for_time
 from .index import Decided, IndexRowDamaged, Outcome, PendingTx, TxIndex
 
 if TYPE_CHECKING:
@@ -50,6 +51,7 @@ log = logging.getLogger("txmq.tx")
 check_log = logging.getLogger("txmq.check")  # the discard event is the check service's
 
 HALF_CACHE_ENTRIES = 32768
+TIMED = (*TIMER_PROPERTIES, *RESERVED)  # refused on a half message
 MAX_NAME = 255  # the longest transaction id or group a request field takes (native/operations.py: req_str)
 
 
@@ -130,9 +132,13 @@ class TransactionService:
             raise TxmqError(f"producer group (PGROUP) is longer than {MAX_NAME} characters", ErrorCode.INVALID_FIELD)
         if len(props.get(PROP_UNIQ_KEY) or "") > MAX_NAME:
             raise TxmqError(f"transaction id (UNIQ_KEY) is longer than {MAX_NAME} characters", ErrorCode.INVALID_FIELD)
+        if asks_for_time(props) and any(k in props for k in TIMED):
+            # RocketMQ 5 refuses a delivery time on a transactional message (its clients, before sending)
+            raise TxmqError("a transactional message cannot be timed (TIMER_DELIVER_MS, TIMER_DELAY_SEC, TIMER_DELAY_MS): "
+                            "send it without, or schedule a plain message", ErrorCode.INVALID_FIELD)
         qid = self.topics.pick_queue(topic, queue_id, "transaction")
         props = dict(props)
-        props.pop(PROP_DELAY, None)  # delay levels do not apply to transactional messages
+        props.pop(PROP_DELAY, None)  # a delay level does not apply to a transactional message (RocketMQ 4's client strips it)
         tx_id = props.get(PROP_UNIQ_KEY)
         if not tx_id:
             tx_id = self.new_tx_id()  # unique by construction: no lookup of the decided ones on disk

@@ -11,7 +11,7 @@ from __future__ import annotations
 import typer
 
 from . import bench, broker, checker, completion, config, consume, context, discard, groups, inspect, message, read, resolve, send, spark
-from . import stats, store, topics
+from . import scheduled, stats, store, topics
 
 
 def register_all(app: typer.Typer) -> None:
@@ -22,6 +22,7 @@ def register_all(app: typer.Typer) -> None:
         read.register(app)  # txmq read (no group, no commit)
         app.add_typer(message.app, name="message")
         app.add_typer(groups.app, name="groups")
+        app.add_typer(scheduled.app, name="scheduled")
     with _panel(app, "Transactions"):
         app.add_typer(inspect.app, name="inspect")
         resolve.register(app)

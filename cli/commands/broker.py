@@ -34,6 +34,7 @@ def _duration(seconds: float) -> str:
     epilog="Examples:\n\n  txmq broker start\n\n  txmq broker start --data-dir /var/lib/txmq --flush sync\n\n"
     "  txmq broker start --check-interval 30s --transaction-timeout 10s --max-checks 5\n\n"
     "  txmq broker start --rocketmq-port 8081\n\n"
+    "  txmq broker start --remoting-port 9876        # RocketMQ 4 clients: namesrvAddr 127.0.0.1:9876\n\n"
     "  txmq broker start --no-auto-create-topics      # topics only by `txmq topics create`"
 )
 def start(
@@ -83,6 +84,14 @@ def start(
                                                               "chain (PEM); needs --rocketmq-tls-key.", show_default=False)] = None,
     rocketmq_tls_key: Annotated[Optional[Path], typer.Option(help="With --rocketmq-port: the TLS private key (PEM) of "
                                                              "--rocketmq-tls-cert.", show_default=False)] = None,
+    remoting_port: Annotated[Optional[int], typer.Option(help="Also serve Apache RocketMQ 4's remoting protocol (its 4.x clients, "
+                                                         "the C++ client and its bindings) on this port, same host as --host: it answers "
+                                                         "the name server's requests and the broker's, so clients take host:port as their "
+                                                         "namesrvAddr (docs/remoting.md).", show_default=False, min=1, max=65535)] = None,
+    remoting_max_connections: Annotated[Optional[int], typer.Option(help="With --remoting-port: open connections to that port at "
+                                                                    "most; more are accepted and closed at once [default: an equal "
+                                                                    "share of RLIMIT_NOFILE - 512 with the other ports].",
+                                                                    show_default=False, min=1)] = None,
     busy_poll: Annotated[str, typer.Option(help="After a lone client's request or reply, keep one CPU spinning at the lowest "
                                             "priority (SCHED_IDLE) this long, so the next request or the end of an fsync finds it "
                                             "awake instead of halted; costs only idle CPU; 0 = off, at most 100ms "
@@ -91,6 +100,8 @@ def start(
                                                      help="Create a topic the first time a send names it (native or RocketMQ), or a "
                                                      "RocketMQ route or receive; with --no-auto-create-topics such requests are refused "
                                                      "until `txmq topics create`.")] = defaults.AUTO_CREATE_TOPICS,
+    max_delay: Annotated[str, typer.Option(help="The furthest ahead a delayed or timed message may be due (RocketMQ's default: "
+                                           "3 days); a send due later is refused (docs/scheduled.md).")] = _duration(defaults.MAX_DELAY_S),
     index_snapshot_records: Annotated[Optional[int], typer.Option(min=0, hidden=True, help="Deprecated, no effect: the transaction index is flushed to txindex.db every second.", show_default=False)] = None,
 ) -> None:
     """Run a broker in the foreground until SIGINT/SIGTERM (logs on stderr)."""
@@ -108,7 +119,8 @@ def start(
         max_connections=max_connections, max_connections_per_ip=max_connections_per_ip, partial_frame_budget=partial_frame_budget,
         rocketmq_port=rocketmq_port, rocketmq_tls_cert=rocketmq_tls_cert, rocketmq_tls_key=rocketmq_tls_key,
         rocketmq_max_connections=rocketmq_max_connections,
-        busy_poll_s=parse_duration(busy_poll), auto_create_topics=auto_create_topics,
+        remoting_port=remoting_port, remoting_max_connections=remoting_max_connections,
+        busy_poll_s=parse_duration(busy_poll), auto_create_topics=auto_create_topics, max_delay_s=parse_duration(max_delay),
     )
     _run_broker(config)
 

@@ -342,3 +342,53 @@ def offsets(
         out.print(f"half progress held by {esc(h['tx_id'])} (group {esc(h['group'])}, topic {esc(h['topic'])}, half offset {h['half_offset']}, "
                   f"age {fmt_age(h['age_s'])}, {h['checks']} checks): {esc(h['reason'])}")
 
+
+
+SCHEDULED_KEYS = ("msg_id", "topic", "queue_id", "deliver_at", "tags", "keys", "born_at", "stored_at", "size", "commit_log_offset")
+
+
+@app.command(epilog="""Examples:
+
+  txmq inspect scheduled
+
+  txmq inspect scheduled --topic orders -o jsonl
+
+  txmq inspect scheduled --topic orders -o jsonl | jq -r .msg_id | xargs -n1 txmq scheduled cancel
+
+Keys: msg_id, topic, queue_id (the real topic and queue it goes to), deliver_at (ms since the epoch),
+tags, keys, born_at, stored_at, size, commit_log_offset (of the scheduled record). How many are
+scheduled (for --topic: for it) goes to stderr.""")
+def scheduled(
+    topic: Annotated[Optional[str], typer.Option("--topic", "-t", help="Only messages for this topic.", show_default=False)] = None,
+    limit: Annotated[Optional[int], typer.Option("--limit", "-l", help="At most this many rows [default: all; a table on a terminal: 1000]. A cut listing is said on stderr.", min=1, max=10_000_000, show_default=False)] = None,
+    broker: BrokerOpt = DEFAULT_BROKER,
+    token: TokenOpt = None,
+    output: OutputOpt = None,
+) -> None:
+    """Delayed and timed messages not yet delivered, soonest due first."""
+    from ..console import RowSink
+    from ._paging import cut_note, effective_limit, stream_pages
+
+    out_fmt = resolve_output(output)
+    eff, _by_default = effective_limit(limit, out_fmt, 1000)
+
+    def shape(r: dict[str, Any]) -> dict[str, Any]:
+        return {"msg_id": r["msg_id"], "topic": r["topic"], "queue_id": r.get("queue_id"), "deliver_at": r["deliver_at_ms"],
+                "tags": r.get("tags"), "keys": r.get("keys"), "born_at": r.get("born_ts"), "stored_at": r.get("store_ts"),
+                "size": r.get("size"), "commit_log_offset": r["commit_log_offset"]}
+
+    with RowSink(out_fmt, shape) as sink:
+        total, more, _paged = stream_pages(broker, token, "list_scheduled", {"topic": topic} if topic else {}, "messages",
+                                           "after", eff, sink)
+    now_ms = int(time.time() * 1000)
+    if out_fmt is Output.table:
+        render(sink.kept, out_fmt,
+               columns=[("msg_id", "MSG ID"), ("topic", "TOPIC"), ("queue_id", "Q"), ("deliver_at", "DUE"), ("tags", "TAG"),
+                        ("keys", "KEYS"), ("stored_at", "STORED")],
+               formatters={"deliver_at": lambda v: f"{fmt_ts(v)} ({fmt_when(v, now_ms)})", "stored_at": fmt_ts,
+                           "tags": lambda v: "-" if v is None else str(v), "keys": lambda v: "-" if v is None else str(v)},
+               empty="no scheduled messages" + (f" for topic {topic}" if topic else ""))
+    if out_fmt is Output.table or total:
+        note(f"{total if total is not None else sink.count} scheduled message(s)" + (f" for topic {topic}" if topic else ""))
+    if more:
+        note(cut_note(sink.count, total, "scheduled messages", asked=limit is not None))

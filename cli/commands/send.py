@@ -13,7 +13,7 @@ import typer
 from txmq.constants import PROP_SHARDING_KEY, TOPIC_RE, is_system_topic
 
 from .. import exitcodes
-from ..common import DEFAULT_BROKER, INTERRUPT_GRACE_S, BrokerOpt, CliError, OutputOpt, TokenOpt, run, run_interruptible
+from ..common import DEFAULT_BROKER, INTERRUPT_GRACE_S, BrokerOpt, CliError, OutputOpt, TokenOpt, parse_duration, run, run_interruptible
 from ..console import RowSink, err, esc, kv_table, out, resolve_output
 
 if TYPE_CHECKING:
@@ -33,7 +33,12 @@ EPILOG = """Examples:
 
   printf 'order-1\tcreated\norder-2\tcreated\norder-1\tpaid\n' | txmq send orders --message-group -   # GROUP<TAB>BODY lines
 
-Output keys: msg_id, topic, queue_id, commit_log_offset, and queue_offset (plain)
+  txmq send orders '{"id": 5, "cancel_if_unpaid": true}' --delay 30m
+
+  txmq send reports go --deliver-at 2026-01-31T08:00:00Z
+
+Output keys: msg_id, topic, queue_id, commit_log_offset, and queue_offset (plain;
+-1 for a delayed message, with deliver_at_ms: its due time)
 or tx_id, half_offset, state (--tx); with stdin lines also line (1-based)."""
 
 
@@ -64,6 +69,14 @@ def send(
     tx: Annotated[bool, typer.Option("--tx", help="Send a half (transactional) message, then end it with --state.", rich_help_panel="Transactions")] = False,
     group: Annotated[Optional[str], typer.Option("--group", "-g", help="Producer group (required with --tx).", show_default=False, rich_help_panel="Transactions")] = None,
     state: Annotated[Optional[TxState], typer.Option("--state", help="How to end the transaction [default: unknown = leave it pending].", show_default=False, rich_help_panel="Transactions")] = None,
+    delay: Annotated[Optional[str], typer.Option("--delay", help="Deliver it this long after the broker stores it (30s, 10m, 2h; "
+                                                 "each stdin line counts from its own store time); consumers see nothing until "
+                                                 "then. At most the broker's --max-delay (3 days by default).", show_default=False,
+                                                 rich_help_panel="Delayed delivery")] = None,
+    deliver_at: Annotated[Optional[str], typer.Option("--deliver-at", help="Deliver it at this time: ISO 8601 "
+                                                      "(2026-01-31T08:00:00Z; without a zone, local time) or epoch milliseconds; "
+                                                      "a time past = now.", show_default=False,
+                                                      rich_help_panel="Delayed delivery")] = None,
     window: Annotated[int, typer.Option("--window", help="Messages in flight at once when reading stdin.", min=1, max=65536)] = 256,
     broker: BrokerOpt = DEFAULT_BROKER,
     token: TokenOpt = None,
@@ -98,6 +111,13 @@ def send(
                 raise CliError(f"bad --key {k!r}: a key is one word, without spaces (give --key again for several)",
                                exitcodes.USAGE)
         props["KEYS"] = " ".join(key)
+    if delay is not None or deliver_at is not None:
+        if message_group is not None:
+            raise CliError("--message-group does not go with --delay or --deliver-at: a FIFO message cannot be delayed "
+                           "(as in RocketMQ 5)", exitcodes.USAGE)
+        if tx:
+            raise CliError("--delay and --deliver-at do not apply to --tx: a transactional message cannot be delayed", exitcodes.USAGE)
+        props.update(schedule_props(delay, deliver_at))
     if tx:
         props["TRAN_MSG"] = "true"
         props["PGROUP"] = group  # type: ignore[assignment]
@@ -172,9 +192,41 @@ def _split_group(line: bytes) -> tuple[str, bytes]:
     return text, body
 
 
+def schedule_props(delay: str | None, deliver_at: str | None) -> dict[str, str]:
+    """The properties of --delay (TIMER_DELAY_MS, counted by the broker) or --deliver-at (TIMER_DELIVER_MS)."""
+    if delay is not None and deliver_at is not None:
+        raise CliError("give --delay or --deliver-at, not both", exitcodes.USAGE)
+    if delay is not None:
+        return {"TIMER_DELAY_MS": str(int(parse_duration(delay) * 1000))}
+    return {"TIMER_DELIVER_MS": str(parse_deliver_at(deliver_at or ""))}
+
+
+def parse_deliver_at(text: str) -> int:
+    """Epoch ms of --deliver-at: ISO 8601 (naive = local time) or epoch milliseconds."""
+    from datetime import datetime
+
+    t = text.strip()
+    if t.isascii() and t.isdigit() and len(t) <= 15:
+        return int(t)
+    try:
+        dt = datetime.fromisoformat(t[:-1] + "+00:00" if t.endswith(("Z", "z")) else t)
+    except ValueError:
+        raise CliError(f"bad --deliver-at {text!r}: use an ISO 8601 time (2026-01-31T08:00:00Z, or local time without a zone) "
+                       "or epoch milliseconds", exitcodes.USAGE) from None
+    if dt.tzinfo is None:
+        dt = dt.astimezone()
+    ms = int(dt.timestamp() * 1000)
+    if ms < 0:
+        raise CliError(f"--deliver-at {text!r} is before 1970", exitcodes.USAGE)
+    return ms
+
+
 def _print_sent(row: dict[str, Any]) -> None:
     extra = (f"tx_id={esc(row['tx_id'])} half_offset={row['half_offset']} state={row['state']}"
              if "tx_id" in row else f"queue_offset={row['queue_offset']}")
+    if row.get("deliver_at_ms") is not None:
+        extra = f"deliver_at_ms={row['deliver_at_ms']}"
+
     out.print(f"[ok]sent[/ok] line {row['line']}: msg_id={esc(row['msg_id'])} queue_id={row['queue_id']} {extra}")
 
 
@@ -275,8 +327,11 @@ async def _send_and_end(client: Any, spec: _Spec, body: bytes, started: _Unended
     if r.get("topic_created"):
         _note_topic_created(r["topic"])
     if spec.group is None:
-        return {"msg_id": r["msg_id"], "topic": r["topic"], "queue_id": r["queue_id"],
-                "queue_offset": r["queue_offset"], "commit_log_offset": r["commit_log_offset"]}
+        row = {"msg_id": r["msg_id"], "topic": r["topic"], "queue_id": r["queue_id"],
+               "queue_offset": r["queue_offset"], "commit_log_offset": r["commit_log_offset"]}
+        if "deliver_at_ms" in r:
+            row["deliver_at_ms"] = r["deliver_at_ms"]
+        return row
     if started is not None:
         started.half_offset = r["half_offset"]
     row = {"msg_id": r.get("msg_id", r["tx_id"]), "topic": r["topic"], "queue_id": r["queue_id"],

@@ -217,6 +217,7 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
                   "dead_lettered", "changed", "pop", "pull")),
     ("connections", ("connection", "partial_frame", "auth_", "frame_", "errors_", "fd_", "busy")),
     ("rocketmq", ("rmq_", "rocketmq")),
+    ("scheduled", ("scheduled", "timers_")),
 )
 OTHER = "other"
 _GAP = 3  # spaces between the live view's columns

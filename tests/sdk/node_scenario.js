@@ -8,7 +8,8 @@
 // Scenarios: transactions (commit, rollback, an orphan resolved by the checker through a check-back, then a
 // SimpleConsumer receives exactly the committed ones), send, receive, push (a PushConsumer, one failed delivery),
 // fifo-send (FIFO messages of --groups message groups), fifo-receive (a SimpleConsumer of a FIFO group that
-// processes each group in order; --skip-first BODY, --crash-after N, as tests/sdk/python_scenario.py's).
+// processes each group in order; --skip-first BODY, --crash-after N, as tests/sdk/python_scenario.py's),
+// delay (DELAY messages, then a SimpleConsumer).
 'use strict';
 
 const path = require('node:path');
@@ -26,9 +27,10 @@ function parseArgs(argv) {
   const args = {
     scenario: argv[0], group: 'sdk-consumers', count: 3, expect: 1, awaitDuration: 3000, requestTimeout: 5000,
     checkWait: 30000, receiveWait: 30000, settle: 2000, deadline: 120000, groups: 3, invisible: 2000, crashAfter: 0, slow: 0, batch: 16,
+    delayMs: 3000,
   };
   const numeric = new Set([ 'count', 'expect', 'awaitDuration', 'requestTimeout', 'checkWait', 'receiveWait', 'settle', 'deadline',
-    'groups', 'invisible', 'crashAfter', 'slow', 'batch' ]);
+    'groups', 'invisible', 'crashAfter', 'slow', 'batch', 'delayMs' ]);
   for (let i = 1; i < argv.length; i += 2) {
     const key = argv[i].replace(/^--/, '').replace(/-([a-z])/g, (_, c) => c.toUpperCase());
     args[key] = numeric.has(key) ? Number(argv[i + 1]) : argv[i + 1];
@@ -153,6 +155,43 @@ async function send(sdk, args) {
   }
   RESULT.sent = sent;
   await producer.shutdown();
+  RESULT.shutdown = true;
+}
+
+// --count DELAY messages due --delay-ms after their send, then a SimpleConsumer receives --expect of them: each
+// with when it arrived and its deliveryTimestamp.
+async function delay(sdk, args) {
+  const t = args.topic;
+  const producer = new sdk.Producer({ endpoints: args.endpoint, sslEnabled: args.tls === 'true', namespace: '', sessionCredentials: credentials(args), topics: [ t ], requestTimeout: args.requestTimeout });
+  await producer.startup();
+  const sent = [];
+  for (let i = 0; i < args.count; i++) {
+    const body = `delayed-${i}`;
+    const due = new Date(Date.now() + args.delayMs);
+    const r = await producer.send({ topic: t, tag: 'timeout', keys: [ `order-${i}` ], body: Buffer.from(body), deliveryTimestamp: due });
+    sent.push({ ...receipt(r), body, due_ms: due.getTime() });
+  }
+  RESULT.sent = sent;
+  await producer.shutdown();
+  if (args.expect <= 0) {
+    RESULT.shutdown = true;
+    return;
+  }
+  const consumer = new sdk.SimpleConsumer({
+    endpoints: args.endpoint, sslEnabled: args.tls === 'true', namespace: '', sessionCredentials: credentials(args), consumerGroup: args.group, requestTimeout: args.requestTimeout,
+    subscriptions: new Map([[ t, '*' ]]), awaitDuration: args.awaitDuration,
+  });
+  await consumer.startup();
+  const got = [];
+  const end = Date.now() + args.receiveWait;
+  while (got.length < args.expect && Date.now() < end) {
+    for (const m of await consumer.receive(16, 15000)) {
+      got.push({ ...view(m), received_ms: Date.now(), delivery_timestamp: m.deliveryTimestamp ? m.deliveryTimestamp.getTime() : null });
+      await consumer.ack(m);
+    }
+  }
+  RESULT.received = got;
+  await consumer.shutdown();
   RESULT.shutdown = true;
 }
 
@@ -285,7 +324,7 @@ async function main() {
     finish(3);
   }, args.deadline).unref();
   const sdk = require(path.join(args.sdk, 'node_modules', 'rocketmq-client-nodejs'));
-  const scenarios = { transactions, send, receive, push, 'fifo-send': fifoSend, 'fifo-receive': fifoReceive };
+  const scenarios = { transactions, send, receive, push, delay, 'fifo-send': fifoSend, 'fifo-receive': fifoReceive };
   if (!scenarios[args.scenario]) throw new Error(`unknown scenario ${args.scenario}`);
   await scenarios[args.scenario](sdk, args);
 }

@@ -215,8 +215,8 @@ def scenario_send(args) -> None:
 
 
 def scenario_unsupported(args) -> None:
-    """Delay (delivery_timestamp) and FIFO (message_group) messages, which txmq does not have, fail with an error the
-    application sees; a normal message sent right after still goes through."""
+    """A delay (delivery_timestamp, due in 60 s) and a FIFO (message_group) message: for each, the error the
+    application sees if the broker refuses it (None when sent); a normal message is sent right after."""
     t = args.topic
     producer = Producer(config(args), (t,), tls_enable=args.tls)
     producer.startup()
@@ -235,6 +235,39 @@ def scenario_unsupported(args) -> None:
     RESULT["refused"] = refused
     RESULT["sent"] = [{**receipt(producer.send(message(t, "normal-after"))), "body": "normal-after"}]
     producer.shutdown()
+    RESULT["shutdown"] = True
+
+
+def scenario_delay(args) -> None:
+    """--count DELAY messages due --delay-ms after the send (a message with --keep-ms is due later and not awaited),
+    then a SimpleConsumer receives until --expect arrived: each with when it arrived and its delivery_timestamp."""
+    t = args.topic
+    producer = Producer(config(args), (t,), tls_enable=args.tls)
+    producer.startup()
+    sent = []
+    for i in range(args.count):
+        m = message(t, f"delayed-{i}", tag="timeout", keys=[f"order-{i}"])
+        m.delivery_timestamp = int(time.time() * 1000) + args.delay_ms
+        sent.append({**receipt(producer.send(m)), "body": f"delayed-{i}", "due_ms": m.delivery_timestamp})
+    if args.keep_ms:
+        m = message(t, "kept")
+        m.delivery_timestamp = int(time.time() * 1000) + args.keep_ms
+        sent.append({**receipt(producer.send(m)), "body": "kept", "due_ms": m.delivery_timestamp})
+    RESULT["sent"] = sent
+    producer.shutdown()
+    if args.expect <= 0:
+        RESULT["shutdown"] = True
+        return
+    consumer = SimpleConsumer(config(args), args.group, {t: FilterExpression()}, await_duration=args.await_duration, tls_enable=args.tls)
+    consumer.startup()
+    got: list = []
+    end = time.monotonic() + args.receive_wait
+    while len(got) < args.expect and time.monotonic() < end:
+        for m in consumer.receive(16, 15):
+            got.append({**view(m), "received_ms": int(time.time() * 1000), "delivery_timestamp": m.delivery_timestamp})
+            consumer.ack(m)
+    RESULT["received"] = got
+    consumer.shutdown()
     RESULT["shutdown"] = True
 
 
@@ -473,7 +506,7 @@ def scenario_lite(args) -> None:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("scenario", choices=["transactions", "half", "checker", "send", "unsupported", "receive", "push", "invisible",
-                                        "idle", "unknown", "fifo-send", "fifo-receive", "lite"])
+                                        "idle", "unknown", "delay", "fifo-send", "fifo-receive", "lite"])
     p.add_argument("--endpoint", required=True)
     p.add_argument("--topic", required=True)
     p.add_argument("--group", default="sdk-consumers")
@@ -492,6 +525,8 @@ def main() -> None:
     p.add_argument("--receive-wait", type=float, default=30.0, help="seconds to wait for the expected messages")
     p.add_argument("--settle", type=float, default=2.0, help="seconds to keep receiving after that")
     p.add_argument("--seconds", type=float, default=5.0, help="idle: how long to keep receiving")
+    p.add_argument("--delay-ms", type=int, default=3000, help="delay: how long after the send a message is due")
+    p.add_argument("--keep-ms", type=int, default=0, help="delay: one more message due this long after the send, not awaited")
     p.add_argument("--deadline", type=float, default=120.0)
     p.add_argument("--groups", type=int, default=3, help="fifo-send: message groups")
     p.add_argument("--invisible", type=int, default=2, help="fifo-receive: invisible duration, seconds")
@@ -507,8 +542,8 @@ def main() -> None:
         {"transactions": scenario_transactions, "half": scenario_half, "checker": scenario_checker, "send": scenario_send,
          "unsupported": scenario_unsupported,
          "receive": scenario_receive, "push": scenario_push, "invisible": scenario_invisible, "idle": scenario_idle,
-         "unknown": scenario_unknown, "fifo-send": scenario_fifo_send, "fifo-receive": scenario_fifo_receive,
-         "lite": scenario_lite}[args.scenario](args)
+         "unknown": scenario_unknown, "delay": scenario_delay, "fifo-send": scenario_fifo_send,
+         "fifo-receive": scenario_fifo_receive, "lite": scenario_lite}[args.scenario](args)
     except BaseException as e:  # noqa: BLE001 - reported to the test, which fails on it
         RESULT["errors"].append(f"{type(e).__name__}: {e}")
         RESULT["traceback"] = traceback.format_exc()

@@ -1,0 +1,235 @@
+"""RocketMQ 4 clients as the remoting front end knows them: heartbeats, consumer groups, queue locks, check-backs.
+
+- A HEART_BEAT names the client (``clientID``), its producer groups and
+  its consumer groups with their subscriptions. The connection is entered
+  in the core's producer registry under each producer group (check-backs
+  go to it, and "a producer is online" counts it, as for the other front
+  ends) and in the consumer registry under each consumer group (`txmq
+  groups` counts it). When a group's set of client ids changes, its other
+  consumers get NOTIFY_CONSUMER_IDS_CHANGED (oneway) and rebalance.
+- Queue locks (LOCK_BATCH_MQ) for orderly consumers: a queue is held by
+  one client id of a group for LOCK_TTL_S after its last lock request, as
+  RocketMQ's broker does (REBALANCE_LOCK_MAX_LIVE_TIME); a client whose
+  last connection closes releases its locks at once.
+- A check-back (the check service's ``check_transaction`` push) becomes a
+  CHECK_TRANSACTION_STATE request, oneway, with the fields RocketMQ's
+  broker writes (AbstractTransactionalMessageCheckListener.sendCheckMessage):
+  the copy's ``commitLogOffset`` and ``tranStateTableOffset``, ``msgId`` =
+  ``transactionId`` = the transaction's UNIQ_KEY, ``offsetMsgId``; the body
+  is the message in the stored-message encoding with its real topic and
+  queue.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from txmq.constants import PROP_REAL_QID, PROP_REAL_TOPIC, TOPIC_RE
+from txmq.store import TxType
+from txmq.wire import ErrorCode, TxmqError
+
+from . import protocol as p
+from .messages import encode_stored, offset_msg_id
+
+if TYPE_CHECKING:
+    from txmq.broker.core import BrokerCore
+
+    from .server import RemotingConnection, RemotingFrontend
+
+log = logging.getLogger("txmq.remoting")
+
+LOCK_TTL_S = 60.0
+RETRY_PREFIX = "%RETRY%"
+DLQ_PREFIX = "%DLQ%"
+MAX_GROUP = 127 - len(RETRY_PREFIX)  # %RETRY%<group> must be a topic name
+MAX_SUBSCRIPTIONS = 1024  # topics one consumer group of one client subscribes to
+MAX_CLIENT_IDS_PER_CONN = 64
+INNER_PRODUCER = "CLIENT_INNER_PRODUCER"  # every Java client's own producer group (its sends of retries)
+
+
+def retry_topic(group: str) -> str:
+    return RETRY_PREFIX + group
+
+
+def dlq_topic(group: str) -> str:
+    return DLQ_PREFIX + group
+
+
+def check_group(group: Any, what: str = "group") -> str:
+    if not isinstance(group, str) or not group:
+        raise TxmqError(f"{what} is missing", ErrorCode.INVALID_FIELD)
+    if len(group) > MAX_GROUP or not TOPIC_RE.match(retry_topic(group)):
+        raise TxmqError(f"{what} {group[:80]!r} is not a group name: 1 to {MAX_GROUP} characters of %a-zA-Z0-9_- "
+                        "(its retry topic %RETRY%<group> is a topic name)", ErrorCode.INVALID_FIELD)
+    return group
+
+
+@dataclass
+class Consumer:
+    """One client id's consumer of one group, over one connection."""
+
+    client_id: str
+    conn: Any
+    subscriptions: dict[str, str] = field(default_factory=dict)  # topic -> expression ("*", "a || b")
+    clustering: bool = True
+
+
+class ClientTable:
+    def __init__(self, core: BrokerCore, front: RemotingFrontend) -> None:
+        self.core = core
+        self.front = front
+        # group -> (client id, connection) -> Consumer
+        self.consumers: dict[str, dict[tuple[str, int], Consumer]] = {}
+        self.locks: dict[tuple[str, str, int], tuple[str, float]] = {}  # (group, topic, queue) -> (client id, expiry)
+
+    # ---- heartbeats --------------------------------------------------------------------------
+    def heartbeat(self, conn: RemotingConnection, body: bytes) -> None:
+        try:
+            data = json.loads(body or b"{}")
+        except (ValueError, UnicodeDecodeError):
+            raise TxmqError("the heartbeat's body is not JSON", ErrorCode.INVALID_FIELD) from None
+        if not isinstance(data, dict):
+            raise TxmqError("the heartbeat's body is not a JSON object", ErrorCode.INVALID_FIELD)
+        client_id = data.get("clientID")
+        if not isinstance(client_id, str) or not client_id or len(client_id) > 255:
+            raise TxmqError("the heartbeat has no clientID (1 to 255 characters)", ErrorCode.INVALID_FIELD)
+        if client_id not in conn.client_ids:
+            if len(conn.client_ids) >= MAX_CLIENT_IDS_PER_CONN:
+                raise TxmqError(f"a connection carries at most {MAX_CLIENT_IDS_PER_CONN} client ids", ErrorCode.INVALID_FIELD)
+            conn.client_ids.add(client_id)
+        for pd in _list(data.get("producerDataSet")):
+            group = pd.get("groupName") if isinstance(pd, dict) else None
+            if isinstance(group, str) and group and len(group) <= 255:
+                self.core.registry.register(group, conn)
+        changed = []
+        for cd in _list(data.get("consumerDataSet")):
+            if not isinstance(cd, dict):
+                continue
+            group = check_group(cd.get("groupName"), "consumer group")
+            subs: dict[str, str] = {}
+            for sd in _list(cd.get("subscriptionDataSet")):
+                if isinstance(sd, dict) and isinstance(sd.get("topic"), str):
+                    expr = sd.get("subString")
+                    subs[sd["topic"]] = expr if isinstance(expr, str) else "*"
+                    if len(subs) > MAX_SUBSCRIPTIONS:
+                        raise TxmqError(f"a consumer subscribes to at most {MAX_SUBSCRIPTIONS} topics", ErrorCode.INVALID_FIELD)
+            clustering = cd.get("messageModel", "CLUSTERING") != "BROADCASTING"
+            if clustering:
+                # the retry topic, which RocketMQ's broker creates at the first heartbeat whatever auto-creation says
+                self.core.topics.ensure(retry_topic(group), 1)
+            members = self.consumers.setdefault(group, {})
+            key = (client_id, conn.conn_id)
+            before = {c.client_id for c in members.values()}
+            c = members.get(key)
+            if c is None:
+                self.core.consumer_registry.register(group, conn)  # raises past the groups one connection may hold
+                c = members[key] = Consumer(client_id, conn)
+            c.subscriptions, c.clustering = subs, clustering
+            if client_id not in before:
+                changed.append(group)
+        for group in changed:
+            self.notify(group)
+
+    def unregister(self, conn: RemotingConnection, client_id: str, producer_group: str, consumer_group: str) -> None:
+        if producer_group:
+            self.core.registry.unregister(producer_group, conn)
+        if consumer_group:
+            members = self.consumers.get(consumer_group)
+            if members is not None and members.pop((client_id, conn.conn_id), None) is not None:
+                if not any(c.conn is conn for c in members.values()):
+                    self.core.consumer_registry.unregister(consumer_group, conn)
+                if not members:
+                    del self.consumers[consumer_group]
+                self._release_client(consumer_group, client_id)
+                self.notify(consumer_group)
+
+    def connection_closed(self, conn: RemotingConnection) -> None:
+        for group in list(self.consumers):
+            members = self.consumers[group]
+            gone = [k for k, c in members.items() if c.conn is conn]
+            for k in gone:
+                del members[k]
+            if not gone:
+                continue
+            left = {c.client_id for c in members.values()}
+            for cid in {k[0] for k in gone} - left:
+                self._release_client(group, cid)
+            if not members:
+                del self.consumers[group]
+            else:
+                self.notify(group)
+
+    def consumer_ids(self, group: str) -> list[str]:
+        return sorted({c.client_id for c in self.consumers.get(group, {}).values()})
+
+    def subscription(self, group: str, topic: str) -> str | None:
+        for c in self.consumers.get(group, {}).values():
+            expr = c.subscriptions.get(topic)
+            if expr is not None:
+                return expr
+        return None
+
+    def notify(self, group: str) -> None:
+        """NOTIFY_CONSUMER_IDS_CHANGED to one connection of each consumer of the group: they rebalance."""
+        seen = set()
+        for c in list(self.consumers.get(group, {}).values()):
+            if c.conn in seen or not c.conn.writable():
+                continue
+            seen.add(c.conn)
+            c.conn.request(p.request(p.NOTIFY_CONSUMER_IDS_CHANGED, self.front.next_opaque(), {"consumerGroup": group}, oneway=True))
+            self.core.metrics.inc("remoting_consumer_notifications")
+
+    # ---- queue locks -------------------------------------------------------------------------
+    def lock(self, group: str, client_id: str, queues: list[tuple[str, int]]) -> list[tuple[str, int]]:
+        now = time.monotonic()
+        ok = []
+        for topic, qid in queues:
+            key = (group, topic, qid)
+            held = self.locks.get(key)
+            if held is None or held[0] == client_id or held[1] <= now:
+                self.locks[key] = (client_id, now + LOCK_TTL_S)
+                ok.append((topic, qid))
+        return ok
+
+    def unlock(self, group: str, client_id: str, queues: list[tuple[str, int]]) -> None:
+        for topic, qid in queues:
+            key = (group, topic, qid)
+            held = self.locks.get(key)
+            if held is not None and held[0] == client_id:
+                del self.locks[key]
+
+    def _release_client(self, group: str, client_id: str) -> None:
+        for key in [k for k, v in self.locks.items() if k[0] == group and v[0] == client_id]:
+            del self.locks[key]
+
+    def expire_locks(self) -> None:
+        now = time.monotonic()
+        for key in [k for k, v in self.locks.items() if v[1] <= now]:
+            del self.locks[key]
+
+    # ---- check-backs ---------------------------------------------------------------------------
+    def check_back(self, conn: RemotingConnection, fields: dict) -> None:
+        try:
+            tx_id = str(fields["tx_id"])
+            cl, half = int(fields["commit_log_offset"]), int(fields["half_offset"])
+            m = fields["message"]
+            props = dict(m["properties"])
+            topic = props.get(PROP_REAL_TOPIC) or str(m.get("topic", ""))
+            qid = int(props.get(PROP_REAL_QID) or 0)
+            body = encode_stored(topic, qid, half, cl, int(TxType.PREPARED), int(m["born_ts"]), int(m["store_ts"]),
+                                 int(m.get("prepared_offset", -1)), props, bytes(m["body"]), conn.store_addr, self.front.port)
+        except (KeyError, TypeError, ValueError) as exc:
+            log.error("event=remoting_push_unreadable peer=%s error=%r", conn.peer, exc)
+            return
+        ext = {"topic": topic, "commitLogOffset": str(cl), "tranStateTableOffset": str(half), "msgId": tx_id, "transactionId": tx_id,
+               "offsetMsgId": offset_msg_id(conn.store_addr, self.front.port, cl), "bname": self.front.broker_name}
+        conn.request(p.request(p.CHECK_TRANSACTION_STATE, self.front.next_opaque(), ext, body, oneway=True))
+        self.core.metrics.inc("remoting_checks_sent")
+
+
+def _list(v: Any) -> list:
+    return v if isinstance(v, list) else []

@@ -1,0 +1,689 @@
+"""One function per request code: read the header fields, call the broker's services, build the response.
+
+A handler takes (front end, connection, command) and returns the response
+command, an awaitable of it, or None (nothing to answer). Errors are
+TxmqErrors (or the store's), which ``error_response`` maps to RocketMQ's
+response codes (docs/remoting.md, "Response codes"). Sends and ends of
+transactions make the same service calls as the native protocol's
+handlers: ``BrokerCore.send``, ``TransactionService.send_half`` and
+``end_transaction``, so a transaction has one outcome whichever protocol
+ended it, and every message is readable through every front end.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
+
+from txmq.constants import PROP_DELAY, PROP_PGROUP, PROP_TRAN_MSG, PROP_UNIQ_KEY, canonical_topic, is_system_topic
+from txmq.store import Message, TxType
+from txmq.wire import ErrorCode, TxmqError
+
+from txmq.broker.groups import offset_for_time
+from txmq.broker.topics import MAX_QUEUES, check_topic_name
+
+from . import protocol as p
+from .clients import INNER_PRODUCER, check_group, dlq_topic, retry_topic
+from .messages import (
+    PROP_FLAG,
+    PROP_MAX_RECONSUME_TIMES,
+    PROP_ORIGIN_MESSAGE_ID,
+    PROP_RECONSUME_TIME,
+    PROP_RETRY_TOPIC,
+    MessageFormatError,
+    decode_batch,
+    decode_properties,
+    encode_maps,
+    encode_record,
+    inflate,
+    offset_msg_id,
+)
+
+if TYPE_CHECKING:
+    from txmq.broker.core import BrokerCore
+
+    from .server import RemotingConnection, RemotingFrontend
+
+log = logging.getLogger("txmq.remoting")
+
+class Then:
+    """A future of the services' and what turns its result into the response: no task per request (the hot paths)."""
+
+    __slots__ = ("fut", "fn")
+
+    def __init__(self, fut: Any, fn: Callable[[Any], p.Command]) -> None:
+        self.fut = fut
+        self.fn = fn
+
+
+Result = p.Command | None | Then | Awaitable[p.Command | None]
+Handler = Callable[["RemotingFrontend", "RemotingConnection", p.Command], Result]
+HANDLERS: dict[int, Handler] = {}
+
+MAX_PULL_MESSAGES = 1024
+DEFAULT_PULL_BYTES = 4 << 20
+MAX_RECONSUME_TIMES = 16  # RocketMQ's default maxReconsumeTimes
+MAX_PROPERTIES_COUNT = 256
+PERM_READ_WRITE = 6
+AUTO_CREATE_TOPIC = "TBW102"  # RocketMQ's template topic: Java producers ask for its route, then send to their own topic
+
+# txmq's error codes -> RocketMQ's response codes (docs/remoting.md, "Response codes").
+_CODES = {
+    ErrorCode.INVALID_FIELD: p.INVALID_PARAMETER,
+    ErrorCode.INVALID_TOPIC: p.INVALID_PARAMETER,
+    ErrorCode.INVALID_CONFIG: p.INVALID_PARAMETER,
+    ErrorCode.NO_SUCH_QUEUE: p.INVALID_PARAMETER,
+    ErrorCode.BODY_TOO_LARGE: p.MESSAGE_ILLEGAL,
+    ErrorCode.MESSAGE_TYPE_NOT_ACCEPTED: p.MESSAGE_ILLEGAL,
+    ErrorCode.SYSTEM_TOPIC: p.NO_PERMISSION,
+    ErrorCode.AUTH_REQUIRED: p.NO_PERMISSION,
+    ErrorCode.AUTH_FAILED: p.NO_PERMISSION,
+    ErrorCode.NO_SUCH_TOPIC: p.TOPIC_NOT_EXIST,
+    ErrorCode.STORE_FULL: p.SERVICE_NOT_AVAILABLE,
+    ErrorCode.SHUTTING_DOWN: p.SYSTEM_BUSY,
+    ErrorCode.BUSY: p.SYSTEM_BUSY,
+}
+
+
+def rmq_code(code: ErrorCode) -> int:
+    return _CODES.get(code, p.SYSTEM_ERROR)
+
+
+def error_response(core: BrokerCore, cmd: p.Command, exc: BaseException) -> p.Command:
+    if isinstance(exc, MessageFormatError):
+        core.metrics.inc("remoting_errors")
+        return p.response(cmd, p.MESSAGE_ILLEGAL, remark=str(exc))
+    err = exc if isinstance(exc, TxmqError) else core.store_error(exc)
+    core.metrics.inc("remoting_errors")
+    return p.response(cmd, rmq_code(err.code), remark=f"{err.code.name}: {err.message}")
+
+
+def served_codes() -> list[int]:
+    return sorted(HANDLERS)
+
+
+def handles(*codes: int) -> Callable[[Handler], Handler]:
+    def deco(fn: Handler) -> Handler:
+        for c in codes:
+            HANDLERS[c] = fn
+        return fn
+    return deco
+
+
+# ---- header fields --------------------------------------------------------------------------
+def _bad(msg: str) -> TxmqError:
+    return TxmqError(msg, ErrorCode.INVALID_FIELD)
+
+
+def req_str(ext: dict[str, str], key: str, max_len: int = 255) -> str:
+    v = ext.get(key)
+    if not v:
+        raise _bad(f"header field {key!r} is missing")
+    if len(v) > max_len:
+        raise _bad(f"header field {key!r} is longer than {max_len} characters")
+    return v
+
+
+def req_int(ext: dict[str, str], key: str, lo: int = -(1 << 63), hi: int = (1 << 63) - 1) -> int:
+    v = ext.get(key)
+    if v is None or v == "":
+        raise _bad(f"header field {key!r} is missing")
+    return _int(key, v, lo, hi)
+
+
+def opt_int(ext: dict[str, str], key: str, default: int, lo: int = -(1 << 63), hi: int = (1 << 63) - 1) -> int:
+    v = ext.get(key)
+    return default if v is None or v == "" else _int(key, v, lo, hi)
+
+
+def _int(key: str, v: str, lo: int, hi: int) -> int:
+    try:
+        n = int(v)
+    except ValueError:
+        raise _bad(f"header field {key!r} is not an integer: {v[:40]!r}") from None
+    if not lo <= n <= hi:
+        raise _bad(f"header field {key!r} must be between {lo} and {hi}, not {n}")
+    return n
+
+
+def opt_bool(ext: dict[str, str], key: str) -> bool:
+    return ext.get(key, "").lower() in ("true", "1")
+
+
+def topic_of(ext: dict[str, str], key: str = "topic", system_ok: bool = False) -> str:
+    topic = canonical_topic(check_topic_name(ext.get(key) or ""))
+    if not system_ok and is_system_topic(topic):
+        raise TxmqError(f"topic {topic} is a system topic and cannot be used by clients", ErrorCode.SYSTEM_TOPIC)
+    return topic
+
+
+def known_queue(core: BrokerCore, topic: str, qid: int) -> None:
+    n = core.topics.queues(topic)
+    if n is None:
+        raise TxmqError(f"topic {topic} does not exist", ErrorCode.NO_SUCH_TOPIC, topic=topic)
+    if not 0 <= qid < n:
+        raise TxmqError(f"queue {qid} does not exist: topic {topic} has {n} queues", ErrorCode.NO_SUCH_QUEUE)
+
+
+def ok(cmd: p.Command, ext: dict[str, str] | None = None, body: bytes = b"", remark: str = "") -> p.Command:
+    return p.response(cmd, p.SUCCESS, ext, body, remark)
+
+
+def json_body(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def parse_json_body(cmd: p.Command, what: str) -> dict:
+    try:
+        data = json.loads(cmd.body or b"{}")
+    except (ValueError, UnicodeDecodeError):
+        raise _bad(f"the body of {what} is not JSON") from None
+    if not isinstance(data, dict):
+        raise _bad(f"the body of {what} is not a JSON object")
+    return data
+
+
+async def _await(result: Any) -> Any:
+    return result if isinstance(result, dict) else await result
+
+
+# ---- the name server ------------------------------------------------------------------------
+@handles(p.GET_ROUTEINFO_BY_TOPIC)
+def get_route(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Command) -> p.Command:
+    """The topic's route: its queues, all on this broker, reached at this port (the address the client connected to).
+
+    A topic the broker does not know is created when it auto-creates
+    topics (as a first send would, and as the gRPC front end's routes do);
+    otherwise TOPIC_NOT_EXIST, on which clients fall back as they do
+    against RocketMQ.
+    """
+    core = front.core
+    try:
+        topic = topic_of(cmd.ext)
+    except TxmqError as exc:
+        return p.response(cmd, p.TOPIC_NOT_EXIST, remark=f"No topic route info in name server for the topic: {cmd.ext.get('topic', '')[:200]} "
+                          f"({exc.message})")
+    n = core.topics.queues(topic)
+    if n is None:
+        if not core.topics.auto_create:
+            return p.response(cmd, p.TOPIC_NOT_EXIST, remark=f"No topic route info in name server for the topic: {topic} (this broker "
+                              "creates topics only with `txmq topics create`)")
+        if topic == AUTO_CREATE_TOPIC:  # the Java producer's template topic: routed, never created
+            n = core.config.default_queues
+        else:
+            n, _ = core.topics.ensure(topic)
+    host = conn.local_host
+    addr = f"[{host}]:{front.port}" if ":" in host else f"{host}:{front.port}"
+    route = {
+        "orderTopicConf": "",
+        "queueDatas": [{"brokerName": front.broker_name, "readQueueNums": n, "writeQueueNums": n, "perm": PERM_READ_WRITE,
+                        "topicSynFlag": 0, "topicSysFlag": 0}],
+        "brokerDatas": [{"cluster": front.cluster_name, "brokerName": front.broker_name, "brokerAddrs": {"0": addr}}],
+        "filterServerTable": {},
+    }
+    return ok(cmd, body=json_body(route))
+
+
+@handles(p.GET_ALL_TOPIC_LIST_FROM_NAMESERVER)
+def topic_list(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Command) -> p.Command:
+    return ok(cmd, body=json_body({"topicList": sorted(t for t in front.core.topics.all() if not is_system_topic(t))}))
+
+
+@handles(p.UPDATE_AND_CREATE_TOPIC)
+def create_topic(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Command) -> p.Command:
+    topic = topic_of(cmd.ext)
+    queues = max(opt_int(cmd.ext, "writeQueueNums", 0, 0, MAX_QUEUES), opt_int(cmd.ext, "readQueueNums", 0, 0, MAX_QUEUES)) or None
+    front.core.create_topic(topic, queues, None)
+    return ok(cmd)
+
+
+# ---- clients --------------------------------------------------------------------------------
+@handles(p.HEART_BEAT)
+def heartbeat(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Command) -> p.Command:
+    front.clients.heartbeat(conn, cmd.body)
+    return ok(cmd)
+
+
+@handles(p.UNREGISTER_CLIENT)
+def unregister_client(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Command) -> p.Command:
+    ext = cmd.ext
+    front.clients.unregister(conn, ext.get("clientID", ""), ext.get("producerGroup", ""), ext.get("consumerGroup", ""))
+    return ok(cmd)
+
+
+# ---- sending --------------------------------------------------------------------------------
+# SEND_MESSAGE_V2's one-letter header fields (SendMessageRequestHeaderV2) -> SEND_MESSAGE's names.
+V2_NAMES = {"a": "producerGroup", "b": "topic", "c": "defaultTopic", "d": "defaultTopicQueueNums", "e": "queueId", "f": "sysFlag",
+            "g": "bornTimestamp", "h": "flag", "i": "properties", "j": "reconsumeTimes", "k": "unitMode",
+            "l": "maxReconsumeTimes", "m": "batch", "n": "brokerName"}
+
+
+V1_KEYS = tuple(V2_NAMES.values())
+V2_KEYS = tuple(V2_NAMES)
+
+
+def send_header(cmd: p.Command) -> dict[str, str]:
+    """The header of a send by SEND_MESSAGE's field names, whichever of the two forms the request has."""
+    ext = cmd.ext
+    if cmd.code == p.SEND_MESSAGE_V2 or (cmd.code == p.SEND_BATCH_MESSAGE and "b" in ext):
+        get = ext.get
+        return {name: v for name, v in zip(V1_KEYS, map(get, V2_KEYS)) if v is not None}
+    return ext
+
+
+def _props(front: RemotingFrontend, text: str) -> dict[str, str]:
+    cfg = front.core.config
+    if len(text) > cfg.max_properties:
+        raise MessageFormatError(f"the properties exceed {cfg.max_properties} bytes (--max-properties)")
+    props = decode_properties(text)
+    if len(props) > MAX_PROPERTIES_COUNT:
+        raise MessageFormatError(f"a message has at most {MAX_PROPERTIES_COUNT} properties")
+    if sum(len(k.encode()) + len(v.encode()) for k, v in props.items()) > cfg.max_properties:
+        raise MessageFormatError(f"the properties exceed {cfg.max_properties} bytes (--max-properties)")
+    return props
+
+
+def _body(front: RemotingFrontend, body: bytes, sys_flag: int) -> bytes:
+    limit = front.core.config.max_body
+    body = inflate(body, sys_flag, limit)
+    if len(body) > limit:
+        raise MessageFormatError(f"the body of {len(body)} bytes exceeds the {limit}-byte limit (--max-body)")
+    return body
+
+
+def _with_flags(props: dict[str, str], flag: int, reconsume: int) -> dict[str, str]:
+    if flag:
+        props[PROP_FLAG] = str(flag)
+    if reconsume > 0:
+        props[PROP_RECONSUME_TIME] = str(reconsume)
+    return props
+
+
+def _send_ext(conn: RemotingConnection, front: RemotingFrontend, msg_id: str, qid: int, qoff: int, tx_id: str | None) -> dict[str, str]:
+    ext = {"msgId": msg_id, "queueId": str(qid), "queueOffset": str(qoff), "MSG_REGION": "DefaultRegion", "TRACE_ON": "true"}
+    if tx_id:
+        ext["transactionId"] = tx_id
+    return ext
+
+
+@handles(p.SEND_MESSAGE, p.SEND_MESSAGE_V2, p.SEND_BATCH_MESSAGE)
+def send_message(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Command) -> Result:
+    core = front.core
+    h = send_header(cmd)
+    topic = topic_of(h)
+    group = h.get("producerGroup", "")
+    qid = opt_int(h, "queueId", -1, -1, MAX_QUEUES)
+    sys_flag = opt_int(h, "sysFlag", 0, -(1 << 31), (1 << 31) - 1)
+    born = opt_int(h, "bornTimestamp", 0, 0) or int(core.clock() * 1000)
+    flag = opt_int(h, "flag", 0, -(1 << 31), (1 << 31) - 1)
+    reconsume = opt_int(h, "reconsumeTimes", 0, 0, 1 << 30)
+    props = _props(front, h.get("properties", ""))
+    if cmd.code == p.SEND_BATCH_MESSAGE or opt_bool(h, "batch"):
+        return _send_batch(front, conn, cmd, topic, qid, born, props)
+    body = _body(front, cmd.body, sys_flag)
+    _with_flags(props, flag, reconsume)
+    if props.get(PROP_TRAN_MSG) == "true" or sys_flag & p.TRANSACTION_TYPE_MASK == p.TRANSACTION_PREPARED_TYPE:
+        props[PROP_TRAN_MSG] = "true"
+        if not props.get(PROP_PGROUP):
+            props[PROP_PGROUP] = group
+        return _send_half(front, conn, cmd, topic, qid, body, props, born)
+    q = core.topics.pick_queue(topic, qid if qid >= 0 else None, "normal")
+    fut = core.send([Message(topic, q, TxType.NORMAL, born, props, body)], single=True)
+    addr, port, uniq = conn.store_addr, front.port, props.get(PROP_UNIQ_KEY)
+
+    def reply(row: dict) -> p.Command:
+        return ok(cmd, _send_ext(conn, front, offset_msg_id(addr, port, row["commit_log_offset"]), q, row["queue_offset"], uniq))
+
+    return Then(fut, reply)
+
+
+def _send_half(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Command, topic: str, qid: int, body: bytes,
+               props: dict[str, str], born: int) -> Result:
+    core = front.core
+    again = _sent_before(core, topic, props)
+    if again is not None:  # the client sent it again (no answer in time): the first one's receipt
+        tx_id, cl, half, q = again
+        return ok(cmd, _send_ext(conn, front, offset_msg_id(conn.store_addr, front.port, cl), q, half, tx_id))
+
+    def send() -> Any:
+        return core.tx.send_half(topic, qid if qid >= 0 else None, body, props, born)
+
+    addr, port = conn.store_addr, front.port
+
+    def reply(row: dict) -> p.Command:
+        # RocketMQ's client ends the transaction with this queueOffset (tranStateTableOffset) and the
+        # commit-log offset in this msgId: those of the half message.
+        return ok(cmd, _send_ext(conn, front, offset_msg_id(addr, port, row["commit_log_offset"]), row["queue_id"], row["half_offset"],
+                                 row["tx_id"]))
+
+    if core.keeper.must_wait():  # right after a start, while the transaction index is built
+        return _later(core.keeper.when_ready(send), reply)
+    return Then(send(), reply)
+
+
+async def _later(result: Any, fn: Callable[[Any], p.Command]) -> p.Command:
+    return fn(await _await(result))
+
+
+def _sent_before(core: BrokerCore, topic: str, props: dict[str, str]) -> tuple[str, int, int, int] | None:
+    tx_id = props.get(PROP_UNIQ_KEY)
+    if not tx_id or not core.keeper.ready.is_set() or core.keeper.error is not None:
+        return None
+    pend = core.tx.index.pending.get(tx_id)
+    if pend is None or pend.topic != topic or pend.group != props.get(PROP_PGROUP):
+        return None
+    return tx_id, pend.cl_offset, pend.half_offset, pend.queue_id
+
+
+def _send_batch(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Command, topic: str, qid: int, born: int,
+                header_props: dict[str, str]) -> Result:
+    core = front.core
+    items = decode_batch(cmd.body)
+    budget = core.config.max_frame
+    msgs_in = []
+    for flag, body, props in items:
+        if props.get(PROP_TRAN_MSG) == "true":
+            raise MessageFormatError("transactional messages cannot be sent in a batch")
+        body = _body(front, body, 0)
+        budget -= len(body)
+        if budget < 0:
+            raise MessageFormatError(f"the bodies of one batch exceed {core.config.max_frame} bytes (--max-frame)")
+        msgs_in.append((_with_flags(props, flag, 0), body))
+    q = core.topics.pick_queue(topic, qid if qid >= 0 else None, "normal")
+    fut = core.send([Message(topic, q, TxType.NORMAL, born, props, body) for props, body in msgs_in], single=False)
+
+    async def reply() -> p.Command:
+        rows = (await fut)["results"]
+        ids = ",".join(offset_msg_id(conn.store_addr, front.port, r["commit_log_offset"]) for r in rows)
+        return ok(cmd, _send_ext(conn, front, ids, q, rows[0]["queue_offset"], None))
+
+    return reply()
+
+
+# ---- transactions ---------------------------------------------------------------------------
+_STATES = {p.TRANSACTION_COMMIT_TYPE: "commit", p.TRANSACTION_ROLLBACK_TYPE: "rollback", 0: "unknown"}
+
+
+@handles(p.END_TRANSACTION)
+def end_transaction(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Command) -> Result:
+    """COMMIT (8), ROLLBACK (12) or UNKNOWN (0), for the half copy the offsets name; usually oneway."""
+    core = front.core
+    ext = cmd.ext
+    group = req_str(ext, "producerGroup")
+    cl = req_int(ext, "commitLogOffset", 0)
+    half = req_int(ext, "tranStateTableOffset", 0)
+    kind = req_int(ext, "commitOrRollback", -(1 << 31), (1 << 31) - 1)
+    state = _STATES.get(kind)
+    if state is None:
+        raise _bad(f"commitOrRollback must be 8 (commit), 12 (rollback) or 0 (unknown), not {kind}")
+    tx_id = ext.get("transactionId") or ext.get("msgId") or ""
+    if not tx_id or len(tx_id) > 255:
+        raise _bad("the transaction is not named: transactionId (or msgId) must be 1 to 255 characters")
+    source = "check" if opt_bool(ext, "fromTransactionCheck") else "producer"
+
+    def end() -> Any:
+        return core.tx.end_transaction(group, tx_id, cl, half, state, source)
+
+    def reply(r: dict) -> p.Command:
+        status = r.get("status")
+        if status == "already":
+            remark = f"transaction {tx_id} was already {r.get('outcome')} (by {r.get('decided_by')})"
+        elif status == "noop":
+            remark = f"transaction {tx_id} stays {r.get('outcome', 'pending')}"
+        else:
+            remark = f"transaction {tx_id} {r.get('outcome', 'decided')}"
+        return ok(cmd, remark=remark)
+
+    if core.keeper.must_wait():
+        return _later(core.keeper.when_ready(end), reply)
+    result = end()
+    return reply(result) if isinstance(result, dict) else Then(result, reply)
+
+
+# ---- consuming ------------------------------------------------------------------------------
+def _tags(expr: str | None) -> frozenset[str] | None:
+    if expr is None:
+        return None
+    expr = expr.strip()
+    if not expr or expr == "*":
+        return None
+    return frozenset(t.strip() for t in expr.split("||") if t.strip())
+
+
+@handles(p.PULL_MESSAGE)
+def pull_message(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Command) -> Result:
+    core = front.core
+    ext = cmd.ext
+    group = req_str(ext, "consumerGroup")
+    topic = topic_of(ext)
+    qid = req_int(ext, "queueId", 0, MAX_QUEUES)
+    offset = req_int(ext, "queueOffset", 0)
+    count = min(opt_int(ext, "maxMsgNums", 32, 1, 1 << 31), MAX_PULL_MESSAGES)
+    sys_flag = opt_int(ext, "sysFlag", 0, 0, (1 << 31) - 1)
+    max_bytes = opt_int(ext, "maxMsgBytes", 0, 0, 1 << 31) or DEFAULT_PULL_BYTES
+    max_bytes = min(max_bytes, 64 << 20)
+    wait = opt_int(ext, "suspendTimeoutMillis", 0, 0, 1 << 31) if sys_flag & p.PULL_SUSPEND else 0
+    if core.topics.queues(topic) is None:
+        raise TxmqError(f"topic[{topic}] not exist, apply first please!", ErrorCode.NO_SUCH_TOPIC, topic=topic)
+    expr = ext.get("subscription") if sys_flag & p.PULL_SUBSCRIPTION else None
+    if expr is None:
+        expr = front.clients.subscription(group, topic)
+    if expr is not None and ext.get("expressionType", "TAG") not in ("TAG", ""):
+        raise TxmqError(f"expression type {ext.get('expressionType', '')[:20]!r} is not supported: txmq filters by tag only",
+                        ErrorCode.INVALID_FIELD)
+    tags = _tags(expr)
+    if sys_flag & p.PULL_COMMIT_OFFSET:
+        committed = opt_int(ext, "commitOffset", -1, -1)
+        n = core.topics.queues(topic)
+        if committed >= 0 and n is not None and qid < n:
+            core.offsets.commit(group, topic, qid, committed)
+
+    async def reply() -> p.Command:
+        r = await core.pull(topic, qid, offset, count, max_bytes, wait)
+        status = r["status"]
+        msgs = r["messages"]
+        nxt = r["next_offset"]
+        head = {"suggestWhichBrokerId": "0", "minOffset": str(r["min_offset"]), "maxOffset": str(r["max_offset"])}
+        if status == "found":
+            if tags is not None:
+                msgs = [m for m in msgs if m["properties"].get("TAGS") in tags]
+            head["nextBeginOffset"] = str(nxt)
+            if not msgs:  # every message read was filtered out: the client pulls again from past them
+                return p.response(cmd, p.PULL_RETRY_IMMEDIATELY, head, remark="no message matched the subscription")
+            return ok(cmd, head, encode_maps(msgs, conn.store_addr, front.port))
+        if status == "offset_too_small":
+            head["nextBeginOffset"] = str(r["min_offset"])
+            return p.response(cmd, p.PULL_OFFSET_MOVED, head, remark=f"offset {offset} is below the queue's first, {r['min_offset']}")
+        if status == "offset_overflow":
+            head["nextBeginOffset"] = str(r["max_offset"])
+            return p.response(cmd, p.PULL_OFFSET_MOVED, head, remark=f"offset {offset} is past the queue's end, {r['max_offset']}")
+        head["nextBeginOffset"] = str(offset if status != "no_queue" else 0)
+        return p.response(cmd, p.PULL_NOT_FOUND, head, remark="no new message")
+
+    return reply()
+
+
+@handles(p.QUERY_CONSUMER_OFFSET)
+def query_consumer_offset(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Command) -> p.Command:
+    """The group's committed offset; none yet: 0 while the queue still holds its first message (as RocketMQ's broker
+    answers for a queue whose start is still in memory), else QUERY_NOT_FOUND (the client's consumeFromWhere decides)."""
+    core = front.core
+    group = req_str(cmd.ext, "consumerGroup")
+    topic = topic_of(cmd.ext)
+    qid = req_int(cmd.ext, "queueId", 0, MAX_QUEUES)
+    off = core.offsets.get(group, topic, qid)
+    if off is None:
+        if opt_bool(cmd.ext, "setZeroIfNotFound") or core.store.queue_min_offset(topic, qid) == 0:
+            off = 0
+        else:
+            return p.response(cmd, p.QUERY_NOT_FOUND, remark=f"group {group} has no offset for {topic} queue {qid}")
+    return ok(cmd, {"offset": str(off)})
+
+
+@handles(p.UPDATE_CONSUMER_OFFSET)
+def update_consumer_offset(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Command) -> Result:
+    core = front.core
+    group = check_group(req_str(cmd.ext, "consumerGroup"), "consumer group")
+    topic = topic_of(cmd.ext)
+    qid = req_int(cmd.ext, "queueId", 0, MAX_QUEUES)
+    off = req_int(cmd.ext, "commitOffset", 0)
+    known_queue(core, topic, qid)
+    if cmd.oneway:
+        core.offsets.commit(group, topic, qid, off)
+        return None
+
+    async def reply() -> p.Command:
+        await core.commit_offset(group, topic, qid, off)
+        return ok(cmd)
+
+    return reply()
+
+
+@handles(p.GET_CONSUMER_LIST_BY_GROUP)
+def consumer_list(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Command) -> p.Command:
+    group = req_str(cmd.ext, "consumerGroup")
+    ids = front.clients.consumer_ids(group)
+    if not ids:
+        return p.response(cmd, p.SYSTEM_ERROR, remark=f"no consumer for this group, {group}")
+    return ok(cmd, body=json_body({"consumerIdList": ids}))
+
+
+def _mq_set(data: dict, core: BrokerCore | None = None) -> list[tuple[str, int]]:
+    """The queues of a lock request; with ``core``, only those that exist (a lock is kept per queue)."""
+    out = []
+    mqs = data.get("mqSet")
+    if not isinstance(mqs, list) or len(mqs) > 10_000:
+        raise _bad("mqSet must be a list of at most 10000 message queues")
+    for mq in mqs:
+        if not isinstance(mq, dict) or not isinstance(mq.get("topic"), str) or type(mq.get("queueId")) is not int:
+            raise _bad("each message queue of mqSet needs a topic and a queueId")
+        if core is not None and not 0 <= mq["queueId"] < (core.topics.queues(mq["topic"]) or 0):
+            continue  # no such queue: not locked, as it is not in the answer
+        out.append((mq["topic"], mq["queueId"]))
+    return out
+
+
+@handles(p.LOCK_BATCH_MQ)
+def lock_batch(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Command) -> p.Command:
+    data = parse_json_body(cmd, "LOCK_BATCH_MQ")
+    group, client_id = data.get("consumerGroup"), data.get("clientId")
+    if not isinstance(group, str) or not isinstance(client_id, str) or not group or not client_id:
+        raise _bad("LOCK_BATCH_MQ needs consumerGroup and clientId")
+    locked = front.clients.lock(group, client_id, _mq_set(data, front.core))
+    return ok(cmd, body=json_body({"lockOKMQSet": [{"topic": t, "brokerName": front.broker_name, "queueId": q} for t, q in locked]}))
+
+
+@handles(p.UNLOCK_BATCH_MQ)
+def unlock_batch(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Command) -> p.Command:
+    data = parse_json_body(cmd, "UNLOCK_BATCH_MQ")
+    group, client_id = data.get("consumerGroup"), data.get("clientId")
+    if not isinstance(group, str) or not isinstance(client_id, str):
+        raise _bad("UNLOCK_BATCH_MQ needs consumerGroup and clientId")
+    front.clients.unlock(group, client_id, _mq_set(data))
+    return ok(cmd)
+
+
+@handles(p.CONSUMER_SEND_MSG_BACK)
+def send_msg_back(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Command) -> Result:
+    """A message its consumer failed: again through %RETRY%<group> (delay level 3 + its retries, as RocketMQ's), or,
+    past maxReconsumeTimes (16) or with a negative delay level, into the dead-letter topic %DLQ%<group>."""
+    core = front.core
+    ext = cmd.ext
+    group = check_group(req_str(ext, "group"), "consumer group")
+    cl = req_int(ext, "offset", 0)
+    level = opt_int(ext, "delayLevel", 0, -(1 << 31), (1 << 31) - 1)
+    max_times = opt_int(ext, "maxReconsumeTimes", MAX_RECONSUME_TIMES, -1, 1 << 20)
+    if max_times < 0:
+        max_times = MAX_RECONSUME_TIMES
+    rec = _read_message(core, cl)
+    props = dict(rec.properties)
+    props.pop(PROP_DELAY, None)
+    try:
+        times = int(props.get(PROP_RECONSUME_TIME, "0"))
+    except ValueError:
+        times = 0
+    if PROP_RETRY_TOPIC not in props:
+        props[PROP_RETRY_TOPIC] = rec.topic
+    props.setdefault(PROP_ORIGIN_MESSAGE_ID, ext.get("originMsgId") or offset_msg_id(conn.store_addr, front.port, cl))
+    props[PROP_RECONSUME_TIME] = str(times + 1)
+    if times >= max_times or level < 0:
+        topic = dlq_topic(group)
+        core.metrics.inc("remoting_dead_lettered")
+    else:
+        topic = retry_topic(group)
+        props[PROP_DELAY] = str(min(3 + times if level == 0 else level, 18))
+        props[PROP_MAX_RECONSUME_TIMES] = str(max_times)
+        core.metrics.inc("remoting_retried")
+    core.topics.ensure(topic, 1)
+    fut = core.send([Message(topic, 0, TxType.NORMAL, rec.born_ts, props, rec.body)], single=True)
+
+    async def reply() -> p.Command:
+        await fut
+        return ok(cmd)
+
+    return reply()
+
+
+def _read_message(core: BrokerCore, cl: int) -> Any:
+    store = core.store
+    if not store.min_offset <= cl < store.max_offset:
+        raise TxmqError(f"no message at commit-log offset {cl} (the log holds {store.min_offset} to {store.max_offset})",
+                        ErrorCode.NO_SUCH_MESSAGE)
+    try:
+        rec = store.read_record(cl)
+    except Exception:
+        raise TxmqError(f"no message starts at commit-log offset {cl}", ErrorCode.NO_SUCH_MESSAGE) from None
+    if is_system_topic(rec.topic):
+        raise TxmqError(f"commit-log offset {cl} holds a record of system topic {rec.topic}, not a message", ErrorCode.NO_SUCH_MESSAGE)
+    return rec
+
+
+# ---- offsets and lookups ------------------------------------------------------------------------
+def _queue(front: RemotingFrontend, cmd: p.Command) -> tuple[str, int]:
+    topic = topic_of(cmd.ext)
+    qid = req_int(cmd.ext, "queueId", 0, MAX_QUEUES)
+    known_queue(front.core, topic, qid)
+    return topic, qid
+
+
+@handles(p.GET_MAX_OFFSET)
+def get_max_offset(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Command) -> p.Command:
+    topic, qid = _queue(front, cmd)
+    return ok(cmd, {"offset": str(front.core.store.queue_max_offset(topic, qid))})
+
+
+@handles(p.GET_MIN_OFFSET)
+def get_min_offset(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Command) -> p.Command:
+    topic, qid = _queue(front, cmd)
+    return ok(cmd, {"offset": str(front.core.store.queue_min_offset(topic, qid))})
+
+
+@handles(p.GET_EARLIEST_MSG_STORETIME)
+def earliest_store_time(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Command) -> p.Command:
+    topic, qid = _queue(front, cmd)
+    store = front.core.store
+    entries = store.cq_entries(topic, qid, store.queue_min_offset(topic, qid), 1)
+    ts = -1
+    if entries:
+        try:
+            ts = store.read(entries[0][0]).store_ts
+        except Exception:
+            ts = -1
+    return ok(cmd, {"timestamp": str(ts)})
+
+
+@handles(p.SEARCH_OFFSET_BY_TIMESTAMP)
+def search_offset(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Command) -> p.Command:
+    topic, qid = _queue(front, cmd)
+    ts = req_int(cmd.ext, "timestamp", 0)
+    return ok(cmd, {"offset": str(offset_for_time(front.core, topic, qid, ts))})
+
+
+@handles(p.VIEW_MESSAGE_BY_ID)
+def view_message(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Command) -> p.Command:
+    rec = _read_message(front.core, req_int(cmd.ext, "offset", 0))
+    return ok(cmd, body=encode_record(rec, conn.store_addr, front.port))
+
+
+__all__ = ["HANDLERS", "error_response", "served_codes", "INNER_PRODUCER"]

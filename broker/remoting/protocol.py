@@ -1,0 +1,266 @@
+"""RocketMQ 4's remoting frames: the codes, and a command's encoding in JSON or RocketMQ's binary header.
+
+A frame on the wire (RocketMQ's RemotingCommand.encode, doc/protocol of
+rocketmq-client-cpp)::
+
+    int32 length            # of everything after it: 4 + header + body
+    int32 header length     # serialize type in the top byte (0 JSON, 1 ROCKETMQ), length in the low 24 bits
+    header                  # the command without its body
+    body
+
+The JSON header is an object: ``code``, ``language`` (a name: "JAVA",
+"CPP"...), ``version``, ``opaque`` (the request's id, echoed by its
+response), ``flag`` (bit 0: a response, bit 1: oneway), ``remark``,
+``extFields`` (the request or response header: a map of strings; some
+clients write numbers and booleans, which are read as their text). The
+binary header (RocketMQSerializable) is ``int16 code, int8 language,
+int16 version, int32 opaque, int32 flag, int32 remark length + remark,
+int32 ext length + (int16 key length, key, int32 value length, value)*``.
+A response goes out in the serialize type of its request: the C++ client
+reads JSON only.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass, field
+
+# ---- request codes (RequestCode) ----------------------------------------------------------
+SEND_MESSAGE = 10
+PULL_MESSAGE = 11
+QUERY_MESSAGE = 12
+QUERY_CONSUMER_OFFSET = 14
+UPDATE_CONSUMER_OFFSET = 15
+UPDATE_AND_CREATE_TOPIC = 17
+SEARCH_OFFSET_BY_TIMESTAMP = 29
+GET_MAX_OFFSET = 30
+GET_MIN_OFFSET = 31
+GET_EARLIEST_MSG_STORETIME = 32
+VIEW_MESSAGE_BY_ID = 33
+HEART_BEAT = 34
+UNREGISTER_CLIENT = 35
+CONSUMER_SEND_MSG_BACK = 36
+END_TRANSACTION = 37
+GET_CONSUMER_LIST_BY_GROUP = 38
+CHECK_TRANSACTION_STATE = 39
+NOTIFY_CONSUMER_IDS_CHANGED = 40
+LOCK_BATCH_MQ = 41
+UNLOCK_BATCH_MQ = 42
+CHECK_CLIENT_CONFIG = 46
+GET_ROUTEINFO_BY_TOPIC = 105
+GET_BROKER_CLUSTER_INFO = 106
+GET_ALL_TOPIC_LIST_FROM_NAMESERVER = 206
+GET_CONSUMER_RUNNING_INFO = 307
+SEND_MESSAGE_V2 = 310
+SEND_BATCH_MESSAGE = 320
+
+# ---- response codes (RemotingSysResponseCode, ResponseCode) -------------------------------
+SUCCESS = 0
+SYSTEM_ERROR = 1
+SYSTEM_BUSY = 2
+REQUEST_CODE_NOT_SUPPORTED = 3
+MESSAGE_ILLEGAL = 13
+SERVICE_NOT_AVAILABLE = 14
+NO_PERMISSION = 16
+TOPIC_NOT_EXIST = 17
+PULL_NOT_FOUND = 19
+PULL_RETRY_IMMEDIATELY = 20
+PULL_OFFSET_MOVED = 21
+QUERY_NOT_FOUND = 22
+SUBSCRIPTION_PARSE_FAILED = 23
+INVALID_PARAMETER = 29
+
+# ---- sysFlag bits (MessageSysFlag, PullSysFlag) -----------------------------------------
+COMPRESSED_FLAG = 0x1
+MULTI_TAGS_FLAG = 0x2
+TRANSACTION_PREPARED_TYPE = 0x4
+TRANSACTION_COMMIT_TYPE = 0x8
+TRANSACTION_ROLLBACK_TYPE = 0xC
+TRANSACTION_TYPE_MASK = 0xC
+BORNHOST_V6_FLAG = 0x10
+STOREHOSTADDRESS_V6_FLAG = 0x20
+COMPRESSION_TYPE_MASK = 0x700  # bits 8-10: 0 or 0x100 ZLIB, 0x200 LZ4, 0x300 ZSTD
+
+PULL_COMMIT_OFFSET = 0x1
+PULL_SUSPEND = 0x2
+PULL_SUBSCRIPTION = 0x4
+
+RESPONSE_FLAG = 0x1
+ONEWAY_FLAG = 0x2
+
+JSON_TYPE = 0
+ROCKETMQ_TYPE = 1
+
+LANGUAGES = ("JAVA", "CPP", "DOTNET", "PYTHON", "DELPHI", "ERLANG", "RUBY", "OTHER", "HTTP", "GO", "PHP", "OMS", "RUST", "NODE_JS")
+BROKER_LANGUAGE = "PYTHON"  # what txmq writes in its own commands (LanguageCode.PYTHON)
+
+MAX_EXT_FIELDS = 256  # entries in one header's extFields
+MAX_REMARK = 4096
+
+
+class FrameError(Exception):
+    """A frame that cannot be a RocketMQ command: its connection is closed."""
+
+
+@dataclass(slots=True)
+class Command:
+    code: int
+    opaque: int = 0
+    flag: int = 0
+    ext: dict[str, str] = field(default_factory=dict)
+    body: bytes = b""
+    remark: str = ""
+    version: int = 0
+    language: str = BROKER_LANGUAGE
+    serialize: int = JSON_TYPE
+
+    @property
+    def oneway(self) -> bool:
+        return bool(self.flag & ONEWAY_FLAG)
+
+    @property
+    def is_response(self) -> bool:
+        return bool(self.flag & RESPONSE_FLAG)
+
+
+_I32 = struct.Struct(">i")
+_MIN32, _MAX32 = -(1 << 31), (1 << 31) - 1
+_loads = json.JSONDecoder().decode  # a str: json.loads of bytes first guesses their encoding
+_dumps = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode  # one encoder: json.dumps builds one per call
+_HEAD = struct.Struct(">ii")
+_BIN_FIXED = struct.Struct(">hbhii")
+
+
+def _text(v: object) -> str:
+    """A header value as RocketMQ's HashMap<String, String> holds it: strings as they are, numbers and booleans as text."""
+    if isinstance(v, str):
+        return v
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return str(int(v)) if isinstance(v, float) and v.is_integer() else str(v)
+    raise FrameError("a header field is not a string, number or boolean")
+
+
+def decode(payload: bytes) -> Command:
+    """A command from one frame's payload (what follows the 4-byte length)."""
+    if len(payload) < 4:
+        raise FrameError("frame shorter than its header length")
+    raw = int.from_bytes(payload[:4], "big")
+    kind = raw >> 24
+    hlen = raw & 0xFFFFFF
+    if hlen > len(payload) - 4:
+        raise FrameError(f"header length {hlen} exceeds the frame")
+    header = payload[4 : 4 + hlen]
+    body = payload[4 + hlen :]
+    if kind == JSON_TYPE:
+        cmd = _decode_json(header)
+    elif kind == ROCKETMQ_TYPE:
+        cmd = _decode_binary(header)
+    else:
+        raise FrameError(f"unknown serialize type {kind}")
+    cmd.body = body
+    return cmd
+
+
+def _decode_json(header: bytes) -> Command:
+    try:
+        obj = _loads(header.decode())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise FrameError(f"header is not JSON: {exc}") from None
+    if type(obj) is not dict:
+        raise FrameError("header is not a JSON object")
+    get = obj.get
+    code, opaque, flag, version = get("code"), get("opaque", 0), get("flag", 0), get("version", 0)
+    if type(code) is not int or type(opaque) is not int or type(flag) is not int or type(version) is not int:
+        raise FrameError("header fields code, opaque, flag and version must be integers")
+    if not (_MIN32 <= code <= _MAX32 and _MIN32 <= opaque <= _MAX32 and _MIN32 <= flag <= _MAX32 and _MIN32 <= version <= _MAX32):
+        raise FrameError("header fields code, opaque, flag and version must be 32-bit integers")
+    ext_raw = get("extFields") or {}
+    if type(ext_raw) is not dict or len(ext_raw) > MAX_EXT_FIELDS:
+        raise FrameError(f"extFields is not a map of at most {MAX_EXT_FIELDS} entries")
+    for v in ext_raw.values():
+        if type(v) is not str:  # some clients write numbers and booleans (the C++ client): their text, as Java's map holds it
+            ext_raw = {k: _text(v) for k, v in ext_raw.items() if v is not None}
+            break
+    remark = get("remark") or ""
+    language = get("language") or "OTHER"
+    return Command(code, opaque, flag, ext_raw, b"", remark if type(remark) is str else "", version,
+                   language if type(language) is str else "OTHER", JSON_TYPE)
+
+
+def _decode_binary(h: bytes) -> Command:
+    try:
+        code, lang, version, opaque, flag = _BIN_FIXED.unpack_from(h, 0)
+        pos = _BIN_FIXED.size
+        (rlen,) = _I32.unpack_from(h, pos)
+        pos += 4
+        if rlen < 0 or pos + rlen > len(h):
+            raise FrameError("remark length exceeds the header")
+        remark = h[pos : pos + rlen].decode()
+        pos += rlen
+        (elen,) = _I32.unpack_from(h, pos)
+        pos += 4
+        if elen < 0 or pos + elen > len(h):
+            raise FrameError("extFields length exceeds the header")
+        end = pos + elen
+        ext: dict[str, str] = {}
+        while pos < end:
+            klen = int.from_bytes(h[pos : pos + 2], "big")
+            pos += 2
+            key = h[pos : pos + klen].decode()
+            pos += klen
+            (vlen,) = _I32.unpack_from(h, pos)
+            pos += 4
+            if vlen < 0 or pos + vlen > end or pos > end:
+                raise FrameError("an extFields entry exceeds the header")
+            ext[key] = h[pos : pos + vlen].decode()
+            pos += vlen
+            if len(ext) > MAX_EXT_FIELDS:
+                raise FrameError(f"more than {MAX_EXT_FIELDS} extFields entries")
+        if pos != end:
+            raise FrameError("extFields entries overrun their length")
+    except struct.error:
+        raise FrameError("binary header is truncated") from None
+    except UnicodeDecodeError:
+        raise FrameError("binary header holds text that is not UTF-8") from None
+    language = LANGUAGES[lang] if 0 <= lang < len(LANGUAGES) else "OTHER"
+    return Command(code=code, opaque=opaque, flag=flag, ext=ext, remark=remark, version=version, language=language,
+                   serialize=ROCKETMQ_TYPE)
+
+
+def encode(cmd: Command) -> bytes:
+    """The whole frame, length prefix included."""
+    if cmd.serialize == ROCKETMQ_TYPE:
+        header = _encode_binary(cmd)
+    else:
+        remark = f'"remark":{_dumps(cmd.remark)},' if cmd.remark else ""
+        header = (f'{{"code":{cmd.code},"language":"{cmd.language}","version":{cmd.version},"opaque":{cmd.opaque},"flag":{cmd.flag},'
+                  f'{remark}"extFields":{_dumps(cmd.ext)},"serializeTypeCurrentRPC":"JSON"}}').encode()
+    body = cmd.body or b""
+    return b"".join((_HEAD.pack(4 + len(header) + len(body), (cmd.serialize << 24) | len(header)), header, body))
+
+
+def _encode_binary(cmd: Command) -> bytes:
+    lang = LANGUAGES.index(cmd.language) if cmd.language in LANGUAGES else LANGUAGES.index("OTHER")
+    remark = cmd.remark.encode()
+    parts = [_BIN_FIXED.pack(cmd.code, lang, cmd.version, cmd.opaque, cmd.flag), _I32.pack(len(remark)), remark]
+    ext = []
+    for k, v in cmd.ext.items():
+        kb, vb = k.encode(), v.encode()
+        ext += [len(kb).to_bytes(2, "big"), kb, _I32.pack(len(vb)), vb]
+    eb = b"".join(ext)
+    parts += [_I32.pack(len(eb)), eb]
+    return b"".join(parts)
+
+
+def response(req: Command, code: int, ext: dict[str, str] | None = None, body: bytes = b"", remark: str = "") -> Command:
+    """The response to ``req``: its opaque, the response flag, its serialize type."""
+    return Command(code=code, opaque=req.opaque, flag=RESPONSE_FLAG, ext=ext or {}, body=body, remark=remark[:MAX_REMARK],
+                   version=req.version, serialize=req.serialize)
+
+
+def request(code: int, opaque: int, ext: dict[str, str], body: bytes = b"", oneway: bool = False, serialize: int = JSON_TYPE) -> Command:
+    """A request from the broker to a client (CHECK_TRANSACTION_STATE, NOTIFY_CONSUMER_IDS_CHANGED)."""
+    return Command(code=code, opaque=opaque, flag=ONEWAY_FLAG if oneway else 0, ext=ext, body=body, serialize=serialize)

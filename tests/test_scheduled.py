@@ -1,0 +1,225 @@
+"""Delayed and timed messages: scheduling by properties, delivery when due (injected clock), cancel, restart, rebuild."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from conftest import arun
+
+from txmq.broker.clock import ManualClock
+from txmq.broker.scheduled import service as sched_service
+from txmq.broker.scheduled.indexfile import DB_FILE
+from txmq.broker.scheduled.timing import due_ms
+from txmq.broker.testing import running_broker
+from txmq.client import Producer
+from txmq.wire import ErrorCode, TxmqError
+
+T0 = 1_800_000_000.0  # the injected clock's start (s)
+
+
+async def _all(core, topic: str) -> list[dict]:
+    out = []
+    for q in range(core.topics.queues(topic) or 0):
+        out += (await core.pull(topic, q, 0, 1000, 64 << 20, 0))["messages"]
+    return out
+
+
+async def _tick(core, clock: ManualClock, seconds: float) -> None:
+    """Move the injected clock and let the delivery task look at the window."""
+    clock.advance(seconds)
+    core.scheduled.poke()
+    for _ in range(20):
+        await asyncio.sleep(0.01)
+
+
+# ---- when a send is due ----------------------------------------------------------------
+def test_delay_levels_and_timer_properties_give_rocketmqs_due_times():
+    now, max_ms = 1_000_000, 3 * 86_400_000
+    assert due_ms({"DELAY": "1"}, now, max_ms) == now + 1000
+    assert due_ms({"DELAY": "16"}, now, max_ms) == now + 30 * 60_000
+    assert due_ms({"DELAY": "18"}, now, max_ms) == now + 2 * 3600_000
+    assert due_ms({"DELAY": "40"}, now, max_ms) == now + 2 * 3600_000  # above the last level: the last level
+    assert due_ms({"DELAY": "0"}, now, max_ms) is None
+    assert due_ms({"TIMER_DELAY_SEC": "7"}, now, max_ms) == now + 7000
+    assert due_ms({"TIMER_DELAY_MS": "250"}, now, max_ms) == now + 250
+    assert due_ms({"TIMER_DELIVER_MS": "5000000"}, now, max_ms) == 5_000_000
+    # RocketMQ's precedence: TIMER_DELAY_SEC, then TIMER_DELAY_MS, then TIMER_DELIVER_MS, then DELAY
+    assert due_ms({"TIMER_DELAY_SEC": "1", "TIMER_DELIVER_MS": "9", "DELAY": "3"}, now, max_ms) == now + 1000
+    assert due_ms({"TIMER_DELIVER_MS": "10"}, now, max_ms) == 10  # past: the caller delivers it now
+
+
+@pytest.mark.parametrize("props,code", [
+    ({"TIMER_DELAY_SEC": "soon"}, ErrorCode.INVALID_DELIVERY_TIME),
+    ({"DELAY": "1.5"}, ErrorCode.INVALID_DELIVERY_TIME),
+    ({"TIMER_DELAY_MS": str(3 * 86_400_000 + 1)}, ErrorCode.INVALID_DELIVERY_TIME),
+    ({"TXMQ_SCHEDULED_FROM": "0"}, ErrorCode.INVALID_FIELD),
+])
+def test_unreadable_or_too_far_delivery_times_are_refused(props, code):
+    with pytest.raises(TxmqError) as e:
+        due_ms(props, 0, 3 * 86_400_000)
+    assert e.value.code == code
+
+
+# ---- a live broker with an injected clock -----------------------------------------------
+def test_delayed_message_is_invisible_until_due_then_delivered_once_with_its_fields(data_dir):
+    async def main():
+        clock = ManualClock(T0)
+        async with running_broker(data_dir, clock=clock) as b:
+            async with Producer(b.address) as p:
+                r = await p.send("orders", b"cancel-if-unpaid", tags="timeout", keys=["order-7"], properties={"shop": "eu"},
+                                 delay=30)
+                assert r.queue_offset == -1 and r.deliver_at_ms == int(T0 * 1000) + 30_000
+                assert b.core.scheduled.gauges()["scheduled"] == 1
+                await _tick(b.core, clock, 29.9)
+                assert await _all(b.core, "orders") == []
+                await _tick(b.core, clock, 0.2)
+                got = await _all(b.core, "orders")
+                assert len(got) == 1
+                m = got[0]
+                assert m["msg_id"] == r.msg_id and m["body"] == b"cancel-if-unpaid" and m["queue_id"] == r.queue_id
+                props = m["properties"]
+                assert props["TAGS"] == "timeout" and props["KEYS"] == "order-7" and props["shop"] == "eu"
+                assert props["TIMER_DELIVER_MS"] == str(r.deliver_at_ms)
+                assert props["TIMER_ENQUEUE_MS"] == str(int(T0 * 1000))
+                assert "REAL_TOPIC" not in props and "TIMER_DELAY_MS" not in props
+                await _tick(b.core, clock, 60)
+                assert len(await _all(b.core, "orders")) == 1  # once
+                assert b.core.scheduled.gauges()["scheduled"] == 0
+                assert b.core.metrics.counters["scheduled_delivered"] == 1
+
+    arun(main())
+
+
+def test_due_time_in_the_past_is_delivered_at_once_and_levels_are_honoured(data_dir):
+    async def main():
+        clock = ManualClock(T0)
+        async with running_broker(data_dir, clock=clock) as b:
+            async with Producer(b.address) as p:
+                past = await p.send("t", b"past", deliver_at=T0 - 5)
+                assert past.queue_offset == 0 and past.deliver_at_ms is None
+                await p.send("t", b"level2", properties={"DELAY": "2"})  # 5 s
+                await _tick(b.core, clock, 4)
+                assert [m["body"] for m in await _all(b.core, "t")] == [b"past"]
+                await _tick(b.core, clock, 1.5)
+                assert sorted(m["body"] for m in await _all(b.core, "t")) == [b"level2", b"past"]
+
+    arun(main())
+
+
+def test_delay_beyond_max_delay_and_delayed_transactions_are_refused(data_dir):
+    async def main():
+        async with running_broker(data_dir, max_delay_s=60) as b:
+            async with Producer(b.address) as p:
+                with pytest.raises(TxmqError) as e:
+                    await p.send("t", b"x", delay=61)
+                assert e.value.code == ErrorCode.INVALID_DELIVERY_TIME and "at most 1m" in e.value.message
+                with pytest.raises(TxmqError) as e:
+                    await p.send("t", b"x", properties={"TRAN_MSG": "true", "PGROUP": "g", "TIMER_DELAY_SEC": "3"})
+                assert e.value.code == ErrorCode.INVALID_FIELD and "transactional" in e.value.message
+                # a delay level on a half message is dropped, as RocketMQ 4's client drops it: the half stays pending
+                h = await p.client.request("send", {"topic": "t", "body": b"x",
+                                                    "properties": {"TRAN_MSG": "true", "PGROUP": "g", "DELAY": "3"}})
+                assert h["half_offset"] >= 0 and h["tx_id"] in b.core.tx.index.pending
+            assert b.core.scheduled.gauges()["scheduled"] == 0
+
+    arun(main())
+
+
+def test_topic_that_does_not_accept_delay_refuses_a_delayed_send(data_dir):
+    async def main():
+        async with running_broker(data_dir) as b:
+            b.core.create_topic("plain", 2, ("normal",))
+            async with Producer(b.address) as p:
+                with pytest.raises(TxmqError) as e:
+                    await p.send("plain", b"x", delay=5)
+                assert e.value.code == ErrorCode.MESSAGE_TYPE_NOT_ACCEPTED
+                await p.send("fresh", b"x", delay=5)  # a topic this send creates accepts delayed messages
+            assert "delay" in b.core.topics.message_types("fresh")
+
+    arun(main())
+
+
+def test_cancelled_message_is_never_delivered_even_after_a_restart(data_dir):
+    async def main():
+        clock = ManualClock(T0)
+        async with running_broker(data_dir, clock=clock) as b:
+            async with Producer(b.address) as p:
+                keep = await p.send("orders", b"keep", delay=10)
+                drop = await p.send("orders", b"drop", delay=10)
+                done = await p.cancel_scheduled(drop.msg_id)
+                assert [c["deliver_at_ms"] for c in done["cancelled"]] == [drop.deliver_at_ms]
+                with pytest.raises(TxmqError) as e:
+                    await p.cancel_scheduled(drop.msg_id)
+                assert e.value.code == ErrorCode.NO_SUCH_MESSAGE
+                listing = await b.core.scheduled.listing(None, None, 10)
+                assert [m["msg_id"] for m in listing["messages"]] == [keep.msg_id] and listing["total"] == 1
+        clock.advance(60)  # both came due while the broker was stopped
+        async with running_broker(data_dir, clock=clock) as b:
+            await _tick(b.core, clock, 0)
+            assert [m["body"] for m in await _all(b.core, "orders")] == [b"keep"]
+
+    arun(main())
+
+
+def test_restart_keeps_the_schedule_and_never_delivers_twice(data_dir):
+    async def main():
+        clock = ManualClock(T0)
+        async with running_broker(data_dir, clock=clock) as b:
+            async with Producer(b.address) as p:
+                for i in range(5):
+                    await p.send("orders", f"m{i}".encode(), delay=10 * (i + 1))
+            await _tick(b.core, clock, 25)  # m0, m1 delivered
+            assert len(await _all(b.core, "orders")) == 2
+        async with running_broker(data_dir, clock=clock) as b:
+            assert b.core.scheduled.gauges()["scheduled"] == 3
+            await _tick(b.core, clock, 100)
+            assert sorted(m["body"] for m in await _all(b.core, "orders")) == [b"m0", b"m1", b"m2", b"m3", b"m4"]
+
+    arun(main())
+
+
+def test_lost_index_file_is_rebuilt_from_the_log_without_redelivering(data_dir):
+    async def main():
+        clock = ManualClock(T0)
+        async with running_broker(data_dir, clock=clock) as b:
+            async with Producer(b.address) as p:
+                for i in range(4):
+                    await p.send("orders", f"m{i}".encode(), delay=10 * (i + 1))
+                cancelled = await p.send("orders", b"cancelled", delay=15)
+                await p.cancel_scheduled(cancelled.msg_id)
+            await _tick(b.core, clock, 25)
+        (data_dir / DB_FILE).unlink()
+        (data_dir / (DB_FILE + "-wal")).unlink(missing_ok=True)
+        async with running_broker(data_dir, clock=clock) as b:
+            assert b.core.scheduled.gauges()["scheduled"] == 2
+            await _tick(b.core, clock, 100)
+            assert sorted(m["body"] for m in await _all(b.core, "orders")) == [b"m0", b"m1", b"m2", b"m3"]
+
+    arun(main())
+
+
+def test_a_burst_larger_than_the_window_is_delivered_in_due_order(data_dir, monkeypatch):
+    monkeypatch.setattr(sched_service, "WINDOW_ROWS", 50)
+    monkeypatch.setattr(sched_service, "DELIVER_BATCH", 16)
+
+    async def main():
+        clock = ManualClock(T0)
+        async with running_broker(data_dir, clock=clock, default_queues=1) as b:
+            async with Producer(b.address) as p:
+                # sent in reverse: due order is the opposite of the log's
+                for i in reversed(range(300)):  # due past the window: into the file, not memory
+                    await p.send("burst", str(i).encode(), deliver_at=T0 + 600 + i / 1000)
+            assert b.core.scheduled.gauges()["scheduled"] == 300
+            assert len(b.core.scheduled.heap) == 0
+            clock.advance(700)
+            for _ in range(200):
+                b.core.scheduled.poke()
+                await asyncio.sleep(0.02)
+                if b.core.scheduled.gauges()["scheduled"] == 0:
+                    break
+            assert b.core.scheduled.gauges()["scheduled"] == 0
+            got = [int(m["body"]) for m in await _all(b.core, "burst")]
+            assert got == list(range(300))
+
+    arun(main())
