@@ -49,6 +49,7 @@ from .busypoll import BusyPoll
 from .clock import Clock
 from .config import FRAME_OVERHEAD, BrokerConfig, CheckSettings
 from .flush import DescriptorState, DiskState, Flusher
+from .groupconfig import GROUPS_FILE, GroupConfigTable
 from .metrics import Metrics
 from .records import msg_id, record_to_map
 from .registry import ClientRegistry
@@ -124,6 +125,7 @@ class BrokerCore:
         # Built by open() (they read the data directory):
         self.topics: TopicTable  # topics.json: queue counts and message types
         self.offsets: ConsumerOffsets  # offsets.json: consumer groups' offsets
+        self.group_config: GroupConfigTable  # groups.json: consumer groups' settings (FIFO)
         self.flusher: Flusher  # fsyncs and group commit (its thread starts in start())
         self.appender: Appender  # every write to the log
         self.tx: TransactionService  # half messages, end transaction, decide, discard
@@ -152,6 +154,7 @@ class BrokerCore:
             log.info("event=topics_loaded topics=%d auto_create=%s", sum(1 for t in self.topics.all() if not is_system_topic(t)),
                      "on" if self.config.auto_create_topics else "off")
             self.offsets = ConsumerOffsets(self.data_dir / "offsets.json")
+            self.group_config = GroupConfigTable(self.data_dir / GROUPS_FILE)  # groups.json: which groups are FIFO
         except BaseException:  # e.g. a damaged offsets.json: the start is refused, the directory released
             self.store.close()
             raise

@@ -12,6 +12,7 @@ a bounded number of records.
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 from typing import Any
 
@@ -19,6 +20,8 @@ from txmq.constants import PROP_KEYS, PROP_UNIQ_KEY, is_system_topic
 from txmq.wire import ErrorCode, TxmqError
 
 from .records import msg_id_of, record_to_map
+
+log = logging.getLogger("txmq.broker")
 
 OFFSET_ID = re.compile(r"[0-9A-Fa-f]{16}")
 MAX_SCAN = 1_000_000  # records one find_messages may read, at most
@@ -115,24 +118,38 @@ def _queue_rows(core, group: str, topic: str, committed: dict[int, int]) -> list
 def list_groups(core) -> dict[str, Any]:
     by_group = core.offsets.all()
     live = core.consumer_registry.groups() if getattr(core, "consumer_registry", None) else {}
+    settings = core.group_config
     out = []
-    for g in sorted(set(by_group) | set(live)):
+    for g in sorted(set(by_group) | set(live) | set(settings.configured())):
         topics = by_group.get(g, {})
         lag = sum(r["lag"] for t, qs in topics.items() for r in _queue_rows(core, g, t, qs))
-        out.append({"group": g, "topics": sorted(topics), "consumers": live.get(g, 0), "lag": lag})
+        out.append({"group": g, "topics": sorted(topics), "consumers": live.get(g, 0), "lag": lag,
+                    "fifo": settings.fifo(g)})
     return {"groups": out}
 
 
 def describe_group(core, group: str, topic: str | None) -> dict[str, Any]:
     topics = core.offsets.all().get(group, {})
     consumers = live_consumers(core, group)
-    if not topics and not consumers:
-        raise TxmqError(f"no consumer group {group!r}: it never committed an offset and has no live consumer",
+    if not topics and not consumers and group not in core.group_config.configured():
+        raise TxmqError(f"no consumer group {group!r}: it never committed an offset, has no live consumer and no settings",
                         ErrorCode.NO_SUCH_GROUP)
     names = sorted(topics) if topic is None else [topic]
     queues = [r for t in names for r in _queue_rows(core, group, t, topics.get(t, {}))]
     return {"group": group, "consumers": consumers, "topics": names, "queues": queues,
-            "total_lag": sum(r["lag"] for r in queues)}
+            "total_lag": sum(r["lag"] for r in queues), "fifo": core.group_config.fifo(group)}
+
+
+def update_group(core, group: str, fifo: bool | None) -> dict[str, Any]:
+    """Change a consumer group's settings (groups.json, written before the answer); a group need not exist yet.
+
+    ``fifo``: its consumers receive each queue in order, one batch in flight
+    per queue (RocketMQ's consumeMessageOrderly; broker/rocketmq/pop.py).
+    """
+    reply = core.group_config.update(group, fifo=fifo)
+    if reply["changed"]:
+        log.info("event=group_updated group=%s fifo=%s old_fifo=%s", group, reply["fifo"], reply["old"]["fifo"])
+    return reply
 
 
 async def reset_offsets(core, group: str, topic: str, to: str, offset: int | None, time_ms: int | None,

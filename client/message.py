@@ -20,6 +20,7 @@ from txmq.constants import (
     PROP_PREPARED_QUEUE_OFFSET,
     PROP_REAL_QID,
     PROP_REAL_TOPIC,
+    PROP_SHARDING_KEY,
     PROP_TAGS,
     PROP_TIMER_DELAY_MS,
     PROP_TIMER_DELIVER_MS,
@@ -103,6 +104,12 @@ def now_ms() -> int:
 class Message:
     """A message to send. ``keys`` may be one string or several (joined with a space).
 
+    ``message_group``: a FIFO message's group (stored as ``__SHARDINGKEY``):
+    every message of a group goes to one queue, in the order the sends were
+    acknowledged, and a FIFO consumer group receives them in that order
+    (docs/client.md, "FIFO messages"). Not with a transactional send, nor
+    with ``deliver_at`` or ``delay``.
+
     ``deliver_at`` (epoch seconds or a datetime) or ``delay`` (seconds or a
     timedelta): the broker keeps the message from every consumer until then
     (``schedule_properties``).
@@ -113,14 +120,18 @@ class Message:
     tags: str | None = None
     keys: Keys | None = None
     properties: Mapping[str, str] | None = None
+    message_group: str | None = None
     deliver_at: When | None = None
     delay: Delay | None = None
 
     def wire_properties(self, base: Mapping[str, str] | None = None) -> dict[str, str] | None:
         when = schedule_properties(self.deliver_at, self.delay)
         if when is not None:
+            if self.message_group is not None:
+                raise ValueError("a message with a message_group cannot have deliver_at or delay: FIFO and delayed "
+                                 "messages are two types (as in RocketMQ 5)")
             base = {**when, **base} if base else when
-        return build_properties(self.tags, self.keys, self.properties, base)
+        return _with_group(build_properties(self.tags, self.keys, self.properties, base), self.message_group)
 
     def send_fields(self, base: Mapping[str, str] | None = None) -> dict[str, Any]:
         """Fields of a `send` request for this message (without queue_id)."""
@@ -129,6 +140,14 @@ class Message:
         if props is not None:
             fields["properties"] = props
         return fields
+
+
+def _with_group(props: dict[str, str] | None, group: str | None) -> dict[str, str] | None:
+    if group is None:
+        return props
+    if not isinstance(group, str) or not group.strip():
+        raise ValueError("message_group must be a non-blank string")
+    return {**(props or {}), PROP_SHARDING_KEY: group}
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,6 +197,11 @@ class ReceivedMessage:
     @property
     def keys(self) -> str | None:
         return self.properties.get(PROP_KEYS)
+
+    @property
+    def message_group(self) -> str | None:
+        """A FIFO message's group (``__SHARDINGKEY``), None for others."""
+        return self.properties.get(PROP_SHARDING_KEY)
 
     @property
     def key_list(self) -> list[str]:

@@ -19,6 +19,7 @@
 #   txmq groups describe
 #   txmq groups list
 #   txmq groups reset
+#   txmq groups update
 #   txmq inspect half
 #   txmq inspect offsets
 #   txmq inspect op

@@ -27,7 +27,7 @@ PROP_PREPARED_QUEUE_OFFSET = "TRAN_PREPARED_QUEUE_OFFSET"
 PROP_TAGS = "TAGS"
 PROP_KEYS = "KEYS"
 PROP_DELAY = "DELAY"
-PROP_TIMER_DELAY_MS = "TIMER_DELAY_MS"  # RocketMQ's: deliver this many ms after the store (the delayed-message scheduler's)
+PROP_SHARDING_KEY = "__SHARDINGKEY"  # a FIFO message's message group (RocketMQ's MessageConst.PROPERTY_SHARDING_KEY)
 # RocketMQ's broker setting messageDelayLevel, its default: the delay of each level, DELAY=1 ... DELAY=18.
 MESSAGE_DELAY_LEVEL = "1s 5s 10s 30s 1m 2m 3m 4m 5m 6m 7m 8m 9m 10m 20m 30m 1h 2h"
 # txmq's own additions (prefixed so they never collide with user properties).

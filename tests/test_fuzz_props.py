@@ -57,7 +57,8 @@ wild = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=5)
 
 props = st.one_of(
     st.dictionaries(st.sampled_from(["TRAN_MSG", "PGROUP", "UNIQ_KEY", "TAGS", "KEYS", "DELAY", "REAL_TOPIC", "REAL_QID",
-                                     "CHECK_IMMUNITY_TIME_IN_SECONDS", "TRANSACTION_CHECK_TIMES", "x"]),
+                                     "CHECK_IMMUNITY_TIME_IN_SECONDS", "TRANSACTION_CHECK_TIMES", "__SHARDINGKEY", "TIMER_DELIVER_MS",
+                                     "TIMER_DELAY_SEC", "TIMER_DELAY_MS", "x"]),
                     st.one_of(st.sampled_from(["true", "false", "g", "", "1", "-5", "nan", "1e999", "x" * 300]), wild), max_size=6),
     wild,
 )
@@ -82,12 +83,15 @@ FIELD = {
     "time_ms": ints, "since_ms": ints, "until_ms": ints, "msg_id": texts, "queue_ids": st.one_of(ints, st.lists(ints, max_size=3)),
     "value": st.one_of(ints, floats), "token": texts, "client_id": texts, "producer_groups": groups, "consumer_groups": groups,
     "message_types": st.one_of(st.lists(st.sampled_from(["normal", "fifo", "delay", "transaction", "NORMAL", "x", ""]), max_size=5), wild),
+    "fifo": st.one_of(st.booleans(), wild),
+    "after": st.one_of(st.lists(ints, max_size=3), wild),
 }
 # Values that pass validation, so a request with one field broken reaches deep into the handler.
 small = st.integers(0, 64)
 VALID = {
     "topic": st.sampled_from(["orders", "t", "fz-a"]), "body": st.binary(max_size=64),
-    "properties": st.sampled_from([{}, {"TAGS": "a"}, {"TRAN_MSG": "true", "PGROUP": "g"}, {"TRAN_MSG": "true", "PGROUP": "g", "DELAY": "3"}]),
+    "properties": st.sampled_from([{}, {"TAGS": "a"}, {"TRAN_MSG": "true", "PGROUP": "g"}, {"TRAN_MSG": "true", "PGROUP": "g", "DELAY": "3"},
+                                   {"__SHARDINGKEY": "order-1"}, {"TIMER_DELAY_SEC": "5"}, {"__SHARDINGKEY": "order-1", "DELAY": "2"}]),
     "queue_id": st.integers(-1, 3), "born_ts": st.integers(0, 1 << 41),
     "messages": st.lists(st.fixed_dictionaries({"body": st.binary(max_size=32)}, optional={"properties": st.just({"TAGS": "b"})}), min_size=1, max_size=3),
     "group": st.sampled_from(["g", "fz"]), "tx_id": st.sampled_from(["SEEDED", "nope"]), "commit_log_offset": st.integers(0, 20_000),
@@ -106,6 +110,8 @@ VALID = {
     "value": st.sampled_from([1, 2, 5, 60, 0.5, 3600]), "token": texts, "client_id": texts,
     "producer_groups": st.sampled_from([[], ["g"], ["fz"]]), "consumer_groups": st.sampled_from([[], ["c"]]),
     "message_types": st.lists(st.sampled_from(["normal", "fifo", "delay", "transaction"]), min_size=1, max_size=4),
+    "fifo": st.booleans(),
+    "after": st.sampled_from([[0, 0], [1 << 41, 20_000]]),
 }
 OPS = {
     "hello": ["token", "client_id", "producer_groups", "consumer_groups"],
@@ -135,10 +141,13 @@ OPS = {
     "tx_history": ["tx_id", "half_offset", "commit_log_offset", "max_scan", "summary"],
     "list_groups": [],
     "describe_group": ["group", "topic"],
+    "update_group": ["group", "fifo"],
     "reset_offsets": ["group", "topic", "to", "offset", "time_ms", "queue_ids", "dry_run", "force"],
     "offsets_for_time": ["topic", "time_ms", "queue_ids"],
     "get_message": ["msg_id", "commit_log_offset"],
     "find_messages": ["key", "topic", "since_ms", "until_ms", "limit", "max_scan"],
+    "cancel_scheduled": ["msg_id", "topic"],
+    "list_scheduled": ["topic", "limit", "after"],
 }
 
 

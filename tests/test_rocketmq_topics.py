@@ -204,13 +204,34 @@ def test_a_send_of_a_type_the_topic_does_not_accept_is_refused_as_rocketmqs_prox
     with_frontend(tmp_path, body)
 
 
-def test_fifo_messages_on_a_topic_that_accepts_them_are_refused_as_not_delivered_yet(tmp_path):
+def test_fifo_and_delay_messages_on_a_topic_that_accepts_them_are_both_delivered(tmp_path):
     async def body(b, stub, ch):
         await native(b, "create_topic", {"topic": "wide", "message_types": ["normal", "fifo", "delay"]})
         r = await stub.SendMessage(s.SendMessageRequest(messages=[_fifo("wide", "W2")]), metadata=MD)
-        assert r.status.code == d.UNSUPPORTED
-        assert r.status.message.startswith("FIFO messages are not delivered by this broker yet: topic wide accepts them")
-        assert await native_read(b, "wide", 1, timeout=0.5) == []
+        assert r.status.code == OK and r.entries[0].message_id == "W2"
+        r = await stub.SendMessage(s.SendMessageRequest(messages=[_delay("wide", "W1")]), metadata=MD)
+        assert r.status.code == OK and r.entries[0].recall_handle  # scheduled, due in 60 s
+        assert b.core.scheduled.gauges()["scheduled"] == 1
+        got = await native_read(b, "wide", 2, timeout=1.0)
+        assert [(m.body, m.properties.get("__SHARDINGKEY")) for m in got] == [(b"in-order", "g1")]
+
+    with_frontend(tmp_path, body)
+
+
+@pytest.mark.parametrize("kind", [d.FIFO, d.DELAY, d.NORMAL])
+def test_a_message_with_both_a_message_group_and_a_delivery_time_is_refused_whatever_the_topic_accepts(tmp_path, kind):
+    async def body(b, stub, ch):
+        await native(b, "create_topic", {"topic": "wide", "message_types": ["normal", "fifo", "delay"]})
+        await native(b, "create_topic", {"topic": "only-fifo", "message_types": ["fifo"]})
+        for topic in ("wide", "only-fifo"):
+            m = message(topic, b"both", "B1", kind)
+            m.system_properties.message_group = "g1"
+            m.system_properties.delivery_timestamp.FromMilliseconds(int(time.time() * 1000) + 60_000)
+            r = await stub.SendMessage(s.SendMessageRequest(messages=[m]), metadata=MD)
+            assert r.status.code == d.MESSAGE_PROPERTY_CONFLICT_WITH_TYPE, r.status
+            assert "both a message group (FIFO) and a delivery time (DELAY)" in r.status.message
+            assert await native_read(b, topic, 1, timeout=0.3) == []
+        assert b.core.scheduled.gauges()["scheduled"] == 0
 
     with_frontend(tmp_path, body)
 

@@ -46,6 +46,13 @@ def reset_offsets(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
                                 opt_bool(f, "force"))
 
 
+def update_group(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
+    fifo = f.get("fifo")
+    if fifo is not None and not isinstance(fifo, bool):
+        raise _bad("field 'fifo' must be true or false")
+    return groups.update_group(core, req_str(f, "group"), fifo)
+
+
 def offsets_for_time(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
     return groups.offsets_for_time(core, _topic(f), req_int(f, "time_ms"), _queue_ids(f))
 
@@ -70,6 +77,7 @@ HANDLERS.update({
     "list_groups": list_groups,
     "describe_group": describe_group,
     "reset_offsets": reset_offsets,
+    "update_group": update_group,
     "offsets_for_time": offsets_for_time,
     "get_message": get_message,
     "find_messages": find_messages,

@@ -15,6 +15,7 @@ from txmq.constants import DEFAULT_MESSAGE_TYPES, PROP_TRAN_MSG, canonical_topic
 from txmq.store import Message, TxType
 from txmq.wire import PROTOCOL_VERSION, ErrorCode, TxmqError
 
+from ..fifo import message_group_of, pick_group_queue
 from ..scheduled.timing import asks_for_time
 from ..topics import MAX_QUEUES, message_types_of
 from .operations import HANDLERS, Handler, Reply, _bad, body_of, opt_bool, opt_int, opt_str, props_of, refs_of, req_int, req_str, user_topic
@@ -27,9 +28,11 @@ if TYPE_CHECKING:
 # "config_set_dry_run": config_set takes dry_run and answers what the change would discard;
 # "topic_message_types": create_topic takes message_types, update_topic, delete_topic and describe_topic exist,
 # list_topics' rows carry message_types (an older broker would create a topic without the types it was given).
+# "message_group": a send's __SHARDINGKEY property is its message group (FIFO): the group chooses the queue;
+# update_group marks a consumer group FIFO, and list_groups / describe_group carry fifo.
 # "scheduled_messages": sends with TIMER_DELIVER_MS / TIMER_DELAY_SEC / TIMER_DELAY_MS / DELAY are delivered when due,
 # and cancel_scheduled and list_scheduled exist (an older broker would deliver such a send at once).
-FEATURES = ["config_set_dry_run", "topic_message_types", "scheduled_messages"]
+FEATURES = ["config_set_dry_run", "topic_message_types", "message_group", "scheduled_messages"]
 
 
 # ---- session ---------------------------------------------------------------
@@ -70,6 +73,10 @@ def send(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
 
 
 def _send(core: BrokerCore, topic: str, qid: int | None, body: bytes, props: dict[str, str], born: int) -> Reply:
+    group = message_group_of(props)  # FIFO: the group's queue (a transactional message with one is refused)
+    if group is not None:
+        qid = pick_group_queue(core.topics, topic, group, qid)
+        return core.send([Message(topic, qid, TxType.NORMAL, born, props, body)], single=True)
     if props.get(PROP_TRAN_MSG) == "true":
         if core.keeper.must_wait():
             return core.keeper.when_ready(lambda: core.tx.send_half(topic, qid, body, props, born))
@@ -103,7 +110,7 @@ def send_batch(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
     if not isinstance(items, list) or not items or len(items) > 10_000:
         raise _bad("field 'messages' must be a non-empty list of at most 10000 messages")
     created = core.topics.queues(topic) is None
-    queue_id = opt_int(f, "queue_id", None, -1, 1023)
+    asked = opt_int(f, "queue_id", None, -1, 1023)
     now = int(core.clock() * 1000)
     parts = []
     kinds = set()
@@ -113,12 +120,17 @@ def send_batch(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
         props = props_of(m, core.config.max_properties)
         if props.get(PROP_TRAN_MSG) == "true":
             raise _bad("transactional messages cannot be sent in a batch")
-        kinds.add(_kind(core, topic, props))
-        parts.append((opt_int(m, "born_ts", None) or now, props, body_of(m, core.config.max_body)))
+        born, body = opt_int(m, "born_ts", None) or now, body_of(m, core.config.max_body)
+        group = message_group_of(props)  # FIFO: each message to its group's queue (never with a delivery time)
+        if group is not None:
+            parts.append((pick_group_queue(core.topics, topic, group, asked), born, props, body))
+        else:
+            kinds.add(_kind(core, topic, props))
+            parts.append((None, born, props, body))
     for kind in kinds - {"normal"}:  # every type in the batch must be one the topic accepts
         core.topics.pick_queue(topic, 0, kind)
-    qid = core.topics.pick_queue(topic, queue_id, "normal" if "normal" in kinds else "delay")
-    msgs = [Message(topic, qid, TxType.NORMAL, born, props, body) for born, props, body in parts]
+    qid = core.topics.pick_queue(topic, asked, "normal" if "normal" in kinds else "delay") if kinds else 0
+    msgs = [Message(topic, qid if q is None else q, TxType.NORMAL, born, props, body) for q, born, props, body in parts]
     return _created_topic(core.send(msgs, single=False)) if created else core.send(msgs, single=False)
 
 

@@ -297,13 +297,19 @@ def duration(seconds: float) -> Any:
     return out
 
 
-def answer_settings(client: Client, got: d.Settings, settings: FrontendSettings) -> d.Settings:
+def answer_settings(client: Client, got: d.Settings, settings: FrontendSettings, *, fifo: bool = False) -> d.Settings:
     """The settings the broker answers a client's Telemetry settings with (as RocketMQ's proxy merges them).
 
     The client's own, with the broker's retry policy (exponential backoff;
     for the Python SDK's consumers a customized one, the only kind it reads),
     for a producer ``publishing.max_body_size`` = --max-body, for a consumer
-    ``receive_batch_size`` and ``long_polling_timeout``; metrics off.
+    ``fifo`` (the group is marked FIFO: RocketMQ's proxy answers its
+    subscription group's consumeMessageOrderly), ``receive_batch_size``,
+    ``long_polling_timeout`` and the lite-topic limits the SDKs check before
+    asking (LITE_SUBSCRIPTION_QUOTA, MAX_LITE_TOPIC_SIZE: without them a
+    LitePushConsumer refuses every lite topic as "length exceeded max
+    length 0"; with them it asks, and the broker answers that lite topics
+    are not supported); metrics off.
     """
     out = d.Settings()
     out.CopyFrom(got)
@@ -315,7 +321,9 @@ def answer_settings(client: Client, got: d.Settings, settings: FrontendSettings)
         policy.max_attempts = settings.consumer_max_attempts
         initial, most, mult = settings.consumer_backoff_s
         sub = out.subscription
-        sub.fifo = False
+        sub.fifo = fifo
+        sub.lite_subscription_quota = LITE_SUBSCRIPTION_QUOTA
+        sub.max_lite_topic_size = MAX_LITE_TOPIC_SIZE
         sub.receive_batch_size = settings.receive_batch_size
         sub.long_polling_timeout.CopyFrom(duration(settings.long_polling_timeout_s))
         if got.user_agent.language == d.PYTHON:
@@ -338,6 +346,10 @@ def _finish(out: d.Settings, got: d.Settings) -> d.Settings:
         out.request_timeout.CopyFrom(duration(3))
     return out
 
+
+# What a lite push consumer checks before it asks to subscribe to a lite topic (the SDKs' own defaults).
+LITE_SUBSCRIPTION_QUOTA = 100
+MAX_LITE_TOPIC_SIZE = 64
 
 # A consumer's redelivery delays when the SDK takes a list (RocketMQ's message delay levels from 1 s).
 CUSTOMIZED_BACKOFF_S = (1, 5, 10, 30, 60, 120, 180, 240, 300, 360, 420, 480, 540, 600, 1200, 1800, 3600, 7200)

@@ -84,7 +84,12 @@ class ReceiveFrontend:
                     return settings.consumer_max_attempts
         self.clients = clients
         self.pop = PopService(core, config, max_attempts=max_attempts,
-                              client_alive=self._alive if clients is not None else None)
+                              client_alive=self._alive if clients is not None else None, fifo=self._fifo)
+
+    def _fifo(self, group: str) -> bool:
+        """Whether the group is marked FIFO (groups.json: txmq groups update GROUP --fifo)."""
+        table = getattr(self.core, "group_config", None)
+        return table is not None and table.fifo(group)
 
     def _alive(self, client_id: str) -> bool:
         c = self.clients.get(client_id)

@@ -12,7 +12,9 @@ check-back push) and the receive side (ReceiveMessage):
 | ``system_properties.born_timestamp``        | ``born_ts`` (ms)                                     |
 | ``system_properties.store_timestamp``       | ``store_ts`` (ms)                                    |
 | ``system_properties.queue_id`` / ``queue_offset`` | queue id / queue offset (``REAL_QID`` for a half) |
-| ``system_properties.message_type``          | TRANSACTION for a transactional message (half, or committed), else NORMAL |
+| ``system_properties.message_type``          | TRANSACTION for a transactional message (half, or committed), DELAY for one with ``TIMER_DELIVER_MS`` or ``DELAY``, FIFO for one with a message group, else NORMAL |
+| ``system_properties.message_group``         | ``__SHARDINGKEY`` (a FIFO message's group, as RocketMQ's proxy stores it) |
+| ``system_properties.delivery_timestamp``    | ``TIMER_DELIVER_MS`` (a DELAY message's delivery time) |
 | ``system_properties.orphaned_transaction_recovery_duration`` | ``CHECK_IMMUNITY_TIME_IN_SECONDS`` |
 | ``system_properties.body_digest``           | CRC32 of the body (see ``body_digest``)              |
 | ``user_properties``                         | every other property; RocketMQ's and txmq's system property names are refused on send and left out on delivery |
@@ -22,9 +24,13 @@ A send whose type the topic does not accept is refused before this module
 sees it (routes.py: MESSAGE_PROPERTY_CONFLICT_WITH_TYPE). A DELAY message's
 ``delivery_timestamp`` becomes ``TIMER_DELIVER_MS``, which the core's send
 schedules (broker/scheduled/); a delivered one shows it again as
-``delivery_timestamp`` with message type DELAY. Message groups (FIFO), lite
-topics and priorities are refused with RocketMQ's UNSUPPORTED code: txmq
-does not deliver them yet.
+``delivery_timestamp`` with message type DELAY. A message group (FIFO) is
+checked as RocketMQ's proxy checks it (ILLEGAL_MESSAGE_GROUP) and stored as
+``__SHARDINGKEY``; a transactional message with a group or a delivery time
+is refused, and so is a message with both a group and a delivery time
+(MESSAGE_PROPERTY_CONFLICT_WITH_TYPE), as RocketMQ 5's clients refuse these
+pairs. Lite topics and priorities are refused with RocketMQ's UNSUPPORTED
+code: txmq does not deliver them.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import zlib
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from txmq.broker.fifo import group_problem
 from txmq.broker.records import msg_id_of
 from txmq.constants import (
     PROP_CHECK_IMMUNITY,
@@ -43,6 +50,7 @@ from txmq.constants import (
     PROP_PREPARED_QUEUE_OFFSET,
     PROP_REAL_QID,
     PROP_REAL_TOPIC,
+    PROP_SHARDING_KEY,
     PROP_TAGS,
     PROP_TIMER_DELIVER_MS,
     PROP_TRAN_MSG,
@@ -153,6 +161,11 @@ def to_message(
     sp.body_digest.CopyFrom(body_digest(msg.body, language))
     sp.body_encoding = d.IDENTITY
     sp.message_type = message_type_of(props) if message_type is None else message_type
+    group = props.get(PROP_SHARDING_KEY)
+    if group:
+        sp.message_group = group
+        if sp.message_type == d.NORMAL:
+            sp.message_type = d.FIFO
     if sp.message_type == d.TRANSACTION:
         tx_id = props.get(PROP_UNIQ_KEY)
         if tx_id:
@@ -226,6 +239,7 @@ class Outgoing:
     born_ts: int | None
     transactional: bool
     message_id: str  # "" when the client gave none: txmq names the message
+    message_group: str | None = None  # a FIFO message's group (also in properties as __SHARDINGKEY)
 
 
 def from_message(msg: d.Message, max_body: int, max_properties: int) -> Outgoing:
@@ -235,13 +249,13 @@ def from_message(msg: d.Message, max_body: int, max_properties: int) -> Outgoing
     txmq's: --max-body, --max-properties).
     """
     sp = msg.system_properties
-    if sp.HasField("message_group") or sp.message_type == d.FIFO:
-        raise unsupported("FIFO messages (message_group)")
+    check_group_and_time(sp)
+    group = _message_group(sp)
     if sp.HasField("lite_topic") or sp.message_type == d.LITE:
         raise unsupported("lite topics")
     if sp.HasField("priority") or sp.message_type == d.PRIORITY:
         raise unsupported("message priorities")
-    if sp.message_type not in (d.MESSAGE_TYPE_UNSPECIFIED, d.NORMAL, d.DELAY, d.TRANSACTION):
+    if sp.message_type not in (d.MESSAGE_TYPE_UNSPECIFIED, d.NORMAL, d.FIFO, d.DELAY, d.TRANSACTION):
         raise unsupported(f"message type {sp.message_type}")
     body = _body(msg, max_body)
     if not body:
@@ -269,6 +283,8 @@ def from_message(msg: d.Message, max_body: int, max_properties: int) -> Outgoing
             raise RmqError(Code.ILLEGAL_MESSAGE_ID, "message_id must be at most 128 characters, without white space")
         props[PROP_UNIQ_KEY] = message_id
     transactional = sp.message_type == d.TRANSACTION
+    if group is not None:
+        props[PROP_SHARDING_KEY] = group
     if sp.HasField("delivery_timestamp"):
         if transactional:  # as RocketMQ's clients refuse it before sending
             raise RmqError(Code.BAD_REQUEST, "a transactional message cannot have a delivery_timestamp")
@@ -289,7 +305,36 @@ def from_message(msg: d.Message, max_body: int, max_properties: int) -> Outgoing
         born = sp.born_timestamp.ToMilliseconds() if sp.HasField("born_timestamp") else None
     except ValueError:  # seconds or nanos outside what a protobuf Timestamp allows
         raise RmqError(Code.BAD_REQUEST, "born_timestamp is not a valid timestamp (years 1 to 9999)") from None
-    return Outgoing(msg.topic.name, body, props, born if born and born > 0 else None, transactional, message_id)
+    return Outgoing(msg.topic.name, body, props, born if born and born > 0 else None, transactional, message_id, group)
+
+
+def check_group_and_time(sp: d.SystemProperties) -> None:
+    """A message is FIFO (a message group) or DELAY (a delivery time), never both: RocketMQ 5's clients refuse the pair.
+
+    Checked before the topic's message types (routes.check_send), so the
+    sender learns of the pair rather than of one of its two types.
+    """
+    fifo = sp.HasField("message_group") or sp.message_type == d.FIFO
+    delay = sp.HasField("delivery_timestamp") or sp.message_type == d.DELAY
+    if fifo and delay:
+        raise RmqError(Code.MESSAGE_PROPERTY_CONFLICT_WITH_TYPE, "a message cannot have both a message group (FIFO) and a "
+                       "delivery time (DELAY): they are two message types, and RocketMQ 5's clients refuse the pair too")
+
+
+def _message_group(sp: d.SystemProperties) -> str | None:
+    """A FIFO message's group, checked as RocketMQ's proxy checks it (SendMessageActivity.validateMessageGroup)."""
+    if not sp.HasField("message_group"):
+        if sp.message_type == d.FIFO:
+            raise RmqError(Code.ILLEGAL_MESSAGE_GROUP, "a FIFO message needs a message group (message_group)")
+        return None
+    group = sp.message_group
+    if sp.message_type == d.TRANSACTION:
+        raise RmqError(Code.MESSAGE_PROPERTY_CONFLICT_WITH_TYPE, "a transactional message cannot have a message group: "
+                       "FIFO and transactional are two message types (RocketMQ 5's clients refuse the pair too)")
+    problem = group_problem(group)
+    if problem is not None:
+        raise RmqError(Code.ILLEGAL_MESSAGE_GROUP, problem)
+    return group
 
 
 # What a protobuf Timestamp holds (0001-01-01 to 9999-12-31); FromMilliseconds refuses the rest.

@@ -39,6 +39,16 @@ moves. After a restart a queue's state starts from the committed offset and
 its ranges: the offsets between them are received again, those in them are
 not.
 
+FIFO groups (``fifo(group)``: groups.json, ``txmq groups update G --fifo``)
+receive each queue in order, as RocketMQ's POP with order=true: a queue
+whose last batch still has a message in flight or being dead-lettered
+(``QueueState.held``) hands out nothing; otherwise a receive takes its
+unsettled messages in offset order, then new ones, and that batch holds
+the queue until each of it is settled or ready again. The unit is the
+queue, not the message group (RocketMQ's ConsumerOrderInfoManager); an
+acknowledgement that frees a queue wakes the waiting receives. After a
+restart the unsettled messages come again in offset order.
+
 Costs: receiving, acknowledging or changing a message is O(log n) (one heap
 push per in-flight deadline); expiries are popped from the heap lazily, so
 no operation walks the in-flight set. Messages are read through the store's
@@ -133,7 +143,7 @@ class Slot:
 
 
 class QueueState:
-    __slots__ = ("qid", "committed", "next", "stored", "slots", "ready", "dirty")
+    __slots__ = ("qid", "committed", "next", "stored", "slots", "ready", "dirty", "held")
 
     def __init__(self, qid: int, start: int) -> None:
         self.qid = qid
@@ -143,6 +153,7 @@ class QueueState:
         self.slots: dict[int, Slot] = {}
         self.ready: deque[int] = deque()  # offsets to deliver again (checked against the slot's state when taken)
         self.dirty = False  # settled above the committed offset since its ranges were last handed to the consumer offsets
+        self.held: set[int] = set()  # FIFO groups: offsets handed out whose slot may still be in flight or moving (blocks the queue)
 
 
 class Subscription:
@@ -247,11 +258,14 @@ class PopService:
     def __init__(self, core: BrokerCore, config: PopConfig | None = None, *,
                  now: Callable[[], float] = time.monotonic,
                  max_attempts: Callable[[str], int | None] | None = None,
-                 client_alive: Callable[[str], bool] | None = None) -> None:
+                 client_alive: Callable[[str], bool] | None = None,
+                 fifo: Callable[[str], bool] | None = None) -> None:
         self.core = core
         self.config = config or PopConfig()
         self.now = now
         self._max_attempts = max_attempts
+        # fifo(group): the group receives each queue in order, one batch in flight per queue ("FIFO groups" above)
+        self.fifo = fifo or (lambda group: False)
         self.client_alive = client_alive
         self.epoch = int.from_bytes(os.urandom(4), "little")
         self._versions = itertools.count(1)
@@ -265,7 +279,7 @@ class PopService:
         self._armed: dict[str, tuple[asyncio.Future, int]] = {}
         self.counters: dict[str, int] = {"delivered": 0, "redelivered": 0, "acked": 0, "changed": 0, "expired": 0,
                                          "renewed": 0, "released": 0, "dead_lettered": 0, "filtered": 0,
-                                         "restored_settled": 0}
+                                         "restored_settled": 0, "fifo_blocked": 0}
         # Queues whose settled ranges changed, and the timer that hands them to the consumer offsets.
         self._dirty: list[tuple[Subscription, QueueState]] = []
         self._persist_timer: asyncio.TimerHandle | None = None
@@ -382,6 +396,10 @@ class PopService:
             sub.live -= 1
         slot.version = 0
         self.slots -= 1
+        if offset in q.held:  # FIFO: the last of its queue's batch settled frees the queue for a waiting receive
+            q.held.discard(offset)
+            if not self._blocked(q):
+                self._wake(sub)
         if offset == q.committed:
             self._advance(sub, q)  # the committed offset covers it: no range to keep
         elif not q.dirty:
@@ -511,7 +529,7 @@ class PopService:
                 self._spawn(self._dead_letter(sub, moving, "max-attempts"))
             n = self.core.topics.queues(topic) or n
             out: list[Delivery] = []
-            more = self._take(sub, n, queue_id, tags, batch, inv, now, renew_s, client_id, out)
+            more = self._take(sub, n, queue_id, tags, batch, inv, now, renew_s, client_id, out, self.fifo(group))
             if out:
                 return out
             if more:  # read a full step of filtered-out records: go on after other work
@@ -523,19 +541,46 @@ class PopService:
             await self._wait(sub, n, remaining)
 
     def _take(self, sub: Subscription, n: int, queue_id: int, tags: frozenset[str] | None, batch: int, inv: float,
-              now: float, renew_s: float, client: str | None, out: list[Delivery]) -> bool:
-        """Fill out from the queues, starting at queue_id (or the next in turn); True when the scan step ran out."""
+              now: float, renew_s: float, client: str | None, out: list[Delivery], fifo: bool = False) -> bool:
+        """Fill out from the queues, starting at queue_id (or the next in turn); True when the scan step ran out.
+
+        ``fifo``: a queue with messages in flight (or being dead-lettered) is
+        skipped; from the others, the unsettled messages in offset order, then
+        new ones: each queue's part of the batch is in flight together, and
+        the queue stays blocked until every message of it is settled or
+        ready again (RocketMQ's POP with order=true: ConsumerOrderInfoManager
+        blocks the queue, not a message group).
+        """
         start = queue_id if queue_id >= 0 else sub.rr % n
         sub.rr = start + 1
         budget = [self.config.scan_per_receive, self.config.max_bytes]
         for i in range(n):
             q = self._queue(sub, (start + i) % n)
+            if fifo:
+                if self._blocked(q):
+                    self.counters["fifo_blocked"] += 1
+                    continue
+                if q.ready:
+                    q.ready = deque(sorted({o for o in q.ready if (s := q.slots.get(o)) is not None and s.state == READY}))
+                mark = len(out)
             self._take_ready(sub, q, tags, batch, inv, now, renew_s, client, out, budget)
-            if len(out) < batch:
+            if len(out) < batch and not (fifo and q.ready):
                 self._take_new(sub, q, tags, batch, inv, now, renew_s, client, out, budget)
+            if fifo:
+                q.held.update(dl_offset(dl) for dl in out[mark:])
             if len(out) >= batch or budget[0] <= 0 or budget[1] <= 0:
                 break
         return not out and budget[0] <= 0
+
+    @staticmethod
+    def _blocked(q: QueueState) -> bool:
+        """FIFO: whether a message handed out from q is still in flight or being moved to the dead-letter topic."""
+        held = q.held
+        if held:
+            slots = q.slots
+            for off in [o for o in held if (s := slots.get(o)) is None or s.state == READY]:
+                held.discard(off)
+        return bool(held)
 
     def _deliver(self, sub: Subscription, q: QueueState, offset: int, slot: Slot, rec: Record, inv: float, now: float,
                  renew_s: float, client: str | None, out: list[Delivery]) -> None:
@@ -713,6 +758,8 @@ class PopService:
         slot.invisible_s = inv
         slot.client = None  # the consumer took charge of the duration: no renewal
         self._push(sub, q, offset, slot)
+        if self.fifo(group):
+            q.held.add(offset)  # in flight again: its queue waits for it
         self.counters["changed"] += 1
         self._wake(sub)  # a waiting receive recomputes when to look again
         return self._handle(sub, q, offset, slot)
@@ -834,6 +881,10 @@ class PopService:
 
     def stats(self) -> dict[str, Any]:
         return {"subscriptions": len(self.subs), "unsettled": self.slots, **self.counters}
+
+
+def dl_offset(dl: Delivery) -> int:
+    return dl.record.queue_offset
 
 
 def _settled(q: QueueState) -> array:

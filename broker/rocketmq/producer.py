@@ -30,6 +30,7 @@ from txmq.constants import PROP_PGROUP, PROP_TRAN_MSG, is_system_topic
 from txmq.store import Message, TxType
 from txmq.wire import ErrorCode, TxmqError
 
+from txmq.broker.fifo import queue_of_group
 from txmq.broker.topics import check_topic_name
 from txmq.broker.transactions.ids import known, split_with_offsets
 from txmq.broker.transactions.service import MAX_NAME
@@ -117,9 +118,12 @@ async def send_message(core: BrokerCore, req: s.SendMessageRequest) -> s.SendMes
         await _index_ready(core)
         rows = [await core.tx.send_half(topic, None, o.body, props, o.born_ts or now)]
     else:
-        # every message's type is one the topic accepts (routes.check_send): the queue is picked for the first one's
-        qid = core.topics.pick_queue(topic, None, "delay" if routes.message_type(msgs[0]) == "delay" else "normal")
-        rows = (await core.send([Message(topic, qid, TxType.NORMAL, o.born_ts or now, o.properties, o.body) for o in out], False))["results"]
+        # every message's type is one the topic accepts (routes.check_send): the queue is picked for the first one's;
+        # FIFO: each message with a group goes to its group's queue, as RocketMQ's proxy chooses it
+        qid = core.topics.pick_queue(topic, None, routes.message_type(msgs[0]))
+        n = core.topics.queues(topic) or 1
+        rows = (await core.send([Message(topic, qid if o.message_group is None else queue_of_group(o.message_group, n),
+                                         TxType.NORMAL, o.born_ts or now, o.properties, o.body) for o in out], False))["results"]
     for o, row in zip(out, rows):
         e = resp.entries.add()
         e.status.CopyFrom(ok())

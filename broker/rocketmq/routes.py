@@ -13,9 +13,10 @@
   transactional, else a delivery time makes it DELAY, else a message group
   FIFO, else NORMAL), must be one the topic accepts
   (MESSAGE_PROPERTY_CONFLICT_WITH_TYPE otherwise, as the proxy's
-  DefaultTopicMessageTypeValidator); and FIFO messages, which this broker
-  does not deliver as such yet, are refused with UNSUPPORTED even by a
-  topic that accepts them.
+  DefaultTopicMessageTypeValidator). Every type a topic accepts is
+  delivered: FIFO messages go to their group's queue (broker/fifo.py),
+  DELAY messages are scheduled for their delivery_timestamp
+  (broker/scheduled/).
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ from typing import TYPE_CHECKING, Iterable
 
 from txmq.constants import TOPIC_RE
 
+from .convert import check_group_and_time
 from .pb import definition_pb2 as d
-from .status import TYPE_NAMES, Code, RmqError, topic_not_found, type_conflict
+from .status import topic_not_found, type_conflict
 
 if TYPE_CHECKING:
     from txmq.broker.core import BrokerCore
@@ -67,18 +69,13 @@ def message_type(m: d.Message) -> str:
     return "normal"  # a LITE or PRIORITY message is refused later (convert.py: UNSUPPORTED)
 
 
-_NOT_YET = {"fifo": "keeps no order per message group (message_group)"}
-
-
 def check_send(core: BrokerCore, topic: str, msgs: Iterable[d.Message]) -> None:
-    """The topic exists (or will be created by the send), accepts each message's type, and the type is one txmq delivers."""
+    """The topic exists (or will be created by the send) and accepts each message's type."""
     if core.topics.queues(topic) is None and not core.topics.auto_create:
         raise topic_not_found(topic)
     accepted = core.topics.message_types(topic)
     for m in msgs:
+        check_group_and_time(m.system_properties)  # FIFO and DELAY at once: refused whatever the topic accepts
         kind = message_type(m)
         if kind not in accepted:
             raise type_conflict(accepted, kind)
-        if kind in _NOT_YET:
-            raise RmqError(Code.UNSUPPORTED, f"{TYPE_NAMES[kind]} messages are not delivered by this broker yet: topic {topic} "
-                           f"accepts them, but txmq {_NOT_YET[kind]}; nothing was stored (docs/rocketmq.md)")

@@ -95,10 +95,15 @@ class MessagingService:
 
     async def QueryAssignment(self, req: s.QueryAssignmentRequest, context: Any) -> s.QueryAssignmentResponse:  # noqa: N802
         topic = producer.topic_of(req.topic)
-        group_of(req.group)
-        routes.route_queues(self.core, topic)
+        group = group_of(req.group)
+        n = routes.route_queues(self.core, topic)
+        eps = self.endpoints(req.endpoints)
+        if self.core.group_config.fifo(group):
+            # A FIFO group, as RocketMQ's proxy answers it (RouteActivity.queryAssignment): one assignment per queue.
+            return s.QueryAssignmentResponse(status=ok(), assignments=[d.Assignment(message_queue=self.queue(topic, q, eps))
+                                                                      for q in range(n)])
         # POP-style, as RocketMQ's proxy answers it: one queue with id -1 per broker, the broker picks the queues.
-        mq = self.queue(topic, -1, self.endpoints(req.endpoints))
+        mq = self.queue(topic, -1, eps)
         return s.QueryAssignmentResponse(status=ok(), assignments=[d.Assignment(message_queue=mq)])
 
     async def Heartbeat(self, req: s.HeartbeatRequest, context: Any) -> s.HeartbeatResponse:  # noqa: N802
@@ -173,7 +178,8 @@ class MessagingService:
                 raise RmqError(Code.BAD_REQUEST, f"a producer may publish to at most {MAX_TOPICS} topics")
             client.topics = tuple(dict.fromkeys(topics))
             client.group = ""
-        answer = answer_settings(client, got, self.settings)  # not kept: a copy of what the client sent, of any size
+        fifo = bool(client.group) and self.core.group_config.fifo(client.group)
+        answer = answer_settings(client, got, self.settings, fifo=fifo)  # not kept: a copy of what the client sent, of any size
         stream.register()
         reply = s.TelemetryCommand(status=ok(), settings=answer)
         stream.offer(reply)

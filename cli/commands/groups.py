@@ -1,4 +1,4 @@
-"""txmq groups list|describe|reset: consumer groups, their committed offsets and lag, and moving them."""
+"""txmq groups list|describe|reset|update: consumer groups, their committed offsets and lag, moving them, their settings."""
 
 import sys
 from typing import Annotated, Optional
@@ -9,7 +9,7 @@ from .. import exitcodes
 from ..common import DEFAULT_BROKER, BrokerOpt, CliError, OutputOpt, TokenOpt
 from ..console import Output, err, note, render, resolve_output
 
-app = typer.Typer(help="Consumer groups: committed offsets, lag, and resetting them.", no_args_is_help=True)
+app = typer.Typer(help="Consumer groups: committed offsets, lag, resetting them, FIFO.", no_args_is_help=True)
 
 QUEUE_COLUMNS = [("topic", "TOPIC"), ("queue_id", "QUEUE"), ("committed", "COMMITTED"), ("max_offset", "MAX"), ("lag", "LAG")]
 
@@ -21,15 +21,17 @@ QUEUE_COLUMNS = [("topic", "TOPIC"), ("queue_id", "QUEUE"), ("committed", "COMMI
   txmq groups list -o jsonl | jq -r 'select(.lag > 0) | .group'
 
 Keys: group, topics, consumers (live consumer connections), lag (messages left to read in every queue of its topics: from the
-committed offset, or from the queue's first message in a queue it never committed, where its consumers start).""")
+committed offset, or from the queue's first message in a queue it never committed, where its consumers start), fifo
+(its RocketMQ consumers receive each queue in order: txmq groups update GROUP --fifo).""")
 def list_(broker: BrokerOpt = DEFAULT_BROKER, token: TokenOpt = None, output: OutputOpt = None) -> None:
     """List consumer groups: those with committed offsets, and those with live consumers."""
     from ..client_ops import call
 
     rows = call(broker, token, "list_groups", {})["groups"]
     render(rows, resolve_output(output),
-           columns=[("group", "GROUP"), ("topics", "TOPICS"), ("consumers", "CONSUMERS"), ("lag", "LAG")],
-           formatters={"topics": lambda v: ",".join(v) or "-"}, empty="no consumer groups yet")
+           columns=[("group", "GROUP"), ("topics", "TOPICS"), ("consumers", "CONSUMERS"), ("lag", "LAG"), ("fifo", "FIFO")],
+           formatters={"topics": lambda v: ",".join(v) or "-", "fifo": lambda v: "yes" if v else "-"},
+           empty="no consumer groups yet")
 
 
 @app.command("describe", epilog="""Examples:
@@ -40,7 +42,7 @@ def list_(broker: BrokerOpt = DEFAULT_BROKER, token: TokenOpt = None, output: Ou
 
 Keys (one row per topic and queue): topic, queue_id, committed (null when the group never committed that queue),
 min_offset, max_offset, lag (max_offset minus the committed offset, or minus min_offset when not committed).
--o json: {group, consumers, topics, queues, total_lag}.""")
+-o json: {group, consumers, topics, queues, total_lag, fifo}.""")
 def describe(
     group: Annotated[str, typer.Argument(metavar="GROUP", help="Consumer group.", show_default=False)],
     topic: Annotated[Optional[str], typer.Option("--topic", "-t", help="Only this topic (also one the group never committed).", show_default=False)] = None,
@@ -59,7 +61,38 @@ def describe(
     render(d["queues"], out_fmt, columns=QUEUE_COLUMNS, title=f"group {group}", document=d,
            empty=f"group {group} has no committed offsets")
     if out_fmt is Output.table:
-        note(f"total lag {d['total_lag']}, {d['consumers']} live consumer connection(s)")
+        fifo = ", FIFO (each queue in order)" if d.get("fifo") else ""
+        note(f"total lag {d['total_lag']}, {d['consumers']} live consumer connection(s){fifo}")
+
+
+@app.command("update", epilog="""Examples:
+
+  txmq groups update orders-fifo --fifo        # its RocketMQ consumers receive each queue in order
+
+  txmq groups update orders-fifo --no-fifo
+
+A FIFO group (RocketMQ's consumeMessageOrderly) receives the messages of each queue in order, one receive's batch of a
+queue in flight at a time: the queue's next message comes only after those are acknowledged, or have used their delivery
+attempts and gone to the dead-letter topic %DLQ%GROUP. Send with a message group (txmq send --message-group) so that
+every message of a group is in one queue. The setting is kept in the data directory (groups.json) and takes effect at the
+next receive; RocketMQ consumers learn it from the settings answer (an SDK reads it when it starts). The group need not
+exist yet. Keys: group, fifo, old {fifo}, changed.""")
+def update(
+    group: Annotated[str, typer.Argument(metavar="GROUP", help="Consumer group.", show_default=False)],
+    fifo: Annotated[Optional[bool], typer.Option("--fifo/--no-fifo", help="Receive each queue in order (FIFO), or concurrently.", show_default=False)] = None,
+    broker: BrokerOpt = DEFAULT_BROKER,
+    token: TokenOpt = None,
+    output: OutputOpt = None,
+) -> None:
+    """Change a consumer group's settings: --fifo (in order per queue) or --no-fifo."""
+    from ..client_ops import call
+    from ..console import kv_table
+
+    if fifo is None:
+        raise CliError("nothing to change: give --fifo or --no-fifo", exitcodes.USAGE)
+    d = call(broker, token, "update_group", {"group": group, "fifo": fifo})
+    kv_table(d, resolve_output(output), title=f"group {group}",
+             formatters={"old": lambda v: f"fifo={str(v.get('fifo')).lower()}"})
 
 
 @app.command("reset", epilog="""Examples:

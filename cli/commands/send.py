@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Callable, Optional
 
 import typer
 
-from txmq.constants import TOPIC_RE, is_system_topic
+from txmq.constants import PROP_SHARDING_KEY, TOPIC_RE, is_system_topic
 
 from .. import exitcodes
 from ..common import DEFAULT_BROKER, INTERRUPT_GRACE_S, BrokerOpt, CliError, OutputOpt, TokenOpt, parse_duration, run, run_interruptible
@@ -29,7 +29,11 @@ EPILOG = """Examples:
 
   txmq send orders '{"id": 3}' --tx --group shop   # left pending: resolve it or let the checker answer
 
-  txmq send orders '{"id": 4, "cancel_if_unpaid": true}' --delay 30m
+  txmq send orders '{"id": 4, "step": "paid"}' --message-group order-4   # FIFO: one queue per group, in order
+
+  printf 'order-1\tcreated\norder-2\tcreated\norder-1\tpaid\n' | txmq send orders --message-group -   # GROUP<TAB>BODY lines
+
+  txmq send orders '{"id": 5, "cancel_if_unpaid": true}' --delay 30m
 
   txmq send reports go --deliver-at 2026-01-31T08:00:00Z
 
@@ -61,6 +65,7 @@ def send(
     key: Annotated[Optional[list[str]], typer.Option("--key", "-k", help="A key (KEYS); repeatable.", show_default=False)] = None,
     prop: Annotated[Optional[list[str]], typer.Option("--prop", "-p", help="A user property K=V; repeatable.", show_default=False)] = None,
     queue: Annotated[Optional[int], typer.Option("--queue", "-q", help="Queue id, 0 to 1023 [default: round robin].", show_default=False, min=0, max=1023)] = None,
+    message_group: Annotated[Optional[str], typer.Option("--message-group", "-G", help="FIFO: the message group (its queue, in send order); '-': each stdin line is GROUP<TAB>BODY.", show_default=False)] = None,
     tx: Annotated[bool, typer.Option("--tx", help="Send a half (transactional) message, then end it with --state.", rich_help_panel="Transactions")] = False,
     group: Annotated[Optional[str], typer.Option("--group", "-g", help="Producer group (required with --tx).", show_default=False, rich_help_panel="Transactions")] = None,
     state: Annotated[Optional[TxState], typer.Option("--state", help="How to end the transaction [default: unknown = leave it pending].", show_default=False, rich_help_panel="Transactions")] = None,
@@ -91,6 +96,7 @@ def send(
         raise CliError("--tx needs --group (the producer group that owns the transaction)", exitcodes.USAGE)
     if not tx and (state is not None or group is not None):
         raise CliError("--group and --state only apply with --tx", exitcodes.USAGE)
+    group_per_line = _check_message_group(message_group, tx, queue)
     props: dict[str, str] = {}
     for p in prop or []:
         k, sep, v = p.partition("=")
@@ -106,16 +112,25 @@ def send(
                                exitcodes.USAGE)
         props["KEYS"] = " ".join(key)
     if delay is not None or deliver_at is not None:
+        if message_group is not None:
+            raise CliError("--message-group does not go with --delay or --deliver-at: a FIFO message cannot be delayed "
+                           "(as in RocketMQ 5)", exitcodes.USAGE)
         if tx:
             raise CliError("--delay and --deliver-at do not apply to --tx: a transactional message cannot be delayed", exitcodes.USAGE)
         props.update(schedule_props(delay, deliver_at))
     if tx:
         props["TRAN_MSG"] = "true"
         props["PGROUP"] = group  # type: ignore[assignment]
+    if message_group is not None and not group_per_line:
+        props[PROP_SHARDING_KEY] = message_group
     stream = body == "-" or (body is None and not sys.stdin.isatty())
     if body is None and not stream:
         raise CliError("no message body: give BODY, or pipe lines on stdin (BODY '-')", exitcodes.USAGE)
-    spec = _Spec(topic, props, queue, group if tx else None, (state or TxState.unknown).value, _tx_ids(props) if tx else None)
+    if group_per_line and not stream:
+        raise CliError("--message-group - takes each message's group from its stdin line (GROUP<TAB>BODY): "
+                       "pipe lines on stdin, or give the group itself", exitcodes.USAGE)
+    spec = _Spec(topic, props, queue, group if tx else None, (state or TxState.unknown).value, _tx_ids(props) if tx else None,
+                 group_per_line)
     out_fmt = resolve_output(output)
     if stream:
         st = _Tally(RowSink(out_fmt, table=_print_sent))
@@ -139,6 +154,42 @@ def send(
             _name_unended(unended, spec, broker)
             raise
         kv_table(row, out_fmt)
+
+
+def _check_message_group(message_group: str | None, tx: bool, queue: int | None) -> bool:
+    """--message-group's value checked as the broker would; True for '-' (each stdin line names its group)."""
+    if message_group is None:
+        return False
+    if tx:
+        raise CliError("--message-group does not go with --tx: a transactional message cannot have a message group "
+                       "(as in RocketMQ 5)", exitcodes.USAGE)
+    if queue is not None:
+        raise CliError("--message-group chooses the queue: leave --queue out", exitcodes.USAGE)
+    if message_group == "-":
+        return True
+    from txmq.broker.fifo import group_problem
+
+    problem = group_problem(message_group)
+    if problem is not None:
+        raise CliError(f"bad --message-group {message_group!r}: {problem}", exitcodes.USAGE)
+    return False
+
+
+def _split_group(line: bytes) -> tuple[str, bytes]:
+    """(group, body) of a stdin line under --message-group -: GROUP<TAB>BODY."""
+    group, tab, body = line.partition(b"\t")
+    if not tab:
+        raise ValueError("no tab: with --message-group - each line is GROUP<TAB>BODY")
+    try:
+        text = group.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ValueError("the message group before the tab is not UTF-8 text") from None
+    from txmq.broker.fifo import group_problem
+
+    problem = group_problem(text)
+    if problem is not None:
+        raise ValueError(problem)
+    return text, body
 
 
 def schedule_props(delay: str | None, deliver_at: str | None) -> dict[str, str]:
@@ -207,13 +258,18 @@ class _Spec:
     group: str | None  # set for --tx
     state: str  # commit | rollback | unknown
     new_tx_id: Callable[[], str] | None = None  # --tx: each half's id is chosen here, so an unacknowledged one has a name
+    group_per_line: bool = False  # --message-group -: each stdin line is GROUP<TAB>BODY
 
     def fields(self, body: bytes, tx_id: str | None = None) -> dict[str, Any]:
+        if self.group_per_line:
+            message_group, body = _split_group(body)
         f: dict[str, Any] = {"topic": self.topic, "body": body, "born_ts": time.time_ns() // 1_000_000}
-        if self.props or tx_id is not None:
+        if self.props or tx_id is not None or self.group_per_line:
             f["properties"] = dict(self.props)
             if tx_id is not None:
                 f["properties"]["UNIQ_KEY"] = tx_id
+            if self.group_per_line:
+                f["properties"][PROP_SHARDING_KEY] = message_group
         if self.queue is not None:
             f["queue_id"] = self.queue
         return f

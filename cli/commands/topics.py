@@ -103,8 +103,8 @@ def _call_with_types(broker: str, token: str | None, op: str, fields: dict[str, 
 
   txmq topics create ticks -m normal -m fifo -o json
 
-A topic that exists already is exit 6 and left as it is (change it with `txmq topics update`). FIFO and DELAY \
-may be accepted, but this broker does not deliver such messages yet: a RocketMQ client's send of one is refused. \
+A topic that exists already is exit 6 and left as it is (change it with `txmq topics update`). A topic takes \
+FIFO messages (a message group) only if it accepts fifo, delayed ones only if it accepts delay. \
 Keys: topic, queues, message_types, created.""")
 def create(
     topic: TopicArg,

@@ -7,6 +7,8 @@
 //
 // Scenarios: transactions (commit, rollback, an orphan resolved by the checker through a check-back, then a
 // SimpleConsumer receives exactly the committed ones), send, receive, push (a PushConsumer, one failed delivery),
+// fifo-send (FIFO messages of --groups message groups), fifo-receive (a SimpleConsumer of a FIFO group that
+// processes each group in order; --skip-first BODY, --crash-after N, as tests/sdk/python_scenario.py's),
 // delay (DELAY messages, then a SimpleConsumer).
 'use strict';
 
@@ -24,9 +26,11 @@ function finish(code) {
 function parseArgs(argv) {
   const args = {
     scenario: argv[0], group: 'sdk-consumers', count: 3, expect: 1, awaitDuration: 3000, requestTimeout: 5000,
-    checkWait: 30000, receiveWait: 30000, settle: 2000, deadline: 120000, delayMs: 3000,
+    checkWait: 30000, receiveWait: 30000, settle: 2000, deadline: 120000, groups: 3, invisible: 2000, crashAfter: 0, slow: 0, batch: 16,
+    delayMs: 3000,
   };
-  const numeric = new Set([ 'count', 'expect', 'awaitDuration', 'requestTimeout', 'checkWait', 'receiveWait', 'settle', 'deadline', 'delayMs' ]);
+  const numeric = new Set([ 'count', 'expect', 'awaitDuration', 'requestTimeout', 'checkWait', 'receiveWait', 'settle', 'deadline',
+    'groups', 'invisible', 'crashAfter', 'slow', 'batch', 'delayMs' ]);
   for (let i = 1; i < argv.length; i += 2) {
     const key = argv[i].replace(/^--/, '').replace(/-([a-z])/g, (_, c) => c.toUpperCase());
     args[key] = numeric.has(key) ? Number(argv[i + 1]) : argv[i + 1];
@@ -226,6 +230,7 @@ async function push(sdk, args) {
     subscriptions: new Map([[ args.topic, '*' ]]),
     messageListener: {
       async consume(messageView) {
+        if (args.slow) await sleep(args.slow);
         const v = view(messageView);
         const first = !deliveries.some(d => d.body === v.body);
         v.result = v.body === args.failFirst && first ? 'FAILURE' : 'SUCCESS';
@@ -244,6 +249,72 @@ async function push(sdk, args) {
   RESULT.shutdown = true;
 }
 
+// FIFO: --count messages to each of --groups message groups, one send at a time, interleaved (BODYg0:0, BODYg1:0, ...).
+async function fifoSend(sdk, args) {
+  const t = args.topic;
+  const producer = new sdk.Producer({ endpoints: args.endpoint, sslEnabled: args.tls === 'true', namespace: '', sessionCredentials: credentials(args), topics: [ t ], requestTimeout: args.requestTimeout });
+  await producer.startup();
+  const sent = [];
+  for (let i = 0; i < args.count; i++) {
+    for (let k = 0; k < args.groups; k++) {
+      const group = `g${k}`;
+      const body = `${args.body || ''}g${k}:${i}`;
+      const r = await producer.send({ topic: t, body: Buffer.from(body), messageGroup: group });
+      sent.push({ ...receipt(r), body, group });
+    }
+  }
+  RESULT.sent = sent;
+  await producer.shutdown();
+  RESULT.shutdown = true;
+}
+
+// A SimpleConsumer of a FIFO group processing each message group in order (see python_scenario.py's fifo-receive).
+async function fifoReceive(sdk, args) {
+  const consumer = new sdk.SimpleConsumer({
+    endpoints: args.endpoint, sslEnabled: args.tls === 'true', namespace: '', sessionCredentials: credentials(args), consumerGroup: args.group, requestTimeout: args.requestTimeout,
+    subscriptions: new Map([[ args.topic, '*' ]]), awaitDuration: args.awaitDuration,
+  });
+  await consumer.startup();
+  RESULT.consumer_started = true;
+  const events = [];
+  RESULT.events = events;
+  const done = new Set((args.already || '').split(',').filter(Boolean)); // processed by an earlier consumer
+  let skipped = false;
+  const end = Date.now() + args.receiveWait;
+  while (done.size < args.expect && Date.now() < end) {
+    const stopped = new Set();
+    const batch = await consumer.receive(args.batch, args.invisible);
+    for (let n = 0; n < batch.length; n++) {
+      const m = batch[n];
+      const e = { body: m.body.toString('utf8'), attempt: m.deliveryAttempt, group: m.messageGroup };
+      events.push(e);
+      if (args.crashAfter && events.filter(x => x.event === 'processed').length >= args.crashAfter) {
+        e.event = 'crash-held';
+        continue;
+      }
+      const later = batch.slice(n + 1).some(x => x.messageGroup === e.group);
+      if (stopped.has(e.group)) {
+        e.event = 'held';
+      } else if (!skipped && (e.body === args.skipFirst || (args.skipFirst === 'auto' && later && !done.has(e.body)))) {
+        skipped = true;
+        stopped.add(e.group);
+        e.event = 'skipped';
+      } else {
+        await consumer.ack(m);
+        done.add(e.body);
+        e.event = 'processed';
+      }
+    }
+    if (args.crashAfter && events.some(x => x.event === 'crash-held')) {
+      RESULT.crashed = true;
+      finish(0);
+      return new Promise(() => {});
+    }
+  }
+  await consumer.shutdown();
+  RESULT.shutdown = true;
+}
+
 async function main() {
   const args = parseArgs(process.argv.slice(2));
   RESULT.scenario = args.scenario;
@@ -253,7 +324,7 @@ async function main() {
     finish(3);
   }, args.deadline).unref();
   const sdk = require(path.join(args.sdk, 'node_modules', 'rocketmq-client-nodejs'));
-  const scenarios = { transactions, send, receive, push, delay };
+  const scenarios = { transactions, send, receive, push, delay, 'fifo-send': fifoSend, 'fifo-receive': fifoReceive };
   if (!scenarios[args.scenario]) throw new Error(`unknown scenario ${args.scenario}`);
   await scenarios[args.scenario](sdk, args);
 }

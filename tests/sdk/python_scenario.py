@@ -14,6 +14,10 @@ tests assert on it. Every scenario has a deadline and exits (os._exit) even if a
     python python_scenario.py invisible --endpoint ... --topic T --group G
     python python_scenario.py idle --endpoint ... --topic T --group G --seconds S
     python python_scenario.py unknown --endpoint ... --topic T --group G
+    python python_scenario.py fifo-send --endpoint ... --topic T --groups N --count M [--body PREFIX]
+    python python_scenario.py fifo-receive --endpoint ... --topic T --group G --expect N [--invisible S]
+        [--skip-first BODY] [--crash-after N] [--already BODY,...]
+    python python_scenario.py lite --endpoint ... --topic T --group G
 """
 
 from __future__ import annotations
@@ -26,8 +30,8 @@ import threading
 import time
 import traceback
 
-from rocketmq import (ClientConfiguration, ConsumeResult, Credentials, FilterExpression, Message, MessageListener, Producer,
-                      PushConsumer, SimpleConsumer, TransactionChecker, TransactionResolution)
+from rocketmq import (ClientConfiguration, ConsumeResult, Credentials, FilterExpression, LitePushConsumer, Message, MessageListener,
+                      Producer, PushConsumer, SimpleConsumer, TransactionChecker, TransactionResolution)
 
 RESULT: dict = {"errors": []}
 
@@ -211,8 +215,8 @@ def scenario_send(args) -> None:
 
 
 def scenario_unsupported(args) -> None:
-    """Delay (delivery_timestamp) and FIFO (message_group) messages, which txmq does not have, fail with an error the
-    application sees; a normal message sent right after still goes through."""
+    """A delay (delivery_timestamp, due in 60 s) and a FIFO (message_group) message: for each, the error the
+    application sees if the broker refuses it (None when sent); a normal message is sent right after."""
     t = args.topic
     producer = Producer(config(args), (t,), tls_enable=args.tls)
     producer.startup()
@@ -295,7 +299,11 @@ class RecordingListener(MessageListener):
         self.deliveries: list[dict] = []
         self.lock = threading.Lock()
 
+    slow = 0.0  # seconds each consume takes (push --slow)
+
     def consume(self, m) -> ConsumeResult:
+        if self.slow:
+            time.sleep(self.slow)
         v = view(m)
         with self.lock:
             first = not any(d["body"] == v["body"] for d in self.deliveries)
@@ -313,6 +321,7 @@ def scenario_push(args) -> None:
     """A PushConsumer (QueryAssignment, long-polling receives, ack; a FAILURE is a ChangeInvisibleDuration) receives
     --expect messages; the first delivery of --fail-first fails, so it must come again with delivery_attempt 2."""
     listener = RecordingListener(args.fail_first)
+    listener.slow = args.slow
     consumer = PushConsumer(config(args), args.group, listener, {args.topic: FilterExpression()}, tls_enable=args.tls)
     consumer.startup()
     RESULT["consumer_started"] = True
@@ -406,10 +415,98 @@ def scenario_unknown(args) -> None:
     RESULT["shutdown"] = True
 
 
+def scenario_fifo_send(args) -> None:
+    """A producer sends --count messages to each of --groups message groups, one at a time (each send waits for its
+    receipt), interleaved: BODYg0:0, BODYg1:0, ..., BODYg0:1, ... Each carries its group, so it is a FIFO message."""
+    t = args.topic
+    producer = Producer(config(args), (t,), tls_enable=args.tls)
+    producer.startup()
+    sent = []
+    for i in range(args.count):
+        for k in range(args.groups):
+            group, body = f"g{k}", f"{args.body or ''}g{k}:{i}"
+            m = message(t, body)
+            m.message_group = group
+            sent.append({**receipt(producer.send(m)), "body": body, "group": group})
+    RESULT["sent"] = sent
+    producer.shutdown()
+    RESULT["shutdown"] = True
+
+
+def scenario_fifo_receive(args) -> None:
+    """A SimpleConsumer of a FIFO group that processes each message group in order, as an application must: it acks
+    each message it processes; when it does not process one (--skip-first BODY, or auto: the first received that has
+    a later message of its group in the same batch), it holds back the rest of that group in the batch (no ack: they
+    come again once the invisible duration, --invisible, runs out). --crash-after N: after processing N messages, end
+    the process holding the rest of the batch (no ack, no shutdown). Receives take up to --batch messages.
+    Events, in order: processed | skipped | held | crash-held, with the delivery attempt."""
+    consumer = SimpleConsumer(config(args), args.group, {args.topic: FilterExpression()}, await_duration=args.await_duration,
+                              tls_enable=args.tls)
+    consumer.startup()
+    RESULT["consumer_started"] = True
+    events: list = []
+    RESULT["events"] = events
+    done: set = set(filter(None, (args.already or "").split(",")))  # processed by an earlier consumer
+    skipped = False
+    end = time.monotonic() + args.receive_wait
+    while len(done) < args.expect and time.monotonic() < end:
+        stopped: set = set()
+        batch = consumer.receive(args.batch, args.invisible)
+        for n, m in enumerate(batch):
+            body, group = m.body.decode(), m.message_group
+            e = {"body": body, "attempt": m.delivery_attempt, "group": group}
+            events.append(e)
+            if args.crash_after and sum(1 for x in events if x.get("event") == "processed") >= args.crash_after:
+                e["event"] = "crash-held"
+                continue
+            later = any(x.message_group == group for x in batch[n + 1:])
+            if group in stopped:
+                e["event"] = "held"
+            elif not skipped and (body == args.skip_first or (args.skip_first == "auto" and later and body not in done)):
+                skipped = True
+                stopped.add(group)
+                e["event"] = "skipped"
+            else:
+                consumer.ack(m)
+                done.add(body)
+                e["event"] = "processed"
+        if args.crash_after and any(x["event"] == "crash-held" for x in events):
+            RESULT["crashed"] = True
+            finish(0)
+    consumer.shutdown()
+    RESULT["shutdown"] = True
+
+
+def scenario_lite(args) -> None:
+    """What an application sees of lite topics and priorities, which txmq does not have: a LitePushConsumer's
+    subscribe_lite, and a producer's lite-topic and priority messages (each error, or None when it went through)."""
+    t = args.topic
+    out: dict = {}
+    consumer = LitePushConsumer(config(args), args.group, t, RecordingListener(None), tls_enable=args.tls)
+    consumer.startup()
+    _attempt("subscribe_lite", lambda: consumer.subscribe_lite("lt-1"))
+    producer = Producer(config(args), (t,), tls_enable=args.tls)
+    producer.startup()
+    lite = message(t, "lite")
+    lite.lite_topic = "lt-1"
+    prio = message(t, "priority")
+    prio.priority = 3
+    for name, m in (("lite", lite), ("priority", prio)):
+        try:
+            producer.send(m)
+            out[name] = None
+        except Exception as e:  # noqa: BLE001 - what the application gets is the result
+            out[name] = f"{type(e).__name__}: {e}"
+    RESULT["sends"] = out
+    for c in (producer, consumer):
+        c.shutdown()
+    RESULT["shutdown"] = True
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("scenario", choices=["transactions", "half", "checker", "send", "unsupported", "receive", "push", "invisible",
-                                        "idle", "unknown", "delay"])
+                                        "idle", "unknown", "delay", "fifo-send", "fifo-receive", "lite"])
     p.add_argument("--endpoint", required=True)
     p.add_argument("--topic", required=True)
     p.add_argument("--group", default="sdk-consumers")
@@ -431,6 +528,13 @@ def main() -> None:
     p.add_argument("--delay-ms", type=int, default=3000, help="delay: how long after the send a message is due")
     p.add_argument("--keep-ms", type=int, default=0, help="delay: one more message due this long after the send, not awaited")
     p.add_argument("--deadline", type=float, default=120.0)
+    p.add_argument("--groups", type=int, default=3, help="fifo-send: message groups")
+    p.add_argument("--invisible", type=int, default=2, help="fifo-receive: invisible duration, seconds")
+    p.add_argument("--skip-first", help="fifo-receive: the body whose first delivery is not processed (nor acked)")
+    p.add_argument("--crash-after", type=int, default=0, help="fifo-receive: end the process after processing N messages")
+    p.add_argument("--already", help="fifo-receive: bodies an earlier consumer processed, comma-separated")
+    p.add_argument("--batch", type=int, default=16, help="fifo-receive: messages per receive")
+    p.add_argument("--slow", type=float, default=0.0, help="push: seconds each consume takes")
     args = p.parse_args()
     RESULT["scenario"] = args.scenario
     watchdog(args.deadline)
@@ -438,7 +542,8 @@ def main() -> None:
         {"transactions": scenario_transactions, "half": scenario_half, "checker": scenario_checker, "send": scenario_send,
          "unsupported": scenario_unsupported,
          "receive": scenario_receive, "push": scenario_push, "invisible": scenario_invisible, "idle": scenario_idle,
-         "unknown": scenario_unknown, "delay": scenario_delay}[args.scenario](args)
+         "unknown": scenario_unknown, "delay": scenario_delay, "fifo-send": scenario_fifo_send,
+         "fifo-receive": scenario_fifo_receive, "lite": scenario_lite}[args.scenario](args)
     except BaseException as e:  # noqa: BLE001 - reported to the test, which fails on it
         RESULT["errors"].append(f"{type(e).__name__}: {e}")
         RESULT["traceback"] = traceback.format_exc()
