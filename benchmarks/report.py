@@ -281,6 +281,33 @@ def rocketmq_sdk_md(res: dict[str, Any]) -> str:
         "round trips per transaction where the native library pays one of each.",
         "",
     ]
+    bound_rows = []
+    for c in ("1", "32"):
+        n, s, e = runs.get(f"native_{c}"), runs.get(f"sdk_{c}"), runs.get(f"empty_{c}")
+        if not n or not s or not e or e.get("server_us_per_call") is None:
+            continue
+        bound = 2 * e["server_us_per_call"] + (n.get("broker_us_per_tx") or 0)
+        bound_rows.append([f"{c} producer{'s' if c != '1' else ''}", num(e["throughput"]), num(p99(e, "call")),
+                           num(e["server_us_per_call"]), num(bound), num(s.get("broker_us_per_tx")),
+                           ratio(s.get("broker_us_per_tx"), bound)])
+    if bound_rows:
+        out += [
+            "### The gRPC stack's own cost: an empty call",
+            "",
+            table(["Concurrency", "empty calls/s", "p99 ms", "server CPU µs/call", "bound µs/tx (2 calls + native)",
+                   "SDK broker CPU µs/tx", "SDK / bound"], bound_rows),
+            "",
+            "The same number of callers as SDK producers, each back to back, make empty unary calls (no request or "
+            "response fields, the 8 headers the SDK signs every request with, a channel each with the SDK's channel "
+            "arguments, grpc.aio on a thread of its own as in the SDK; `benchmarks/grpc_empty.py load`) to a grpc.aio "
+            "server on uvloop with the front end's own channel arguments and a handler that returns at once "
+            "(`benchmarks/grpc_empty.py serve`). Its CPU per call is what the stack costs before any translation; an SDK "
+            "transaction is two calls (SendMessage, EndTransaction) and then what the native path costs the broker for "
+            "the same transaction: the bound. The empty callers cost their process far less than the SDK does, so they "
+            "call faster than SDK producers can, and at 32 the server batches more work per wake-up than it can under "
+            "the SDK's slower calls: see docs/benchmarks.md, \"The SDK path's cost\".",
+            "",
+        ]
     return "\n".join(out) + "\n"
 
 
