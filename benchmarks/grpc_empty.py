@@ -8,6 +8,11 @@ then EndTransaction).
   and concurrency cap (txmq.broker.rocketmq.server.server_options), one method whose handler returns
   an empty response for any request, without (de)serializers. Prints ``{"port": P}``, serves until its
   stdin closes.
+- ``serve --rocketmq``: the same server with RocketMQ's MessagingService instead, each RPC parsed and
+  answered at once with what an SDK producer needs (a route, its settings echoed on Telemetry, a receipt
+  for each message, OK for everything else): nothing is checked, stored or fsynced. What the gRPC stack
+  and protobuf cost under the SDK's own calls, at the SDK's own pace (benchmarks/rocketmq_sdk.py runs
+  its SDK load against it: "no-op front end").
 - ``load`` (the SDK's interpreter, so the client stack is the SDK's: grpc.aio on its own thread's
   loop): --producers callers, each on a channel of its own with the SDK's channel arguments, each back
   to back: one empty call with the 8 metadata headers the SDK signs every request with, the next when
@@ -47,7 +52,7 @@ SDK_CHANNEL_OPTIONS = [("grpc.enable_retries", 0), ("grpc.max_send_message_lengt
 
 
 # ---- serve ---------------------------------------------------------------------------------
-async def serve() -> None:
+async def serve(rocketmq: bool) -> None:
     import grpc
     from grpc import aio
 
@@ -61,12 +66,70 @@ async def serve() -> None:
     options = server_options(defaults.MAX_BODY + defaults.MAX_PROPERTIES + MESSAGE_OVERHEAD, 4096, None)
     server = aio.server(options=options, maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS)
     handler = grpc.unary_unary_rpc_method_handler(call)  # no (de)serializers: bytes in, bytes out
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("txmq.bench.Empty", {"Call": handler}),))
     port = server.add_insecure_port("127.0.0.1:0")
+    if rocketmq:
+        server.add_generic_rpc_handlers((rocketmq_noop_handlers(port),))
+    else:
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("txmq.bench.Empty", {"Call": handler}),))
     await server.start()
     print(json.dumps({"port": port, "pid": os.getpid()}), flush=True)
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # until the driver closes stdin
     await server.stop(0)
+
+
+def rocketmq_noop_handlers(port: int):  # noqa: ANN201 - a grpc.GenericRpcHandler
+    """MessagingService answering every RPC at once, nothing checked or stored (see ``serve --rocketmq``)."""
+    import grpc
+
+    from txmq.broker.rocketmq.pb import definition_pb2 as d
+    from txmq.broker.rocketmq.pb import service_pb2 as s
+    from txmq.broker.rocketmq.server import SERVICE
+    from txmq.broker.rocketmq.status import OK_STATUS, status
+
+    here = d.Endpoints(scheme=d.IPv4, addresses=[d.Address(host="127.0.0.1", port=port)])
+    kinds = [d.NORMAL, d.FIFO, d.DELAY, d.TRANSACTION]
+
+    async def query_route(req, context):  # noqa: ANN001, ANN202
+        mq = d.MessageQueue(id=0, permission=d.READ_WRITE, accept_message_types=kinds)
+        mq.topic.name = req.topic.name
+        mq.broker.name = "noop"
+        mq.broker.endpoints.CopyFrom(here)
+        return s.QueryRouteResponse(status=OK_STATUS, message_queues=[mq])
+
+    async def send_message(req, context):  # noqa: ANN001, ANN202
+        resp = s.SendMessageResponse(status=OK_STATUS)
+        for m in req.messages:
+            mid = m.system_properties.message_id
+            resp.entries.add(status=OK_STATUS, message_id=mid, transaction_id=mid, offset=0)
+        return resp
+
+    async def telemetry(requests, context):  # noqa: ANN001, ANN202
+        async for cmd in requests:
+            if cmd.WhichOneof("command") == "settings":
+                await context.write(s.TelemetryCommand(status=OK_STATUS, settings=cmd.settings))
+
+    def answer(resp_cls):  # noqa: ANN001, ANN202
+        async def ok(req, context):  # noqa: ANN001, ANN202
+            return resp_cls(status=OK_STATUS)
+        return ok
+
+    handlers = {}
+    for m in s.DESCRIPTOR.services_by_name["MessagingService"].methods:
+        req_cls, resp_cls = getattr(s, m.input_type.name), getattr(s, m.output_type.name)
+        if m.name == "Telemetry":
+            handlers[m.name] = grpc.stream_stream_rpc_method_handler(
+                telemetry, request_deserializer=req_cls.FromString, response_serializer=resp_cls.SerializeToString)
+            continue
+        if m.server_streaming:  # ReceiveMessage, PullMessage: a producer never calls them
+            async def refuse(req, context, resp_cls=resp_cls):  # noqa: ANN001, ANN202
+                yield resp_cls(status=status(d.UNSUPPORTED, "no-op front end"))
+            handlers[m.name] = grpc.unary_stream_rpc_method_handler(
+                refuse, request_deserializer=req_cls.FromString, response_serializer=resp_cls.SerializeToString)
+            continue
+        impl = {"QueryRoute": query_route, "SendMessage": send_message}.get(m.name) or answer(resp_cls)
+        handlers[m.name] = grpc.unary_unary_rpc_method_handler(
+            impl, request_deserializer=req_cls.FromString, response_serializer=resp_cls.SerializeToString)
+    return grpc.method_handlers_generic_handler(SERVICE, handlers)
 
 
 # ---- load ----------------------------------------------------------------------------------
@@ -141,7 +204,8 @@ def load(endpoint: str, producers: int, warmup: int, max_latencies: int) -> None
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("serve", help="the server (txmq's interpreter)")
+    sp = sub.add_parser("serve", help="the server (txmq's interpreter)")
+    sp.add_argument("--rocketmq", action="store_true", help="RocketMQ's MessagingService answering at once, not an empty call")
     lp = sub.add_parser("load", help="the callers (the SDK's interpreter)")
     lp.add_argument("--endpoint", required=True)
     lp.add_argument("--producers", type=int, default=1)
@@ -157,7 +221,7 @@ def main() -> None:
             uvloop.install()
         except ImportError:
             pass
-        asyncio.run(serve())
+        asyncio.run(serve(a.rocketmq))
     else:
         load(a.endpoint, a.producers, a.warmup, a.max_latencies)
 

@@ -16,7 +16,9 @@ Besides throughput and latency it reports the broker's CPU per transaction in ea
 end's translation cost, which the SDK's own (client-side) cost does not blur. Beside it, the bound of the
 stack the front end runs on: N callers of an empty unary call on a grpc.aio server on uvloop with the
 front end's channel arguments (benchmarks/grpc_empty.py), the server's CPU per call; an SDK transaction
-cannot cost the broker less than two such calls and the native path's cost of the same transaction. In full mode every
+cannot cost the broker less than two such calls and the native path's cost of the same transaction. And
+the same SDK load against a no-op front end (`grpc_empty.py serve --rocketmq`: RocketMQ's service parsed
+and answered at once, nothing stored or fsynced): the stack and protobuf under the SDK's own calls. In full mode every
 measurement runs twice, interleaved (native, SDK, empty calls, native, ...), and the better run counts: other work on a
 shared machine only ever slows a run down.
 
@@ -138,12 +140,12 @@ def sdk_run(python: Path, broker: BrokerProc, endpoint: str, clients: int, secon
 
 
 class EmptyServer:
-    """grpc_empty.py's server in a subprocess (txmq's interpreter): ``pid``, ``endpoint``."""
+    """grpc_empty.py's server in a subprocess (txmq's interpreter): ``pid``, ``endpoint``; with rocketmq, the no-op front end."""
 
-    def __init__(self, log_path: Path) -> None:
+    def __init__(self, log_path: Path, rocketmq: bool = False) -> None:
         self.log = open(log_path, "ab")
-        self.proc = subprocess.Popen([sys.executable, str(EMPTY), "serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self.log, text=True)
+        self.proc = subprocess.Popen([sys.executable, str(EMPTY), "serve", *(["--rocketmq"] if rocketmq else [])],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True)
         line = self.proc.stdout.readline()
         if not line.startswith("{"):
             raise RuntimeError(f"the empty-call server did not start (exit {self.proc.poll()}); see {log_path}")
@@ -184,12 +186,14 @@ def run(mode: str = "quick", procs: int | None = None) -> dict[str, Any]:
     broker.start()
     runs: dict[str, dict[str, Any]] = {}
     empty: EmptyServer | None = None
+    noop: EmptyServer | None = None
     try:
         wait_port(gport, 30, broker.proc)
         endpoint = f"127.0.0.1:{gport}"
         home = tmp / "home"
         home.mkdir()
         empty = EmptyServer(tmp / "empty-server.log")
+        noop = EmptyServer(tmp / "noop-server.log", rocketmq=True)
         for rnd in range(plan.rounds):
             for c in CONCURRENCY:
                 say(f"  native client library, {c} producer(s), round {rnd + 1}")
@@ -209,13 +213,20 @@ def run(mode: str = "quick", procs: int | None = None) -> dict[str, Any]:
                     + (f"  errors {r['errors']}" if r["errors"] else ""))
                 if f"empty_{c}" not in runs or r["throughput"] > runs[f"empty_{c}"]["throughput"]:
                     runs[f"empty_{c}"] = r
+                say(f"  Python SDK against the no-op front end (grpc_empty.py serve --rocketmq), {c} producer(s), round {rnd + 1}")
+                r = sdk_run(python, noop, noop.endpoint, c, plan.seconds, f"noop_{c}_{rnd}", plan.procs, home)  # type: ignore[arg-type]
+                r["mode"] = "rocketmq-sdk-noop-frontend"
+                say(f"    -> {r['throughput']:,.0f} tx/s, server {r['broker_us_per_tx']} us/tx" + (f"  errors {r['errors']}" if r["errors"] else ""))
+                if f"noop_{c}" not in runs or r["throughput"] > runs[f"noop_{c}"]["throughput"]:
+                    runs[f"noop_{c}"] = r
     except Exception:
         say(f"broker log tail:\n{broker.log_tail()}")
         raise
     finally:
         broker.stop()
-        if empty is not None:
-            empty.stop()
+        for server in (empty, noop):
+            if server is not None:
+                server.stop()
     return {
         "kind": "rocketmq_sdk", "mode": mode, "date": dt.datetime.now().astimezone().isoformat(timespec="seconds"),
         "command": command_line(), "size": SIZE, "flush": "sync", "sdk": pin, "machine": machine, "runs": runs,
