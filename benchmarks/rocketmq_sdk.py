@@ -13,8 +13,13 @@ acknowledged after fdatasync):
   processes with one thread per producer.
 
 Besides throughput and latency it reports the broker's CPU per transaction in each run: the gRPC front
-end's translation cost, which the SDK's own (client-side) cost does not blur. In full mode every
-measurement runs twice, interleaved (native, SDK, native, SDK), and the better run counts: other work on a
+end's translation cost, which the SDK's own (client-side) cost does not blur. Beside it, the bound of the
+stack the front end runs on: N callers of an empty unary call on a grpc.aio server on uvloop with the
+front end's channel arguments (benchmarks/grpc_empty.py), the server's CPU per call; an SDK transaction
+cannot cost the broker less than two such calls and the native path's cost of the same transaction. And
+the same SDK load against a no-op front end (`grpc_empty.py serve --rocketmq`: RocketMQ's service parsed
+and answered at once, nothing stored or fsynced): the stack and protobuf under the SDK's own calls. In full mode every
+measurement runs twice, interleaved (native, SDK, empty calls, native, ...), and the better run counts: other work on a
 shared machine only ever slows a run down.
 
     .venv/bin/python benchmarks/rocketmq_sdk.py [--quick | --smoke] [--write docs/benchmarks.md] [-o json]
@@ -46,6 +51,8 @@ from benchlib import BrokerProc, command_line, cpu_seconds, data_disk_dir, free_
 SIZE = 256
 CONCURRENCY = (1, 32)
 LOADER = HERE / "rocketmq_sdk_load.py"
+EMPTY = HERE / "grpc_empty.py"  # the empty-call bound: its server (serve) and callers (load)
+LOAD = "load"
 
 
 def say(msg: str) -> None:
@@ -78,13 +85,15 @@ def native_run(broker: BrokerProc, clients: int, seconds: float, topic: str) -> 
 
 
 def sdk_run(python: Path, broker: BrokerProc, endpoint: str, clients: int, seconds: float, topic: str, procs: int,
-            home: Path) -> dict[str, Any]:
+            home: Path, loader: Path = LOADER) -> dict[str, Any]:
+    """N producers of loader (rocketmq_sdk_load.py; grpc_empty.py's callers) in min(N, procs) processes; the server's CPU."""
     nproc = max(1, min(clients, procs))
     split = [clients // nproc + (1 if i < clients % nproc else 0) for i in range(nproc)]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
     env["HOME"] = str(home)  # the SDK logs under ~/logs
     log = open(home / f"loader-{topic}.log", "ab")
-    loaders = [subprocess.Popen([str(python), str(LOADER), "--endpoint", endpoint, "--topic", topic, "--producers", str(n),
+    args = [] if loader == LOADER else [LOAD]
+    loaders = [subprocess.Popen([str(python), str(loader), *args, "--endpoint", endpoint, "--topic", topic, "--producers", str(n),
                                  "--size", str(SIZE)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env,
                                 text=True, cwd=home) for n in split]
     try:
@@ -130,6 +139,41 @@ def sdk_run(python: Path, broker: BrokerProc, endpoint: str, clients: int, secon
     }
 
 
+class EmptyServer:
+    """grpc_empty.py's server in a subprocess (txmq's interpreter): ``pid``, ``endpoint``; with rocketmq, the no-op front end."""
+
+    def __init__(self, log_path: Path, rocketmq: bool = False) -> None:
+        self.log = open(log_path, "ab")
+        self.proc = subprocess.Popen([sys.executable, str(EMPTY), "serve", *(["--rocketmq"] if rocketmq else [])],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True)
+        line = self.proc.stdout.readline()
+        if not line.startswith("{"):
+            raise RuntimeError(f"the empty-call server did not start (exit {self.proc.poll()}); see {log_path}")
+        self.port = json.loads(line)["port"]
+        self.pid = self.proc.pid
+        self.endpoint = f"127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        try:
+            self.proc.stdin.close()
+            self.proc.wait(10)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+def empty_run(python: Path, server: EmptyServer, clients: int, seconds: float, tag: str, procs: int, home: Path) -> dict[str, Any]:
+    """N callers of empty unary calls, back to back: the server's CPU per call (the gRPC stack's own cost)."""
+    r = sdk_run(python, server, server.endpoint, clients, seconds, tag, procs, home, loader=EMPTY)  # type: ignore[arg-type]
+    r["mode"] = "grpc-empty-call"
+    r["unit"] = "calls/s"
+    r["server_us_per_call"] = r.pop("broker_us_per_tx")
+    r["server_cpu_s"] = r.pop("broker_cpu_s")
+    r["latency_ms"] = {"call": r["latency_ms"]["tx"]}
+    return r
+
+
 def run(mode: str = "quick", procs: int | None = None) -> dict[str, Any]:
     """Measure and return the result (also used by compare.py --rocketmq-sdk)."""
     plan = Plan(mode, procs or max(2, os.cpu_count() or 2))
@@ -141,11 +185,15 @@ def run(mode: str = "quick", procs: int | None = None) -> dict[str, Any]:
     broker = BrokerProc(tmp / "data", "--flush", "sync", "--rocketmq-port", str(gport), log_path=tmp / "broker.log")
     broker.start()
     runs: dict[str, dict[str, Any]] = {}
+    empty: EmptyServer | None = None
+    noop: EmptyServer | None = None
     try:
         wait_port(gport, 30, broker.proc)
         endpoint = f"127.0.0.1:{gport}"
         home = tmp / "home"
         home.mkdir()
+        empty = EmptyServer(tmp / "empty-server.log")
+        noop = EmptyServer(tmp / "noop-server.log", rocketmq=True)
         for rnd in range(plan.rounds):
             for c in CONCURRENCY:
                 say(f"  native client library, {c} producer(s), round {rnd + 1}")
@@ -159,11 +207,26 @@ def run(mode: str = "quick", procs: int | None = None) -> dict[str, Any]:
                     + (f"  errors {r['errors']}" if r["errors"] else ""))
                 if f"sdk_{c}" not in runs or r["throughput"] > runs[f"sdk_{c}"]["throughput"]:
                     runs[f"sdk_{c}"] = r
+                say(f"  empty unary calls on grpc.aio + uvloop, {c} caller(s), round {rnd + 1}")
+                r = empty_run(python, empty, c, plan.seconds, f"empty_{c}_{rnd}", plan.procs, home)
+                say(f"    -> {r['throughput']:,.0f} calls/s, server {r['server_us_per_call']} us/call"
+                    + (f"  errors {r['errors']}" if r["errors"] else ""))
+                if f"empty_{c}" not in runs or r["throughput"] > runs[f"empty_{c}"]["throughput"]:
+                    runs[f"empty_{c}"] = r
+                say(f"  Python SDK against the no-op front end (grpc_empty.py serve --rocketmq), {c} producer(s), round {rnd + 1}")
+                r = sdk_run(python, noop, noop.endpoint, c, plan.seconds, f"noop_{c}_{rnd}", plan.procs, home)  # type: ignore[arg-type]
+                r["mode"] = "rocketmq-sdk-noop-frontend"
+                say(f"    -> {r['throughput']:,.0f} tx/s, server {r['broker_us_per_tx']} us/tx" + (f"  errors {r['errors']}" if r["errors"] else ""))
+                if f"noop_{c}" not in runs or r["throughput"] > runs[f"noop_{c}"]["throughput"]:
+                    runs[f"noop_{c}"] = r
     except Exception:
         say(f"broker log tail:\n{broker.log_tail()}")
         raise
     finally:
         broker.stop()
+        for server in (empty, noop):
+            if server is not None:
+                server.stop()
     return {
         "kind": "rocketmq_sdk", "mode": mode, "date": dt.datetime.now().astimezone().isoformat(timespec="seconds"),
         "command": command_line(), "size": SIZE, "flush": "sync", "sdk": pin, "machine": machine, "runs": runs,

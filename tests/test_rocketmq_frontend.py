@@ -648,3 +648,47 @@ def test_a_clients_language_comes_from_its_settings_else_from_its_language_heade
         await t.close()
 
     with_frontend(tmp_path, body)
+
+
+def test_keys_and_message_ids_with_any_white_space_or_nul_are_refused(tmp_path):
+    async def body(b, stub, ch):
+        async def code(m: d.Message) -> int:
+            return (await stub.SendMessage(s.SendMessageRequest(messages=[m]), metadata=MD)).status.code
+
+        for keys in (["em\u2003space"], ["\t"], [""], ["nul\0"], ["ok", "no\u00a0break"]):
+            assert await code(message("orders", b"x", f"K{len(keys[-1])}", keys=keys)) == d.ILLEGAL_MESSAGE_KEY, keys
+        for mid in ("id\u3000x", "id\nx", "id\0x", "x" * 129):
+            assert await code(message("orders", b"x", mid)) == d.ILLEGAL_MESSAGE_ID, mid
+        assert await code(message("orders", b"x", "0A1B-c_d:e.f", keys=["order-1", "user_2"])) == OK
+        assert (await native_read(b, "orders", 1))[0].keys == "order-1 user_2"
+
+    with_frontend(tmp_path, body)
+
+
+def test_a_requests_headers_are_parsed_once_per_rpc_and_never_seen_by_another():
+    from txmq.broker.rocketmq.service import client_id_of, metadata
+
+    class Context:
+        def __init__(self, client_id: str) -> None:
+            self.reads = 0
+            self.headers = (("x-mq-client-id", client_id), ("x-mq-language", "PYTHON"), ("bin-bin", b"\x00"))
+
+        def invocation_metadata(self):
+            self.reads += 1
+            return self.headers
+
+    async def rpc(ctx: Context, other: Context) -> tuple[str, str, dict]:
+        first = metadata(ctx)
+        cid = client_id_of(ctx)
+        assert metadata(ctx) is first and ctx.reads == 1  # the server's check and the service share one parse
+        other_cid = client_id_of(other)  # another context in the same task is parsed for itself
+        return cid, other_cid, first
+
+    async def main():
+        a, b, c, e = Context("client-a"), Context("client-b"), Context("client-c"), Context("client-e")
+        (ca, cb, md), (cc, ce, _) = await asyncio.gather(rpc(a, b), rpc(c, e))  # two RPCs at once, one task each
+        assert (ca, cb, cc, ce) == ("client-a", "client-b", "client-c", "client-e")
+        assert md == {"x-mq-client-id": "client-a", "x-mq-language": "PYTHON"}  # binary headers left out
+        assert client_id_of(a) == "client-a" and a.reads == 2  # a new RPC (here: another task) reads its own
+
+    arun(main())

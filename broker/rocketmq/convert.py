@@ -35,6 +35,7 @@ code: txmq does not deliver them.
 
 from __future__ import annotations
 
+import re
 import zlib
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -82,6 +83,10 @@ SYSTEM_PROPERTIES = frozenset({
     "__PRIORITY", "__LITE_TOPIC",
 })
 
+
+
+# White space (str.isspace's: re's \s is the same Unicode class) or NUL, refused in keys and message ids.
+_SPACE_OR_NUL = re.compile(r"[\s\0]")
 
 
 def is_system_property(name: str) -> bool:
@@ -274,12 +279,12 @@ def from_message(msg: d.Message, max_body: int, max_properties: int) -> Outgoing
         props[PROP_TAGS] = tag
     if sp.keys:
         for k in sp.keys:
-            if not k.strip() or any(c.isspace() for c in k) or "\0" in k:
+            if not k or _SPACE_OR_NUL.search(k):
                 raise RmqError(Code.ILLEGAL_MESSAGE_KEY, f"key {k!r} must be non-blank and hold no white space")
         props[PROP_KEYS] = KEY_SEPARATOR.join(sp.keys)
     message_id = sp.message_id
     if message_id:
-        if len(message_id) > 128 or any(c.isspace() or c == "\0" for c in message_id):
+        if len(message_id) > 128 or _SPACE_OR_NUL.search(message_id):
             raise RmqError(Code.ILLEGAL_MESSAGE_ID, "message_id must be at most 128 characters, without white space")
         props[PROP_UNIQ_KEY] = message_id
     transactional = sp.message_type == d.TRANSACTION

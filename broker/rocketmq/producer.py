@@ -38,7 +38,7 @@ from txmq.broker.transactions.service import MAX_NAME
 from . import convert, routes
 from .pb import definition_pb2 as d
 from .pb import service_pb2 as s
-from .status import Code, RmqError, of_error, ok
+from .status import OK_STATUS, Code, RmqError, of_error, ok
 
 if TYPE_CHECKING:
     from txmq.broker.core import BrokerCore
@@ -98,7 +98,7 @@ async def send_message(core: BrokerCore, req: s.SendMessageRequest) -> s.SendMes
             raise
         budget -= len(o.body)
         out.append(o)
-    if any(m.topic.name != msgs[0].topic.name for m in msgs):
+    if len(msgs) > 1 and any(m.topic.name != msgs[0].topic.name for m in msgs):
         raise RmqError(Code.BAD_REQUEST, "the messages of one SendMessage must have the same topic")
     transactional = any(o.transactional for o in out)
     if transactional and len(out) > 1:
@@ -108,7 +108,7 @@ async def send_message(core: BrokerCore, req: s.SendMessageRequest) -> s.SendMes
         again = _sent_before(core, topic, out[0].message_id)
         if again is not None:
             resp.entries.append(again)
-            resp.status.CopyFrom(ok())
+            resp.status.CopyFrom(OK_STATUS)
             return resp
     now = int(core.clock() * 1000)
     if transactional:
@@ -125,14 +125,13 @@ async def send_message(core: BrokerCore, req: s.SendMessageRequest) -> s.SendMes
         rows = (await core.send([Message(topic, qid if o.message_group is None else queue_of_group(o.message_group, n),
                                          TxType.NORMAL, o.born_ts or now, o.properties, o.body) for o in out], False))["results"]
     for o, row in zip(out, rows):
-        e = resp.entries.add()
-        e.status.CopyFrom(ok())
-        e.message_id = row["msg_id"]
-        e.transaction_id = row["msg_id"]  # RocketMQ: the message's UNIQ_KEY, whatever its type (for a half, its tx_id)
-        e.offset = row["half_offset"] if o.transactional else row["queue_offset"]
+        msg_id = row["msg_id"]
+        # RocketMQ: transaction_id is the message's UNIQ_KEY, whatever its type (for a half, its tx_id)
+        e = resp.entries.add(status=OK_STATUS, message_id=msg_id, transaction_id=msg_id,
+                             offset=row["half_offset"] if o.transactional else row["queue_offset"])
         if "deliver_at_ms" in row:  # scheduled: RecallMessage takes this back to cancel it
-            e.recall_handle = recall_handle(topic, row["deliver_at_ms"], row["msg_id"])
-    resp.status.CopyFrom(ok())
+            e.recall_handle = recall_handle(topic, row["deliver_at_ms"], msg_id)
+    resp.status.CopyFrom(OK_STATUS)
     return resp
 
 
@@ -178,7 +177,7 @@ def _sent_before(core: BrokerCore, topic: str, message_id: str) -> s.SendResultE
     p = core.tx.index.pending.get(message_id)
     if p is None or p.topic != topic or p.group != topic:
         return None
-    return s.SendResultEntry(status=ok(), message_id=message_id, transaction_id=message_id, offset=p.half_offset)
+    return s.SendResultEntry(status=OK_STATUS, message_id=message_id, transaction_id=message_id, offset=p.half_offset)
 
 
 def send_failed(req: s.SendMessageRequest, exc: BaseException) -> s.SendMessageResponse:

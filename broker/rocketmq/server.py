@@ -86,21 +86,7 @@ class RocketMQServer:
     async def bind(self) -> int:
         """Create the server and bind its port (0 picks a free one); returns the port."""
         cfg = self.config
-        limit = self.settings.max_receive_message
-        options = [
-            ("grpc.max_receive_message_length", limit),
-            ("grpc.max_send_message_length", limit + (1 << 20)),
-            ("grpc.so_reuseport", 0),  # a port another process holds is an error, not shared
-            ("grpc.keepalive_time_ms", 60_000),
-            ("grpc.keepalive_timeout_ms", 20_000),
-            ("grpc.keepalive_permit_without_calls", 1),
-            ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
-            ("grpc.http2.max_pings_without_data", 0),
-            ("grpc.max_allowed_incoming_connections", self.max_connections),
-            ("grpc.max_connection_idle_ms", int(IDLE_TIMEOUT_S * 1000)),
-        ]
-        if cfg.auth_timeout_s:  # else gRPC's own: 2 minutes
-            options.append(("grpc.server_handshake_timeout_ms", max(1, int(cfg.auth_timeout_s * 1000))))
+        options = server_options(self.settings.max_receive_message, self.max_connections, cfg.auth_timeout_s)
         host = cfg.host
         address = f"[{host}]:{cfg.rocketmq_port}" if ":" in host else f"{host}:{cfg.rocketmq_port}"
         check_port_free(host, cfg.rocketmq_port or 0, address)
@@ -314,6 +300,25 @@ class RocketMQServer:
             reader.cancel()
         if stream.close_reason:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, stream.close_reason)
+
+
+def server_options(max_receive: int, max_connections: int, handshake_timeout_s: float | None) -> list[tuple[str, int]]:
+    """The gRPC server's channel arguments (also those of benchmarks/grpc_empty.py's server, the front end's bound)."""
+    options = [
+        ("grpc.max_receive_message_length", max_receive),
+        ("grpc.max_send_message_length", max_receive + (1 << 20)),
+        ("grpc.so_reuseport", 0),  # a port another process holds is an error, not shared
+        ("grpc.keepalive_time_ms", 60_000),
+        ("grpc.keepalive_timeout_ms", 20_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.max_allowed_incoming_connections", max_connections),
+        ("grpc.max_connection_idle_ms", int(IDLE_TIMEOUT_S * 1000)),
+    ]
+    if handshake_timeout_s:  # else gRPC's own: 2 minutes
+        options.append(("grpc.server_handshake_timeout_ms", max(1, int(handshake_timeout_s * 1000))))
+    return options
 
 
 def signed(md: dict[str, str], token: str) -> bool:

@@ -13,6 +13,7 @@ until that module is there, they answer UNSUPPORTED too.
 from __future__ import annotations
 
 import logging
+from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from txmq.wire import TxmqError
@@ -33,11 +34,22 @@ BROKER_NAME = "txmq"  # the one broker of every route (RocketMQ's routes name br
 MAX_GROUP_LEN = 255
 
 
+# The request headers of the RPC this task serves, parsed once (server.py checks them first; the
+# service methods read the client id again): (its context, the headers). One RPC is one task in grpc.aio.
+_REQUEST_HEADERS: ContextVar[tuple[Any, dict[str, str]] | None] = ContextVar("txmq_rmq_request_headers", default=None)
+
+
 def metadata(context: Any) -> dict[str, str]:
+    """The request's text headers (binary ones left out), parsed once per RPC."""
+    seen = _REQUEST_HEADERS.get()
+    if seen is not None and seen[0] is context:
+        return seen[1]
     try:
-        return {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
+        md = {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
     except Exception:  # a context without metadata (tests calling methods directly)
-        return {}
+        md = {}
+    _REQUEST_HEADERS.set((context, md))
+    return md
 
 
 def client_id_of(context: Any) -> str:

@@ -85,8 +85,14 @@ def type_conflict(accepted: tuple[str, ...] | list[str], actual: str) -> RmqErro
                                                               f"{expected}, but actual type is {TYPE_NAMES.get(actual, actual.upper())}")
 
 
+_OK = Code.OK  # EnumTypeWrapper's attributes are looked up in Python: once, not per response
+
+
 def ok(message: str = "OK") -> d.Status:
-    return d.Status(code=Code.OK, message=message)
+    return d.Status(code=_OK, message=message)
+
+
+OK_STATUS = ok()  # to CopyFrom into responses (never modified)
 
 
 def status(code: int, message: str) -> d.Status:
