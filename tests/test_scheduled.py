@@ -223,3 +223,109 @@ def test_a_burst_larger_than_the_window_is_delivered_in_due_order(data_dir, monk
             assert got == list(range(300))
 
     arun(main())
+
+
+# ---- races, bounds and metrics ----------------------------------------------------------
+def test_cancel_that_meets_the_delivery_of_its_message_is_refused_not_reported_done(data_dir, monkeypatch):
+    """A cancel whose lookup in timers.db is slow while its message is delivered meanwhile says NO_SUCH_MESSAGE."""
+    import threading
+
+    monkeypatch.setattr(sched_service, "FLUSH_S", 1000.0)  # the row stays in memory (written since the last flush)
+
+    async def main():
+        clock = ManualClock(T0)
+        async with running_broker(data_dir, clock=clock) as b:
+            svc = b.core.scheduled
+            await svc.ready.wait()
+            async with Producer(b.address) as p:
+                r = await p.send("orders", b"x", delay=10)
+                assert r.commit_log_offset in svc.added
+                entered, release = threading.Event(), threading.Event()
+                real = svc.db.by_msg_id
+
+                def slow(msg_id):
+                    entered.set()
+                    release.wait(5)
+                    return real(msg_id)
+
+                monkeypatch.setattr(svc.db, "by_msg_id", slow)
+                cancel = asyncio.ensure_future(svc.cancel(r.msg_id))
+                while not entered.is_set():
+                    await asyncio.sleep(0.005)
+                await _tick(b.core, clock, 10.5)  # delivered while the cancel looks in the file
+                assert len(await _all(b.core, "orders")) == 1
+                release.set()
+                with pytest.raises(TxmqError) as e:
+                    await cancel
+                assert e.value.code == ErrorCode.NO_SUCH_MESSAGE
+            assert svc.gauges()["scheduled"] == 0
+            assert b.core.metrics.counters["scheduled_cancelled"] == 0
+
+    arun(main())
+
+
+def test_a_delivery_batch_of_large_messages_is_written_in_parts_of_bounded_size(data_dir):
+    """Messages of 1 MiB due together are not read and appended 4096 at a time: each append stays near DELIVER_BYTES."""
+    async def main():
+        clock = ManualClock(T0)
+        async with running_broker(data_dir, clock=clock, default_queues=1) as b:
+            svc = b.core.scheduled
+            async with Producer(b.address) as p:
+                for i in range(40):
+                    await p.send("big", bytes([i]) * (1 << 20), delay=5)
+            sizes: list[int] = []
+            submit = b.core.appender.submit
+
+            def spy(msgs, shape=None, durable=True):
+                if msgs and msgs[0].topic == "big":
+                    sizes.append(sum(len(m.body) for m in msgs))
+                return submit(msgs, shape, durable)
+
+            b.core.appender.submit = spy
+            await _tick(b.core, clock, 6)
+            for _ in range(100):
+                if svc.gauges()["scheduled"] == 0:
+                    break
+                await asyncio.sleep(0.02)
+            assert len(await _all(b.core, "big")) == 40
+            assert sum(sizes) == 40 << 20 and len(sizes) > 1
+            assert max(sizes) <= sched_service.DELIVER_BYTES + (1 << 20)
+
+    arun(main())
+
+
+def test_lateness_is_measured_on_the_brokers_clock(data_dir):
+    async def main():
+        clock = ManualClock(T0 - 400 * 86400)  # a clock well behind the machine's
+        async with running_broker(data_dir, clock=clock) as b:
+            async with Producer(b.address) as p:
+                await p.send("t", b"x", delay=5)
+            await _tick(b.core, clock, 7)  # delivered 2 s after its due time, by the broker's clock
+            assert len(await _all(b.core, "t")) == 1
+            g = b.core.scheduled.gauges()
+            assert 1.9 <= g["scheduled_lateness_seconds_max"] <= 3.0
+
+    arun(main())
+
+
+def test_listing_a_page_of_large_scheduled_messages_does_not_hold_them_all(data_dir):
+    import tracemalloc
+
+    async def main():
+        clock = ManualClock(T0)
+        async with running_broker(data_dir, clock=clock) as b:
+            async with Producer(b.address) as p:
+                for i in range(48):
+                    await p.send("big", bytes([i]) * (1 << 20), delay=50)
+            svc = b.core.scheduled
+            tracemalloc.start()
+            try:
+                page = await svc.listing(None, None, 1000)
+                peak = tracemalloc.get_traced_memory()[1]
+            finally:
+                tracemalloc.stop()
+            assert page["total"] == 48 and len(page["messages"]) == 48
+            assert all(m["size"] > 1 << 20 for m in page["messages"])
+            assert peak < 32 << 20  # records read a few at a time, not 48 MiB at once
+
+    arun(main())

@@ -79,6 +79,8 @@ WINDOW_ROWS = 100_000  # at most this many loaded from the file at once (a burst
 FLUSH_S = 1.0  # the file is written every FLUSH_S, or as soon as FLUSH_ROWS rows changed
 FLUSH_ROWS = 100_000
 DELIVER_BATCH = 4096  # messages delivered in one append
+DELIVER_BYTES = 8 << 20  # ... and at most about this many bytes of records read for it (large messages: fewer per append)
+READ_STEP = 16  # records read at once (a delivery, a listing): at most this many large ones held before the bound is seen
 TICK_S = 0.05  # the longest the delivery task sleeps (it wakes at the next due time if sooner)
 RETRY_S = 1.0  # after a failed delivery (a full disk, say), the wait before the next attempt
 REPLAY_STEP = 2048  # records replayed between two turns of the loop
@@ -481,17 +483,18 @@ class ScheduleService:
     async def _deliver(self, batch: list[tuple[int, int]], now: int) -> None:
         """Append the due messages of batch to their real topics; back in the window if the append fails."""
         store = self.store
-        offs = [off for _, off in batch]
-        try:
-            records: list[Record | None] = list(store.read_many(offs))
-        except Exception:
-            records = []
-            for off in offs:
-                try:
-                    records.append(store.read_record(off))
-                except Exception as exc:
-                    store.damage.report(Damage(off, "schedule", f"the scheduled record cannot be read ({exc})"))
-                    records.append(None)
+        records: list[Record | None] = []
+        size = 0
+        while len(records) < len(batch) and size < DELIVER_BYTES:
+            for rec in self._read([off for _, off in batch[len(records):len(records) + READ_STEP]]):
+                if size >= DELIVER_BYTES:  # enough for one append
+                    break
+                records.append(rec)
+                size += rec.size if rec is not None else 0
+        if len(records) < len(batch):  # the rest goes back to the window, for the next append
+            for entry in batch[len(records):]:
+                heapq.heappush(self.heap, entry)
+            del batch[len(records):]
         msgs: list[Message] = []
         sent: list[tuple[int, int]] = []
         dropped, now_s, queues = _DROPPED_SET, str(now), {}
@@ -528,7 +531,7 @@ class ScheduleService:
                 inflight.discard(off)
                 self._remove(off, False)
             # one observation per batch: its due times are close (the batch is what was due at one look)
-            self.lateness.observe_n(max(0.0, time.time() * 1000 - sent[0][0]) / 1000, len(sent))
+            self.lateness.observe_n(max(0.0, self.clock() * 1000 - sent[0][0]) / 1000, len(sent))
             self.metrics.counters["scheduled_delivered"] += len(sent)
             return len(sent)
 
@@ -540,6 +543,21 @@ class ScheduleService:
                     inflight.discard(off)
                     heapq.heappush(self.heap, (due, off))
             raise
+
+    def _read(self, offs: list[int]) -> list[Record | None]:
+        """The scheduled records at offs; None (reported as damage) for one that cannot be read."""
+        store = self.store
+        try:
+            return list(store.read_many(offs))
+        except Exception:
+            records: list[Record | None] = []
+            for off in offs:
+                try:
+                    records.append(store.read_record(off))
+                except Exception as exc:
+                    store.damage.report(Damage(off, "schedule", f"the scheduled record cannot be read ({exc})"))
+                    records.append(None)
+            return records
 
     # ---- the operator's and the clients' requests -----------------------------------
     async def _when_ready(self) -> TimerDatabase:
@@ -554,8 +572,10 @@ class ScheduleService:
         db = await self._when_ready()
         loop = asyncio.get_running_loop()
         async with self._lock:
+            stored = await loop.run_in_executor(self._pool, db.by_msg_id, message_id)
+            # after the lookup's await: a row delivered meanwhile has left ``added`` (and is in ``removed``)
             rows = [r for r in self.added.values() if r[3] == message_id]
-            rows += [r for r in await loop.run_in_executor(self._pool, db.by_msg_id, message_id) if r[0] not in self.removed]
+            rows += [r for r in stored if r[0] not in self.removed]
             if topic is not None:
                 rows = [r for r in rows if r[2] == topic]
             rows = [r for r in rows if r[0] not in self.cancelling]
@@ -605,16 +625,17 @@ class ScheduleService:
             rows = await loop.run_in_executor(self._pool, db.listing, topic, after or (-1, -1), limit)
             summary = await loop.run_in_executor(self._pool, db.summary)
         out = []
-        try:
-            recs = self.store.read_many([r[0] for r in rows]) if rows else []
-        except Exception:
-            recs = [None] * len(rows)
-        for (off, due, t, uniq), rec in zip(rows, recs):
-            p = rec.properties if rec is not None else {}
-            out.append({"msg_id": uniq, "topic": t, "deliver_at_ms": due, "commit_log_offset": off,
-                        "queue_id": int(p.get(PROP_REAL_QID, 0) or 0), "tags": p.get("TAGS"), "keys": p.get("KEYS"),
-                        "born_ts": rec.born_ts if rec is not None else None, "store_ts": rec.store_ts if rec is not None else None,
-                        "size": rec.size if rec is not None else None})
+        for i in range(0, len(rows), READ_STEP):  # a few records at a time: a page of large messages is not held whole
+            part = rows[i:i + READ_STEP]
+            for (off, due, t, uniq), rec in zip(part, self._read([r[0] for r in part])):
+                p = rec.properties if rec is not None else {}
+                try:
+                    qid = int(p.get(PROP_REAL_QID, 0) or 0)
+                except ValueError:
+                    qid = 0
+                out.append({"msg_id": uniq, "topic": t, "deliver_at_ms": due, "commit_log_offset": off, "queue_id": qid,
+                            "tags": p.get("TAGS"), "keys": p.get("KEYS"), "born_ts": rec.born_ts if rec is not None else None,
+                            "store_ts": rec.store_ts if rec is not None else None, "size": rec.size if rec is not None else None})
         by_topic = {t: {"scheduled": n, "first_due_ms": first} for t, (n, first) in sorted(summary.items())}
         total = sum(v["scheduled"] for t, v in by_topic.items() if topic is None or t == topic)
         # cursor: where the next page starts (``after``), None after the last one
