@@ -329,3 +329,79 @@ def test_listing_a_page_of_large_scheduled_messages_does_not_hold_them_all(data_
             assert peak < 32 << 20  # records read a few at a time, not 48 MiB at once
 
     arun(main())
+
+
+def test_sends_due_within_the_window_do_not_grow_it_past_its_rows(data_dir, monkeypatch):
+    monkeypatch.setattr(sched_service, "WINDOW_ROWS", 50)
+    monkeypatch.setattr(sched_service, "DELIVER_BATCH", 16)
+
+    async def main():
+        clock = ManualClock(T0)
+        async with running_broker(data_dir, clock=clock, default_queues=1) as b:
+            svc = b.core.scheduled
+            await svc.ready.wait()
+            await asyncio.sleep(0.05)  # the first window is loaded: rows due within 60 s go to memory
+            biggest = 0
+            async with Producer(b.address) as p:
+                ids = []
+                for i in reversed(range(300)):  # due within the window, in the reverse of the log's order
+                    ids.append((await p.send("burst", str(i).encode(), deliver_at=T0 + 5 + i / 1000)).msg_id)
+                    biggest = max(biggest, len(svc.heap))
+                for i in (0, 120, 299):  # cancels of rows in memory and of rows left to the file
+                    await p.cancel_scheduled(ids[299 - i])
+            assert biggest <= 50
+            assert svc.gauges()["scheduled"] == 297
+            clock.advance(10)
+            for _ in range(300):
+                svc.poke()
+                await asyncio.sleep(0.02)
+                biggest = max(biggest, len(svc.heap))
+                if svc.gauges()["scheduled"] == 0:
+                    break
+            assert biggest <= 50
+            got = [int(m["body"]) for m in await _all(b.core, "burst")]
+            assert got == [i for i in range(300) if i not in (0, 120, 299)]
+
+    arun(main())
+
+
+def test_window_filled_by_sends_while_it_loads_loses_no_row(data_dir, monkeypatch):
+    import threading
+
+    monkeypatch.setattr(sched_service, "WINDOW_ROWS", 50)
+
+    async def main():
+        clock = ManualClock(T0)
+        async with running_broker(data_dir, clock=clock, default_queues=1) as b:
+            svc = b.core.scheduled
+            await svc.ready.wait()
+            async with Producer(b.address) as p:
+                for i in range(10):  # in the file, due later than the sends below
+                    await p.send("w", f"late{i}".encode(), deliver_at=T0 + 30 + i)
+                await svc._flush()
+                entered, release = threading.Event(), threading.Event()
+                real = svc.db.due_rows
+
+                def slow(*args):
+                    entered.set()
+                    release.wait(5)
+                    return real(*args)
+
+                monkeypatch.setattr(svc.db, "due_rows", slow)
+                svc._refill.set()  # a load of the window, held in the file's thread
+                while not entered.is_set():
+                    await asyncio.sleep(0.005)
+                for i in range(120):  # due within the window: they fill it while it loads
+                    await p.send("w", f"soon{i}".encode(), deliver_at=T0 + 5 + i / 1000)
+                release.set()
+                monkeypatch.setattr(svc.db, "due_rows", real)
+            clock.advance(100)
+            for _ in range(300):
+                svc.poke()
+                await asyncio.sleep(0.02)
+                if svc.gauges()["scheduled"] == 0 and len(await _all(b.core, "w")) == 130:
+                    break
+            got = sorted(m["body"] for m in await _all(b.core, "w"))
+            assert got == sorted([f"late{i}".encode() for i in range(10)] + [f"soon{i}".encode() for i in range(120)])
+
+    arun(main())

@@ -178,10 +178,26 @@ class ScheduleService:
     def _add(self, off: int, due: int, topic: str, uniq: str) -> None:
         self.added[off] = (off, due, topic, uniq)
         self.count += 1
-        if (due, off) < self.bound:
-            heapq.heappush(self.heap, (due, off))
-            if self.heap[0][1] == off:
+        self._back((due, off))
+
+    def _back(self, entry: tuple[int, int]) -> None:
+        """Put a row in the window if it belongs there (below ``bound``); one at or above it is loaded in its turn."""
+        if entry < self.bound:
+            heap = self.heap
+            heapq.heappush(heap, entry)
+            if heap[0] == entry:
                 self._wake.set()
+            if len(heap) > WINDOW_ROWS:
+                self._shrink()
+
+    def _shrink(self) -> None:
+        """Keep the soonest half of the window and lower ``bound`` to the first row let go (sends due soon, in a burst)."""
+        heap = self.heap
+        heap.sort()  # a sorted list is a heap; in place: the delivery task holds this list
+        keep = WINDOW_ROWS // 2
+        self.bound = heap[keep]
+        self.gone.difference_update(off for _, off in heap[keep:])  # let go: removed rows, not loaded again
+        del heap[keep:]
 
     def _remove(self, off: int, in_window: bool) -> None:
         if self.added.pop(off, None) is None:
@@ -397,16 +413,18 @@ class ScheduleService:
             limit = max(1, WINDOW_ROWS - len(self.heap))
             bound = self.bound
             rows = await asyncio.get_running_loop().run_in_executor(self._pool, self.db.due_rows, bound, horizon, limit)
+            if self.bound != bound:  # sends meanwhile filled the window and lowered its bound (_shrink): it is full
+                return
             new_bound = (horizon, 0) if len(rows) < limit else (rows[-1][1], rows[-1][0] + 1)
             if new_bound < bound:
                 new_bound = bound
-            removed, heap = self.removed, self.heap
+            removed, heap, busy = self.removed, self.heap, self.inflight | self.parked
             for off, due, _topic, _uniq in rows:
-                if off not in removed:
+                if off not in removed and off not in busy:
                     heap.append((due, off))
             # rows written since the flush, not in the file yet
             for off, due, _topic, _uniq in self.added.values():
-                if bound <= (due, off) < new_bound:
+                if bound <= (due, off) < new_bound and off not in busy:
                     heap.append((due, off))
             heapq.heapify(heap)
             self.bound = new_bound
@@ -493,7 +511,7 @@ class ScheduleService:
                 size += rec.size if rec is not None else 0
         if len(records) < len(batch):  # the rest goes back to the window, for the next append
             for entry in batch[len(records):]:
-                heapq.heappush(self.heap, entry)
+                self._back(entry)
             del batch[len(records):]
         msgs: list[Message] = []
         sent: list[tuple[int, int]] = []
@@ -541,7 +559,7 @@ class ScheduleService:
             for due, off in sent:
                 if off in inflight:  # not written: back in the window
                     inflight.discard(off)
-                    heapq.heappush(self.heap, (due, off))
+                    self._back((due, off))
             raise
 
     def _read(self, offs: list[int]) -> list[Record | None]:
@@ -613,7 +631,7 @@ class ScheduleService:
                     self.cancelling.discard(off)
                     if off in self.parked:
                         self.parked.discard(off)
-                        heapq.heappush(self.heap, (next(r[1] for r in rows if r[0] == off), off))
+                        self._back((next(r[1] for r in rows if r[0] == off), off))
             raise
 
     async def listing(self, topic: str | None, after: tuple[int, int] | None, limit: int) -> dict[str, Any]:
