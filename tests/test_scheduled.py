@@ -54,6 +54,10 @@ def test_delay_levels_and_timer_properties_give_rocketmqs_due_times():
     ({"DELAY": "1.5"}, ErrorCode.INVALID_DELIVERY_TIME),
     ({"TIMER_DELAY_MS": str(3 * 86_400_000 + 1)}, ErrorCode.INVALID_DELIVERY_TIME),
     ({"TXMQ_SCHEDULED_FROM": "0"}, ErrorCode.INVALID_FIELD),
+    ({"TXMQ_SCHEDULE_CANCEL": "12"}, ErrorCode.INVALID_FIELD),
+    ({"TIMER_DELAY_SEC": "1_0"}, ErrorCode.INVALID_DELIVERY_TIME),  # Python's int() reads it; RocketMQ does not
+    ({"TIMER_DELAY_MS": "\u0663\u0660"}, ErrorCode.INVALID_DELIVERY_TIME),  # non-ASCII digits
+    ({"TIMER_DELIVER_MS": "9" * 4000}, ErrorCode.INVALID_DELIVERY_TIME),
 ])
 def test_unreadable_or_too_far_delivery_times_are_refused(props, code):
     with pytest.raises(TxmqError) as e:

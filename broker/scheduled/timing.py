@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Mapping
 
 from txmq.constants import (
@@ -45,11 +46,16 @@ def without_schedule(props: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in props.items() if k not in SCHEDULE_PROPERTIES}
 
 
+_WHOLE = re.compile(r"-?[0-9]{1,30}")  # ASCII digits, as RocketMQ's Long.parseLong reads them (no "1_000", no "٣")
+
+
 def _int(props: Mapping[str, str], key: str) -> int:
     text = props[key]
     try:
+        if not _WHOLE.fullmatch(text.strip()):
+            raise ValueError(text)
         value = int(text.strip())
-    except (ValueError, AttributeError):
+    except (ValueError, AttributeError, TypeError):
         raise TxmqError(f"property {key}={text[:40]!r} is not a whole number", ErrorCode.INVALID_DELIVERY_TIME, property=key) from None
     return value
 
