@@ -46,8 +46,13 @@ whose last batch still has a message in flight or being dead-lettered
 unsettled messages in offset order, then new ones, and that batch holds
 the queue until each of it is settled or ready again. The unit is the
 queue, not the message group (RocketMQ's ConsumerOrderInfoManager); an
-acknowledgement that frees a queue wakes the waiting receives. After a
-restart the unsettled messages come again in offset order.
+acknowledgement that frees a queue wakes the waiting receives. A receive
+that takes a queue's ready messages makes the handles of those it leaves
+stale (they come again after the ones taken); a message forwarded to the
+dead-letter topic holds its queue until the write ends, even from ready; a
+group just marked FIFO holds each queue for what it has in flight
+(``Subscription.fifo``). After a restart the unsettled messages come again
+in offset order.
 
 Costs: receiving, acknowledging or changing a message is O(log n) (one heap
 push per in-flight deadline); expiries are popped from the heap lazily, so
