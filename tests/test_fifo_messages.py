@@ -14,7 +14,7 @@ import pytest
 from conftest import arun
 from txmq.broker.fifo import consistent_hash, group_problem, java_string_hash, queue_of_group
 from txmq.broker.groupconfig import GroupConfigTable
-from txmq.broker.rocketmq.pop import PopService
+from txmq.broker.rocketmq.pop import PopError, PopService
 from txmq.broker.testing import running_broker
 from txmq.client import Message, Producer
 from txmq.store.errors import DataFileError
@@ -305,3 +305,87 @@ def test_a_damaged_groups_file_refuses_the_start_and_a_bad_entry_is_left_out(tmp
     assert t.fifo("ok") and not t.fifo("bad") and t.configured() == ["ok"]
     t.update("other", fifo=True)
     assert json.loads(p.read_text())["groups"]["ok"] == {"fifo": True, "later": 1}  # a newer broker's keys are kept
+
+
+# ---- order on the less common paths --------------------------------------------------------
+def two_groups_in_two_queues(n: int) -> tuple[str, str]:
+    gb = next(f"b{i}" for i in range(100) if queue_of_group(f"b{i}", n) != queue_of_group("a", n))
+    return "a", gb
+
+
+def test_a_message_forwarded_to_the_dead_letter_topic_after_its_expiry_keeps_the_next_back_until_the_write_is_done(tmp_path):
+    async def go():
+        async with running_broker(tmp_path / "d") as b:
+            c = await RawClient.open(b.address)
+            n = b.core.topics.ensure(T, 4, ("normal", "fifo", "transaction"))[0]
+            ga, gb = two_groups_in_two_queues(n)
+            await send_groups(c, [(ga, "a0"), (ga, "a1"), (ga, "a2"), (gb, "b0")])
+            clock = FakeTime()
+            pop = fifo_pop(b.core, now=clock)
+            first = await pop.receive(G, T, queue_of_group(ga, n), None, 2, 10, 0)
+            assert bodies(first) == ["a0", "a1"]
+            clock.t += 11  # both expire; a receive served by the other queue makes them receivable again
+            assert bodies(await pop.receive(G, T, queue_of_group(gb, n), None, 1, 10, 0)) == ["b0"]
+            pop.ack(G, T, first[1].receipt_handle)  # a1 acknowledged late, a0 given up by the consumer:
+            release, calls = asyncio.Event(), []
+
+            async def failing_submit(msgs, *a, **kw):
+                calls.append(msgs)
+                await release.wait()
+                raise OSError("disk full")
+
+            b.core.appender.submit = failing_submit
+            moving = asyncio.ensure_future(pop.forward_to_dlq(G, T, first[0].receipt_handle))
+            await asyncio.sleep(0.05)
+            assert calls  # the dead-letter write is under way: a2 must not overtake a0
+            assert await pop.receive(G, T, -1, None, 4, 10, 0) == []
+            release.set()
+            with pytest.raises(Exception, match="dead-letter"):
+                await moving
+            again = await pop.receive(G, T, -1, None, 4, 10, 0)
+            assert bodies(again) == ["a0", "a2"]  # the write failed: a0 comes again, before a2
+            await c.close()
+
+    arun(go())
+
+
+def test_a_group_marked_fifo_while_messages_are_in_flight_waits_for_them(tmp_path):
+    async def go():
+        async with running_broker(tmp_path / "d") as b:
+            c = await RawClient.open(b.address)
+            await send_groups(c, [("a", f"a{i}") for i in range(3)])
+            clock = FakeTime()
+            pop = PopService(b.core, now=clock, fifo=b.core.group_config.fifo)
+            got = await pop.receive(G, T, -1, None, 1, 10, 0)  # received concurrently, before the group is FIFO
+            assert bodies(got) == ["a0"]
+            b.core.group_config.update(G, fifo=True)
+            assert await pop.receive(G, T, -1, None, 2, 10, 0) == []  # a0 is in flight: its queue waits
+            clock.t += 11
+            assert bodies(await pop.receive(G, T, -1, None, 2, 10, 0)) == ["a0", "a1"]  # a0 again, before a1
+            await c.close()
+
+    arun(go())
+
+
+def test_after_a_fifo_queue_is_received_again_the_old_handles_of_its_later_messages_are_refused(tmp_path):
+    async def go():
+        async with running_broker(tmp_path / "d") as b:
+            c = await RawClient.open(b.address)
+            await send_groups(c, [("a", f"a{i}") for i in range(3)])
+            clock = FakeTime()
+            pop = fifo_pop(b.core, now=clock)
+            slow = await pop.receive(G, T, -1, None, 2, 10, 0)  # a slow consumer's batch: a0, a1
+            clock.t += 11
+            other = await pop.receive(G, T, -1, None, 1, 10, 0)  # another consumer takes the queue again from a0
+            assert bodies(other) == ["a0"] and other[0].attempt == 2
+            # the slow consumer must neither keep a1 in flight beside a0 nor settle it before a0
+            with pytest.raises(PopError, match="stale"):
+                pop.change_invisible(G, T, slow[1].receipt_handle, 30)
+            with pytest.raises(PopError, match="stale"):
+                pop.ack(G, T, slow[1].receipt_handle)
+            assert await pop.receive(G, T, -1, None, 2, 10, 0) == []  # a0 in flight: a1 waits
+            pop.ack(G, T, other[0].receipt_handle)
+            assert bodies(await pop.receive(G, T, -1, None, 2, 10, 0)) == ["a1", "a2"]
+            await c.close()
+
+    arun(go())

@@ -141,3 +141,30 @@ def test_lite_and_priority_messages_are_refused_as_unsupported_with_a_message_sa
         assert r.status.code == d.UNSUPPORTED and "lite topics" in r.status.message
 
     with_frontend(tmp_path, body)
+
+
+def test_a_fifo_message_that_cannot_be_converted_holds_back_the_rest_of_its_queue_in_the_batch(tmp_path, monkeypatch):
+    from txmq.broker.rocketmq import consumer
+
+    real = consumer.convert.record_to_message
+
+    def convert(rec, **kw):
+        if rec.body == b"m0":
+            raise ValueError("unconvertible")
+        return real(rec, **kw)
+
+    monkeypatch.setattr(consumer.convert, "record_to_message", convert)
+
+    async def body(b, stub, ch):
+        await fifo_topic(b, queues=1)
+        await native(b, "update_group", {"group": G, "fifo": True})
+        for i in range(3):
+            await stub.SendMessage(s.SendMessageRequest(messages=[fifo(T, f"m{i}".encode(), f"ID{i}", "one")]), metadata=MD)
+        req = receive_request(T, G, 0.3)
+        req.batch_size = 3
+        assert messages_of(await receive(stub, req)) == []  # m1, m2 never go out ahead of m0
+        assert messages_of(await receive(stub, req)) == []  # m0 is in flight (to no client): the queue waits
+        pop = next(f for f in b.broker.frontends if hasattr(f, "service")).service.receive.pop
+        assert pop.in_flight(G, T)[0] == {"committed": 0, "next": 3, "unsettled": 3, "in_flight": 1}
+
+    with_frontend(tmp_path, body)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 from . import convert, routes
 from .pb import definition_pb2 as d
 from .pb import service_pb2 as s
-from .pop import PopConfig, PopError, PopService, check_group, parse_tags
+from .pop import Delivery, PopConfig, PopError, PopService, check_group, parse_tags
 from .status import Code, RmqError, of_error
 
 if TYPE_CHECKING:
@@ -127,10 +127,17 @@ class ReceiveFrontend:
             return
         self.core.metrics.inc("rmq_messages_received", len(got))
         sent = 0
+        # FIFO: the queues with a message that could not be sent; the rest of each in this batch is held back (ready again)
+        stopped: set[int] = set()
+        held_back: list[Delivery] = []
         try:
             yield s.ReceiveMessageResponse(status=d.Status(code=Code.OK, message="OK"))
             language = self._language(client_id)
             for m in got:
+                if stopped and m.record.queue_id in stopped:
+                    held_back.append(m)
+                    sent += 1
+                    continue
                 try:
                     msg = convert.record_to_message(m.record, language=language, delivery_attempt=m.attempt,
                                                     receipt_handle=m.receipt_handle,
@@ -139,13 +146,16 @@ class ReceiveFrontend:
                     log.error("event=rmq_message_unconvertible topic=%s queue_id=%d queue_offset=%d error=%r",
                               m.record.topic, m.record.queue_id, m.record.queue_offset, exc)
                     self.pop.release(group, topic, [m], unsent=False)
+                    if self.pop.fifo(group):  # the later messages of its queue must not go out ahead of it
+                        stopped.add(m.record.queue_id)
                     sent += 1
                     continue
                 sent += 1  # handed out once taken from the generator, even if the stream ends at this yield
                 yield s.ReceiveMessageResponse(message=msg)
         finally:
-            if sent < len(got):  # the stream ended first (cancelled, deadline, connection lost): ready again
-                self.pop.release(group, topic, got[sent:], unsent=True)
+            unsent = held_back + got[sent:]  # in the batch's order (release puts each queue's back in front, in order)
+            if unsent:  # the stream ended first (cancelled, deadline, connection lost), or held back: ready again
+                self.pop.release(group, topic, unsent, unsent=True)
         ts = s.ReceiveMessageResponse()
         ts.delivery_timestamp.FromMilliseconds(int(time.time() * 1000))
         yield ts

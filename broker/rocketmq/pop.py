@@ -46,8 +46,13 @@ whose last batch still has a message in flight or being dead-lettered
 unsettled messages in offset order, then new ones, and that batch holds
 the queue until each of it is settled or ready again. The unit is the
 queue, not the message group (RocketMQ's ConsumerOrderInfoManager); an
-acknowledgement that frees a queue wakes the waiting receives. After a
-restart the unsettled messages come again in offset order.
+acknowledgement that frees a queue wakes the waiting receives. A receive
+that takes a queue's ready messages makes the handles of those it leaves
+stale (they come again after the ones taken); a message forwarded to the
+dead-letter topic holds its queue until the write ends, even from ready; a
+group just marked FIFO holds each queue for what it has in flight
+(``Subscription.fifo``). After a restart the unsettled messages come again
+in offset order.
 
 Costs: receiving, acknowledging or changing a message is O(log n) (one heap
 push per in-flight deadline); expiries are popped from the heap lazily, so
@@ -159,7 +164,7 @@ class QueueState:
 class Subscription:
     """A group's state on one topic: its queues, the heap of in-flight deadlines and the receives waiting."""
 
-    __slots__ = ("group", "topic", "queues", "heap", "live", "waiters", "rr", "used")
+    __slots__ = ("group", "topic", "queues", "heap", "live", "waiters", "rr", "used", "fifo")
 
     def __init__(self, group: str, topic: str) -> None:
         self.group = group
@@ -170,6 +175,7 @@ class Subscription:
         self.waiters: set[asyncio.Future] = set()
         self.rr = 0
         self.used = 0.0
+        self.fifo = False  # received as a FIFO group last time (a change to FIFO holds the queues for what is in flight)
 
     def slot_count(self) -> int:
         return sum(len(q.slots) for q in self.queues.values())
@@ -529,7 +535,11 @@ class PopService:
                 self._spawn(self._dead_letter(sub, moving, "max-attempts"))
             n = self.core.topics.queues(topic) or n
             out: list[Delivery] = []
-            more = self._take(sub, n, queue_id, tags, batch, inv, now, renew_s, client_id, out, self.fifo(group))
+            fifo = self.fifo(group)
+            if fifo and not sub.fifo:
+                self._hold_in_flight(sub)
+            sub.fifo = fifo
+            more = self._take(sub, n, queue_id, tags, batch, inv, now, renew_s, client_id, out, fifo)
             if out:
                 return out
             if more:  # read a full step of filtered-out records: go on after other work
@@ -566,11 +576,20 @@ class PopService:
             self._take_ready(sub, q, tags, batch, inv, now, renew_s, client, out, budget)
             if len(out) < batch and not (fifo and q.ready):
                 self._take_new(sub, q, tags, batch, inv, now, renew_s, client, out, budget)
-            if fifo:
+            if fifo and len(out) > mark:
                 q.held.update(dl_offset(dl) for dl in out[mark:])
+                for off in q.ready:  # the queue was handed out again from its head: handles of the rest are stale
+                    if (s := q.slots.get(off)) is not None and s.state == READY:
+                        s.version = next(self._versions)
             if len(out) >= batch or budget[0] <= 0 or budget[1] <= 0:
                 break
         return not out and budget[0] <= 0
+
+    @staticmethod
+    def _hold_in_flight(sub: Subscription) -> None:
+        """A group just marked FIFO: each queue waits for what it has in flight or being moved (handed out concurrently)."""
+        for q in sub.queues.values():
+            q.held.update(off for off, s in q.slots.items() if s.state != READY)
 
     @staticmethod
     def _blocked(q: QueueState) -> bool:
@@ -799,6 +818,8 @@ class PopService:
         if slot.state == INFLIGHT:
             sub.live -= 1
         slot.state = MOVING
+        if self.fifo(group):
+            q.held.add(offset)  # expired and receivable before: its queue waits for the write (a failed one makes it ready again)
         if not await self._dead_letter(sub, [(q, offset, slot)], "consumer"):
             raise PopError("INTERNAL_SERVER_ERROR", "the message could not be written to the dead-letter topic; it is received again")
 
