@@ -274,16 +274,45 @@ class TxmqReader(DataSourceReader):
 
 
 class TxmqDataSource(DataSource):
-    """`spark.read.format("txmq").load(DATA_DIR)`: the commit log as the `messages` table."""
+    """`spark.read.format("txmq").load(DATA_DIR)`: the commit log as the `messages` table; with option broker, the
+    broker's queues read over the wire (batch and streaming, txmq.spark.brokersource)."""
 
     @classmethod
     def name(cls) -> str:
         return "txmq"
 
+    def _through_broker(self) -> bool:
+        opts = {str(k).lower() for k, v in dict(self.options).items() if v not in (None, "")}
+        if opts & {"broker", "context"}:
+            if "path" in opts:
+                raise ValueError("give the txmq source a broker (option broker) or a data directory (load(DIR)), not both")
+            return True
+        return False
+
     def schema(self):
+        table = str(dict((str(k).lower(), v) for k, v in dict(self.options).items()).get("table") or "messages").lower()
+        if table == "transaction_events":
+            from .schema import tx_events_schema
+
+            return tx_events_schema()
         return messages_schema()
 
-    def reader(self, schema) -> TxmqReader:
+    def streamReader(self, schema):
+        from .broker import BrokerOptions
+        from .brokersource import TxmqStreamReader
+
+        if not self._through_broker():
+            raise ValueError('a txmq stream reads through a broker: spark.readStream.format("txmq").option("broker", "HOST:PORT")')
+        return TxmqStreamReader(BrokerOptions.from_options(self.options, streaming=True), schema)
+
+    def reader(self, schema):
+        if self._through_broker():
+            from .broker import BrokerOptions
+            from .brokersource import TxmqBrokerReader
+
+            return TxmqBrokerReader(BrokerOptions.from_options(self.options), schema)
+        if str(dict((str(k).lower(), v) for k, v in dict(self.options).items()).get("table") or "messages").lower() != "messages":
+            raise ValueError("option table=transaction_events needs a broker (option broker)")
         opts = ReadOptions.from_options(self.options)
         if not has_commit_log(opts.data_dir):
             raise FileNotFoundError(f"no txmq commit log under {opts.data_dir} (expected {opts.data_dir}/commitlog)")

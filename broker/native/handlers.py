@@ -11,7 +11,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable
 
 from txmq import __version__
-from txmq.constants import PROP_TRAN_MSG, canonical_topic
+from txmq.constants import PROP_TRAN_MSG, canonical_topic, is_system_topic
 from txmq.store import Message, TxType
 from txmq.wire import PROTOCOL_VERSION, ErrorCode, TxmqError
 
@@ -26,7 +26,8 @@ if TYPE_CHECKING:
 # "config_set_dry_run": config_set takes dry_run and answers what the change would discard;
 # "topic_message_types": create_topic takes message_types, update_topic, delete_topic and describe_topic exist,
 # list_topics' rows carry message_types (an older broker would create a topic without the types it was given).
-FEATURES = ["config_set_dry_run", "topic_message_types"]
+# "queue_offsets": the queue_offsets request (every queue's offsets, system topics too; what Spark plans reads with).
+FEATURES = ["config_set_dry_run", "topic_message_types", "queue_offsets"]
 
 
 # ---- session ---------------------------------------------------------------
@@ -120,6 +121,35 @@ def pull(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
         opt_int(f, "max_bytes", 1 << 20, 1, 64 << 20),
         opt_int(f, "wait_ms", 0, 0, 1 << 31),
     )
+
+
+def queue_offsets(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
+    """Every queue's [min_offset, max_offset) of the named topics (default: every topic, with system), and with
+    time_ms the offset of each queue's first message stored at or after it: one request to plan a bulk read."""
+    from ..groups import offset_for_time, queue_bounds
+
+    names = f.get("topics")
+    if names is not None and (not isinstance(names, list) or len(names) > 10_000
+                              or not all(isinstance(t, str) and 0 < len(t) <= 255 for t in names)):
+        raise _bad("field 'topics' must be a list of topic names")
+    time_ms = opt_int(f, "time_ms", None, -(1 << 62))
+    table = core.topics.all()
+    if names is None:
+        names = [t for t in sorted(table) if opt_bool(f, "system") or not is_system_topic(t)]
+    missing = sorted({t for t in names if canonical_topic(t) not in table})
+    if missing:
+        raise TxmqError(f"no topic {', '.join(missing)} on the broker", ErrorCode.NO_SUCH_TOPIC, topic=missing[0])
+    rows = []
+    for name in dict.fromkeys(canonical_topic(t) for t in names):
+        queues = []
+        for q in range(table[name]):
+            lo, hi = queue_bounds(core, name, q)
+            row = {"queue_id": q, "min_offset": lo, "max_offset": hi}
+            if time_ms is not None:
+                row["time_offset"] = offset_for_time(core, name, q, time_ms)
+            queues.append(row)
+        rows.append({"topic": name, "system": is_system_topic(name), "queues": queues})
+    return {"broker_id": core.broker_id, "max_offset": core.store.max_offset, "topics": rows}
 
 
 async def _commit_offset(core: BrokerCore, group: str, topic: str, queue_id: int, offset: int) -> dict:
@@ -308,6 +338,7 @@ HANDLERS.update({
     "send_batch": send_batch,
     "end_transaction": _needs_index(end_transaction),
     "pull": pull,
+    "queue_offsets": queue_offsets,
     "commit_offset": commit_offset,
     "fetch_offsets": fetch_offsets,
     "create_topic": create_topic,
