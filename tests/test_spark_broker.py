@@ -269,3 +269,65 @@ def test_a_stream_needs_a_broker(spark, tmp_path):
 
     fails_with(run, "reads through a broker")
 
+
+
+# ---- the CLI ------------------------------------------------------------------------
+def _cli(*args: str) -> list[str]:
+    import sys
+
+    return [sys.executable, "-m", "txmq", *args]
+
+
+def test_spark_export_through_the_broker_writes_both_tables(spark, served, tmp_path):
+    import json
+    import subprocess
+
+    _, _, b = served
+    out = tmp_path / "out"
+    r = subprocess.run(_cli("spark-export", "--broker", b.address, "--out", str(out), "--master", "local[1]", "-o", "json"),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    s = json.loads(r.stdout)
+    assert s["broker"] == b.address and s["queues"] >= 8
+    assert s["tables"]["messages"]["rows"] == through(spark, b.address).count() == spark.read.parquet(str(out / "messages")).count()
+    assert s["tables"]["transactions"]["rows"] == len(EXPECTED)
+
+
+def test_spark_export_follow_keeps_the_tables_current_and_resumes_after_ctrl_c(spark, tmp_path):
+    import json
+    import signal
+    import subprocess
+
+    d, out, ckpt = tmp_path / "data", tmp_path / "out", tmp_path / "ckpt"
+
+    def count() -> int:
+        try:
+            return spark.read.parquet(str(out / "messages")).count()
+        except Exception:  # not written yet
+            return 0
+
+    def follow_until(n: int) -> dict:
+        p = subprocess.Popen(_cli("spark-export", "--broker", b.address, "--out", str(out), "--follow", "--checkpoint",
+                                  str(ckpt), "--interval", "0.5", "--table", "messages", "--master", "local[1]", "-o", "json"),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + 240
+            while count() < n and time.monotonic() < deadline and p.poll() is None:
+                time.sleep(1)
+            p.send_signal(signal.SIGINT)
+            stdout, stderr = p.communicate(timeout=120)
+        finally:
+            if p.poll() is None:
+                p.kill()
+        assert p.returncode == 0, stderr[-3000:]
+        return json.loads(stdout)
+
+    with BrokerProcess(d) as b:
+        _send_plain(b.address, "f", 600)
+        s = follow_until(600)
+        assert s["follow"] and s["tables"]["messages"]["rows"] == 600
+        _send_plain(b.address, "f", 400)
+        s = follow_until(1000)
+        assert s["tables"]["messages"]["rows"] == 400  # resumed where it stopped
+        offs = sorted(r.queue_offset for r in spark.read.parquet(str(out / "messages")).collect())
+        assert offs == list(range(1000))
