@@ -53,6 +53,7 @@ class ExportOptions:
     partition_bytes: int = DEFAULT_PARTITION_BYTES
     skip_damaged: bool = False  # skip damaged records (listed in the result) instead of failing at the first
     broker: str | None = None  # read through this broker (HOST:PORT) instead of data_dir
+    report: str | None = None  # also write the transactions report (HTML) here
     token: str | None = None
 
 
@@ -74,6 +75,7 @@ class ExportResult:
     partitions: int = 0  # read partitions per pass
     seconds: float = 0.0
     damaged: list[dict] = field(default_factory=list)  # with skip_damaged: {offset, reason, bytes} of each skipped
+    report: dict | None = None  # with opts.report: the report's figures
     rows_planned: int = 0  # through a broker: the queue offsets planned (records before the filters)
     queues: int = 0  # through a broker: the queues read
 
@@ -194,6 +196,7 @@ def export(spark, opts: ExportOptions, on_table: Callable[[str], None] | None = 
     write_opts = replace(opts, out=staging, mode="error") if staging else opts
     try:
         _export_tables(opts, write_opts, load, topics, res, on_table)
+        _write_report(opts, load, topics, res, on_table)
         if damage_dir:
             res.damaged = read_damage_reports(damage_dir)
         if staging:
@@ -251,6 +254,7 @@ def _export_through_broker(spark, opts: ExportOptions, on_table, t0: float) -> E
     write_opts = replace(opts, out=staging, mode="error") if staging else opts
     try:
         _export_tables(opts, write_opts, load, topics, res, on_table)
+        _write_report(opts, load, topics, res, on_table)
         if staging:
             _publish(staging, opts)
     except BaseException:
@@ -305,6 +309,28 @@ def _export_tables(opts: ExportOptions, write_opts: ExportOptions, load, topics:
             df = _filter_transactions(transactions(load(kinds=",".join(TX_KINDS))), opts, topics)
         _, rows = _write(df, table, write_opts)
         res.tables.append(TableResult(table, table_path(opts.out, table), rows, time.perf_counter() - t1))
+
+
+def _write_report(opts: ExportOptions, load, topics: tuple[str, ...], res: ExportResult,
+                  on_table: Callable[[str], None] | None) -> None:
+    """The transactions report (spark/report.py) at opts.report, written whole (a temporary file renamed)."""
+    if not opts.report:
+        return
+    from . import report
+
+    if on_table:
+        on_table("report")
+    records = load(kinds=",".join(TX_KINDS))
+    figs = report.figures(records, _filter_transactions(transactions(records), opts, topics))
+    meta = {"source": f"broker {opts.broker}" if opts.broker else opts.data_dir, "topics": list(topics) or "all",
+            "since_ms": opts.since_ms, "until_ms": opts.until_ms,
+            "made": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    doc = report.render(figs, "txmq transactions", meta)
+    tmp = f"{opts.report}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(doc)
+    os.replace(tmp, opts.report)
+    res.report = figs
 
 
 def _filter_transactions(df, opts: ExportOptions, topics: tuple[str, ...]):

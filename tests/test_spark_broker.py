@@ -39,7 +39,7 @@ def spark():
 def served(tmp_path_factory):
     d = tmp_path_factory.mktemp("sparkbroker") / "data"
     sent = run_scenario(d, plain=9)
-    with BrokerProcess(d) as b:
+    with BrokerProcess(d, "--check-interval", "1d") as b:  # no check pass adds copies while the tests read
         yield d, sent, b
 
 
@@ -278,19 +278,35 @@ def _cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "txmq", *args]
 
 
-def test_spark_export_through_the_broker_writes_both_tables(spark, served, tmp_path):
+def test_spark_export_through_the_broker_writes_both_tables_and_the_report(spark, served, tmp_path):
     import json
     import subprocess
 
     _, _, b = served
     out = tmp_path / "out"
-    r = subprocess.run(_cli("spark-export", "--broker", b.address, "--out", str(out), "--master", "local[1]", "-o", "json"),
+    r = subprocess.run(_cli("spark-export", "--broker", b.address, "--out", str(out), "--master", "local[1]", "-o", "json",
+                            "--report", str(tmp_path / "report.html")),
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     s = json.loads(r.stdout)
     assert s["broker"] == b.address and s["queues"] >= 8
     assert s["tables"]["messages"]["rows"] == through(spark, b.address).count() == spark.read.parquet(str(out / "messages")).count()
     assert s["tables"]["transactions"]["rows"] == len(EXPECTED)
+    figs = s["report"]["figures"]
+    want: dict = {}
+    for outcome, by, _ in EXPECTED.values():
+        want[(outcome, by or "-")] = want.get((outcome, by or "-"), 0) + 1
+    assert {(o, w): n for o, w, n in figs["outcome_by_who"]} == want
+    assert dict(map(tuple, figs["check_histogram"])) == {0: 4, 1: 5}
+    assert sum(n for _, _, n in figs["discards_per_hour"]) == 4
+    page = (tmp_path / "report.html").read_text()
+    assert "Outcome by who decided" in page and "max-checks" in page and "http" not in page.split("<svg")[0]
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert "pip install" in page
+    else:
+        assert page.count("<svg") == 4
 
 
 def test_spark_export_follow_keeps_the_tables_current_and_resumes_after_ctrl_c(spark, tmp_path):

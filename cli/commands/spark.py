@@ -112,6 +112,7 @@ def spark_export(
     token: Annotated[Optional[str], typer.Option("--token", envvar="TXMQ_TOKEN", help="The broker's auth token.", show_default=False)] = None,
     follow: Annotated[bool, typer.Option("--follow", help="With --broker: keep the tables current as messages arrive, until Ctrl-C; resumes from --checkpoint.")] = False,
     checkpoint: Annotated[Optional[Path], typer.Option("--checkpoint", help="With --follow: where the streams keep their offsets (a restart resumes there).", show_default=False)] = None,
+    report: Annotated[Optional[Path], typer.Option("--report", help="Also write a self-contained HTML report of the transactions (charts need the report extra: matplotlib).", show_default=False)] = None,
     interval: Annotated[float, typer.Option("--interval", help="With --follow: seconds between micro-batches.")] = 1.0,
     output: OutputOpt = None,
 ) -> None:
@@ -122,12 +123,14 @@ def spark_export(
         raise CliError("--follow reads through a broker: give --broker HOST:PORT", exitcodes.USAGE)
     if follow and checkpoint is None:
         raise CliError("--follow needs --checkpoint DIR (where the streams keep their offsets)", exitcodes.USAGE)
+    if follow and report is not None:
+        raise CliError("--report is for a one-off export, not --follow", exitcodes.USAGE)
     if not follow and checkpoint is not None:
         raise CliError("--checkpoint is for --follow", exitcodes.USAGE)
     if follow and not 0.1 <= interval <= 86400:
         raise CliError("--interval must be between 0.1 and 86400 seconds", exitcodes.USAGE)
     opts = _export_options(out_path, data_dir, fmt, table, since, until, topic, partition_by,
-                           Mode.append if follow else mode, partition_bytes, skip_damaged, broker, token)
+                           Mode.append if follow else mode, partition_bytes, skip_damaged, broker, token, report)
     _check_export_options(opts)
     spark_conf = parse_conf(conf or [])
     t0 = time.perf_counter()
@@ -190,7 +193,8 @@ def _require_spark() -> None:
 
 def _export_options(out_path: str, data_dir: Optional[Path], fmt: Format, table: Table, since: Optional[str], until: Optional[str],
                     topic: Optional[list[str]], partition_by: Optional[list[str]], mode: Mode, partition_bytes: str,
-                    skip_damaged: bool, broker: Optional[str] = None, token: Optional[str] = None) -> ExportOptions:
+                    skip_damaged: bool, broker: Optional[str] = None, token: Optional[str] = None,
+                    report: Optional[Path] = None) -> ExportOptions:
     """The command's options as the export's ExportOptions: paths made absolute, times and sizes parsed (exit 2)."""
     from txmq.broker.config import default_data_dir
     from txmq.spark.export import ExportOptions
@@ -214,6 +218,7 @@ def _export_options(out_path: str, data_dir: Optional[Path], fmt: Format, table:
         skip_damaged=skip_damaged,
         broker=broker,
         token=token,
+        report=str(report.expanduser().absolute()) if report else None,
     )
 
 
@@ -348,6 +353,13 @@ def spark_error(e: BaseException) -> str:
 
 
 def _summary(opts, master: str, result, startup_s: float, total_s: float) -> dict[str, Any]:
+    s = _summary_of(opts, master, result, startup_s, total_s)
+    if opts.report:
+        s["report"] = {"path": opts.report, "figures": result.report}
+    return s
+
+
+def _summary_of(opts, master: str, result, startup_s: float, total_s: float) -> dict[str, Any]:
     if opts.broker is not None:
         return {
             "broker": opts.broker, "out": opts.out, "format": opts.fmt, "master": master,
@@ -387,6 +399,11 @@ def _report(s: dict[str, Any], output: Output) -> None:
     for name, info in s["tables"].items():
         t.add_row(name, f"{info['rows']:,}", f"{info['seconds']:.1f}", esc(str(info["path"])))
     out.print(t)
+    if s.get("report"):
+        from txmq.spark.report import text
+
+        out.print(Text(text(s["report"]["figures"])))
+        out.print(f"report: [key]{esc(s['report']['path'])}[/key]")
     if "broker" in s:
         out.print(f"read [key]{s['records']:,}[/key] records from {s['queues']} queues ({s['partitions']} partitions per pass) "
                   f"in [key]{s['total_s']:.1f}s[/key]: Spark start-up {s['spark_startup_s']:.1f}s, export {s['export_s']:.1f}s")
