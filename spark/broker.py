@@ -165,6 +165,7 @@ class BrokerOptions:
     kinds: frozenset[str] | None = None
     max_offsets_per_trigger: int | None = None
     table: str = "messages"  # or "transaction_events"
+    raw: bool = True  # ask for raw pulls (records as stored) for the messages table
     extra: dict = field(default_factory=dict, compare=False)
 
     @classmethod
@@ -229,6 +230,7 @@ class BrokerOptions:
             kinds=kinds,
             max_offsets_per_trigger=_pos_int(mopt, "maxOffsetsPerTrigger") if mopt not in (None, "") else None,
             table=table,
+            raw=table == "messages" and _bool(o.get("rawpull", "true"), "rawPull"),
         )
 
 
@@ -420,8 +422,9 @@ def split_ranges(ranges: list[QueueRange], min_partitions: int, max_records: int
 
 
 # ---- reading (executors) -----------------------------------------------------------
-def pull_range(opts: BrokerOptions, r: QueueRange) -> Iterator[list[dict]]:
-    """The message maps of queue offsets [r.start, r.end), in pulls of up to pull_count, each offset once.
+def pull_range(opts: BrokerOptions, r: QueueRange) -> Iterator[list[dict] | RawRecords]:
+    """The records of queue offsets [r.start, r.end), in pulls of up to pull_count, each offset once: message maps,
+    or RawRecords when the broker answers a raw pull.
 
     Two pulls are in flight: the broker reads the next while the caller
     works on this one. A lost connection is reopened (for reconnect_s) and
@@ -482,14 +485,36 @@ def pull_range(opts: BrokerOptions, r: QueueRange) -> Iterator[list[dict]]:
 
 
 def _pull_fields(opts: BrokerOptions, r: QueueRange, offset: int, end: int) -> dict[str, Any]:
-    return {"topic": r.topic, "queue_id": r.queue_id, "offset": offset,
-            "max_count": min(opts.pull_count, end - offset), "max_bytes": opts.pull_bytes}
+    fields = {"topic": r.topic, "queue_id": r.queue_id, "offset": offset,
+              "max_count": min(opts.pull_count, end - offset), "max_bytes": opts.pull_bytes}
+    if opts.raw:  # records as stored, when the broker can (an older one ignores it and sends message maps)
+        fields["raw"] = True
+    return fields
+
+
+class RawRecords:
+    """Records of a raw pull: stored bytes, back to back, for queue offsets [first, first + count)."""
+
+    __slots__ = ("data", "first", "count")
+
+    def __init__(self, data: bytes, first: int, count: int) -> None:
+        self.data, self.first, self.count = data, first, count
+
+    def __len__(self) -> int:
+        return self.count
 
 
 def _take(opts: BrokerOptions, r: QueueRange, offset: int, end: int, reply: dict) -> tuple[list[dict], int]:
     """The messages of a pull reply that belong to [offset, end), and where the next pull starts; gaps are data loss."""
     status = reply["status"]
     where = f"{r.topic} queue {r.queue_id}"
+    if status == "found" and "records" in reply:  # raw: the broker checked each record's queue and offset
+        count, nxt = reply["count"], reply["next_offset"]
+        if nxt != offset + count or count < 1:
+            raise BrokerReadError(f"{where}: a raw pull at offset {offset} answered {count} records up to {nxt}")
+        if nxt > end:  # never asked for: cut to the range (records are variable length: decode and slice later)
+            raise BrokerReadError(f"{where}: a raw pull at offset {offset} went past the range's end {end}")
+        return RawRecords(reply["records"], offset, count), nxt  # type: ignore[return-value]
     if status == "found":
         msgs = reply["messages"]
         nxt = min(reply["next_offset"], end)

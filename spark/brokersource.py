@@ -22,6 +22,7 @@ from .broker import (
     BrokerOptions,
     BrokerReadError,
     QueueRange,
+    RawRecords,
     WireClient,
     checked_ranges,
     connect,
@@ -31,7 +32,9 @@ from .broker import (
     resolve_offsets,
     split_ranges,
 )
-from .rows import map_filter, maps_to_batch, tx_events_batch
+from . import fastrows
+from .rows import map_filter, maps_to_batch, records_to_batch, tx_events_batch
+from .source import BATCH_BYTES
 
 try:  # pyspark 4.2+: read limits (maxOffsetsPerTrigger) and Trigger.AvailableNow
     from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadMaxRows, SupportsTriggerAvailableNow
@@ -62,7 +65,16 @@ def read_partition(opts: BrokerOptions, part: QueuePartition, schema):
     arrow_schema = to_arrow_schema(schema, timezone="UTC")
     build = tx_events_batch if opts.table == "transaction_events" else maps_to_batch
     keep = map_filter(part.topics, opts.since_ms, opts.until_ms, opts.kinds)
+    vkeep = None
     for msgs in pull_range(opts, part.range):
+        if isinstance(msgs, RawRecords):
+            if vkeep is None:
+                vkeep = fastrows.arrow_filter(part.topics, opts.since_ms, opts.until_ms, opts.kinds) or (lambda b: b)
+            for batch in raw_to_batches(msgs, arrow_schema):
+                batch = vkeep(batch)
+                if batch.num_rows:
+                    yield batch
+            continue
         if keep is not None:
             msgs = [m for m in msgs if keep(m)]
         if not msgs:
@@ -76,6 +88,31 @@ def read_partition(opts: BrokerOptions, part: QueuePartition, schema):
                 gc.enable()
         if batch.num_rows:
             yield batch
+
+
+def raw_to_batches(raw: RawRecords, arrow_schema):
+    """`messages` batches of a raw pull: compiled when built, else decoded record by record (the same rows)."""
+    if fastrows.columns is not None:
+        rows = 0
+        for batch in fastrows.raw_batches(raw.data, arrow_schema, 1 << 30, BATCH_BYTES):
+            rows += batch.num_rows
+            yield batch
+        if rows != raw.count:
+            raise BrokerReadError(f"a raw pull from queue offset {raw.first} held {rows} records, not {raw.count}")
+        return
+    from txmq.store.codec import decode
+
+    recs, pos, data = [], 0, raw.data
+    mv = memoryview(data)
+    for _ in range(raw.count):
+        off = int.from_bytes(data[pos + 12 : pos + 20], "little", signed=True)
+        rec = decode(data, pos, off, mv)
+        if type(rec) is str:
+            raise BrokerReadError(f"a record of a raw pull is not valid: {rec}")
+        recs.append(rec)
+        pos += rec.size
+    if recs:
+        yield records_to_batch(recs, arrow_schema)
 
 
 def _chosen(opts: BrokerOptions, offsets: dict) -> frozenset[str] | None:

@@ -26,8 +26,9 @@ if TYPE_CHECKING:
 # "config_set_dry_run": config_set takes dry_run and answers what the change would discard;
 # "topic_message_types": create_topic takes message_types, update_topic, delete_topic and describe_topic exist,
 # list_topics' rows carry message_types (an older broker would create a topic without the types it was given).
-# "queue_offsets": the queue_offsets request (every queue's offsets, system topics too; what Spark plans reads with).
-FEATURES = ["config_set_dry_run", "topic_message_types", "queue_offsets"]
+# "queue_offsets": the queue_offsets request (every queue's offsets, system topics too; what Spark plans reads with);
+# "pull_raw": pull takes raw and may answer with the records as stored (what Spark's executors decode).
+FEATURES = ["config_set_dry_run", "topic_message_types", "queue_offsets", "pull_raw"]
 
 
 # ---- session ---------------------------------------------------------------
@@ -113,14 +114,44 @@ def end_transaction(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
 # ---- consuming -------------------------------------------------------------
 def pull(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
     topic = canonical_topic(req_str(f, "topic"))
-    return core.pull(
-        topic,
-        req_int(f, "queue_id", 0, 1023),
-        req_int(f, "offset"),
-        opt_int(f, "max_count", 32, 1, 10_000),
-        opt_int(f, "max_bytes", 1 << 20, 1, 64 << 20),
-        opt_int(f, "wait_ms", 0, 0, 1 << 31),
-    )
+    args = (topic, req_int(f, "queue_id", 0, 1023), req_int(f, "offset"), opt_int(f, "max_count", 32, 1, 10_000),
+            opt_int(f, "max_bytes", 1 << 20, 1, 64 << 20), opt_int(f, "wait_ms", 0, 0, 1 << 31))
+    if opt_bool(f, "raw"):
+        reply = _pull_raw(core, *args[:5])
+        if reply is not None:
+            return reply
+    return core.pull(*args)
+
+
+def _pull_raw(core: BrokerCore, topic: str, queue_id: int, offset: int, max_count: int, max_bytes: int) -> dict | None:
+    """A pull answered with the records as stored, back to back (``records``), each checked (CRC, queue, offset, size);
+    None when anything is not plain (no such queue, out of range, a damaged or repaired entry): the usual pull answers."""
+    from txmq.store.codec import H_QUEUE_ID, H_QUEUE_OFFSET, H_SIZE, H_TOPIC_LEN, HEADER_SIZE
+    from txmq.store.consumequeue import pick_entries
+
+    n = core.topics.queues(topic)
+    if n is None or queue_id >= n:
+        return None
+    store = core.store
+    lo, hi = store.queue_min_offset(topic, queue_id), store.queue_max_offset(topic, queue_id)
+    if not lo <= offset < hi:
+        return None
+    entries = store.cq_entries(topic, queue_id, offset, min(max_count, hi - offset))
+    picked = pick_entries(entries, max_bytes)
+    if not picked:
+        return None
+    try:
+        recs = store.read_many([e[0] for e in picked], raw=True)
+    except Exception:  # damaged or outside the log: the usual path reports, repairs or skips it
+        return None
+    name = topic.encode()
+    for i, ((_, size), (mv, h)) in enumerate(zip(picked, recs)):
+        if (h[H_QUEUE_ID] != queue_id or h[H_QUEUE_OFFSET] != offset + i or h[H_SIZE] != size
+                or mv[HEADER_SIZE : HEADER_SIZE + h[H_TOPIC_LEN]] != name):
+            return None
+    core.metrics.inc("messages_pulled", len(recs))
+    return {"status": "found", "records": b"".join(mv for mv, _ in recs), "count": len(recs),
+            "next_offset": offset + len(recs), "min_offset": lo, "max_offset": hi}
 
 
 def queue_offsets(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
