@@ -136,32 +136,25 @@ def start_broker(data_dir: str) -> tuple[subprocess.Popen, str]:
 
 
 def broker_read(address: str, pid: int) -> dict:
-    """One process pulling every queue through the broker into Arrow batches; the broker's CPU per row."""
-    from pyspark.sql.pandas.types import to_arrow_schema
-
-    from txmq.spark.broker import BrokerOptions, plan_batch, pull_range
-    from txmq.spark.rows import maps_to_batch
+    """One process reading every queue through the broker into Arrow batches (raw pulls, then message maps), with the
+    broker's CPU per row."""
+    from txmq.spark.broker import BrokerOptions, plan_batch
+    from txmq.spark.brokersource import QueuePartition, read_partition
     from txmq.spark.schema import messages_schema
 
-    opts = BrokerOptions.from_options({"broker": address})
-    schema = to_arrow_schema(messages_schema(), timezone="UTC")
-    ranges, _ = plan_batch(opts)
-    cpu0, t0 = _cpu_s(pid), time.perf_counter()
-    n = 0
-    for r in ranges:
-        for msgs in pull_range(opts, r):
-            n += maps_to_batch(msgs, schema).num_rows
-    wall, cpu = time.perf_counter() - t0, _cpu_s(pid) - cpu0
-    cpu0, t0 = _cpu_s(pid), time.perf_counter()
-    m = sum(len(msgs) for r in ranges for msgs in pull_range(opts, r))
-    wire_wall, wire_cpu = time.perf_counter() - t0, _cpu_s(pid) - cpu0
-    return {"rows": n, "pull_and_batch_s": round(wall, 2), "pull_and_batch_rows_per_s": round(n / wall),
-            "broker_cpu_us_per_row": round(cpu / n * 1e6, 2),
-            "pull_only_s": round(wire_wall, 2), "pull_only_rows_per_s": round(m / wire_wall),
-            "pull_only_broker_cpu_us_per_row": round(wire_cpu / m * 1e6, 2)}
+    out = {}
+    for mode, raw in (("raw", "true"), ("maps", "false")):
+        opts = BrokerOptions.from_options({"broker": address, "rawPull": raw})
+        ranges, _ = plan_batch(opts)
+        cpu0, t0 = _cpu_s(pid), time.perf_counter()
+        n = sum(b.num_rows for r in ranges for b in read_partition(opts, QueuePartition(r, None), messages_schema()))
+        wall, cpu = time.perf_counter() - t0, _cpu_s(pid) - cpu0
+        out[mode] = {"rows": n, "s": round(wall, 2), "rows_per_s": round(n / wall),
+                     "broker_cpu_us_per_row": round(cpu / n * 1e6, 2)}
+    return out
 
 
-def broker_spark_count(address: str, pid: int, master: str, repeat: int) -> dict:
+def broker_spark_count(address: str, pid: int, master: str, repeat: int, partitions: int = 8) -> dict:
     from txmq.spark import session as sess
     from txmq.spark.source import TxmqDataSource
 
@@ -172,7 +165,7 @@ def broker_spark_count(address: str, pid: int, master: str, repeat: int) -> dict
         runs, cpus, n = [], [], 0
         for _ in range(repeat):
             cpu0, t0 = _cpu_s(pid), time.perf_counter()
-            n = spark.read.format("txmq").option("broker", address).load().count()
+            n = spark.read.format("txmq").option("broker", address).option("minPartitions", partitions).load().count()
             runs.append(time.perf_counter() - t0)
             cpus.append(_cpu_s(pid) - cpu0)
         best = min(runs)

@@ -23,6 +23,16 @@ def _fast():
     return fastrows
 
 
+def test_the_compiled_decoder_is_built_where_the_store_speedups_are():
+    """Built by the same setup.py step as the store's speed-ups: one without the other is a broken build."""
+    from txmq.spark import fastrows
+    from txmq.store import codec
+
+    if os.environ.get("TXMQ_PURE_PYTHON"):
+        pytest.skip("pure Python asked for")
+    assert (fastrows.columns is not None) == (codec.speedups is not None)
+
+
 def _tables(data_dir, **options):
     from pyspark.sql.pandas.types import to_arrow_schema
 
