@@ -176,6 +176,66 @@ def broker_spark_count(address: str, pid: int, master: str, repeat: int, partiti
         sess.cleanup(s)
 
 
+def stream_latency(address: str, master: str, seconds: float = 20.0, rate: int = 500) -> dict:
+    """Store time to row written by a parquet sink, at trigger(processingTime="1 second"), while a producer sends
+    `rate` messages/s: p50 and p99 over every row (ms)."""
+    import threading
+
+    from txmq.client import SyncProducer
+    from txmq.spark import session as sess
+    from txmq.spark.source import TxmqDataSource
+
+    s = sess.start(master)
+    out = tempfile.mkdtemp(prefix="txmq-latency-")
+    lat: list[float] = []
+    try:
+        spark = s.spark
+        spark.dataSource.register(TxmqDataSource)
+        df = (spark.readStream.format("txmq").option("broker", address).option("topics", "latency")
+              .option("startingOffsets", "latest").load())
+
+        def sink(batch, batch_id):
+            batch.write.mode("append").parquet(out)
+            done = time.time() * 1000
+            lat.extend(done - r[0].timestamp() * 1000 for r in batch.select("stored_at").collect())
+
+        with SyncProducer(address) as p:
+            p.send("latency", b"warm-up")  # the topic exists before the stream plans
+            q = df.writeStream.foreachBatch(sink).trigger(processingTime="1 second") \
+                .option("checkpointLocation", out + "-ckpt").start()
+            time.sleep(8)  # the first micro-batches warm the Python workers up
+            lat.clear()
+            stop = threading.Event()
+            sent = [0]
+
+            def produce():
+                t0 = time.monotonic()
+                while not stop.is_set():
+                    p.send("latency", b"x" * 256)
+                    sent[0] += 1
+                    ahead = sent[0] / rate - (time.monotonic() - t0)
+                    if ahead > 0:
+                        time.sleep(ahead)
+
+            th = threading.Thread(target=produce)
+            th.start()
+            time.sleep(seconds)
+            stop.set()
+            th.join()
+            time.sleep(4)
+            q.stop()
+        lat.sort()
+        if not lat:
+            return {"rows": 0}
+        return {"rows": len(lat), "sent": sent[0], "p50_ms": round(lat[len(lat) // 2]), "p99_ms": round(lat[int(len(lat) * 0.99)]),
+                "max_ms": round(lat[-1]), "trigger": "processingTime=1 second", "sink": "parquet (foreachBatch)"}
+    finally:
+        s.stop()
+        sess.cleanup(s)
+        shutil.rmtree(out, ignore_errors=True)
+        shutil.rmtree(out + "-ckpt", ignore_errors=True)
+
+
 def cli_export(data_dir: str, out: str, master: str, extra: list[str]) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     cmd = [sys.executable, "-m", "txmq", "spark-export", "--data-dir", data_dir, "--out", out, "--master", master, "-o", "json", *extra]
@@ -194,7 +254,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dir", help="work directory (kept; the log is reused when present)")
     ap.add_argument("--master", default="local[*]")
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--skip", default="", help="comma-separated: python,count,cli,broker")
+    ap.add_argument("--skip", default="", help="comma-separated: python,count,cli,broker,latency")
     args = ap.parse_args(argv)
     work = args.dir or tempfile.mkdtemp(prefix="txmq-bench-")
     data_dir = os.path.join(work, "data")
@@ -216,6 +276,8 @@ def main(argv: list[str] | None = None) -> None:
         try:
             result["broker"] = {"python": broker_read(address, proc.pid),
                                 "spark_count": broker_spark_count(address, proc.pid, args.master, args.repeat)}
+            if "latency" not in skip:
+                result["broker"]["stream_latency"] = stream_latency(address, args.master)
         finally:
             proc.terminate()
             proc.wait(60)

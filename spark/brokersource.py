@@ -14,6 +14,7 @@ a file sink gets every row exactly once. Planning and reading are in
 from __future__ import annotations
 
 import gc
+from dataclasses import replace
 
 from pyspark.sql.datasource import DataSourceReader, DataSourceStreamReader, InputPartition
 
@@ -70,7 +71,15 @@ def read_partition(opts: BrokerOptions, part: QueuePartition, schema):
         if isinstance(msgs, RawRecords):
             if vkeep is None:
                 vkeep = fastrows.arrow_filter(part.topics, opts.since_ms, opts.until_ms, opts.kinds) or (lambda b: b)
-            for batch in raw_to_batches(msgs, arrow_schema):
+            try:
+                batches = list(raw_to_batches(msgs, arrow_schema))
+            except (ValueError, BrokerReadError):  # a record that does not decode
+                batches = []
+            if not _the_records_asked_for(batches, part.range, msgs):
+                # an entry that leads elsewhere: the usual pull reports, repairs or skips it
+                sub = replace(part.range, start=msgs.first, end=msgs.first + msgs.count)
+                batches = [maps_to_batch(m, arrow_schema) for m in pull_range(replace(opts, raw=False), sub) if len(m)]
+            for batch in batches:
                 batch = vkeep(batch)
                 if batch.num_rows:
                     yield batch
@@ -88,6 +97,28 @@ def read_partition(opts: BrokerOptions, part: QueuePartition, schema):
                 gc.enable()
         if batch.num_rows:
             yield batch
+
+
+def _the_records_asked_for(batches: list, r: QueueRange, raw: RawRecords) -> bool:
+    """Whether a raw pull's records are the queue's, at queue offsets raw.first, raw.first + 1, ... (vectorised)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if sum(b.num_rows for b in batches) != raw.count:
+        return False
+    expect = raw.first
+    for b in batches:
+        qo = b.column("queue_offset")
+        if b.num_rows == 0:
+            continue
+        if qo[0].as_py() != expect or (b.num_rows > 1 and not pc.all(pc.equal(pc.pairwise_diff(qo), 1)).as_py()):
+            return False
+        if not pc.all(pc.equal(b.column("topic"), pa.scalar(r.topic))).as_py():
+            return False
+        if not pc.all(pc.equal(b.column("queue_id"), pa.scalar(r.queue_id, pa.int32()))).as_py():
+            return False
+        expect += b.num_rows
+    return True
 
 
 def raw_to_batches(raw: RawRecords, arrow_schema):

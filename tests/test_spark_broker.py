@@ -156,6 +156,39 @@ def offsets_of(chunk) -> list[int]:
     return [m["queue_offset"] for m in chunk]
 
 
+def test_raw_records_that_are_not_the_ones_asked_for_are_read_again_as_messages(tmp_path):
+    """A raw pull's records are checked on the executor (topic, queue, consecutive queue offsets); the usual pull
+    (which reports, repairs or skips a bad entry) reads any that are off."""
+    from pyspark.sql.pandas.types import to_arrow_schema
+
+    from txmq.spark import brokersource as bs
+    from txmq.spark.broker import BrokerOptions, QueueRange, RawRecords, pull_range
+    from txmq.spark.schema import messages_schema
+
+    d = tmp_path / "data"
+    with BrokerProcess(d) as b:
+        _send_plain(b.address, "t", 5)
+        opts = BrokerOptions.from_options({"broker": b.address, "topics": "t", "transactionRecords": "false"})
+        (raw,) = list(pull_range(opts, QueueRange("t", 0, 0, 5)))
+        assert isinstance(raw, RawRecords) and raw.count == 5
+        schema = to_arrow_schema(messages_schema(), timezone="UTC")
+        batches = list(bs.raw_to_batches(raw, schema))
+        assert bs._the_records_asked_for(batches, QueueRange("t", 0, 0, 5), raw)
+        assert not bs._the_records_asked_for(batches, QueueRange("t", 1, 0, 5), raw)  # another queue's
+        assert not bs._the_records_asked_for(batches, QueueRange("u", 0, 0, 5), raw)  # another topic's
+        shifted = RawRecords(raw.data, 1, 5)
+        assert not bs._the_records_asked_for(batches, QueueRange("t", 0, 1, 6), shifted)  # other offsets
+        torn = RawRecords(raw.data[:-3] + b"xyz", 0, 5)  # a record that does not decode: read again, same rows
+        part = bs.QueuePartition(QueueRange("t", 0, 0, 5), None)
+        original = bs.pull_range
+        bs.pull_range = lambda o, r: iter([torn]) if o.raw else original(o, r)
+        try:
+            rows = [x for bt in bs.read_partition(opts, part, messages_schema()) for x in bt.column("queue_offset").to_pylist()]
+        finally:
+            bs.pull_range = original
+        assert rows == [0, 1, 2, 3, 4]
+
+
 def test_retention_deleted_offsets_fail_unless_fail_on_data_loss_is_false(tmp_path):
     from txmq.spark.broker import BrokerOptions, DataLossError, QueueRange, checked_ranges, pull_range
 
