@@ -26,7 +26,7 @@ import struct
 import time
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from txmq.constants import DISCARD_TOPIC, HALF_TOPIC, OP_TOPIC, canonical_topic, is_system_topic
@@ -166,7 +166,6 @@ class BrokerOptions:
     max_offsets_per_trigger: int | None = None
     table: str = "messages"  # or "transaction_events"
     raw: bool = True  # ask for raw pulls (records as stored) for the messages table
-    extra: dict = field(default_factory=dict, compare=False)
 
     @classmethod
     def from_options(cls, options, streaming: bool = False) -> "BrokerOptions":

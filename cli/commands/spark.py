@@ -108,8 +108,10 @@ def spark_export(
     conf: Annotated[Optional[list[str]], typer.Option("--conf", "-c", help="Spark setting KEY=VALUE for the session (repeatable), e.g. spark.executor.memory=4g.", show_default=False)] = None,
     partition_bytes: Annotated[str, typer.Option("--partition-bytes", help="Commit-log bytes per read partition.")] = "64MiB",
     skip_damaged: Annotated[bool, typer.Option("--skip-damaged", help="Skip damaged records (listed in the summary) instead of failing at the first one.")] = False,
-    broker: Annotated[Optional[str], typer.Option("--broker", "-b", envvar="TXMQ_BROKER", help="Read through this broker (HOST:PORT) over the wire protocol instead of a data directory: executors need not see it.", show_default=False)] = None,
-    token: Annotated[Optional[str], typer.Option("--token", envvar="TXMQ_TOKEN", help="The broker's auth token.", show_default=False)] = None,
+    # Named apart from the other commands' `broker`: a context's or TXMQ_BROKER's broker must not turn a data-directory
+    # export into a read through a broker; only --broker on the command line does.
+    via_broker: Annotated[Optional[str], typer.Option("--broker", "-b", help="Read through this broker (HOST:PORT) over the wire protocol instead of a data directory: executors need not see it. Only this option chooses it (not a context or TXMQ_BROKER).", show_default=False)] = None,
+    token: Annotated[Optional[str], typer.Option("--token", envvar="TXMQ_AUTH_TOKEN", help="With --broker: the broker's auth token.", show_default=False)] = None,
     follow: Annotated[bool, typer.Option("--follow", help="With --broker: keep the tables current as messages arrive, until Ctrl-C; resumes from --checkpoint.")] = False,
     checkpoint: Annotated[Optional[Path], typer.Option("--checkpoint", help="With --follow: where the streams keep their offsets (a restart resumes there).", show_default=False)] = None,
     report: Annotated[Optional[Path], typer.Option("--report", help="Also write a self-contained HTML report of the transactions (charts need the report extra: matplotlib).", show_default=False)] = None,
@@ -119,6 +121,7 @@ def spark_export(
     """Export the commit log as [key]messages[/key] and [key]transactions[/key] tables with PySpark."""
     _require_spark()
     output = output or default_output()
+    broker = via_broker
     if follow and broker is None:
         raise CliError("--follow reads through a broker: give --broker HOST:PORT", exitcodes.USAGE)
     if follow and checkpoint is None:
