@@ -185,7 +185,6 @@ class TxmqStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._client: WireClient | None = None
         self._until: dict[str, dict[int, int]] | None = None  # Trigger.AvailableNow: read up to here
         self._offsets = self._queues()  # fail at start, on the driver, when the broker cannot be read
-        self._chosen = _chosen(opts, self._offsets)
 
     def __getstate__(self) -> dict:  # read() goes to the executors with the reader: not its connection
         return {**self.__dict__, "_client": None}
@@ -245,7 +244,7 @@ class TxmqStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         ranges = checked_ranges(offsets, begin, stop, self.opts, streaming=True)
         ranges = [r for r in ranges if stop.get(r.topic, {}).get(r.queue_id) is not None]
         return _partitions(split_ranges(ranges, self.opts.min_partitions, self.opts.max_records_per_partition),
-                           self._chosen)
+                           _chosen(self.opts, offsets))  # with topicPattern: the topics that match now
 
     def read(self, partition):
         return read_partition(self.opts, partition, self.schema)
