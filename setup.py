@@ -25,7 +25,8 @@ from setuptools.command.build_ext import build_ext
 from setuptools.command.build_py import build_py
 
 SPEEDUPS = [("txmq.store._speedups", "store/_speedups.pyx"), ("txmq.broker._speedups", "broker/_speedups.pyx"),
-            ("txmq.broker._fsyncer", "broker/_fsyncer.pyx"), ("txmq._busypoll", "core/_busypoll.pyx")]
+            ("txmq.broker._fsyncer", "broker/_fsyncer.pyx"), ("txmq._busypoll", "core/_busypoll.pyx"),
+            ("txmq.spark._columns", "spark/_columns.pyx")]
 
 
 class OptionalBuildExt(build_ext):
@@ -62,7 +63,7 @@ def extensions() -> list:
     except ImportError:
         print("txmq: Cython not available; compiled speed-ups not built", file=sys.stderr)
         return []
-    exts = [Extension(name, [src], libraries=["z"] if "store" in src else [], define_macros=[("_GNU_SOURCE", "1")])
+    exts = [Extension(name, [src], libraries=["z"] if "store" in src or "spark" in src else [], define_macros=[("_GNU_SOURCE", "1")])
             for name, src in SPEEDUPS]
     try:
         return cythonize(exts, language_level=3, quiet=True)

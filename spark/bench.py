@@ -6,7 +6,10 @@ committed transactions: half, commit and op records), then reports:
 - the pure-Python scan (StoreReader.scan_range) and the source's reader
   (decode + Arrow batches) in this one process, in rows/s;
 - Spark start-up, and ``spark.read.format("txmq").load(D).count()`` rows/s;
-- ``txmq spark-export`` end to end (a subprocess, as a user runs it).
+- ``txmq spark-export`` end to end (a subprocess, as a user runs it);
+- through a broker (a subprocess on the same log): one process pulling every
+  queue into Arrow batches, and a Spark count with ``option("broker", ...)``,
+  each with the broker's CPU seconds per row (from /proc).
 
 Prints one JSON document. Numbers depend on the machine's cores and load.
 """
@@ -98,6 +101,141 @@ def spark_count(data_dir: str, master: str, repeat: int) -> dict:
         sess.cleanup(s)
 
 
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process so far (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def start_broker(data_dir: str) -> tuple[subprocess.Popen, str]:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "txmq", "broker", "start", "--data-dir", data_dir, "--port", str(port),
+                             "--check-interval", "1d"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                break
+        except OSError:
+            time.sleep(0.1)
+    from txmq.spark.broker import BrokerOptions, WireClient, plan_batch
+
+    while time.monotonic() < deadline:  # the index is built: offsets answer
+        try:
+            WireClient(f"127.0.0.1:{port}").close()
+            plan_batch(BrokerOptions.from_options({"broker": f"127.0.0.1:{port}"}))
+            break
+        except Exception:
+            time.sleep(0.2)
+    return proc, f"127.0.0.1:{port}"
+
+
+def broker_read(address: str, pid: int) -> dict:
+    """One process reading every queue through the broker into Arrow batches (raw pulls, then message maps), with the
+    broker's CPU per row."""
+    from txmq.spark.broker import BrokerOptions, plan_batch
+    from txmq.spark.brokersource import QueuePartition, read_partition
+    from txmq.spark.schema import messages_schema
+
+    out = {}
+    for mode, raw in (("raw", "true"), ("maps", "false")):
+        opts = BrokerOptions.from_options({"broker": address, "rawPull": raw})
+        ranges, _ = plan_batch(opts)
+        cpu0, t0 = _cpu_s(pid), time.perf_counter()
+        n = sum(b.num_rows for r in ranges for b in read_partition(opts, QueuePartition(r, None), messages_schema()))
+        wall, cpu = time.perf_counter() - t0, _cpu_s(pid) - cpu0
+        out[mode] = {"rows": n, "s": round(wall, 2), "rows_per_s": round(n / wall),
+                     "broker_cpu_us_per_row": round(cpu / n * 1e6, 2)}
+    return out
+
+
+def broker_spark_count(address: str, pid: int, master: str, repeat: int, partitions: int = 8) -> dict:
+    from txmq.spark import session as sess
+    from txmq.spark.source import TxmqDataSource
+
+    s = sess.start(master)
+    try:
+        spark = s.spark
+        spark.dataSource.register(TxmqDataSource)
+        runs, cpus, n = [], [], 0
+        for _ in range(repeat):
+            cpu0, t0 = _cpu_s(pid), time.perf_counter()
+            n = spark.read.format("txmq").option("broker", address).option("minPartitions", partitions).load().count()
+            runs.append(time.perf_counter() - t0)
+            cpus.append(_cpu_s(pid) - cpu0)
+        best = min(runs)
+        return {"count": n, "count_s": [round(x, 2) for x in runs], "count_rows_per_s_best": round(n / best),
+                "broker_cpu_us_per_row": round(min(cpus) / max(n, 1) * 1e6, 2)}
+    finally:
+        s.stop()
+        sess.cleanup(s)
+
+
+def stream_latency(address: str, master: str, seconds: float = 20.0, rate: int = 500) -> dict:
+    """Store time to row written by a parquet sink, at trigger(processingTime="1 second"), while a producer sends
+    `rate` messages/s: p50 and p99 over every row (ms)."""
+    import threading
+
+    from txmq.client import SyncProducer
+    from txmq.spark import session as sess
+    from txmq.spark.source import TxmqDataSource
+
+    s = sess.start(master)
+    out = tempfile.mkdtemp(prefix="txmq-latency-")
+    lat: list[float] = []
+    try:
+        spark = s.spark
+        spark.dataSource.register(TxmqDataSource)
+        df = (spark.readStream.format("txmq").option("broker", address).option("topics", "latency")
+              .option("startingOffsets", "latest").load())
+
+        def sink(batch, batch_id):
+            batch.write.mode("append").parquet(out)
+            done = time.time() * 1000
+            lat.extend(done - r[0].timestamp() * 1000 for r in batch.select("stored_at").collect())
+
+        with SyncProducer(address) as p:
+            p.send("latency", b"warm-up")  # the topic exists before the stream plans
+            q = df.writeStream.foreachBatch(sink).trigger(processingTime="1 second") \
+                .option("checkpointLocation", out + "-ckpt").start()
+            time.sleep(8)  # the first micro-batches warm the Python workers up
+            lat.clear()
+            stop = threading.Event()
+            sent = [0]
+
+            def produce():
+                t0 = time.monotonic()
+                while not stop.is_set():
+                    p.send("latency", b"x" * 256)
+                    sent[0] += 1
+                    ahead = sent[0] / rate - (time.monotonic() - t0)
+                    if ahead > 0:
+                        time.sleep(ahead)
+
+            th = threading.Thread(target=produce)
+            th.start()
+            time.sleep(seconds)
+            stop.set()
+            th.join()
+            time.sleep(4)
+            q.stop()
+        lat.sort()
+        if not lat:
+            return {"rows": 0}
+        return {"rows": len(lat), "sent": sent[0], "p50_ms": round(lat[len(lat) // 2]), "p99_ms": round(lat[int(len(lat) * 0.99)]),
+                "max_ms": round(lat[-1]), "trigger": "processingTime=1 second", "sink": "parquet (foreachBatch)"}
+    finally:
+        s.stop()
+        sess.cleanup(s)
+        shutil.rmtree(out, ignore_errors=True)
+        shutil.rmtree(out + "-ckpt", ignore_errors=True)
+
+
 def cli_export(data_dir: str, out: str, master: str, extra: list[str]) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     cmd = [sys.executable, "-m", "txmq", "spark-export", "--data-dir", data_dir, "--out", out, "--master", master, "-o", "json", *extra]
@@ -116,7 +254,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dir", help="work directory (kept; the log is reused when present)")
     ap.add_argument("--master", default="local[*]")
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--skip", default="", help="comma-separated: python,count,cli")
+    ap.add_argument("--skip", default="", help="comma-separated: python,count,cli,broker,latency")
     args = ap.parse_args(argv)
     work = args.dir or tempfile.mkdtemp(prefix="txmq-bench-")
     data_dir = os.path.join(work, "data")
@@ -133,6 +271,16 @@ def main(argv: list[str] | None = None) -> None:
         out = os.path.join(work, "out")
         result["export_all_parquet"] = cli_export(data_dir, out, args.master, [])
         result["export_messages_parquet"] = cli_export(data_dir, out, args.master, ["--table", "messages"])
+    if "broker" not in skip:
+        proc, address = start_broker(data_dir)
+        try:
+            result["broker"] = {"python": broker_read(address, proc.pid),
+                                "spark_count": broker_spark_count(address, proc.pid, args.master, args.repeat)}
+            if "latency" not in skip:
+                result["broker"]["stream_latency"] = stream_latency(address, args.master)
+        finally:
+            proc.terminate()
+            proc.wait(60)
     print(json.dumps(result, indent=2))
     if not args.dir:
         shutil.rmtree(work, ignore_errors=True)

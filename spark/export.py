@@ -52,6 +52,9 @@ class ExportOptions:
     mode: str = "error"
     partition_bytes: int = DEFAULT_PARTITION_BYTES
     skip_damaged: bool = False  # skip damaged records (listed in the result) instead of failing at the first
+    broker: str | None = None  # read through this broker (HOST:PORT) instead of data_dir
+    report: str | None = None  # also write the transactions report (HTML) here
+    token: str | None = None
 
 
 @dataclass
@@ -72,6 +75,9 @@ class ExportResult:
     partitions: int = 0  # read partitions per pass
     seconds: float = 0.0
     damaged: list[dict] = field(default_factory=list)  # with skip_damaged: {offset, reason, bytes} of each skipped
+    report: dict | None = None  # with opts.report: the report's figures
+    rows_planned: int = 0  # through a broker: the queue offsets planned (records before the filters)
+    queues: int = 0  # through a broker: the queues read
 
 
 def table_path(out: str, table: str) -> str:
@@ -103,7 +109,11 @@ def check_options(opts: ExportOptions) -> None:
         raise ValueError("--since must be before --until")
     for t in opts.tables:
         partition_columns(t, opts.partition_by)
-    if not has_commit_log(opts.data_dir):
+    if opts.broker is not None:
+        from .broker import parse_broker
+
+        parse_broker(opts.broker)
+    elif not has_commit_log(opts.data_dir):
         raise FileNotFoundError(f"{opts.data_dir} is not a txmq data directory (no commitlog/ in it)")
     if opts.mode == "error" and "://" not in opts.out:
         for t in opts.tables:
@@ -156,6 +166,8 @@ def export(spark, opts: ExportOptions, on_table: Callable[[str], None] | None = 
     check_options(opts)
     t0 = time.perf_counter()
     spark.dataSource.register(TxmqDataSource)
+    if opts.broker is not None:
+        return _export_through_broker(spark, opts, on_table, t0)
     with StoreReader(opts.data_dir) as reader:
         end = reader.max_offset
         segments = reader.segments()
@@ -184,6 +196,7 @@ def export(spark, opts: ExportOptions, on_table: Callable[[str], None] | None = 
     write_opts = replace(opts, out=staging, mode="error") if staging else opts
     try:
         _export_tables(opts, write_opts, load, topics, res, on_table)
+        _write_report(opts, load, topics, res, on_table)
         if damage_dir:
             res.damaged = read_damage_reports(damage_dir)
         if staging:
@@ -200,6 +213,60 @@ def export(spark, opts: ExportOptions, on_table: Callable[[str], None] | None = 
             shutil.rmtree(staging, ignore_errors=True)
         if damage_dir:
             shutil.rmtree(damage_dir, ignore_errors=True)
+    res.seconds = time.perf_counter() - t0
+    return res
+
+
+def broker_options(opts: ExportOptions) -> dict[str, str]:
+    return {"broker": opts.broker or "", **({"token": opts.token} if opts.token else {})}
+
+
+def _export_through_broker(spark, opts: ExportOptions, on_table, t0: float) -> ExportResult:
+    """Both tables from one plan: every queue read up to the offsets it had when the export began."""
+    import json
+
+    from .broker import BrokerOptions, plan_batch
+
+    topics = tuple(sorted({canonical_topic(t) for t in opts.topics}))
+    base = broker_options(opts)
+    if topics:
+        base["topics"] = ",".join(topics)
+    ranges, info = plan_batch(BrokerOptions.from_options(base))
+    ends: dict[str, dict[str, int]] = {}
+    for r in ranges:
+        q = ends.setdefault(r.topic, {})
+        q[str(r.queue_id)] = max(q.get(str(r.queue_id), 0), r.end)
+    res = ExportResult(partitions=len(ranges), rows_planned=info["rows"], queues=info["queues"])
+
+    def load(**extra):
+        options = {**base, **extra}
+        if ends:
+            options["endingOffsets"] = json.dumps(ends)
+            options["startingOffsets"] = "earliest"
+        else:  # nothing stored: read nothing, whatever arrives meanwhile
+            options["startingOffsets"] = "latest"
+        return spark.read.format("txmq").options(**options).load()
+
+    staging = staging_path(opts)
+    if staging:
+        shutil.rmtree(staging, ignore_errors=True)
+        os.makedirs(os.path.dirname(staging), exist_ok=True)
+    write_opts = replace(opts, out=staging, mode="error") if staging else opts
+    try:
+        _export_tables(opts, write_opts, load, topics, res, on_table)
+        _write_report(opts, load, topics, res, on_table)
+        if staging:
+            _publish(staging, opts)
+    except BaseException:
+        if staging:
+            try:
+                spark.sparkContext.cancelAllJobs()
+            except BaseException:
+                pass
+        raise
+    finally:
+        if staging:
+            shutil.rmtree(staging, ignore_errors=True)
     res.seconds = time.perf_counter() - t0
     return res
 
@@ -244,6 +311,28 @@ def _export_tables(opts: ExportOptions, write_opts: ExportOptions, load, topics:
         res.tables.append(TableResult(table, table_path(opts.out, table), rows, time.perf_counter() - t1))
 
 
+def _write_report(opts: ExportOptions, load, topics: tuple[str, ...], res: ExportResult,
+                  on_table: Callable[[str], None] | None) -> None:
+    """The transactions report (spark/report.py) at opts.report, written whole (a temporary file renamed)."""
+    if not opts.report:
+        return
+    from . import report
+
+    if on_table:
+        on_table("report")
+    records = load(kinds=",".join(TX_KINDS))
+    figs = report.figures(records, _filter_transactions(transactions(records), opts, topics))
+    meta = {"source": f"broker {opts.broker}" if opts.broker else opts.data_dir, "topics": list(topics) or "all",
+            "since_ms": opts.since_ms, "until_ms": opts.until_ms,
+            "made": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    doc = report.render(figs, "txmq transactions", meta)
+    tmp = f"{opts.report}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(doc)
+    os.replace(tmp, opts.report)
+    res.report = figs
+
+
 def _filter_transactions(df, opts: ExportOptions, topics: tuple[str, ...]):
     """Transactions whose real topic is one of topics and whose first half is in [since, until)."""
     from pyspark.sql import functions as F
@@ -256,3 +345,91 @@ def _filter_transactions(df, opts: ExportOptions, topics: tuple[str, ...]):
     if opts.until_ms is not None:
         df = df.where(at < F.lit(opts.until_ms))
     return df
+
+
+# ---- --follow: keep the tables current from the broker's streams -------------------------
+@dataclass
+class FollowResult:
+    rows: dict[str, int] = field(default_factory=dict)  # rows written (messages) / events folded (transactions), this run
+    batches: int = 0
+    seconds: float = 0.0
+
+
+def follow(spark, opts: ExportOptions, checkpoint: str, interval_s: float = 1.0, stop=None,
+           on_batch: Callable[[str, int], None] | None = None) -> FollowResult:
+    """Stream the broker into the tables under opts.out until stop() is true (or Ctrl-C); resumes from checkpoint.
+
+    `messages` is appended by Spark's file sink (exactly once per row, from
+    the checkpoint); `transactions` is kept current from the
+    transaction_events stream (``transactions.current_transactions``).
+    """
+    from .transactions import current_transactions
+
+    check_options(opts)
+    if opts.broker is None:
+        raise ValueError("--follow reads through a broker: give --broker")
+    if "transactions" in opts.tables and opts.fmt != "parquet":
+        raise ValueError("--follow keeps the transactions table in parquet: use --format parquet or --table messages")
+    spark.dataSource.register(TxmqDataSource)
+    t0 = time.perf_counter()
+    res = FollowResult(rows=dict.fromkeys(opts.tables, 0))
+    topics = tuple(sorted({canonical_topic(t) for t in opts.topics}))
+    base = {**broker_options(opts), "startingOffsets": "earliest"}
+    if topics:
+        base["topics"] = ",".join(topics)
+    queries = []
+    try:
+        if "messages" in opts.tables:
+            df = spark.readStream.format("txmq").options(**base).load()
+            if opts.since_ms is not None:
+                df = df.where(f"stored_at >= timestamp_millis({int(opts.since_ms)})")
+            if opts.until_ms is not None:
+                df = df.where(f"stored_at < timestamp_millis({int(opts.until_ms)})")
+            cols = partition_columns("messages", opts.partition_by)
+            if "date" in cols:
+                from pyspark.sql import functions as F
+
+                df = df.withColumn("date", F.to_date(F.col("stored_at")))
+            w = (_for_format(df, opts.fmt).writeStream.format(opts.fmt).option("path", table_path(opts.out, "messages"))
+                 .option("checkpointLocation", os.path.join(checkpoint, "messages")).trigger(processingTime=f"{interval_s} seconds"))
+            if cols:
+                w = w.partitionBy(*cols)
+            if opts.fmt == "csv":
+                w = w.options(**CSV_OPTIONS)
+            queries.append(("messages", w.start()))
+        if "transactions" in opts.tables:
+            ev = spark.readStream.format("txmq").options(**base).option("table", "transaction_events").load()
+            path = table_path(opts.out, "transactions")
+
+            def fold(batch, batch_id: int) -> None:
+                current_transactions(spark, batch, path)
+
+            queries.append(("transactions", ev.writeStream.foreachBatch(fold)
+                            .option("checkpointLocation", os.path.join(checkpoint, "transactions"))
+                            .trigger(processingTime=f"{interval_s} seconds").start()))
+        seen: dict[str, set] = {name: set() for name, _ in queries}
+        while True:
+            for name, q in queries:
+                if q.exception() is not None:
+                    raise RuntimeError(str(q.exception()))
+                for p in q.recentProgress:
+                    if p["batchId"] not in seen[name] and p["numInputRows"]:
+                        seen[name].add(p["batchId"])
+                        res.rows[name] += p["numInputRows"]
+                        res.batches += 1
+                        if on_batch:
+                            on_batch(name, p["numInputRows"])
+            if stop is not None and stop():
+                break
+            try:
+                time.sleep(0.2)
+            except KeyboardInterrupt:  # the way to stop following: the checkpoint has where to resume
+                break
+    finally:
+        for _, q in queries:
+            try:
+                q.stop()
+            except BaseException:
+                pass
+        res.seconds = time.perf_counter() - t0
+    return res

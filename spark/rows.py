@@ -9,9 +9,18 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from itertools import accumulate, chain, repeat
-from operator import attrgetter
+from operator import attrgetter, itemgetter
 
 from txmq.constants import (
+    DISCARD_TOPIC,
+    DISCARD_TOPIC_ALIAS,
+    HALF_TOPIC,
+    OP_TOPIC,
+    PROP_DECIDED_BY,
+    PROP_DISCARD_REASON,
+    PROP_HALF_CL_OFFSET,
+    PROP_ORIGIN_CL_OFFSET,
+    PROP_REPLAYED,
     PROP_CHECK_TIMES,
     PROP_KEYS,
     PROP_PGROUP,
@@ -22,7 +31,7 @@ from txmq.constants import (
 )
 from txmq.store import Record
 
-from .schema import DISCARD, HALF, NORMAL, record_kind
+from .schema import _TX_ROLLBACK, DISCARD, HALF, NORMAL, record_kind
 
 
 _INT32 = range(-(1 << 31), 1 << 31)
@@ -106,12 +115,42 @@ def record_row(rec: Record) -> tuple:
 _get = {name: attrgetter(name) for name in Record.__slots__}  # type: ignore[attr-defined]
 
 
-def records_to_batch(recs: Sequence[Record], arrow_schema):
+_item = {name: itemgetter(name) for name in Record.__slots__}  # type: ignore[attr-defined]
+
+
+def maps_to_batch(msgs: Sequence[dict], arrow_schema):
+    """records_to_batch for records as the wire protocol's message maps (a pull reply): the same rows."""
+    return records_to_batch(msgs, arrow_schema, _item)
+
+
+def map_filter(
+    topics: frozenset[str] | None, since: int | None, until: int | None, kinds: frozenset[str] | None
+) -> Callable[[dict], bool] | None:
+    """record_filter for message maps."""
+    if topics is None and since is None and until is None and kinds is None:
+        return None
+
+    def keep(m: dict) -> bool:
+        ts = m["store_ts"]
+        if since is not None and ts < since:
+            return False
+        if until is not None and ts >= until:
+            return False
+        if topics is not None and m["topic"] not in topics and m["properties"].get(PROP_REAL_TOPIC) not in topics:
+            return False
+        return kinds is None or _kind(m["topic"], m["tx_type"]) in kinds
+
+    return keep
+
+
+def records_to_batch(recs: Sequence, arrow_schema, get: dict | None = None):
     """A pyarrow RecordBatch of `messages` rows (as record_row builds them), column by column."""
     import pyarrow as pa
 
+    getters = _get if get is None else get
+
     def col(name: str) -> list:
-        return list(map(_get[name], recs))
+        return list(map(getters[name], recs))
 
     def prop(key: str) -> list:
         return list(map(dict.get, props, repeat(key)))
@@ -151,4 +190,55 @@ def records_to_batch(recs: Sequence[Record], arrow_schema):
         pa.array([0 if c is None and k in (HALF, DISCARD) else c for c, k in zip(checks, kinds)], pa.int32()),
         pa.array([p if p >= 0 else None for p in col("prepared_offset")], pa.int64()),
     ]  # fmt: skip
+    return pa.RecordBatch.from_arrays(arrays, schema=arrow_schema)
+
+
+def tx_event(m: dict) -> tuple | None:
+    """One `transaction_events` row (timestamps in ms) from a half, op or discard record's message map, else None."""
+    topic, p = m["topic"], m["properties"]
+    checks = _int(p.get(PROP_CHECK_TIMES))
+    origin = _int64(p.get(PROP_ORIGIN_CL_OFFSET))
+    by = reason = decided = None
+    if topic == HALF_TOPIC:
+        if origin is None:
+            event, by, origin = "half", "producer", m["commit_log_offset"]
+        elif p.get(PROP_REPLAYED) is not None and not checks:
+            event, by = "replay", "operator"  # a replay's copy starts at check count 0; later copies count up
+        else:
+            event, by = "check", "check"
+        checks = checks or 0
+    elif topic == OP_TOPIC:
+        event = "rollback" if m["tx_type"] == _TX_ROLLBACK else "commit"
+        by = p.get(PROP_DECIDED_BY, "producer")
+        decided = _int64(p.get(PROP_HALF_CL_OFFSET))
+        if decided is None and m["prepared_offset"] >= 0:
+            decided = m["prepared_offset"]
+    elif topic in (DISCARD_TOPIC, DISCARD_TOPIC_ALIAS):
+        event, reason = "discard", p.get(PROP_DISCARD_REASON, "max-checks")
+        checks = checks or 0
+    else:
+        return None
+    return (event, p.get(PROP_UNIQ_KEY) or None, p.get(PROP_PGROUP), p.get(PROP_REAL_TOPIC), _int(p.get(PROP_REAL_QID)),
+            m["store_ts"], by, reason, checks, m["commit_log_offset"], origin, decided, topic, m["queue_offset"])
+
+
+def _int64(v: str | None) -> int | None:
+    try:
+        return int(v) if v is not None else None
+    except ValueError:
+        return None
+
+
+def tx_events_batch(msgs: Sequence[dict], arrow_schema):
+    """A pyarrow RecordBatch of `transaction_events` rows from message maps (records of other topics are left out)."""
+    import pyarrow as pa
+
+    rows = [r for r in map(tx_event, msgs) if r is not None]
+    cols = list(zip(*rows)) if rows else [()] * len(arrow_schema)
+    arrays = []
+    for i, f in enumerate(arrow_schema):
+        if pa.types.is_timestamp(f.type):
+            arrays.append(pa.array(cols[i], pa.int64()).cast(pa.timestamp("ms", tz="UTC")).cast(f.type))
+        else:
+            arrays.append(pa.array(cols[i], f.type))
     return pa.RecordBatch.from_arrays(arrays, schema=arrow_schema)

@@ -78,6 +78,26 @@ TRANSACTION_COLUMNS: tuple[tuple[str, str, bool], ...] = (
     ("committed_offset", "bigint", True),
 )
 
+# The transaction life-cycle events (the `transaction_events` table): one row per half, op or discard record.
+TX_EVENT_COLUMNS: tuple[tuple[str, str, bool], ...] = (
+    ("event", "string", False),  # half | check | replay | commit | rollback | discard
+    ("tx_id", "string", True),
+    ("producer_group", "string", True),
+    ("real_topic", "string", True),
+    ("real_queue_id", "int", True),
+    ("at", "timestamp", False),  # store time of the record
+    ("by", "string", True),  # producer (half, commit, rollback) | check | operator | recovery; null on discard
+    ("reason", "string", True),  # a discard's reason: max-checks | retention
+    ("checks", "int", True),  # check-backs spent when the record was written
+    ("commit_log_offset", "bigint", False),
+    ("first_half_offset", "bigint", True),  # the transaction's first half record (null on commit/rollback)
+    ("decided_half_offset", "bigint", True),  # commit/rollback: the half copy the decision names
+    ("source_topic", "string", False),
+    ("queue_offset", "bigint", False),
+)
+TX_EVENT_FIELDS = tuple(c[0] for c in TX_EVENT_COLUMNS)
+TX_EVENTS = ("half", "check", "replay", "commit", "rollback", "discard")
+
 MESSAGE_FIELDS = tuple(c[0] for c in MESSAGE_COLUMNS)
 TRANSACTION_FIELDS = tuple(c[0] for c in TRANSACTION_COLUMNS)
 
@@ -109,3 +129,8 @@ def messages_schema():
 def transactions_schema():
     """The `transactions` table as a pyspark StructType (imports pyspark)."""
     return _struct(TRANSACTION_COLUMNS)
+
+
+def tx_events_schema():
+    """The `transaction_events` table as a pyspark StructType (imports pyspark)."""
+    return _struct(TX_EVENT_COLUMNS)

@@ -40,11 +40,12 @@ from txmq.constants import canonical_topic
 from txmq.store import Record, StoreReader
 from txmq.store.consumequeue import all_queues
 
+from . import fastrows
 from .rows import record_filter, records_to_batch
 from .schema import KINDS, messages_schema
 
 DEFAULT_PARTITION_BYTES = 64 << 20
-DEFAULT_BATCH_ROWS = 8192
+DEFAULT_BATCH_ROWS = 32768
 BATCH_BYTES = 64 << 20  # a batch's record bytes, far below Arrow's 2 GiB binary limit
 _SIZE = re.compile(r"^\s*(\d+)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
 
@@ -246,8 +247,43 @@ class TxmqReader(DataSourceReader):
         from pyspark.sql.pandas.types import to_arrow_schema
 
         arrow_schema = to_arrow_schema(self.schema, timezone="UTC")
+        if fastrows.columns is None:
+            return self._python(part.start, part.end, part.log_end, arrow_schema)
+        return self._fast(part, arrow_schema)
+
+    def _fast(self, part: TxmqPartition, arrow_schema):
+        """Segment bytes straight into Arrow columns (compiled); the Python path from any record it leaves."""
+        opts = self.opts
+        start = part.start
+        if not fastrows.record_at(part.path, part.segment_start, start):
+            # not a record start (a cut by bytes): the store's reader finds the first record at or after it
+            on_damage = damage_reporter(opts.damage_report, part.start) if opts.damage_report else None
+            with StoreReader(opts.data_dir, known_end=part.log_end) as reader:
+                first = next(iter(reader.scan_range(part.start, part.end, on_damage)), None)
+            if first is None:
+                return
+            start = first.commit_log_offset
+        keep = fastrows.arrow_filter(opts.topics, opts.since_ms, opts.until_ms, opts.kinds)
+        prev = None  # the last record the walk took
+        for batch, at, done in fastrows.walk_segment(part.path, part.segment_start, start, part.end,
+                                                     opts.batch_rows, BATCH_BYTES, arrow_schema):
+            if batch is not None:
+                prev = batch.column(0)[-1].as_py()
+                if keep is not None:
+                    batch = keep(batch)
+                if batch.num_rows:
+                    yield batch
+            elif not done:
+                # A record the compiled walk does not take (damaged, torn): the Python path reads on as it would
+                # have, from the last good record (started at the bad one, it would take it for bytes to resync over).
+                yield from self._python(start if prev is None else prev, part.end, part.log_end, arrow_schema, at)
+                return
+
+    def _python(self, start: int, end: int, log_end, arrow_schema, skip_before: int = -1):
         n = self.opts.batch_rows
-        records = read_records(self.opts, part.start, part.end, part.log_end)
+        records = read_records(self.opts, start, end, log_end)
+        if skip_before >= 0:
+            records = (r for r in records if r.commit_log_offset >= skip_before)
         try:
             while True:
                 # Records and their dicts hold no cycles: the cyclic GC only costs time
@@ -274,16 +310,45 @@ class TxmqReader(DataSourceReader):
 
 
 class TxmqDataSource(DataSource):
-    """`spark.read.format("txmq").load(DATA_DIR)`: the commit log as the `messages` table."""
+    """`spark.read.format("txmq").load(DATA_DIR)`: the commit log as the `messages` table; with option broker, the
+    broker's queues read over the wire (batch and streaming, txmq.spark.brokersource)."""
 
     @classmethod
     def name(cls) -> str:
         return "txmq"
 
+    def _through_broker(self) -> bool:
+        opts = {str(k).lower() for k, v in dict(self.options).items() if v not in (None, "")}
+        if opts & {"broker", "context"}:
+            if "path" in opts:
+                raise ValueError("give the txmq source a broker (option broker) or a data directory (load(DIR)), not both")
+            return True
+        return False
+
     def schema(self):
+        table = str(dict((str(k).lower(), v) for k, v in dict(self.options).items()).get("table") or "messages").lower()
+        if table == "transaction_events":
+            from .schema import tx_events_schema
+
+            return tx_events_schema()
         return messages_schema()
 
-    def reader(self, schema) -> TxmqReader:
+    def streamReader(self, schema):
+        from .broker import BrokerOptions
+        from .brokersource import TxmqStreamReader
+
+        if not self._through_broker():
+            raise ValueError('a txmq stream reads through a broker: spark.readStream.format("txmq").option("broker", "HOST:PORT")')
+        return TxmqStreamReader(BrokerOptions.from_options(self.options, streaming=True), schema)
+
+    def reader(self, schema):
+        if self._through_broker():
+            from .broker import BrokerOptions
+            from .brokersource import TxmqBrokerReader
+
+            return TxmqBrokerReader(BrokerOptions.from_options(self.options), schema)
+        if str(dict((str(k).lower(), v) for k, v in dict(self.options).items()).get("table") or "messages").lower() != "messages":
+            raise ValueError("option table=transaction_events needs a broker (option broker)")
         opts = ReadOptions.from_options(self.options)
         if not has_commit_log(opts.data_dir):
             raise FileNotFoundError(f"no txmq commit log under {opts.data_dir} (expected {opts.data_dir}/commitlog)")

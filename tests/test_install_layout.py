@@ -143,7 +143,7 @@ def test_sdist_holds_the_sources_and_leaves_out_what_builds_generate(built):
     assert built["sdist"].name == f"txmq-{version}.tar.gz"
     needed = {"LICENSE", "README.md", "pyproject.toml", "setup.py", "MANIFEST.in",
               "store/_speedups.pyx", "broker/_speedups.pyx", "broker/_fsyncer.pyx", "core/_busypoll.pyx",
-              "broker/rocketmq/pb/definition.proto", "broker/rocketmq/pb/service.proto", "core/pytest_plugin.py"}
+              "spark/_columns.pyx", "broker/rocketmq/pb/definition.proto", "broker/rocketmq/pb/service.proto", "core/pytest_plugin.py"}
     needed |= {f"{_folder(p)}/__init__.py" for p in PACKAGES}
     assert needed <= names, sorted(needed - names)
     generated = [n for n in names if n.endswith(("_pb2.py", "_pb2_grpc.py", ".c", ".so"))]

@@ -191,3 +191,15 @@ def test_ctrl_c_during_an_export_exits_130_and_leaves_no_output(tmp_path):
     assert "Traceback" not in stderr and "py4j" not in stderr, stderr
     assert [ln for ln in stderr.splitlines() if ln.strip()] == [f"interrupted: nothing written to {out}"], stderr
     assert not out.exists() and not staging.exists()
+
+
+def test_only_the_broker_option_turns_an_export_into_a_read_through_a_broker(tmp_path):
+    """TXMQ_BROKER (or a context) names the broker of the other commands: spark-export stays on its data directory."""
+    env = {**os.environ, "TXMQ_BROKER": "127.0.0.1:1"}
+    r = run_cli(["spark-export", "--data-dir", data_dir(tmp_path), "--out", str(tmp_path / "out"), "--follow",
+                 "--checkpoint", str(tmp_path / "ckpt")], env=env)
+    if r.returncode == MISSING_DEPENDENCY:
+        pytest.skip("pyspark or Java is missing here")
+    assert r.returncode == 2 and "--follow reads through a broker: give --broker" in r.stderr, r.stderr
+    r = run_cli(["spark-export", "--broker", "127.0.0.1:1", "--out", str(tmp_path / "out"), "--follow"])
+    assert r.returncode == 2 and "--follow needs --checkpoint" in r.stderr, r.stderr

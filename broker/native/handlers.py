@@ -11,7 +11,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable
 
 from txmq import __version__
-from txmq.constants import DEFAULT_MESSAGE_TYPES, PROP_TRAN_MSG, canonical_topic
+from txmq.constants import DEFAULT_MESSAGE_TYPES, PROP_TRAN_MSG, canonical_topic, is_system_topic
 from txmq.store import Message, TxType
 from txmq.wire import PROTOCOL_VERSION, ErrorCode, TxmqError
 
@@ -32,7 +32,9 @@ if TYPE_CHECKING:
 # update_group marks a consumer group FIFO, and list_groups / describe_group carry fifo.
 # "scheduled_messages": sends with TIMER_DELIVER_MS / TIMER_DELAY_SEC / TIMER_DELAY_MS / DELAY are delivered when due,
 # and cancel_scheduled and list_scheduled exist (an older broker would deliver such a send at once).
-FEATURES = ["config_set_dry_run", "topic_message_types", "message_group", "scheduled_messages"]
+# "queue_offsets": the queue_offsets request (every queue's offsets, system topics too; what Spark plans reads with);
+# "pull_raw": pull takes raw and may answer with the records as stored (what Spark's executors decode).
+FEATURES = ["config_set_dry_run", "topic_message_types", "message_group", "scheduled_messages", "queue_offsets", "pull_raw"]
 
 
 # ---- session ---------------------------------------------------------------
@@ -146,14 +148,68 @@ def end_transaction(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
 # ---- consuming -------------------------------------------------------------
 def pull(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
     topic = canonical_topic(req_str(f, "topic"))
-    return core.pull(
-        topic,
-        req_int(f, "queue_id", 0, 1023),
-        req_int(f, "offset"),
-        opt_int(f, "max_count", 32, 1, 10_000),
-        opt_int(f, "max_bytes", 1 << 20, 1, 64 << 20),
-        opt_int(f, "wait_ms", 0, 0, 1 << 31),
-    )
+    args = (topic, req_int(f, "queue_id", 0, 1023), req_int(f, "offset"), opt_int(f, "max_count", 32, 1, 10_000),
+            opt_int(f, "max_bytes", 1 << 20, 1, 64 << 20), opt_int(f, "wait_ms", 0, 0, 1 << 31))
+    if opt_bool(f, "raw"):
+        reply = _pull_raw(core, *args[:5])
+        if reply is not None:
+            return reply
+    return core.pull(*args)
+
+
+def _pull_raw(core: BrokerCore, topic: str, queue_id: int, offset: int, max_count: int, max_bytes: int) -> dict | None:
+    """A pull answered with the records as stored, back to back (``records``), each CRC-checked as it is read; None when
+    anything is not plain (no such queue, out of range, a record that does not read): the usual pull answers. The
+    reader checks each record's topic, queue and queue offset (and asks again without raw when one is off)."""
+    from txmq.store.consumequeue import pick_entries
+
+    n = core.topics.queues(topic)
+    if n is None or queue_id >= n:
+        return None
+    store = core.store
+    lo, hi = store.queue_min_offset(topic, queue_id), store.queue_max_offset(topic, queue_id)
+    if not lo <= offset < hi:
+        return None
+    entries = store.cq_entries(topic, queue_id, offset, min(max_count, hi - offset))
+    picked = pick_entries(entries, max_bytes)
+    if not picked:
+        return None
+    try:
+        recs = store.read_many([e[0] for e in picked], raw=True)
+    except Exception:  # damaged or outside the log: the usual path reports, repairs or skips it
+        return None
+    core.metrics.inc("messages_pulled", len(recs))
+    return {"status": "found", "records": b"".join(mv for mv, _ in recs), "count": len(recs),
+            "next_offset": offset + len(recs), "min_offset": lo, "max_offset": hi}
+
+
+def queue_offsets(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
+    """Every queue's [min_offset, max_offset) of the named topics (default: every topic, with system), and with
+    time_ms the offset of each queue's first message stored at or after it: one request to plan a bulk read."""
+    from ..groups import offset_for_time, queue_bounds
+
+    names = f.get("topics")
+    if names is not None and (not isinstance(names, list) or len(names) > 10_000
+                              or not all(isinstance(t, str) and 0 < len(t) <= 255 for t in names)):
+        raise _bad("field 'topics' must be a list of topic names")
+    time_ms = opt_int(f, "time_ms", None, -(1 << 62))
+    table = core.topics.all()
+    if names is None:
+        names = [t for t in sorted(table) if opt_bool(f, "system") or not is_system_topic(t)]
+    missing = sorted({t for t in names if canonical_topic(t) not in table})
+    if missing:
+        raise TxmqError(f"no topic {', '.join(missing)} on the broker", ErrorCode.NO_SUCH_TOPIC, topic=missing[0])
+    rows = []
+    for name in dict.fromkeys(canonical_topic(t) for t in names):
+        queues = []
+        for q in range(table[name]):
+            lo, hi = queue_bounds(core, name, q)
+            row = {"queue_id": q, "min_offset": lo, "max_offset": hi}
+            if time_ms is not None:
+                row["time_offset"] = offset_for_time(core, name, q, time_ms)
+            queues.append(row)
+        rows.append({"topic": name, "system": is_system_topic(name), "queues": queues})
+    return {"broker_id": core.broker_id, "max_offset": core.store.max_offset, "topics": rows}
 
 
 async def _commit_offset(core: BrokerCore, group: str, topic: str, queue_id: int, offset: int) -> dict:
@@ -357,6 +413,7 @@ HANDLERS.update({
     "send_batch": send_batch,
     "end_transaction": _needs_index(end_transaction),
     "pull": pull,
+    "queue_offsets": queue_offsets,
     "commit_offset": commit_offset,
     "fetch_offsets": fetch_offsets,
     "create_topic": create_topic,

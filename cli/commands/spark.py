@@ -108,17 +108,79 @@ def spark_export(
     conf: Annotated[Optional[list[str]], typer.Option("--conf", "-c", help="Spark setting KEY=VALUE for the session (repeatable), e.g. spark.executor.memory=4g.", show_default=False)] = None,
     partition_bytes: Annotated[str, typer.Option("--partition-bytes", help="Commit-log bytes per read partition.")] = "64MiB",
     skip_damaged: Annotated[bool, typer.Option("--skip-damaged", help="Skip damaged records (listed in the summary) instead of failing at the first one.")] = False,
+    # Named apart from the other commands' `broker`: a context's or TXMQ_BROKER's broker must not turn a data-directory
+    # export into a read through a broker; only --broker on the command line does.
+    via_broker: Annotated[Optional[str], typer.Option("--broker", "-b", help="Read through this broker (HOST:PORT) over the wire protocol instead of a data directory: executors need not see it. Only this option chooses it (not a context or TXMQ_BROKER).", show_default=False)] = None,
+    token: Annotated[Optional[str], typer.Option("--token", envvar="TXMQ_AUTH_TOKEN", help="With --broker: the broker's auth token.", show_default=False)] = None,
+    follow: Annotated[bool, typer.Option("--follow", help="With --broker: keep the tables current as messages arrive, until Ctrl-C; resumes from --checkpoint.")] = False,
+    checkpoint: Annotated[Optional[Path], typer.Option("--checkpoint", help="With --follow: where the streams keep their offsets (a restart resumes there).", show_default=False)] = None,
+    report: Annotated[Optional[Path], typer.Option("--report", help="Also write a self-contained HTML report of the transactions (charts need the report extra: matplotlib).", show_default=False)] = None,
+    interval: Annotated[float, typer.Option("--interval", help="With --follow: seconds between micro-batches.")] = 1.0,
     output: OutputOpt = None,
 ) -> None:
     """Export the commit log as [key]messages[/key] and [key]transactions[/key] tables with PySpark."""
     _require_spark()
     output = output or default_output()
-    opts = _export_options(out_path, data_dir, fmt, table, since, until, topic, partition_by, mode, partition_bytes, skip_damaged)
+    broker = via_broker
+    if follow and broker is None:
+        raise CliError("--follow reads through a broker: give --broker HOST:PORT", exitcodes.USAGE)
+    if follow and checkpoint is None:
+        raise CliError("--follow needs --checkpoint DIR (where the streams keep their offsets)", exitcodes.USAGE)
+    if follow and report is not None:
+        raise CliError("--report is for a one-off export, not --follow", exitcodes.USAGE)
+    if not follow and checkpoint is not None:
+        raise CliError("--checkpoint is for --follow", exitcodes.USAGE)
+    if follow and not 0.1 <= interval <= 86400:
+        raise CliError("--interval must be between 0.1 and 86400 seconds", exitcodes.USAGE)
+    opts = _export_options(out_path, data_dir, fmt, table, since, until, topic, partition_by,
+                           Mode.append if follow else mode, partition_bytes, skip_damaged, broker, token, report)
     _check_export_options(opts)
     spark_conf = parse_conf(conf or [])
     t0 = time.perf_counter()
+    if follow:
+        assert checkpoint is not None
+        _follow_with_spark(opts, master, spark_conf, str(checkpoint.expanduser().absolute()), interval, output, t0)
+        return
     result, startup_s = _export_with_spark(opts, master, spark_conf)
     _report(_summary(opts, master, result, startup_s, time.perf_counter() - t0), output)
+
+
+def _follow_with_spark(opts: ExportOptions, master: str, spark_conf: dict[str, str], checkpoint: str, interval: float,
+                       output: Output, t0: float) -> None:
+    """Run the streams until Ctrl-C, printing each micro-batch on stderr; then the summary (exit 0)."""
+    from txmq.spark.export import follow, table_path
+
+    _quiet_py4j()
+    session = _start_spark(master, spark_conf)
+    stopping = threading.Event()
+    result = None
+
+    def on_batch(table: str, rows: int) -> None:
+        err.print(f"{table}: +{rows:,} {'rows' if table == 'messages' else 'events'}")
+
+    try:
+        try:
+            result = follow(session.spark, opts, checkpoint, interval, stop=stopping.is_set, on_batch=on_batch)
+        except KeyboardInterrupt:
+            stopping.set()
+        except (ValueError, FileExistsError) as e:
+            raise CliError(str(e), exitcodes.USAGE) from None
+        except Exception as e:
+            hint = f" (Spark's log: {session.log_path})" if session.log_path else ""
+            raise CliError(f"spark-export --follow failed: {spark_error(e)}{hint}") from None
+    finally:
+        try:
+            _stop_spark(session, exported=True)
+        except (Exception, KeyboardInterrupt):
+            pass
+    s = {"broker": opts.broker, "out": opts.out, "format": opts.fmt, "master": master, "checkpoint": checkpoint,
+         "follow": True, "batches": result.batches if result else 0,
+         "tables": {t: {"path": table_path(opts.out, t), "rows" if t == "messages" else "events": n}
+                    for t, n in (result.rows.items() if result else ())},
+         "spark_startup_s": round(session.startup_s, 3), "total_s": round(time.perf_counter() - t0, 3)}
+    if not emit_document(s, output):
+        out.print(f"followed {esc(str(opts.broker))} -> {esc(opts.out)} for {s['total_s']:.1f}s; "
+                  f"resume with the same --checkpoint {esc(checkpoint)}")
 
 
 def _require_spark() -> None:
@@ -134,7 +196,8 @@ def _require_spark() -> None:
 
 def _export_options(out_path: str, data_dir: Optional[Path], fmt: Format, table: Table, since: Optional[str], until: Optional[str],
                     topic: Optional[list[str]], partition_by: Optional[list[str]], mode: Mode, partition_bytes: str,
-                    skip_damaged: bool) -> ExportOptions:
+                    skip_damaged: bool, broker: Optional[str] = None, token: Optional[str] = None,
+                    report: Optional[Path] = None) -> ExportOptions:
     """The command's options as the export's ExportOptions: paths made absolute, times and sizes parsed (exit 2)."""
     from txmq.broker.config import default_data_dir
     from txmq.spark.export import ExportOptions
@@ -156,6 +219,9 @@ def _export_options(out_path: str, data_dir: Optional[Path], fmt: Format, table:
         mode=mode.value,
         partition_bytes=max(pbytes, 4096),
         skip_damaged=skip_damaged,
+        broker=broker,
+        token=token,
+        report=str(report.expanduser().absolute()) if report else None,
     )
 
 
@@ -290,6 +356,20 @@ def spark_error(e: BaseException) -> str:
 
 
 def _summary(opts, master: str, result, startup_s: float, total_s: float) -> dict[str, Any]:
+    s = _summary_of(opts, master, result, startup_s, total_s)
+    if opts.report:
+        s["report"] = {"path": opts.report, "figures": result.report}
+    return s
+
+
+def _summary_of(opts, master: str, result, startup_s: float, total_s: float) -> dict[str, Any]:
+    if opts.broker is not None:
+        return {
+            "broker": opts.broker, "out": opts.out, "format": opts.fmt, "master": master,
+            "tables": {t.name: {"rows": t.rows, "path": t.path, "seconds": round(t.seconds, 3)} for t in result.tables},
+            "queues": result.queues, "records": result.rows_planned, "partitions": result.partitions,
+            "spark_startup_s": round(startup_s, 3), "export_s": round(result.seconds, 3), "total_s": round(total_s, 3),
+        }
     return {
         "data_dir": opts.data_dir,
         "out": opts.out,
@@ -315,12 +395,22 @@ def _report(s: dict[str, Any], output: Output) -> None:
     from rich.table import Table as RichTable
     from rich.text import Text
 
-    t = RichTable(box=None, header_style="bold", show_edge=False, title=Text(f"exported {s['data_dir']} -> {s['out']} ({s['format']})"))
+    source = s.get("data_dir") or f"broker {s['broker']}"
+    t = RichTable(box=None, header_style="bold", show_edge=False, title=Text(f"exported {source} -> {s['out']} ({s['format']})"))
     for name in ("table", "rows", "seconds", "path"):
         t.add_column(name, justify="right" if name in ("rows", "seconds") else "left")
     for name, info in s["tables"].items():
         t.add_row(name, f"{info['rows']:,}", f"{info['seconds']:.1f}", esc(str(info["path"])))
     out.print(t)
+    if s.get("report"):
+        from txmq.spark.report import text
+
+        out.print(Text(text(s["report"]["figures"])))
+        out.print(f"report: [key]{esc(s['report']['path'])}[/key]")
+    if "broker" in s:
+        out.print(f"read [key]{s['records']:,}[/key] records from {s['queues']} queues ({s['partitions']} partitions per pass) "
+                  f"in [key]{s['total_s']:.1f}s[/key]: Spark start-up {s['spark_startup_s']:.1f}s, export {s['export_s']:.1f}s")
+        return
     out.print(
         f"read [key]{_mib(s['bytes_read'])}[/key] ({s['segments']} segments, {s['partitions']} partitions per pass) "
         f"in [key]{s['total_s']:.1f}s[/key]: Spark start-up {s['spark_startup_s']:.1f}s, export {s['export_s']:.1f}s"
