@@ -11,7 +11,7 @@ Three steps, run by `make binary` with the virtual environment's Python (PyInsta
    executable is the launcher, the packed stream and a trailer. Its first start unpacks the bundle
    once into the cache directory under that name, atomically; later starts exec it directly.
 
-Usage: python scripts/binary/build.py [--out dist/txmq-linux-x86_64] [--keep-work]
+Usage: python scripts/binary/build.py [--out dist/txmq-linux-x86_64] [--keep-work] [--pyinstaller-onefile]
 """
 
 from __future__ import annotations
@@ -74,10 +74,11 @@ def stage(dest: Path) -> Path:
     return dest
 
 
-def freeze(work: Path) -> Path:
-    """PyInstaller's one-directory bundle of the CLI; returns its directory."""
+def freeze(work: Path, onefile: bool = False) -> Path:
+    """PyInstaller's one-directory bundle of the CLI (its directory), or with onefile its one-file executable."""
     src = stage(work / "src")
-    cmd = [sys.executable, "-m", "PyInstaller", "--paths", str(src), "--noconfirm", "--clean", "--log-level", "WARN", "--onedir", "--strip", "--name", "txmq",
+    cmd = [sys.executable, "-m", "PyInstaller", "--paths", str(src), "--noconfirm", "--clean", "--log-level", "WARN",
+           "--onefile" if onefile else "--onedir", "--strip", "--name", "txmq",
            "--distpath", str(work / "dist"), "--workpath", str(work / "work"), "--specpath", str(work),
            "--collect-submodules", "txmq", "--collect-submodules", "rich._unicode_data",
            *(a for m in SPEEDUPS for a in ("--hidden-import", m))]  # imported by name (store/codec.py, broker/busypoll.py)
@@ -86,6 +87,8 @@ def freeze(work: Path) -> Path:
     cmd.append(str(HERE / "entry.py"))
     subprocess.run(cmd, check=True, cwd=REPO)
     bundle = work / "dist" / "txmq"
+    if onefile:
+        return bundle
     missing = [m for m in COMPILED if not list((bundle / "_internal").glob(m.replace(".", "/") + ".*.so"))]
     if missing:
         sys.exit(f"the bundle lacks the compiled modules {', '.join(missing)}: is the {' / '.join(sorted({m.split('.')[0] for m in missing}))} "
@@ -147,11 +150,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=REPO / "dist" / f"txmq-linux-{machine()}")
     ap.add_argument("--keep-work", action="store_true", help="keep build/binary (PyInstaller's work and the bundle)")
+    ap.add_argument("--pyinstaller-onefile", action="store_true",
+                    help="instead, write PyInstaller's own one-file executable to --out (unpacks on every start; for comparison, docs/binary.md)")
     args = ap.parse_args()
     t0 = time.monotonic()
     if BUILD.exists():
         shutil.rmtree(BUILD)
     BUILD.mkdir(parents=True)
+    if args.pyinstaller_onefile:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(freeze(BUILD, onefile=True), args.out)
+        print(f"built {args.out}: {args.out.stat().st_size / 1e6:.1f} MB (PyInstaller --onefile), in {time.monotonic() - t0:.0f} s")
+        return
     bundle = freeze(BUILD)
     t_freeze = time.monotonic() - t0
     payload = BUILD / "payload.gz"
