@@ -220,3 +220,48 @@ def test_broker_serves_the_cli_a_checked_back_transaction_and_the_rocketmq_sdk(r
             proc.kill()
             code = proc.wait(10)
     assert code == 0, proc.stderr.read().decode()[-3000:]
+
+
+def _host_run(exe: Path, *args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run([str(exe), *args], capture_output=True, text=True, timeout=120, env={"PATH": "/usr/bin:/bin", **env})
+
+
+def test_a_start_removes_the_unpack_directories_of_dead_starts_and_keeps_a_live_ones(executable, tmp_path):
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    dead = cache / f".tmp-txmq-0.1.0-0000000000000000-{gone.pid}"  # a start SIGKILLed while unpacking
+    live = cache / f".tmp-txmq-0.1.0-0000000000000000-{os.getpid()}"  # one still unpacking
+    for d in (dead, live):
+        (d / "_internal").mkdir(parents=True)
+        (d / "_internal" / "half-written.so").write_bytes(b"\0" * 100)
+    r = _host_run(executable, "--version", env={"TXMQ_CACHE_DIR": str(cache)})
+    assert r.returncode == 0 and r.stdout.strip() == "txmq 0.1.0", r.stderr
+    assert not dead.exists()
+    assert live.exists()
+    unpacked = [p.name for p in cache.iterdir() if not p.name.startswith(".")]
+    assert len(unpacked) == 1 and unpacked[0].startswith("txmq-0.1.0-"), unpacked
+
+
+def test_the_shared_temporary_fallback_must_be_private_to_the_user(executable, tmp_path):
+    shared = tmp_path / f"txmq-{os.geteuid()}"
+    shared.mkdir()
+    shared.chmod(0o777)  # someone else could have planted files to run in it
+    r = _host_run(executable, "--version", env={"TMPDIR": str(tmp_path)})  # no HOME: the fallback is $TMPDIR/txmq-<uid>
+    assert r.returncode == 1, (r.returncode, r.stdout, r.stderr)
+    assert len(r.stderr.strip().splitlines()) == 1 and "not a private writable directory" in r.stderr and "TXMQ_CACHE_DIR" in r.stderr
+    shared.chmod(0o700)
+    r = _host_run(executable, "--version", env={"TMPDIR": str(tmp_path)})
+    assert r.returncode == 0 and r.stdout.strip() == "txmq 0.1.0", r.stderr
+    assert len(list(shared.glob("txmq-0.1.0-*"))) == 1
+
+
+def test_a_truncated_executable_says_so_instead_of_running(executable, tmp_path):
+    cut = tmp_path / NAME
+    data = executable.read_bytes()
+    cut.write_bytes(data[: len(data) // 2])
+    cut.chmod(0o755)
+    r = _host_run(cut, "--version", env={"TXMQ_CACHE_DIR": str(tmp_path / "cache")})
+    assert r.returncode == 1 and "truncated" in r.stderr and len(r.stderr.strip().splitlines()) == 1, (r.returncode, r.stderr)
+    assert not list((tmp_path / "cache").glob("txmq-*"))
