@@ -10,9 +10,9 @@ and prints a Markdown table (docs/binary.md holds the last one). For each: the f
 user's first start costs), then the median of 7 warm ones; the median of 3 `broker start --rocketmq-port
 --flush sync --busy-poll 1ms` runs, from exec until both the native and the RocketMQ port accept a
 connection; which compiled modules the broker process has mapped (/proc/PID/maps): txmq's four
-speed-ups, uvloop, msgpack's C extension, gRPC's core; and how many directories the starts left in
-/tmp (PyInstaller's one-file mode unpacks into a new /tmp/_MEIxxxxxx on every start and removes it on a
-clean exit; a SIGKILLed start leaves it behind).
+speed-ups, uvloop, msgpack's C extension, gRPC's core; and how much a start unpacked into a new directory
+in /tmp (PyInstaller's one-file mode and Nuitka's default one-file mode unpack into a new directory on
+every start: /tmp/_MEIxxxxxx, /tmp/onefile_PID_TIME).
 """
 
 from __future__ import annotations
@@ -55,9 +55,10 @@ def version_s(cmd: list[str], env: dict[str, str]) -> float:
     return elapsed
 
 
-def broker_start(cmd: list[str], env: dict[str, str], work: Path) -> tuple[float, set[str]]:
+def broker_start(cmd: list[str], env: dict[str, str], work: Path) -> tuple[float, set[str], float]:
     port, rmq = free_port(), free_port()
     data = Path(tempfile.mkdtemp(dir=work))
+    before = tmp_dirs()
     t0 = time.perf_counter()
     proc = subprocess.Popen([*cmd, "broker", "start", "--data-dir", str(data), "--port", str(port), "--rocketmq-port", str(rmq),
                              "--flush", "sync", "--busy-poll", "1ms", "--log-level", "warning"],
@@ -73,7 +74,9 @@ def broker_start(cmd: list[str], env: dict[str, str], work: Path) -> tuple[float
         time.sleep(0.3)
         maps = "".join(_maps(proc.pid))
         loaded = {name for name, needle in COMPILED.items() if re.search(re.escape(needle) + r"[^/\s]*\.so", maps)}
-        return elapsed, loaded
+        base = Path(os.environ.get("TMPDIR", "/tmp"))
+        per_start = sum(p.stat().st_size for d in tmp_dirs() - before for p in (base / d).rglob("*") if p.is_file() and not p.is_symlink())
+        return elapsed, loaded, per_start / 1e6
     finally:
         proc.terminate()
         proc.wait(30)
@@ -92,8 +95,8 @@ def size_mb(cmd: list[str]) -> float:
     f = next((Path(a) for a in cmd if Path(a).is_file() and not a.startswith("/usr/") and "python" not in Path(a).name), None)
     if f is None:
         return float("nan")
-    if f.parent.name == "bin" and (f.parent.parent / "pyvenv.cfg").exists():  # a virtual environment: all of it
-        return sum(p.stat().st_size for p in f.parent.parent.rglob("*") if p.is_file() and not p.is_symlink()) / 1e6
+    if f.parent.name == "bin" and (f.parent.parent / "pyvenv.cfg").exists():  # a virtual environment: not one file
+        return float("nan")
     return f.stat().st_size / 1e6
 
 
@@ -106,14 +109,13 @@ def measure(label: str, cmd: list[str]) -> dict:
     with tempfile.TemporaryDirectory(prefix="txmq-startup-") as d:
         work = Path(d)
         env = {**os.environ, "TXMQ_CACHE_DIR": str(work / "cache"), "SHIV_ROOT": str(work / "shiv")}
-        before = tmp_dirs()
         first = version_s(cmd, env)
         warm = statistics.median(version_s(cmd, env) for _ in range(7))
         runs = [broker_start(cmd, env, work) for _ in range(3)]
-        left = len(tmp_dirs() - before)
         cache = sum(p.stat().st_size for p in work.rglob("*") if p.is_file() and (work / "cache" in p.parents or work / "shiv" in p.parents))
     return {"label": label, "size": size_mb(cmd), "first": first, "warm": warm, "broker": statistics.median(r[0] for r in runs),
-            "loaded": set.intersection(*(r[1] for r in runs)), "cache": cache / 1e6, "left": left}
+            "loaded": set.intersection(*(r[1] for r in runs)), "cache": cache / 1e6,
+            "per_start": statistics.median(r[2] for r in runs)}
 
 
 def main() -> None:
@@ -122,12 +124,13 @@ def main() -> None:
         label, _, command = arg.partition("=")
         rows.append(measure(label, command.split()))
         print(f"measured {label}", file=sys.stderr)
-    print("| packaging | size (MB) | first `--version` (s) | warm `--version` (s) | `broker start` to ports (s) | unpacked once (MB) | compiled modules loaded |")
-    print("|---|---|---|---|---|---|---|")
+    print("| packaging | size (MB) | first `--version` (s) | warm `--version` (s) | `broker start` to ports (s) | unpacked once (MB) | unpacked into /tmp on every start (MB) | compiled modules loaded |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         missing = [m for m in COMPILED if m not in r["loaded"]]
         loaded = "all 7" if not missing else "missing: " + ", ".join(missing)
-        print(f"| {r['label']} | {r['size']:.1f} | {r['first']:.2f} | {r['warm']:.2f} | {r['broker']:.2f} | {r['cache']:.0f} | {loaded} |")
+        size = "n/a" if r["size"] != r["size"] else f"{r['size']:.1f}"
+        print(f"| {r['label']} | {size} | {r['first']:.2f} | {r['warm']:.2f} | {r['broker']:.2f} | {r['cache']:.0f} | {r['per_start']:.0f} | {loaded} |")
 
 
 if __name__ == "__main__":

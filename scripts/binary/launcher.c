@@ -317,6 +317,8 @@ int main(int argc, char **argv) {
         }
     }
     close(fd);
+    /* The bundle's bootloader finds its files from /proc/self/exe; without /proc, from argv[0]: name it then. */
+    if (access("/proc/self/exe", F_OK) != 0) argv[0] = target;
     execv(target, argv);
     die("cannot run %s: %s", target, strerror(errno));
     return 1;
