@@ -236,6 +236,7 @@ def test_a_start_removes_the_unpack_directories_of_dead_starts_and_keeps_a_live_
     for d in (dead, live):
         (d / "_internal").mkdir(parents=True)
         (d / "_internal" / "half-written.so").write_bytes(b"\0" * 100)
+        os.utime(d, (time.time() - 120, time.time() - 120))  # left two minutes ago
     r = _host_run(executable, "--version", env={"TXMQ_CACHE_DIR": str(cache)})
     assert r.returncode == 0 and r.stdout.strip() == "txmq 0.1.0", r.stderr
     assert not dead.exists()

@@ -33,6 +33,7 @@
 #include <string.h>
 #include <sys/stat.h>
 #include <sys/types.h>
+#include <time.h>
 #include <unistd.h>
 #include <zlib.h>
 
@@ -252,20 +253,25 @@ static void unpack(const char *exe, int fd, uint64_t offset, const char *dir) {
     if (fclose(mf) != 0) die("cannot write %s: %s", manifest, strerror(errno));
 }
 
-/* Remove the private unpack directories of processes that are gone (killed while unpacking). */
+/* Remove the private unpack directories of starts that are gone (killed while unpacking): those whose
+ * process is gone and that are over a minute old (a process of another PID namespace sharing the cache
+ * may have that pid), and any over an hour old (an unpack takes seconds; the pid may have been reused). */
 static void remove_stale(const char *base) {
     DIR *d = opendir(base);
     if (!d) return;
     struct dirent *e;
     char path[PATH_MAX];
+    time_t now = time(NULL);
     while ((e = readdir(d))) {
         if (strncmp(e->d_name, ".tmp-", 5) != 0 && strncmp(e->d_name, ".old-", 5) != 0) continue;
+        snprintf(path, sizeof path, "%s/%s", base, e->d_name);
+        struct stat st;
+        if (lstat(path, &st) != 0 || st.st_uid != geteuid()) continue;
         const char *dash = strrchr(e->d_name, '-');
         long pid = dash ? strtol(dash + 1, NULL, 10) : 0;
-        if (pid <= 0 || (kill((pid_t)pid, 0) != 0 && errno == ESRCH)) {
-            snprintf(path, sizeof path, "%s/%s", base, e->d_name);
-            rm_tree(path);
-        }
+        int gone = pid <= 0 || (kill((pid_t)pid, 0) != 0 && errno == ESRCH);
+        double age = difftime(now, st.st_mtime);
+        if ((gone && age > 60) || age > 3600) rm_tree(path);
     }
     closedir(d);
 }
