@@ -7,7 +7,7 @@ Each packaging is given as LABEL=COMMAND (the command that stands for `txmq`, sp
 
 and prints a Markdown table (docs/binary.md holds the last one). For each: the file's size; the first
 `--version` with an empty cache (TXMQ_CACHE_DIR and SHIV_ROOT pointed at a new directory; what a new
-user's first start costs), then the median of 7 warm ones; the median of 3 `broker start --rocketmq-port
+user's first start costs), then the median of 9 warm ones; the median of 5 `broker start --rocketmq-port
 --flush sync --busy-poll 1ms` runs, from exec until both the native and the RocketMQ port accept a
 connection; which compiled modules the broker process has mapped (/proc/PID/maps): txmq's four
 speed-ups, uvloop, msgpack's C extension, gRPC's core; and how much a start unpacked into a new directory
@@ -110,8 +110,8 @@ def measure(label: str, cmd: list[str]) -> dict:
         work = Path(d)
         env = {**os.environ, "TXMQ_CACHE_DIR": str(work / "cache"), "SHIV_ROOT": str(work / "shiv")}
         first = version_s(cmd, env)
-        warm = statistics.median(version_s(cmd, env) for _ in range(7))
-        runs = [broker_start(cmd, env, work) for _ in range(3)]
+        warm = statistics.median(version_s(cmd, env) for _ in range(9))
+        runs = [broker_start(cmd, env, work) for _ in range(5)]
         cache = sum(p.stat().st_size for p in work.rglob("*") if p.is_file() and (work / "cache" in p.parents or work / "shiv" in p.parents))
     return {"label": label, "size": size_mb(cmd), "first": first, "warm": warm, "broker": statistics.median(r[0] for r in runs),
             "loaded": set.intersection(*(r[1] for r in runs)), "cache": cache / 1e6,
