@@ -62,11 +62,12 @@ format: $(VENV)/.installed-test
 fault-long: $(VENV)/.installed-test
 	TXMQ_FAULT_LONG=1 TXMQ_FAULT_REPORT=$(or $(TXMQ_FAULT_REPORT),fault-report.jsonl) $(PY) -m pytest -q -s -m fault $(ARGS)
 
-## binary: a single-file zipapp, dist/txmq.pyz (`python3 dist/txmq.pyz broker start`), with the RocketMQ front end's extra
+## binary: dist/txmq-linux-<arch>, one executable that needs no Python (docs/binary.md), and dist/txmq.pyz, a zipapp for this Python minor
 binary: $(VENV)/.installed-test
 	rm -rf build/shiv && mkdir -p dist
 	$(VENV)/bin/shiv --compressed -c txmq --preamble scripts/zipapp_preamble.py -o dist/txmq.pyz --reproducible '.[rocketmq]' -q
 	@echo "built dist/txmq.pyz"
+	$(PY) scripts/binary/build.py
 
 ## dist: an sdist and a wheel in dist/ to install elsewhere: pip install 'dist/txmq-<version>-<tag>.whl[rocketmq]' (README "Install")
 # The sdist is built first and the wheel from it (PyPA's build, in isolated environments that fetch

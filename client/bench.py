@@ -439,7 +439,8 @@ class EmbeddedBroker:
         return f"127.0.0.1:{self.port}"
 
     def __enter__(self) -> "EmbeddedBroker":
-        cmd = [sys.executable, "-m", "txmq", "broker", "start", "--data-dir", str(self.data_dir), "--port", str(self.port),
+        txmq = [sys.executable] if getattr(sys, "frozen", False) else [sys.executable, "-m", "txmq"]  # the single executable is txmq itself
+        cmd = [*txmq, "broker", "start", "--data-dir", str(self.data_dir), "--port", str(self.port),
                "--flush", self.flush, "--log-level", "warning", *self.extra]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         deadline = time.monotonic() + 30

@@ -39,6 +39,10 @@ logger.parquet.level = error
 
 def missing_dependency() -> str | None:
     """Why pyspark (with pyarrow) cannot be used, or None when it can."""
+    if getattr(sys, "frozen", False):  # the single executable (docs/binary.md) never carries Spark's Python side
+        return ("spark-export is not part of the single executable (it needs PySpark and Java 17+): install txmq with the spark "
+                "extra, pip install 'dist/txmq-...whl[spark]' or '.[spark]' in a checkout (README, Install), and run "
+                "`txmq spark-export --data-dir DIR --out OUT` there; it reads the same data directory")
     missing = []
     for mod in ("pyspark", "pyarrow"):
         try:
