@@ -254,7 +254,11 @@ class ScheduleService:
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            log.exception("event=timers_rebuild_failed")
+            if getattr(exc, "io", False) or isinstance(exc, OSError):  # e.g. a full disk: one line, no traceback
+                log.error("event=timers_rebuild_failed error=%r msg=%s", exc, "'scheduled messages are stored but not delivered "
+                          "until a restart'")
+            else:
+                log.exception("event=timers_rebuild_failed")
             self.error = TxmqError(f"the schedule's index could not be built ({exc!r}); scheduled messages are stored but not "
                                    "delivered until a restart", ErrorCode.STORE_ERROR)
             self.ready.set()
