@@ -112,7 +112,9 @@ def test_rocketmq_sdk_benchmark_runs_the_sdk_and_the_client_library_on_one_broke
         pytest.skip("txmq's rocketmq extra is not installed")
     res = _json([sys.executable, str(REPO / "benchmarks" / "rocketmq_sdk.py"), "--smoke", "-o", "json"], timeout=600)
     assert res["kind"] == "rocketmq_sdk" and res["flush"] == "sync"
-    assert set(res["runs"]) == {"native_1", "sdk_1", "native_32", "sdk_32"}
-    for name, run in res["runs"].items():
+    # beside the SDK and the client library: grpc.aio's empty-call bound and the SDK against a front end that does nothing
+    assert {"native_1", "sdk_1", "native_32", "sdk_32"} <= set(res["runs"]), sorted(res["runs"])
+    for name in ("native_1", "sdk_1", "native_32", "sdk_32"):
+        run = res["runs"][name]
         assert run["completed"] > 0 and run["errors"] == {}, (name, run)
         assert run["broker_us_per_tx"] > 0, name

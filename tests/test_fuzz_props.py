@@ -85,6 +85,7 @@ FIELD = {
     "message_types": st.one_of(st.lists(st.sampled_from(["normal", "fifo", "delay", "transaction", "NORMAL", "x", ""]), max_size=5), wild),
     "fifo": st.one_of(st.booleans(), wild),
     "after": st.one_of(st.lists(ints, max_size=3), wild),
+    "topics": st.one_of(st.lists(texts, max_size=3), wild), "raw": st.one_of(st.booleans(), wild),
 }
 # Values that pass validation, so a request with one field broken reaches deep into the handler.
 small = st.integers(0, 64)
@@ -112,6 +113,7 @@ VALID = {
     "message_types": st.lists(st.sampled_from(["normal", "fifo", "delay", "transaction"]), min_size=1, max_size=4),
     "fifo": st.booleans(),
     "after": st.sampled_from([[0, 0], [1 << 41, 20_000]]),
+    "topics": st.sampled_from([["orders"], ["orders", "t"], ["nope"]]), "raw": st.booleans(),
 }
 OPS = {
     "hello": ["token", "client_id", "producer_groups", "consumer_groups"],
@@ -120,7 +122,7 @@ OPS = {
     "send": ["topic", "body", "properties", "queue_id", "born_ts"],
     "send_batch": ["topic", "messages", "queue_id"],
     "end_transaction": ["group", "tx_id", "commit_log_offset", "half_offset", "state", "from_check"],
-    "pull": ["topic", "queue_id", "offset", "max_count", "max_bytes", "wait_ms"],
+    "pull": ["topic", "queue_id", "offset", "max_count", "max_bytes", "wait_ms", "raw"],
     "commit_offset": ["group", "topic", "queue_id", "offset"],
     "fetch_offsets": ["group", "topic"],
     "create_topic": ["topic", "queues", "message_types"],
@@ -148,6 +150,7 @@ OPS = {
     "find_messages": ["key", "topic", "since_ms", "until_ms", "limit", "max_scan"],
     "cancel_scheduled": ["msg_id", "topic"],
     "list_scheduled": ["topic", "limit", "after"],
+    "queue_offsets": ["topics", "time_ms", "system"],
 }
 
 
