@@ -30,6 +30,7 @@ remoting's RemotingFrontend) holds ``connections``, ``by_ip``,
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +41,27 @@ WRITE_HIGH = 4 << 20
 # and the client could lose the reply.
 LINGER_S = 1.0
 PULL_BUDGET = 64 << 20  # reply bytes the pulls in flight on one connection may ask for
+
+
+class LogThrottle:
+    """Counts events and says when to log them: at most one line per ``every_s``, with the count since the last one.
+
+    A flood of refused connections (or failed requests) must not flood the log.
+    """
+
+    def __init__(self, every_s: float) -> None:
+        self.every_s = every_s
+        self._count = 0  # events not logged yet
+        self._logged_at = float("-inf")
+
+    def note(self) -> int:
+        """Count one event; returns how many to log now (the count is then reset), 0 while a line is not due."""
+        self._count += 1
+        now = time.monotonic()
+        if now - self._logged_at < self.every_s:
+            return 0
+        count, self._count, self._logged_at = self._count, 0, now
+        return count
 
 
 @dataclass(frozen=True)

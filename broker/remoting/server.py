@@ -37,12 +37,11 @@ import itertools
 import logging
 import socket
 import struct
-import time
 from functools import partial
 from hashlib import sha1
 from typing import TYPE_CHECKING, Any
 
-from txmq.broker.connlimits import LimitCounters, LimitedConnection
+from txmq.broker.connlimits import LimitCounters, LimitedConnection, LogThrottle
 from txmq.wire import PUSH, ErrorCode, FrameDecoder, TxmqError, parse_payload
 
 from . import protocol as p
@@ -91,11 +90,9 @@ class RemotingFrontend:
         self.broker_name = "txmq"
         self.cluster_name = "txmq"
         self._sweeper: asyncio.Task | None = None
-        self._refusals = 0
-        self._refusal_logged_at = float("-inf")
+        self._refusals = LogThrottle(REFUSAL_LOG_EVERY_S)
         self._opaque = itertools.count(1)
-        self._oneway_failures = 0  # failed oneway requests not logged yet
-        self._oneway_logged_at = float("-inf")
+        self._oneway_failures = LogThrottle(REFUSAL_LOG_EVERY_S)  # failed oneway requests
 
     # ---- lifecycle --------------------------------------------------------------------------
     async def bind(self) -> int:
@@ -168,23 +165,17 @@ class RemotingFrontend:
 
     # ---- what the connections share ----------------------------------------------------------
     def note_refusal(self, reason: str, peer: str) -> None:
-        self._refusals += 1
-        now = time.monotonic()
-        if now - self._refusal_logged_at >= REFUSAL_LOG_EVERY_S:
-            log.warning("event=remoting_connections_refused reason=%s peer=%s refused=%d msg=%s", reason, peer, self._refusals,
+        refused = self._refusals.note()
+        if refused:
+            log.warning("event=remoting_connections_refused reason=%s peer=%s refused=%d msg=%s", reason, peer, refused,
                         "'over a connection limit; counted in remoting_connections_refused*, logged at most every 10s'")
-            self._refusals = 0
-            self._refusal_logged_at = now
 
     def note_oneway_failure(self, peer: str, cmd: p.Command, resp: p.Command) -> None:
         """Log a failed oneway request (a lost END_TRANSACTION, say): at most one line per REFUSAL_LOG_EVERY_S, with the count."""
-        self._oneway_failures += 1
-        now = time.monotonic()
-        if now - self._oneway_logged_at >= REFUSAL_LOG_EVERY_S:
+        failures = self._oneway_failures.note()
+        if failures:
             log.warning("event=remoting_oneway_failed peer=%s code=%d response=%d failures=%d remark=%r", peer, cmd.code, resp.code,
-                        self._oneway_failures, resp.remark[:200])
-            self._oneway_failures = 0
-            self._oneway_logged_at = now
+                        failures, resp.remark[:200])
 
     def next_opaque(self) -> int:
         return next(self._opaque) & 0x7FFFFFFF
