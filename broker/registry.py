@@ -48,21 +48,19 @@ class ClientRegistry:
         mine.discard(group)
         if not mine:
             del self._by_conn[conn]
+        self._leave(group, conn)
+
+    def unregister_all(self, conn: PushTarget) -> None:
+        for group in self._by_conn.pop(conn, ()):
+            self._leave(group, conn)
+
+    def _leave(self, group: str, conn: PushTarget) -> None:
         conns = self._groups.get(group)
         if conns is not None and conn in conns:
             conns.remove(conn)
             if not conns:
                 del self._groups[group]
                 self._rr.pop(group, None)
-
-    def unregister_all(self, conn: PushTarget) -> None:
-        for group in self._by_conn.pop(conn, ()):
-            conns = self._groups.get(group)
-            if conns is not None and conn in conns:
-                conns.remove(conn)
-                if not conns:
-                    del self._groups[group]
-                    self._rr.pop(group, None)
 
     def pick(self, group: str) -> PushTarget | None:
         """Round-robin over the group's connections, skipping ones not writable."""

@@ -24,6 +24,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -74,83 +75,91 @@ def _tail(text: str | bytes, n: int = 1500) -> str:
     return text[-n:]
 
 
+def _skip_unless_built(key: str, build: Callable[[], Path]) -> Path:
+    """``build()``; skips the calling test (and, without trying again, every later one asking for ``key``) when it
+    raises SdkUnavailable."""
+    if key in _UNAVAILABLE:
+        pytest.skip(_UNAVAILABLE[key])
+    try:
+        return build()
+    except SdkUnavailable as e:
+        _UNAVAILABLE[key] = str(e)
+        pytest.skip(str(e))
+
+
+def _python_env(name: str, version: str, pip_options: tuple[str, ...], probe: str, cannot_install: str, broken: str) -> Path:
+    """Build (once) a virtual environment holding ``name==version`` and return its interpreter; SdkUnavailable if it
+    cannot be installed. Installed, it must run ``probe`` (a failure is the environment being broken: the test fails)."""
+    pyver = f"py{sys.version_info.major}{sys.version_info.minor}"
+    env_dir = CACHE / f"python-{name}-{version}-{pyver}"
+    python = env_dir / "bin" / "python"
+    with _locked(env_dir.name):
+        if not (env_dir / _MARKER).exists():
+            shutil.rmtree(env_dir, ignore_errors=True)
+            r = subprocess.run([sys.executable, "-m", "venv", str(env_dir)], capture_output=True, timeout=300)
+            if r.returncode != 0:
+                shutil.rmtree(env_dir, ignore_errors=True)
+                raise SdkUnavailable(f"cannot create a virtual environment for {name}: {_errors(r.stderr)}")
+            pip_env = {**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+            pip_env.pop("PYTHONPATH", None)
+            r = subprocess.run([str(python), "-m", "pip", "install", "-q", *pip_options, f"{name}=={version}"],
+                               capture_output=True, timeout=900, env=pip_env)
+            if r.returncode != 0:
+                shutil.rmtree(env_dir, ignore_errors=True)
+                raise SdkUnavailable(f"cannot install {name}=={version} ({cannot_install}): {_errors(r.stderr)}")
+            # Installed: from here on a failure is the SDK's environment being broken, which must be seen.
+            r = subprocess.run([str(python), "-c", probe], capture_output=True, timeout=120)
+            assert r.returncode == 0, f"{name}=={version} installed but {broken}: {_tail(r.stderr)}"
+            (env_dir / _MARKER).write_text(f"{name}=={version}\n")
+    return python
+
+
+def _npm_env(name: str, version: str, package: str, npm: str, node: str | None) -> Path:
+    """Install (once) ``name@version`` into a directory of its own and return it; SdkUnavailable if it cannot be
+    installed. With ``node``, the package must then load."""
+    env_dir = CACHE / f"node-{name}-{version}"
+    with _locked(env_dir.name):
+        if not (env_dir / _MARKER).exists():
+            shutil.rmtree(env_dir, ignore_errors=True)
+            env_dir.mkdir(parents=True)
+            (env_dir / "package.json").write_text(json.dumps({"name": package, "private": True, "version": "0.0.0"}))
+            r = subprocess.run([npm, "install", "--no-audit", "--no-fund", "--save-exact", f"{name}@{version}"],
+                               cwd=env_dir, capture_output=True, timeout=900)
+            if r.returncode != 0:
+                shutil.rmtree(env_dir, ignore_errors=True)
+                raise SdkUnavailable(f"cannot install {name}@{version} (offline?): {_errors(r.stderr)}")
+            if node is not None:
+                r = subprocess.run([node, "-e", f"require('{name}')"], cwd=env_dir, capture_output=True, timeout=120)
+                assert r.returncode == 0, f"{name}@{version} installed but does not load: {_tail(r.stderr)}"
+            (env_dir / _MARKER).write_text(f"{name}@{version}\n")
+    return env_dir
+
+
 def python_sdk_python() -> Path:
     """The interpreter of a virtual environment holding the pinned Python SDK (built on first use).
 
     Skips the calling test when the SDK cannot be installed (no network and no cached build)."""
-    if "python" in _UNAVAILABLE:
-        pytest.skip(_UNAVAILABLE["python"])
-    try:
-        return build_python_sdk()
-    except SdkUnavailable as e:
-        _UNAVAILABLE["python"] = str(e)
-        pytest.skip(str(e))
+    return _skip_unless_built("python", build_python_sdk)
 
 
 def build_python_sdk() -> Path:
     """Build (once) the Python SDK's virtual environment and return its interpreter; SdkUnavailable if it cannot be
     installed. Used by the tests and by benchmarks/rocketmq_sdk.py."""
     name, version = PYTHON_SDK
-    pyver = f"py{sys.version_info.major}{sys.version_info.minor}"
-    env_dir = CACHE / f"python-{name}-{version}-{pyver}"
-    python = env_dir / "bin" / "python"
-    with _locked(env_dir.name):
-        if not (env_dir / _MARKER).exists():
-            shutil.rmtree(env_dir, ignore_errors=True)
-            r = subprocess.run([sys.executable, "-m", "venv", str(env_dir)], capture_output=True, timeout=300)
-            if r.returncode != 0:
-                shutil.rmtree(env_dir, ignore_errors=True)
-                raise SdkUnavailable(f"cannot create a virtual environment for {name}: {_errors(r.stderr)}")
-            pip_env = {**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
-            pip_env.pop("PYTHONPATH", None)
-            r = subprocess.run([str(python), "-m", "pip", "install", "-q", f"{name}=={version}"],
-                               capture_output=True, timeout=900, env=pip_env)
-            if r.returncode != 0:
-                shutil.rmtree(env_dir, ignore_errors=True)
-                raise SdkUnavailable(f"cannot install {name}=={version} (offline?): {_errors(r.stderr)}")
-            # Installed: from here on a failure is the SDK's environment being broken, which must be seen.
-            r = subprocess.run([str(python), "-c", "import rocketmq, rocketmq.grpc_protocol"], capture_output=True, timeout=120)
-            assert r.returncode == 0, f"{name}=={version} installed but does not import: {_tail(r.stderr)}"
-            (env_dir / _MARKER).write_text(f"{name}=={version}\n")
-    return python
+    return _python_env(name, version, (), "import rocketmq, rocketmq.grpc_protocol", "offline?", "does not import")
 
 
 def remoting_python() -> Path:
     """The interpreter of a virtual environment holding PyPI's `rocketmq` (RocketMQ 4's C++ client), built on first use.
 
     Skips the calling test when it cannot be installed (no network and no cached build)."""
-    if "remoting-python" in _UNAVAILABLE:
-        pytest.skip(_UNAVAILABLE["remoting-python"])
-    try:
-        return build_remoting_python()
-    except SdkUnavailable as e:
-        _UNAVAILABLE["remoting-python"] = str(e)
-        pytest.skip(str(e))
+    return _skip_unless_built("remoting-python", build_remoting_python)
 
 
 def build_remoting_python() -> Path:
     name, version = REMOTING_PYTHON_CLIENT
-    pyver = f"py{sys.version_info.major}{sys.version_info.minor}"
-    env_dir = CACHE / f"python-{name}-{version}-{pyver}"
-    python = env_dir / "bin" / "python"
-    with _locked(env_dir.name):
-        if not (env_dir / _MARKER).exists():
-            shutil.rmtree(env_dir, ignore_errors=True)
-            r = subprocess.run([sys.executable, "-m", "venv", str(env_dir)], capture_output=True, timeout=300)
-            if r.returncode != 0:
-                shutil.rmtree(env_dir, ignore_errors=True)
-                raise SdkUnavailable(f"cannot create a virtual environment for {name}: {_errors(r.stderr)}")
-            pip_env = {**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
-            pip_env.pop("PYTHONPATH", None)
-            r = subprocess.run([str(python), "-m", "pip", "install", "-q", "--only-binary", ":all:", f"{name}=={version}"],
-                               capture_output=True, timeout=900, env=pip_env)
-            if r.returncode != 0:
-                shutil.rmtree(env_dir, ignore_errors=True)
-                raise SdkUnavailable(f"cannot install {name}=={version} (offline, or no wheel for this platform?): {_errors(r.stderr)}")
-            r = subprocess.run([str(python), "-c", "import rocketmq.client"], capture_output=True, timeout=120)
-            assert r.returncode == 0, f"{name}=={version} installed but does not load librocketmq: {_tail(r.stderr)}"
-            (env_dir / _MARKER).write_text(f"{name}=={version}\n")
-    return python
+    return _python_env(name, version, ("--only-binary", ":all:"), "import rocketmq.client",
+                       "offline, or no wheel for this platform?", "does not load librocketmq")
 
 
 def remoting_python_scenario(python: Path, scenario: str, home: Path, *args: str, timeout: float = 150) -> dict:
@@ -159,27 +168,15 @@ def remoting_python_scenario(python: Path, scenario: str, home: Path, *args: str
 
 def remoting_node_dir() -> Path:
     """A directory whose node_modules holds npm's ali-ons (installed on first use); skips without node/npm or the package."""
-    if "remoting-node" in _UNAVAILABLE:
-        pytest.skip(_UNAVAILABLE["remoting-node"])
+    return _skip_unless_built("remoting-node", build_remoting_node)
+
+
+def build_remoting_node() -> Path:
     name, version = REMOTING_NODE_CLIENT
-    node, npm = shutil.which("node"), shutil.which("npm")
-    if not node or not npm:
-        _UNAVAILABLE["remoting-node"] = "node and npm are needed for ali-ons"
-        pytest.skip(_UNAVAILABLE["remoting-node"])
-    env_dir = CACHE / f"node-{name}-{version}"
-    with _locked(env_dir.name):
-        if not (env_dir / _MARKER).exists():
-            shutil.rmtree(env_dir, ignore_errors=True)
-            env_dir.mkdir(parents=True)
-            (env_dir / "package.json").write_text(json.dumps({"name": "txmq-remoting-tests", "private": True, "version": "0.0.0"}))
-            r = subprocess.run([npm, "install", "--no-audit", "--no-fund", "--save-exact", f"{name}@{version}"],
-                               cwd=env_dir, capture_output=True, timeout=900)
-            if r.returncode != 0:
-                shutil.rmtree(env_dir, ignore_errors=True)
-                _UNAVAILABLE["remoting-node"] = f"cannot install {name}@{version} (offline?): {_errors(r.stderr)}"
-                pytest.skip(_UNAVAILABLE["remoting-node"])
-            (env_dir / _MARKER).write_text(f"{name}@{version}\n")
-    return env_dir
+    npm = shutil.which("npm")
+    if not shutil.which("node") or not npm:
+        raise SdkUnavailable("node and npm are needed for ali-ons")
+    return _npm_env(name, version, "txmq-remoting-tests", npm, None)
 
 
 def remoting_node_scenario(sdk_dir: Path, scenario: str, home: Path, *args: str, timeout: float = 150) -> dict:
@@ -207,13 +204,7 @@ def node_sdk_dir() -> Path:
     """A directory whose node_modules holds the pinned Node.js SDK (installed on first use).
 
     Skips the calling test when `node`/`npm` are missing or the package cannot be installed."""
-    if "node" in _UNAVAILABLE:
-        pytest.skip(_UNAVAILABLE["node"])
-    try:
-        return build_node_sdk()
-    except SdkUnavailable as e:
-        _UNAVAILABLE["node"] = str(e)
-        pytest.skip(str(e))
+    return _skip_unless_built("node", build_node_sdk)
 
 
 def build_node_sdk() -> Path:
@@ -226,21 +217,7 @@ def build_node_sdk() -> Path:
     major = int((r.stdout.decode() or "0").split(".")[0] or 0)
     if major < 18:
         raise SdkUnavailable(f"{name} needs Node.js 18 or newer (found {r.stdout.decode() or 'none'})")
-    env_dir = CACHE / f"node-{name}-{version}"
-    with _locked(env_dir.name):
-        if not (env_dir / _MARKER).exists():
-            shutil.rmtree(env_dir, ignore_errors=True)
-            env_dir.mkdir(parents=True)
-            (env_dir / "package.json").write_text(json.dumps({"name": "txmq-sdk-tests", "private": True, "version": "0.0.0"}))
-            r = subprocess.run([npm, "install", "--no-audit", "--no-fund", "--save-exact", f"{name}@{version}"],
-                               cwd=env_dir, capture_output=True, timeout=900)
-            if r.returncode != 0:
-                shutil.rmtree(env_dir, ignore_errors=True)
-                raise SdkUnavailable(f"cannot install {name}@{version} (offline?): {_errors(r.stderr)}")
-            r = subprocess.run([node, "-e", f"require('{name}')"], cwd=env_dir, capture_output=True, timeout=120)
-            assert r.returncode == 0, f"{name}@{version} installed but does not load: {_tail(r.stderr)}"
-            (env_dir / _MARKER).write_text(f"{name}@{version}\n")
-    return env_dir
+    return _npm_env(name, version, "txmq-sdk-tests", npm, node)
 
 
 def wait_for_port(port: int, timeout: float = 20.0) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -124,6 +125,21 @@ def test_node_sdk_fifo_simple_consumer_keeps_each_groups_order_across_expiry_cra
     _simple_consumer_case(run, broker, tmp_path, "NodeSdkFifo", "node-fifo")
 
 
+def consumed_in_order_across_a_sigkill(broker, bodies: set[str], consume: Callable[[], dict]) -> None:
+    """Run ``consume`` (an SDK push consumer's scenario) in a thread, SIGKILL and restart the broker while it consumes,
+    then check that every body was consumed, each message group in its order."""
+    result: dict = {}
+    t = threading.Thread(target=lambda: result.update(consume()))
+    t.start()
+    time.sleep(3)  # part of it consumed
+    broker.kill()
+    broker.start()
+    t.join(220)
+    assert result.get("all_consumed"), result
+    events = [{"body": d["body"], "event": "processed" if d["result"] == "SUCCESS" else "failed"} for d in result["deliveries"]]
+    assert_in_order(events, bodies)
+
+
 def test_python_sdk_fifo_push_consumer_receives_native_fifo_messages_in_order_across_a_broker_sigkill(sdk_python, broker, tmp_path):
     topic, group, count = "PySdkFifoPush", "py-fifo-push", 8
     fifo_setup(broker, topic, group)
@@ -132,22 +148,9 @@ def test_python_sdk_fifo_push_consumer_receives_native_fifo_messages_in_order_ac
     assert r.returncode == 0, r.stderr
     assert len(lines(r)) == GROUPS * count
     bodies = {f"g{k}:{i}" for i in range(count) for k in range(GROUPS)}
-    result: dict = {}
-
-    def consume() -> None:
-        result.update(python_scenario(sdk_python, "push", tmp_path / "c", "--endpoint", broker.endpoint, "--topic", topic,
-                                      "--group", group, "--expect", str(len(bodies)), "--slow", "0.15",
-                                      "--receive-wait", "90", "--deadline", "150", timeout=200))
-
-    t = threading.Thread(target=consume)
-    t.start()
-    time.sleep(3)  # part of it consumed
-    broker.kill()
-    broker.start()
-    t.join(220)
-    assert result.get("all_consumed"), result
-    events = [{"body": d["body"], "event": "processed" if d["result"] == "SUCCESS" else "failed"} for d in result["deliveries"]]
-    assert_in_order(events, bodies)
+    consumed_in_order_across_a_sigkill(broker, bodies, lambda: python_scenario(
+        sdk_python, "push", tmp_path / "c", "--endpoint", broker.endpoint, "--topic", topic, "--group", group,
+        "--expect", str(len(bodies)), "--slow", "0.15", "--receive-wait", "90", "--deadline", "150", timeout=200))
 
 
 def test_node_sdk_fifo_producer_and_push_consumer_keep_each_groups_order_across_a_broker_sigkill(sdk_node, broker, tmp_path):
@@ -156,22 +159,9 @@ def test_node_sdk_fifo_producer_and_push_consumer_keep_each_groups_order_across_
     sent = node_scenario(sdk_node, "fifo-send", tmp_path / "p", "--endpoint", broker.endpoint, "--topic", topic,
                          "--groups", str(GROUPS), "--count", "8")["sent"]
     bodies = {x["body"] for x in sent}
-    result: dict = {}
-
-    def consume() -> None:
-        result.update(node_scenario(sdk_node, "push", tmp_path / "c", "--endpoint", broker.endpoint, "--topic", topic,
-                                    "--group", group, "--expect", str(len(bodies)), "--slow", "150",
-                                    "--receive-wait", "90000", "--deadline", "150000", timeout=200))
-
-    t = threading.Thread(target=consume)
-    t.start()
-    time.sleep(3)  # part of it consumed
-    broker.kill()
-    broker.start()
-    t.join(220)
-    assert result.get("all_consumed"), result
-    events = [{"body": d["body"], "event": "processed" if d["result"] == "SUCCESS" else "failed"} for d in result["deliveries"]]
-    assert_in_order(events, bodies)
+    consumed_in_order_across_a_sigkill(broker, bodies, lambda: node_scenario(
+        sdk_node, "push", tmp_path / "c", "--endpoint", broker.endpoint, "--topic", topic, "--group", group,
+        "--expect", str(len(bodies)), "--slow", "150", "--receive-wait", "90000", "--deadline", "150000", timeout=200))
 
 
 def test_python_sdk_lite_subscription_is_refused_by_the_broker_as_unsupported_not_by_a_zero_length_limit(sdk_python, broker, tmp_path):

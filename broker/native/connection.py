@@ -24,18 +24,22 @@
   max_connections_per_ip from one address) are closed as soon as accepted.
   Each refusal gets an error reply when one can be sent, and is counted.
   Authenticated connections may stay idle for as long as they like.
+
+The limits, the output batching and the backpressure are the base class's,
+LimitedConnection (broker/connlimits.py), which the remoting port's
+connections share; this module frames, dispatches and encodes the replies.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import hmac
 import itertools
 from functools import partial
 import logging
 from typing import Any
 
+from txmq.broker.connlimits import LimitCounters, LimitedConnection
 from txmq.wire import FATAL, ErrorCode, FrameDecoder, FrameError, TxmqError, parse_payload, push, reply
 from txmq.wire import REQUEST
 
@@ -43,103 +47,35 @@ from txmq.wire import REQUEST
 log = logging.getLogger("txmq.conn")
 _ids = itertools.count(1)
 
-WRITE_HIGH = 4 << 20
-# After an error reply that ends a connection, the broker shuts its side
-# down and reads and discards what the client still sends for up to this
-# long before closing: closing with unread input would reset the connection
-# and the client could lose the reply.
-LINGER_S = 1.0
-PULL_BUDGET = 64 << 20  # reply bytes the pulls in flight on one connection may ask for
+_COUNTERS = LimitCounters(accepted="connections_accepted", refused="connections_refused",
+                          refused_per_ip="connections_refused_per_ip", partial_frame_refusals="partial_frame_refusals",
+                          auth_timeouts="auth_timeouts", frame_timeouts="frame_timeouts")
+_LIMIT_CODES = {"busy": ErrorCode.BUSY, "auth_timeout": ErrorCode.AUTH_REQUIRED, "frame_timeout": ErrorCode.MALFORMED_FRAME}
 
 
-class BrokerConnection(asyncio.Protocol):
+class BrokerConnection(LimitedConnection):
+    counters = _COUNTERS
+    first_request = "hello with the broker's token"
+
     def __init__(self, core, server_state) -> None:
-        self.core = core
+        super().__init__(core, server_state)
         self.state = server_state
         self.conn_id = next(_ids)
         self.client_id = ""
-        self.transport: asyncio.Transport | None = None
         cfg = core.config
         self.authed = not cfg.auth_token
         self.decoder = FrameDecoder(cfg.max_frame if self.authed else min(cfg.max_preauth_frame, cfg.max_frame))
-        self._partial = 0  # bytes this connection adds to state.partial_frame_bytes
-        self._frame_started = 0.0  # loop time of the first byte of the frame being received; 0 when none
-        self._hello_by = 0.0  # loop time the first request (hello, with a token) is due by; 0 once it came
-        self._counted = False  # accepted (not refused at once): counted in the connection figures
-        self.ip = ""
-        self.inflight = 0
-        self._out: list[bytes] = []
-        self._flush_scheduled = False
-        self._write_paused = False
-        self._read_paused = False
-        self._closing = False
         self._tasks: set[asyncio.Task] = set()
-        self._backlog: collections.deque[bytes] = collections.deque()  # read but not dispatched (paused)
-        self._out_bytes = 0
-        self._pull_bytes = 0
-        self.peer = ""
 
     # ---- asyncio.Protocol ---------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-        self._loop = asyncio.get_running_loop()  # cached for the per-reply call_soon
-        self.transport.set_write_buffer_limits(high=WRITE_HIGH)
-        peer = transport.get_extra_info("peername")
-        self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
-        self.ip = str(peer[0]) if isinstance(peer, tuple) else self.peer
-        state, cfg = self.state, self.core.config
-        cap = cfg.max_connections
-        if cap is not None and len(state.connections) >= cap:
-            self._refuse_at_once("connections_refused", f"too many connections: the broker's limit is {cap} (--max-connections)")
-            return
-        per_ip = cfg.max_connections_per_ip
-        if per_ip and state.by_ip.get(self.ip, 0) >= per_ip:
-            self._refuse_at_once("connections_refused_per_ip",
-                                 f"too many connections from {self.ip}: the broker's limit is {per_ip} per address (--max-connections-per-ip)")
-            return
-        self._counted = True
-        state.connections.add(self)
-        state.by_ip[self.ip] = state.by_ip.get(self.ip, 0) + 1
-        self.core.metrics.inc("connections_accepted")
-        if cfg.auth_timeout_s:
-            self._hello_by = self._loop.time() + cfg.auth_timeout_s
+        self._open(transport)
+        self._admit(self.core.config.max_connections, "--max-connections")
 
-    def _refuse_at_once(self, counter: str, message: str) -> None:
-        """Close a connection over a connection limit as soon as it is accepted: its descriptor is freed at once."""
-        self._closing = True
-        metrics = self.core.metrics
-        metrics.inc(counter)
-        metrics.inc("errors_busy")
-        self.state.note_refusal(counter, self.peer)
+    def _refusal(self, message: str) -> bytes:
+        self.core.metrics.inc("errors_busy")
         err = TxmqError(message, ErrorCode.BUSY)
-        try:
-            self.transport.write(reply(0, err.to_fields(), int(err.code)))  # one small frame: fits the socket buffer
-        finally:
-            self.transport.close()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._closing = True
-        self._release_partial()
-        if not self._counted:
-            return
-        self._counted = False
-        state = self.state
-        state.connections.discard(self)
-        n = state.by_ip.get(self.ip, 0) - 1
-        if n > 0:
-            state.by_ip[self.ip] = n
-        else:
-            state.by_ip.pop(self.ip, None)
-        self.core.registry.unregister_all(self)
-        self.core.consumer_registry.unregister_all(self)
-
-    def pause_writing(self) -> None:
-        self._write_paused = True
-        self._pause_reading()
-
-    def resume_writing(self) -> None:
-        self._write_paused = False
-        self._maybe_resume_reading()
+        return reply(0, err.to_fields(), int(err.code))
 
     def data_received(self, data: bytes) -> None:
         if self._closing:
@@ -191,43 +127,14 @@ class BrokerConnection(asyncio.Protocol):
 
     def _held(self, completed: bool) -> bool:
         """Account for the bytes of a frame still being received; False if the connection was refused for them."""
-        held = self.decoder.buffered
-        delta = held - self._partial
-        if delta:
-            state, cfg = self.state, self.core.config
-            if delta > 0 and state.partial_frame_bytes + delta > cfg.partial_frame_budget:
-                self._close_with(TxmqError(
-                    f"the broker holds too many bytes of frames still being received (--partial-frame-budget "
-                    f"{cfg.partial_frame_budget}); retry later", ErrorCode.BUSY), "partial_frame_refusals")
-                return False
-            state.partial_frame_bytes += delta
-            self._partial = held
-        if not held:
-            self._frame_started = 0.0
-        elif completed or not self._frame_started:
-            self._frame_started = self._loop.time()  # a new frame began in this read
-        return True
+        return self._hold(self.decoder.buffered, completed)
 
-    def _release_partial(self) -> None:
-        if self._partial:
-            self.state.partial_frame_bytes -= self._partial
-            self._partial = 0
-        self._frame_started = 0.0
+    def _drop_buffered(self) -> None:
         if self.decoder.buffered:
             self.decoder = FrameDecoder(0)  # what was buffered is never read: let it go now
 
-    def sweep(self, now: float) -> None:
-        """Close the connection if its first request or its current frame is overdue (called by the server)."""
-        if self._closing:
-            return
-        cfg = self.core.config
-        if self._hello_by and now >= self._hello_by:
-            what = "hello with the broker's token" if cfg.auth_token else "request"
-            self._close_with(TxmqError(f"no {what} within {cfg.auth_timeout_s:g}s of connecting (--auth-timeout)",
-                                       ErrorCode.AUTH_REQUIRED), "auth_timeouts")
-        elif self._frame_started and cfg.frame_timeout_s and not self._read_paused and now - self._frame_started >= cfg.frame_timeout_s:
-            self._close_with(TxmqError(f"frame not complete {cfg.frame_timeout_s:g}s after its first byte (--frame-timeout)",
-                                       ErrorCode.MALFORMED_FRAME), "frame_timeouts")
+    def _close_for(self, counter: str, kind: str, message: str) -> None:
+        self._close_with(TxmqError(message, _LIMIT_CODES[kind]), counter)
 
     def _run(self, payloads: list[bytes]) -> None:
         for i, payload in enumerate(payloads):
@@ -259,8 +166,8 @@ class BrokerConnection(asyncio.Protocol):
                 self._fatal(id_, TxmqError("authentication failed: wrong token", ErrorCode.AUTH_FAILED))
                 return
             self.authed = True
-        if self._hello_by:
-            self._hello_by = 0.0
+        if self._first_by:
+            self._first_by = 0.0
         handler = self.state.handlers.get(op)
         if handler is None:
             self._reply_error(id_, TxmqError(f"unknown operation {op[:64]!r}", ErrorCode.UNKNOWN_OPERATION))
@@ -279,29 +186,18 @@ class BrokerConnection(asyncio.Protocol):
         if isinstance(result, dict):
             self._send_reply(id_, result)
             return
-        self.inflight += 1
-        if self.inflight == 1:
-            self.state.busy += 1
-        if self.inflight >= self.core.config.max_inflight_per_conn:
-            self._pause_reading()
         fut = result if isinstance(result, asyncio.Future) else asyncio.ensure_future(result)
-        self.state.inflight.add(fut)
         if op == "pull":  # the one reply whose size the client picks
             mb = fields.get("max_bytes")
             cost = min(mb, 64 << 20) if type(mb) is int and mb > 0 else 1 << 20
-            self._pull_bytes += cost
-            if self._pull_bytes > PULL_BUDGET:
-                self._pause_reading()
+            self._track(fut, cost)
             fut.add_done_callback(partial(self._done, id_, cost=cost))
             return
+        self._track(fut)
         fut.add_done_callback(partial(self._done, id_))
 
     def _done(self, id_: int, fut: asyncio.Future, cost: int = 0) -> None:
-        self.state.inflight.discard(fut)
-        self.inflight -= 1
-        if self.inflight == 0:
-            self.state.busy -= 1
-        self._pull_bytes -= cost
+        self._untrack(fut, cost)
         if not fut.cancelled() and fut.exception() is None:
             self._send_reply(id_, fut.result(), now=not self.inflight)
             if self._read_paused:
@@ -336,24 +232,7 @@ class BrokerConnection(asyncio.Protocol):
             metrics.inc(counter)
         log.info("event=connection_refused peer=%s reason=%s", self.peer, counter or err.code.name)
         self._send(reply(id_, err.to_fields(), int(err.code)))
-        self._flush()
-        self._closing = True
-        self._release_partial()
-        transport = self.transport
-        if transport is None or transport.is_closing():
-            return
-        try:
-            linger = transport.can_write_eof()
-        except NotImplementedError:
-            linger = False
-        if not linger:
-            transport.close()
-            return
-        transport.write_eof()  # the reply, then end of stream
-        if self._read_paused:
-            self._read_paused = False
-            transport.resume_reading()  # drain what the client still sends (data_received drops it)
-        self._loop.call_later(LINGER_S, transport.close)
+        self._end_after_reply()
 
     def _send_reply(self, id_: int, result: dict[str, Any], now: bool = False) -> None:
         try:
@@ -363,68 +242,9 @@ class BrokerConnection(asyncio.Protocol):
             return
         self._send(data, now=now)
 
-    def _send(self, data: bytes, now: bool = False) -> None:
-        """Queue data for the write at the end of this loop iteration; ``now``: write what is queued at once."""
-        if self._closing or self.transport is None or self.transport.is_closing():
-            return
-        self._out.append(data)
-        self._out_bytes += len(data)
-        if now or self._out_bytes > WRITE_HIGH:
-            self._write_out()  # over the limit: hand it to the transport now, it pauses us if the peer is not reading
-        elif not self._flush_scheduled:
-            self._flush_scheduled = True
-            self._loop.call_soon(self._flush)
-
-    def _flush(self) -> None:
-        self._flush_scheduled = False
-        self._write_out()
-
-    def _write_out(self) -> None:
-        self._out_bytes = 0
-        if self._out and self.transport is not None and not self.transport.is_closing():
-            out, self._out = self._out, []
-            self.transport.write(b"".join(out) if len(out) > 1 else out[0])
-            arm = self.core.busy_poll.arm
-            if arm is not None and self.state.busy <= 1:
-                arm()  # and for the lone client's next request
-        else:
-            self._out.clear()
-
     def push(self, op: str, fields: dict[str, Any]) -> None:
         self._send(push(op, fields))
 
     def send_frame(self, frame: bytes) -> None:
         """Send one or more already encoded frames (length prefixes included), e.g. a batch of check-back pushes."""
         self._send(frame)
-
-    def writable(self) -> bool:
-        return self.transport is not None and not self._closing and not self.transport.is_closing() and not self._write_paused
-
-    def _pause_reading(self) -> None:
-        if not self._read_paused and self.transport is not None and not self.transport.is_closing():
-            self._read_paused = True
-            self.transport.pause_reading()
-
-    def _maybe_resume_reading(self) -> None:
-        if self._frame_started and self._read_paused:
-            self._frame_started = self._loop.time()  # the frame's time runs only while it is being read
-        if (
-            self._read_paused
-            and not self._write_paused
-            and self.inflight < self.core.config.max_inflight_per_conn // 2
-            and self._pull_bytes <= PULL_BUDGET // 2
-            and self.transport is not None
-            and not self.transport.is_closing()
-        ):
-            self._read_paused = False
-            if self._backlog:
-                backlog, self._backlog = list(self._backlog), collections.deque()
-                self._run(backlog)
-                if self._read_paused or self._closing:
-                    return
-            self.transport.resume_reading()
-
-    def close(self) -> None:
-        if self.transport is not None:
-            self._flush()
-            self.transport.close()

@@ -10,8 +10,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-import time
 from typing import TYPE_CHECKING
+
+from txmq.broker.connlimits import LogThrottle
 
 from .connection import BrokerConnection
 from .operations import HANDLERS, Handler
@@ -35,8 +36,7 @@ class ServerState:
         self.by_ip: dict[str, int] = {}  # open connections per remote address
         self.busy = 0  # connections with requests in flight
         self.partial_frame_bytes = 0  # held by all connections in frames not yet complete
-        self._refusals = 0  # connection-limit refusals not logged yet
-        self._refusal_logged_at = float("-inf")
+        self._refusals = LogThrottle(REFUSAL_LOG_EVERY_S)  # connection-limit refusals
 
     def gauges(self) -> dict[str, int]:
         """What `txmq broker status`, `txmq stats` and Prometheus show of the connections (BrokerCore.connection_gauges)."""
@@ -44,13 +44,10 @@ class ServerState:
 
     def note_refusal(self, reason: str, peer: str) -> None:
         """Log connection-limit refusals, at most one line per REFUSAL_LOG_EVERY_S (a flood must not flood the log)."""
-        self._refusals += 1
-        now = time.monotonic()
-        if now - self._refusal_logged_at >= REFUSAL_LOG_EVERY_S:
-            log.warning("event=connections_refused reason=%s peer=%s refused=%d msg=%s", reason, peer, self._refusals,
+        refused = self._refusals.note()
+        if refused:
+            log.warning("event=connections_refused reason=%s peer=%s refused=%d msg=%s", reason, peer, refused,
                         "'over a connection limit; counted in connections_refused*, logged at most every 10s'")
-            self._refusals = 0
-            self._refusal_logged_at = now
 
 
 async def sweep_connections(state: ServerState, config: BrokerConfig) -> None:

@@ -24,7 +24,8 @@ ports' caps: server.connection_limits) or --max-connections-per-ip are
 closed as soon as accepted. A frame that cannot be a command closes its
 connection, and only it. Backpressure: a client that does not read its
 responses, or has too many requests or pulled bytes in flight, is not read
-from until it drains.
+from until it drains. The limits, the batching and the backpressure are
+LimitedConnection's (broker/connlimits.py), shared with the native port.
 """
 
 from __future__ import annotations
@@ -36,11 +37,11 @@ import itertools
 import logging
 import socket
 import struct
-import time
 from functools import partial
 from hashlib import sha1
 from typing import TYPE_CHECKING, Any
 
+from txmq.broker.connlimits import LimitCounters, LimitedConnection, LogThrottle
 from txmq.wire import PUSH, ErrorCode, FrameDecoder, TxmqError, parse_payload
 
 from . import protocol as p
@@ -55,11 +56,11 @@ if TYPE_CHECKING:
 log = logging.getLogger("txmq.remoting")
 
 _ids = itertools.count(1 << 41)  # conn_ids of their own range: they share the registries with the other front ends
-WRITE_HIGH = 4 << 20
-PULL_BUDGET = 64 << 20
-LINGER_S = 1.0
 REFUSAL_LOG_EVERY_S = 10.0
 _LEN = struct.Struct(">i")
+_COUNTERS = LimitCounters(accepted="remoting_connections_accepted", refused="remoting_connections_refused",
+                          refused_per_ip="remoting_connections_refused_per_ip", partial_frame_refusals="remoting_partial_frame_refusals",
+                          auth_timeouts="remoting_auth_timeouts", frame_timeouts="remoting_frame_timeouts")
 
 
 class BindError(Exception):
@@ -89,11 +90,9 @@ class RemotingFrontend:
         self.broker_name = "txmq"
         self.cluster_name = "txmq"
         self._sweeper: asyncio.Task | None = None
-        self._refusals = 0
-        self._refusal_logged_at = float("-inf")
+        self._refusals = LogThrottle(REFUSAL_LOG_EVERY_S)
         self._opaque = itertools.count(1)
-        self._oneway_failures = 0  # failed oneway requests not logged yet
-        self._oneway_logged_at = float("-inf")
+        self._oneway_failures = LogThrottle(REFUSAL_LOG_EVERY_S)  # failed oneway requests
 
     # ---- lifecycle --------------------------------------------------------------------------
     async def bind(self) -> int:
@@ -166,129 +165,63 @@ class RemotingFrontend:
 
     # ---- what the connections share ----------------------------------------------------------
     def note_refusal(self, reason: str, peer: str) -> None:
-        self._refusals += 1
-        now = time.monotonic()
-        if now - self._refusal_logged_at >= REFUSAL_LOG_EVERY_S:
-            log.warning("event=remoting_connections_refused reason=%s peer=%s refused=%d msg=%s", reason, peer, self._refusals,
+        refused = self._refusals.note()
+        if refused:
+            log.warning("event=remoting_connections_refused reason=%s peer=%s refused=%d msg=%s", reason, peer, refused,
                         "'over a connection limit; counted in remoting_connections_refused*, logged at most every 10s'")
-            self._refusals = 0
-            self._refusal_logged_at = now
 
     def note_oneway_failure(self, peer: str, cmd: p.Command, resp: p.Command) -> None:
         """Log a failed oneway request (a lost END_TRANSACTION, say): at most one line per REFUSAL_LOG_EVERY_S, with the count."""
-        self._oneway_failures += 1
-        now = time.monotonic()
-        if now - self._oneway_logged_at >= REFUSAL_LOG_EVERY_S:
+        failures = self._oneway_failures.note()
+        if failures:
             log.warning("event=remoting_oneway_failed peer=%s code=%d response=%d failures=%d remark=%r", peer, cmd.code, resp.code,
-                        self._oneway_failures, resp.remark[:200])
-            self._oneway_failures = 0
-            self._oneway_logged_at = now
+                        failures, resp.remark[:200])
 
     def next_opaque(self) -> int:
         return next(self._opaque) & 0x7FFFFFFF
 
 
-class RemotingConnection(asyncio.Protocol):
+class RemotingConnection(LimitedConnection):
     """One client connection: a PushTarget (broker/registry.py) for check-backs when it registered a producer group."""
 
+    counters = _COUNTERS
+    first_request = "correctly signed request"
+
     def __init__(self, front: RemotingFrontend) -> None:
+        super().__init__(front.core, front)
         self.front = front
-        self.core = front.core
         self.conn_id = next(_ids)
         cfg = self.core.config
         self.authed = not cfg.auth_token
         self.max_frame = cfg.max_frame if self.authed else min(cfg.max_preauth_frame, cfg.max_frame)
-        self.transport: asyncio.Transport | None = None
-        self.peer = ""
-        self.ip = ""
         self.local_host = cfg.host
         self.store_addr = b"\x7f\x00\x00\x01"
         self._buf = bytearray()
-        self._partial = 0
-        self._frame_started = 0.0
-        self._first_by = 0.0
-        self._counted = False
-        self._closing = False
-        self._read_paused = False
-        self._write_paused = False
-        self._out: list[bytes] = []
-        self._out_bytes = 0
-        self._flush_scheduled = False
-        self.inflight = 0
-        self.pull_bytes = 0
         self._pulls: set[asyncio.Future] = set()  # its pulls in flight (suspended ones too): cancelled when it closes
-        self._backlog: list[bytes] = []
         self.client_ids: set[str] = set()  # the client ids that sent heartbeats over this connection
         self.json_requests = True  # the serialize type of the requests it sends: the broker's requests follow it
 
     # ---- asyncio.Protocol -----------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-        self._loop = asyncio.get_running_loop()
-        self.transport.set_write_buffer_limits(high=WRITE_HIGH)
-        peer = transport.get_extra_info("peername")
-        self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
-        self.ip = str(peer[0]) if isinstance(peer, tuple) else self.peer
+        self._open(transport)
         local = transport.get_extra_info("sockname")
         if isinstance(local, tuple):
             self.local_host = str(local[0])
             self.store_addr = address_bytes(self.local_host)
-        front, cfg = self.front, self.core.config
-        if front.stopping:
+        if self.front.stopping:
             transport.close()
             return
-        if len(front.connections) >= front.max_connections:
-            self._refuse_at_once("remoting_connections_refused",
-                                 f"too many connections: the broker's limit is {front.max_connections} (--remoting-max-connections)")
-            return
-        per_ip = cfg.max_connections_per_ip
-        if per_ip and front.by_ip.get(self.ip, 0) >= per_ip:
-            self._refuse_at_once("remoting_connections_refused_per_ip",
-                                 f"too many connections from {self.ip}: the broker's limit is {per_ip} per address (--max-connections-per-ip)")
-            return
-        self._counted = True
-        front.connections.add(self)
-        front.by_ip[self.ip] = front.by_ip.get(self.ip, 0) + 1
-        self.core.metrics.inc("remoting_connections_accepted")
-        if cfg.auth_timeout_s:
-            self._first_by = self._loop.time() + cfg.auth_timeout_s
+        self._admit(self.front.max_connections, "--remoting-max-connections")
 
-    def _refuse_at_once(self, counter: str, message: str) -> None:
-        self._closing = True
-        self.core.metrics.inc(counter)
-        self.front.note_refusal(counter, self.peer)
-        try:  # a response no request asked for: clients log it; the connection is closed at once
-            self.transport.write(p.encode(p.Command(code=p.SYSTEM_BUSY, flag=p.RESPONSE_FLAG, remark=message)))
-        finally:
-            self.transport.close()
+    def _refusal(self, message: str) -> bytes:
+        # a response no request asked for: clients log it; the connection is closed at once
+        return p.encode(p.Command(code=p.SYSTEM_BUSY, flag=p.RESPONSE_FLAG, remark=message))
 
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._closing = True
-        self._release_partial()
-        if not self._counted:
-            return
-        self._counted = False
-        front = self.front
-        front.connections.discard(self)
-        n = front.by_ip.get(self.ip, 0) - 1
-        if n > 0:
-            front.by_ip[self.ip] = n
-        else:
-            front.by_ip.pop(self.ip, None)
-        self.core.registry.unregister_all(self)
-        self.core.consumer_registry.unregister_all(self)
-        front.clients.connection_closed(self)
+    def _forget(self) -> None:
+        self.front.clients.connection_closed(self)
         # A suspended pull waits up to 30 s for a message no one will read: it ends now, and its waiter with it.
         for fut in list(self._pulls):
             fut.cancel()
-
-    def pause_writing(self) -> None:
-        self._write_paused = True
-        self._pause_reading()
-
-    def resume_writing(self) -> None:
-        self._write_paused = False
-        self._maybe_resume_reading()
 
     def data_received(self, data: bytes) -> None:
         if self._closing:
@@ -333,39 +266,16 @@ class RemotingConnection(asyncio.Protocol):
         return frames
 
     def _account(self, completed: bool) -> bool:
-        held = len(self._buf)
-        delta = held - self._partial
-        if delta:
-            front, cfg = self.front, self.core.config
-            if delta > 0 and front.partial_frame_bytes + delta > cfg.partial_frame_budget:
-                self._close_with(f"the broker holds too many bytes of frames still being received (--partial-frame-budget "
-                                 f"{cfg.partial_frame_budget}); retry later", "remoting_partial_frame_refusals", code=p.SYSTEM_BUSY)
-                return False
-            front.partial_frame_bytes += delta
-            self._partial = held
-        if not held:
-            self._frame_started = 0.0
-        elif completed or not self._frame_started:
-            self._frame_started = self._loop.time()
-        return True
+        return self._hold(len(self._buf), completed)
 
-    def _release_partial(self) -> None:
-        if self._partial:
-            self.front.partial_frame_bytes -= self._partial
-            self._partial = 0
-        self._frame_started = 0.0
+    def _drop_buffered(self) -> None:
         self._buf = bytearray()
 
-    def sweep(self, now: float) -> None:
-        if self._closing:
-            return
-        cfg = self.core.config
-        if self._first_by and now >= self._first_by:
-            what = "correctly signed request" if cfg.auth_token else "request"
-            self._close_with(f"no {what} within {cfg.auth_timeout_s:g}s of connecting (--auth-timeout)", "remoting_auth_timeouts")
-        elif (self._frame_started and cfg.frame_timeout_s and not self._read_paused
-              and now - self._frame_started >= cfg.frame_timeout_s):
-            self._close_with(f"frame not complete {cfg.frame_timeout_s:g}s after its first byte (--frame-timeout)", "remoting_frame_timeouts")
+    def _close_for(self, counter: str, kind: str, message: str) -> None:
+        if kind == "busy":
+            self._close_with(message, counter, code=p.SYSTEM_BUSY)
+        else:
+            self._close_with(message, counter)
 
     # ---- dispatch ---------------------------------------------------------------------------
     def _run(self, frames: list[bytes]) -> None:
@@ -402,7 +312,7 @@ class RemotingConnection(asyncio.Protocol):
         self._first_by = 0.0
         if not self.front.ready.is_set():  # the broker is not serving yet (its store opens): the request waits
             fut = asyncio.ensure_future(self._after_ready(cmd))
-            self._track(cmd, fut)
+            self._track_request(cmd, fut)
             return
         if self.front.stopping or core.draining:
             self._respond(cmd, p.response(cmd, p.SYSTEM_BUSY, remark="the broker is shutting down"))
@@ -422,9 +332,9 @@ class RemotingConnection(asyncio.Protocol):
             self._respond(cmd, result)
             return
         if type(result) is Then:
-            self._track(cmd, result.fut, result.fn)
+            self._track_request(cmd, result.fut, result.fn)
             return
-        self._track(cmd, asyncio.ensure_future(result))
+        self._track_request(cmd, asyncio.ensure_future(result))
 
     async def _after_ready(self, cmd: p.Command) -> p.Command | None:
         await self.front.ready.wait()
@@ -441,29 +351,17 @@ class RemotingConnection(asyncio.Protocol):
             return result.fn(await result.fut)
         return await result
 
-    def _track(self, cmd: p.Command, fut: asyncio.Future, then: Any = None) -> None:
-        self.inflight += 1
-        if self.inflight == 1:
-            self.front.busy += 1
-        if self.inflight >= self.core.config.max_inflight_per_conn:
-            self._pause_reading()
-        self.front.inflight.add(fut)
+    def _track_request(self, cmd: p.Command, fut: asyncio.Future, then: Any = None) -> None:
         cost = 0
         if cmd.code == p.PULL_MESSAGE:
             self._pulls.add(fut)
             cost = pull_cost(cmd)
-            self.pull_bytes += cost
-            if self.pull_bytes > PULL_BUDGET:
-                self._pause_reading()
+        self._track(fut, cost)
         fut.add_done_callback(partial(self._done, cmd, cost, then))
 
     def _done(self, cmd: p.Command, cost: int, then: Any, fut: asyncio.Future) -> None:
-        self.front.inflight.discard(fut)
         self._pulls.discard(fut)
-        self.inflight -= 1
-        if self.inflight == 0:
-            self.front.busy -= 1
-        self.pull_bytes -= cost
+        self._untrack(fut, cost)
         if fut.cancelled():
             self._respond(cmd, p.response(cmd, p.SYSTEM_BUSY, remark="the broker is shutting down"))
         elif fut.exception() is not None:
@@ -494,32 +392,6 @@ class RemotingConnection(asyncio.Protocol):
             data = p.encode(error_response(self.core, cmd, exc))
         self._send(data, now)
 
-    def _send(self, data: bytes, now: bool = False) -> None:
-        if self._closing or self.transport is None or self.transport.is_closing():
-            return
-        self._out.append(data)
-        self._out_bytes += len(data)
-        if now or self._out_bytes > WRITE_HIGH:
-            self._write_out()
-        elif not self._flush_scheduled:
-            self._flush_scheduled = True
-            self._loop.call_soon(self._flush)
-
-    def _flush(self) -> None:
-        self._flush_scheduled = False
-        self._write_out()
-
-    def _write_out(self) -> None:
-        self._out_bytes = 0
-        if self._out and self.transport is not None and not self.transport.is_closing():
-            out, self._out = self._out, []
-            self.transport.write(b"".join(out) if len(out) > 1 else out[0])
-            arm = self.core.busy_poll.arm
-            if arm is not None and self.front.busy <= 1:
-                arm()
-        else:
-            self._out.clear()
-
     def _close_with(self, reason: str, counter: str | None, cmd: p.Command | None = None, code: int = p.SYSTEM_ERROR) -> None:
         """One response saying why (to cmd, or unsolicited), then close this connection; the others go on."""
         metrics = self.core.metrics
@@ -531,52 +403,9 @@ class RemotingConnection(asyncio.Protocol):
         else:
             resp = p.Command(code=code, flag=p.RESPONSE_FLAG, remark=reason)
         self._send(p.encode(resp))
-        self._flush()
-        self._closing = True
-        self._release_partial()
-        transport = self.transport
-        if transport is None or transport.is_closing():
-            return
-        try:
-            linger = transport.can_write_eof()
-        except NotImplementedError:
-            linger = False
-        if not linger:
-            transport.close()
-            return
-        transport.write_eof()
-        if self._read_paused:
-            self._read_paused = False
-            transport.resume_reading()
-        self._loop.call_later(LINGER_S, transport.close)
-
-    def _pause_reading(self) -> None:
-        if not self._read_paused and self.transport is not None and not self.transport.is_closing():
-            self._read_paused = True
-            self.transport.pause_reading()
-
-    def _maybe_resume_reading(self) -> None:
-        if self._frame_started and self._read_paused:
-            self._frame_started = self._loop.time()
-        if (self._read_paused and not self._write_paused and self.inflight < self.core.config.max_inflight_per_conn // 2
-                and self.pull_bytes <= PULL_BUDGET // 2 and self.transport is not None and not self.transport.is_closing()):
-            self._read_paused = False
-            if self._backlog:
-                backlog, self._backlog = self._backlog, []
-                self._run(backlog)
-                if self._read_paused or self._closing:
-                    return
-            self.transport.resume_reading()
-
-    def close(self) -> None:
-        if self.transport is not None:
-            self._flush()
-            self.transport.close()
+        self._end_after_reply()
 
     # ---- PushTarget: check-backs --------------------------------------------------------------
-    def writable(self) -> bool:
-        return self.transport is not None and not self._closing and not self.transport.is_closing() and not self._write_paused
-
     def push(self, op: str, fields: dict) -> None:
         if op == "check_transaction":
             self.front.clients.check_back(self, fields)

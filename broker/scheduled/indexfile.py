@@ -25,8 +25,6 @@ Schema (docs/store-format.md, "timers.db"):
 
 from __future__ import annotations
 
-import itertools
-import json
 import logging
 import sqlite3
 import zlib
@@ -34,6 +32,8 @@ from pathlib import Path
 from typing import Any, Iterable
 
 import msgpack
+
+from txmq.broker import sqlitefile
 
 log = logging.getLogger("txmq.scheduled")
 
@@ -65,16 +65,11 @@ class TimerFileError(Exception):
     io = False
 
 
-def damaged(exc: sqlite3.DatabaseError) -> bool:
-    code = getattr(exc, "sqlite_errorcode", None)
-    if code is not None:
-        return code & 0xFF in (sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB, sqlite3.SQLITE_FORMAT)
-    return not isinstance(exc, sqlite3.OperationalError)
+damaged = sqlitefile.damaged
 
 
 def remove_db(data_dir: Path) -> None:
-    for sfx in ("", "-wal", "-shm", "-journal"):
-        (data_dir / (DB_FILE + sfx)).unlink(missing_ok=True)
+    sqlitefile.remove_files(data_dir, DB_FILE)
 
 
 class TimerDatabase:
@@ -86,19 +81,12 @@ class TimerDatabase:
         self._pack = msgpack.Packer(use_bin_type=True).pack
         self.bad_rows = 0  # rows whose checksum did not match, skipped
         try:
-            if readonly:
-                flags = "mode=ro" if Path(f"{path}-wal").exists() else "mode=ro&immutable=1"
-                self.conn = sqlite3.connect(f"file:{path}?{flags}", uri=True, isolation_level=None, check_same_thread=False)
-            else:
-                self.conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
-                self.conn.execute("PRAGMA journal_mode=WAL")
-                self.conn.execute("PRAGMA synchronous=NORMAL")
-                self.conn.executescript(_SCHEMA)
-            self.meta = {k: (json.loads(v) if isinstance(v, str) else v) for k, v in self.conn.execute("SELECT key, value FROM meta")}
+            self.conn = sqlitefile.connect(path, readonly, _SCHEMA)
+            self.meta = sqlitefile.read_meta(self.conn)
         except sqlite3.Error as exc:
             self.close()
             err = TimerFileError(f"{path}: {exc}")
-            err.io = ((getattr(exc, "sqlite_errorcode", 0) or 0) & 0xFF) in (10, 13, 14)
+            err.io = sqlitefile.io_error(exc)
             raise err from None
         if not self.meta:
             if readonly:
@@ -112,17 +100,12 @@ class TimerDatabase:
             raise TimerFileError(f"{path}: version {version!r}; this broker reads version {VERSION}")
 
     def close(self) -> None:
-        conn = getattr(self, "conn", None)
-        if conn is not None:
-            try:
-                conn.close()
-            except sqlite3.Error:
-                pass
+        if getattr(self, "conn", None) is not None:
+            sqlitefile.close(self.conn)
             self.conn = None  # type: ignore[assignment]
 
     def _write_meta(self, meta: dict[str, Any]) -> None:
-        self.conn.executemany("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)",
-                              [(k, v if isinstance(v, int) else json.dumps(v)) for k, v in meta.items()])
+        sqlitefile.write_meta(self.conn, meta)
 
     # ---- reading -------------------------------------------------------------------
     def _checked(self, stored: list[tuple]) -> list[Row]:
@@ -173,30 +156,12 @@ class TimerDatabase:
     # ---- writing (the broker's worker thread) -----------------------------------
     def flush(self, added: Iterable[Row], removed: Iterable[int], meta: dict[str, Any]) -> None:
         """Insert the added rows, delete the removed ones and write meta, as one SQLite transaction."""
-        conn, pack, crc32 = self.conn, self._pack, zlib.crc32
-        conn.execute("BEGIN IMMEDIATE")
-        try:
-            it = iter(added)
-            while True:
-                chunk = [(*row, crc32(pack(row))) for row in itertools.islice(it, ROWS_PER_INSERT)]
-                if len(chunk) < ROWS_PER_INSERT:
-                    if chunk:
-                        conn.executemany(_INSERT, chunk)
-                    break
-                conn.execute(_INSERT_MANY, list(itertools.chain.from_iterable(chunk)))
+        conn = self.conn
+        with sqlitefile.write_transaction(conn):
+            sqlitefile.insert_rows(conn, added, self._pack, ROWS_PER_INSERT, _INSERT, _INSERT_MANY)
             conn.executemany("DELETE FROM timer WHERE cl_offset = ?", ((o,) for o in removed))
             self._write_meta(meta)
-            conn.execute("COMMIT")
-        except BaseException:
-            try:
-                conn.execute("ROLLBACK")
-            except sqlite3.Error:
-                pass
-            raise
         self.meta = dict(self.meta, **meta)
 
     def checkpoint(self) -> None:
-        try:
-            self.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-        except sqlite3.Error as exc:
-            log.warning("event=timers_checkpoint_failed error=%r", exc)
+        sqlitefile.checkpoint(self.conn, log, "timers_checkpoint_failed")

@@ -47,8 +47,6 @@ Schema (``docs/store-format.md`` describes it for people):
 
 from __future__ import annotations
 
-import itertools
-import json
 import logging
 import random
 import sqlite3
@@ -57,6 +55,8 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 import msgpack
+
+from txmq.broker import sqlitefile
 
 log = logging.getLogger("txmq.txdb")
 
@@ -131,21 +131,15 @@ class DamagedRow(IndexFileError):
         self.row = row
 
 
-def damaged_index(exc: sqlite3.DatabaseError) -> bool:
-    """Whether SQLite says the file's content is damaged (not an I/O error or a full disk, which may pass)."""
-    code = getattr(exc, "sqlite_errorcode", None)
-    if code is not None:
-        return code & 0xFF in (sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB, sqlite3.SQLITE_FORMAT)
-    return not isinstance(exc, sqlite3.OperationalError)  # no code (older Python): what I/O errors are not
+damaged_index = sqlitefile.damaged
 
 
 def db_files(data_dir: Path) -> list[Path]:
-    return [data_dir / (DB_FILE + sfx) for sfx in ("", "-wal", "-shm", "-journal")]
+    return sqlitefile.db_files(data_dir, DB_FILE)
 
 
 def remove_db(data_dir: Path) -> None:
-    for p in db_files(data_dir):
-        p.unlink(missing_ok=True)
+    sqlitefile.remove_files(data_dir, DB_FILE)
 
 
 class TxDatabase:
@@ -161,29 +155,12 @@ class TxDatabase:
         self.readonly = readonly
         self._pack = msgpack.Packer(use_bin_type=True).pack  # one per connection: a connection serves one thread at a time
         try:
-            if readonly:
-                # No WAL file: no broker has the file open, and a clean stop
-                # folded everything into it. immutable=1 then reads it without
-                # creating the -wal/-shm files a WAL reader needs (inspection
-                # leaves the data directory as it was). With a WAL, a broker is
-                # writing: read through it.
-                flags = "mode=ro" if Path(f"{path}-wal").exists() else "mode=ro&immutable=1"
-                self.conn = sqlite3.connect(f"file:{path}?{flags}", uri=True, isolation_level=None, check_same_thread=False)
-            else:
-                self.conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
-                self.conn.execute("PRAGMA journal_mode=WAL")
-                # NORMAL in WAL mode: a power cut may lose the last flushes,
-                # never corrupt the file; the log replay from applied_to
-                # restores what they held.
-                self.conn.execute("PRAGMA synchronous=NORMAL")
-                self.conn.executescript(_SCHEMA)
+            self.conn = sqlitefile.connect(path, readonly, _SCHEMA)
             self.meta = self._meta()
         except sqlite3.Error as exc:
             self.close()
             err = IndexFileError(f"{path}: {exc}")
-            # SQLITE_IOERR (and its extended codes, e.g. a -shm file that cannot grow), SQLITE_FULL,
-            # SQLITE_CANTOPEN (e.g. too many open files)
-            err.io = ((getattr(exc, "sqlite_errorcode", 0) or 0) & 0xFF) in (10, 13, 14)
+            err.io = sqlitefile.io_error(exc)
             raise err from None
         if not self.meta:
             if readonly:
@@ -204,25 +181,17 @@ class TxDatabase:
         return TxDatabase(self.path)
 
     def close(self) -> None:
-        conn = getattr(self, "conn", None)
-        if conn is not None:
-            try:
-                conn.close()
-            except sqlite3.Error:
-                pass
+        if getattr(self, "conn", None) is not None:
+            sqlitefile.close(self.conn)
             self.conn = None  # type: ignore[assignment]
 
     # ---- meta ----------------------------------------------------------------
     def _meta(self) -> dict[str, Any]:
-        out = {}
-        for k, v in self.conn.execute("SELECT key, value FROM meta"):
-            out[k] = json.loads(v) if isinstance(v, str) else v
-        return out
+        return sqlitefile.read_meta(self.conn)
 
     @staticmethod
     def _write_meta(conn: sqlite3.Connection, meta: dict[str, Any]) -> None:
-        conn.executemany("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)",
-                         [(k, v if isinstance(v, int) else json.dumps(v)) for k, v in meta.items()])
+        sqlitefile.write_meta(conn, meta)
 
     # ---- reading ---------------------------------------------------------------
     def checked(self, stored: tuple) -> tuple:
@@ -321,34 +290,16 @@ class TxDatabase:
     # ---- writing (the writer connection, in one thread at a time) --------------
     def flush(self, rows: Iterable[tuple], meta: dict[str, Any], prune_below: int | None = None) -> None:
         """Write changed rows and the meta they bring the file to, as one SQLite transaction."""
-        conn, pack, crc32 = self.conn, self._pack, zlib.crc32
-        conn.execute("BEGIN IMMEDIATE")
-        try:
-            it = iter(rows)
-            while True:
-                chunk = [(*row, crc32(pack(row))) for row in itertools.islice(it, ROWS_PER_INSERT)]
-                if len(chunk) < ROWS_PER_INSERT:
-                    if chunk:
-                        conn.executemany(_INSERT, chunk)
-                    break
-                conn.execute(_INSERT_MANY, list(itertools.chain.from_iterable(chunk)))
+        conn = self.conn
+        with sqlitefile.write_transaction(conn):
+            sqlitefile.insert_rows(conn, rows, self._pack, ROWS_PER_INSERT, _INSERT, _INSERT_MANY)
             if prune_below is not None:
                 # Retention deleted the records of transactions whose first copy is below it.
                 conn.execute("DELETE FROM tx WHERE origin < ? AND state != 0", (prune_below,))
             self._write_meta(conn, meta)
-            conn.execute("COMMIT")
-        except BaseException:
-            try:
-                conn.execute("ROLLBACK")
-            except sqlite3.Error:
-                pass
-            raise
         self.meta = dict(self.meta, **meta)
 
     def checkpoint(self) -> None:
         """Fold the WAL into the main file (at a clean shutdown: a smaller directory, a faster next open)."""
-        try:
-            self.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-        except sqlite3.Error as exc:
-            log.warning("event=txindex_checkpoint_failed error=%r", exc)
+        sqlitefile.checkpoint(self.conn, log, "txindex_checkpoint_failed")
 

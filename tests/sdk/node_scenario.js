@@ -42,6 +42,17 @@ function credentials(args) {
   return args.secretKey ? { accessKey: args.accessKey || 'txmq', accessSecret: args.secretKey } : undefined;
 }
 
+// What every client of a scenario is built with: the broker's endpoint, TLS, the credentials and the request timeout.
+function clientOptions(args) {
+  return { endpoints: args.endpoint, sslEnabled: args.tls === 'true', namespace: '', sessionCredentials: credentials(args), requestTimeout: args.requestTimeout };
+}
+
+function simpleConsumer(sdk, args, topic) {
+  return new sdk.SimpleConsumer({
+    ...clientOptions(args), consumerGroup: args.group, subscriptions: new Map([[ topic, '*' ]]), awaitDuration: args.awaitDuration,
+  });
+}
+
 const sleep = ms => new Promise(resolve => setTimeout(resolve, ms));
 
 async function waitUntil(pred, ms) {
@@ -103,7 +114,7 @@ async function transactions(sdk, args) {
   const orphanBody = `orphan-${t}`;
   const checks = [];
   const producer = new sdk.Producer({
-    endpoints: args.endpoint, sslEnabled: args.tls === 'true', namespace: '', sessionCredentials: credentials(args), topics: [ t ], requestTimeout: args.requestTimeout,
+    ...clientOptions(args), topics: [ t ],
     checker: checker({ [commitBody]: COMMIT, [rollbackBody]: ROLLBACK, [orphanBody]: COMMIT }, checks),
   });
   await producer.startup();
@@ -126,10 +137,7 @@ async function transactions(sdk, args) {
   RESULT.orphan_checked = await waitUntil(() => checks.some(c => c.body === orphanBody), args.checkWait);
   await sleep(500); // the checker's EndTransaction(source=SOURCE_SERVER_CHECK) reaches the broker
 
-  const consumer = new sdk.SimpleConsumer({
-    endpoints: args.endpoint, sslEnabled: args.tls === 'true', namespace: '', sessionCredentials: credentials(args), consumerGroup: args.group, requestTimeout: args.requestTimeout,
-    subscriptions: new Map([[ t, '*' ]]), awaitDuration: args.awaitDuration,
-  });
+  const consumer = simpleConsumer(sdk, args, t);
   await consumer.startup();
   RESULT.consumer_started = true;
   const got = await receiveUntil(consumer, [ commitBody, orphanBody ], args.receiveWait, args.settle);
@@ -142,7 +150,7 @@ async function transactions(sdk, args) {
 
 async function send(sdk, args) {
   const t = args.topic;
-  const producer = new sdk.Producer({ endpoints: args.endpoint, sslEnabled: args.tls === 'true', namespace: '', sessionCredentials: credentials(args), topics: [ t ], requestTimeout: args.requestTimeout });
+  const producer = new sdk.Producer({ ...clientOptions(args), topics: [ t ] });
   await producer.startup();
   const sent = [];
   for (let i = 0; i < args.count; i++) {
@@ -162,7 +170,7 @@ async function send(sdk, args) {
 // with when it arrived and its deliveryTimestamp.
 async function delay(sdk, args) {
   const t = args.topic;
-  const producer = new sdk.Producer({ endpoints: args.endpoint, sslEnabled: args.tls === 'true', namespace: '', sessionCredentials: credentials(args), topics: [ t ], requestTimeout: args.requestTimeout });
+  const producer = new sdk.Producer({ ...clientOptions(args), topics: [ t ] });
   await producer.startup();
   const sent = [];
   for (let i = 0; i < args.count; i++) {
@@ -177,10 +185,7 @@ async function delay(sdk, args) {
     RESULT.shutdown = true;
     return;
   }
-  const consumer = new sdk.SimpleConsumer({
-    endpoints: args.endpoint, sslEnabled: args.tls === 'true', namespace: '', sessionCredentials: credentials(args), consumerGroup: args.group, requestTimeout: args.requestTimeout,
-    subscriptions: new Map([[ t, '*' ]]), awaitDuration: args.awaitDuration,
-  });
+  const consumer = simpleConsumer(sdk, args, t);
   await consumer.startup();
   const got = [];
   const end = Date.now() + args.receiveWait;
@@ -196,10 +201,7 @@ async function delay(sdk, args) {
 }
 
 async function receive(sdk, args) {
-  const consumer = new sdk.SimpleConsumer({
-    endpoints: args.endpoint, sslEnabled: args.tls === 'true', namespace: '', sessionCredentials: credentials(args), consumerGroup: args.group, requestTimeout: args.requestTimeout,
-    subscriptions: new Map([[ args.topic, '*' ]]), awaitDuration: args.awaitDuration,
-  });
+  const consumer = simpleConsumer(sdk, args, args.topic);
   await consumer.startup();
   const got = [];
   let end = Date.now() + args.receiveWait;
@@ -226,8 +228,7 @@ async function receive(sdk, args) {
 async function push(sdk, args) {
   const deliveries = [];
   const consumer = new sdk.PushConsumer({
-    endpoints: args.endpoint, sslEnabled: args.tls === 'true', namespace: '', sessionCredentials: credentials(args), consumerGroup: args.group, requestTimeout: args.requestTimeout,
-    subscriptions: new Map([[ args.topic, '*' ]]),
+    ...clientOptions(args), consumerGroup: args.group, subscriptions: new Map([[ args.topic, '*' ]]),
     messageListener: {
       async consume(messageView) {
         if (args.slow) await sleep(args.slow);
@@ -252,7 +253,7 @@ async function push(sdk, args) {
 // FIFO: --count messages to each of --groups message groups, one send at a time, interleaved (BODYg0:0, BODYg1:0, ...).
 async function fifoSend(sdk, args) {
   const t = args.topic;
-  const producer = new sdk.Producer({ endpoints: args.endpoint, sslEnabled: args.tls === 'true', namespace: '', sessionCredentials: credentials(args), topics: [ t ], requestTimeout: args.requestTimeout });
+  const producer = new sdk.Producer({ ...clientOptions(args), topics: [ t ] });
   await producer.startup();
   const sent = [];
   for (let i = 0; i < args.count; i++) {
@@ -270,10 +271,7 @@ async function fifoSend(sdk, args) {
 
 // A SimpleConsumer of a FIFO group processing each message group in order (see python_scenario.py's fifo-receive).
 async function fifoReceive(sdk, args) {
-  const consumer = new sdk.SimpleConsumer({
-    endpoints: args.endpoint, sslEnabled: args.tls === 'true', namespace: '', sessionCredentials: credentials(args), consumerGroup: args.group, requestTimeout: args.requestTimeout,
-    subscriptions: new Map([[ args.topic, '*' ]]), awaitDuration: args.awaitDuration,
-  });
+  const consumer = simpleConsumer(sdk, args, args.topic);
   await consumer.startup();
   RESULT.consumer_started = true;
   const events = [];
