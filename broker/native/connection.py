@@ -36,7 +36,7 @@ from functools import partial
 import logging
 from typing import Any
 
-from txmq.wire import FATAL, ErrorCode, FrameDecoder, FrameError, TxmqError, parse_payload, push, reply
+from txmq.wire import FATAL, ErrorCode, FrameDecoder, FrameError, TxmqError, parse_payload, push, reply, reply_parts
 from txmq.wire import REQUEST
 
 
@@ -44,6 +44,7 @@ log = logging.getLogger("txmq.conn")
 _ids = itertools.count(1)
 
 WRITE_HIGH = 4 << 20
+BLOB_MIN = 256 << 10  # a reply value this large (raw pull records) is written as its own buffer, not copied into the frame
 # After an error reply that ends a connection, the broker shuts its side
 # down and reads and discards what the client still sends for up to this
 # long before closing: closing with unread input would reset the connection
@@ -76,6 +77,7 @@ class BrokerConnection(asyncio.Protocol):
         self._tasks: set[asyncio.Task] = set()
         self._backlog: collections.deque[bytes] = collections.deque()  # read but not dispatched (paused)
         self._out_bytes = 0
+        self._out_blob = False  # a buffer of BLOB_MIN bytes or more is queued: written with writelines
         self._pull_bytes = 0
         self.peer = ""
 
@@ -357,6 +359,12 @@ class BrokerConnection(asyncio.Protocol):
 
     def _send_reply(self, id_: int, result: dict[str, Any], now: bool = False) -> None:
         try:
+            records = result.get("records")
+            if type(records) is bytes and len(records) >= BLOB_MIN:  # a raw pull: its records are written as they are
+                head, blob = reply_parts(id_, result, "records")
+                self._send(head)
+                self._send(blob, now=now)
+                return
             data = reply(id_, result)
         except Exception as exc:  # a value no frame can carry (a bug): an error reply, and the connection goes on
             self._reply_error(id_, self.core.store_error(exc))
@@ -369,6 +377,8 @@ class BrokerConnection(asyncio.Protocol):
             return
         self._out.append(data)
         self._out_bytes += len(data)
+        if len(data) >= BLOB_MIN:
+            self._out_blob = True
         if now or self._out_bytes > WRITE_HIGH:
             self._write_out()  # over the limit: hand it to the transport now, it pauses us if the peer is not reading
         elif not self._flush_scheduled:
@@ -381,9 +391,15 @@ class BrokerConnection(asyncio.Protocol):
 
     def _write_out(self) -> None:
         self._out_bytes = 0
+        blob, self._out_blob = self._out_blob, False
         if self._out and self.transport is not None and not self.transport.is_closing():
             out, self._out = self._out, []
-            self.transport.write(b"".join(out) if len(out) > 1 else out[0])
+            if len(out) == 1:
+                self.transport.write(out[0])
+            elif blob:  # a large buffer among them: each handed over as it is (writev), not joined
+                self.transport.writelines(out)
+            else:
+                self.transport.write(b"".join(out))
             arm = self.core.busy_poll.arm
             if arm is not None and self.state.busy <= 1:
                 arm()  # and for the lone client's next request
