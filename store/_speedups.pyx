@@ -167,14 +167,16 @@ cdef int _pread_all(int fd, unsigned char *buf, int64_t n, int64_t pos) noexcept
     return 0
 
 
-def read_queue_raw(bytes entries not None, int64_t max_bytes, list segments not None, int64_t readable_end,
+def read_queue_raw(bytes entries not None, int64_t max_bytes, int64_t max_record, list segments not None, int64_t readable_end,
                    bytes topic not None, int32_t queue_id, int64_t first_q, int64_t gap, int64_t span):
     """LogView.read_queue_raw's work in one call: (records back to back, count), or None when any is not plain.
 
     ``entries`` are consume-queue entries (codec-independent 20-byte
     ``<qIq`` rows) for queue offsets first_q, first_q + 1, ...;
     ``segments`` the log's (start, end, fd) rows in order. The leading
-    entries whose sizes fit max_bytes (at least one) are read with one pread
+    entries whose sizes fit max_bytes (at least one; none larger than
+    max_record, the largest record the store takes: an entry claiming more
+    is garbage, never allocated for) are read with one pread
     per run of neighbouring records (holes up to gap read through, runs up to
     span; adjacent records land in the reply with no copy), then each record
     is checked as ``read_queue`` does: size, magic, lengths, its own offset,
@@ -198,7 +200,7 @@ def read_queue_raw(bytes entries not None, int64_t max_bytes, list segments not 
         return None
     for i in range(n):  # the entries that fit max_bytes, as consumequeue.pick_entries picks them
         size = _u32(e + 20 * i + 8)
-        if size >= (1 << 31):  # a garbage entry: the usual read reports it
+        if size > max_record:  # a garbage entry: the usual read reports it
             if k == 0:
                 return None
             break

@@ -252,9 +252,11 @@ class LogView:
             i = j
         return out
 
-    def read_queue_raw(self, entries: bytes, max_bytes: int, topic: bytes, queue_id: int, first_q: int) -> tuple[bytes, int] | None:
+    def read_queue_raw(self, entries: bytes, max_bytes: int, max_record: int, topic: bytes, queue_id: int,
+                       first_q: int) -> tuple[bytes, int] | None:
         """The records of packed consume-queue entries (for queue offsets first_q, first_q + 1, ...) as stored, back
-        to back, with their count: the leading entries whose sizes fit max_bytes (at least one).
+        to back, with their count: the leading entries whose sizes fit max_bytes (at least one), none claiming more
+        than max_record bytes (a garbage entry: nothing that large is allocated).
 
         None when any of them is not plain: an entry outside the log, a
         record that does not check (size, magic, lengths, its own offset,
@@ -266,18 +268,18 @@ class LogView:
         """
         fn = getattr(codec.speedups, "read_queue_raw", None)
         if fn is None:
-            return self.read_queue_raw_py(entries, max_bytes, topic, queue_id, first_q)
+            return self.read_queue_raw_py(entries, max_bytes, max_record, topic, queue_id, first_q)
         segs = [(seg.start, seg.start + seg.length, seg.fd) for seg in self._segs]
-        return fn(entries, max_bytes, segs, self._readable_end(), topic, queue_id, first_q, RAW_GAP, SPAN)
+        return fn(entries, max_bytes, max_record, segs, self._readable_end(), topic, queue_id, first_q, RAW_GAP, SPAN)
 
-    def read_queue_raw_py(self, entries: bytes, max_bytes: int, topic: bytes, queue_id: int, first_q: int,
-                          gap: int = RAW_GAP, span: int = SPAN) -> tuple[bytes, int] | None:
+    def read_queue_raw_py(self, entries: bytes, max_bytes: int, max_record: int, topic: bytes, queue_id: int,
+                          first_q: int, gap: int = RAW_GAP, span: int = SPAN) -> tuple[bytes, int] | None:
         """read_queue_raw in Python (no compiled speed-ups): the same answers (holes up to gap read through, runs of at
         most span bytes)."""
         picked: list[tuple[int, int]] = []
         total = 0
         for off, size, _ in _ENTRY.iter_unpack(memoryview(entries)[: len(entries) // 20 * 20]):
-            if size >= 1 << 31:  # a garbage entry: the usual read reports it
+            if size > max_record:  # a garbage entry: the usual read reports it
                 if not picked:
                     return None
                 break

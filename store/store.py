@@ -610,7 +610,7 @@ class Store:
         tb = self._topic_bytes.get(topic)
         if tb is None:
             tb = topic.encode()
-        return log.read_queue_raw(raw, max_bytes, tb, queue_id, queue_offset)
+        return log.read_queue_raw(raw, max_bytes, self._limit, tb, queue_id, queue_offset)
 
     def get_messages(
         self, topic: str, queue_id: int, queue_offset: int, max_count: int = 32, max_bytes: int = 1 << 20

@@ -64,7 +64,7 @@ def test_raw_read_declines_a_damaged_record_which_the_usual_read_skips_and_repor
         assert [b[0] for b in got.skipped] == [40]
 
 
-@pytest.mark.parametrize("edit", ["another queue's record", "wrong size", "outside the log", "inside a record"])
+@pytest.mark.parametrize("edit", ["another queue's record", "wrong size", "outside the log", "inside a record", "huge size"])
 def test_raw_read_declines_an_entry_that_does_not_lead_to_its_record(tmp_path, impl, edit):
     with Store(tmp_path / "d") as s:
         res = _fill(s)
@@ -74,8 +74,13 @@ def test_raw_read_declines_an_entry_that_does_not_lead_to_its_record(tmp_path, i
         off, size, tags = ENTRY.unpack_from(entries, 20 * 5)
         other = res[5 * 3 + 1]  # queue 1's record next to it
         new = {"another queue's record": (other.commit_log_offset, other.size), "wrong size": (off, size + 1),
-               "outside the log": (log.end + 100, size), "inside a record": (off + 8, size - 8)}[edit]
+               "outside the log": (log.end + 100, size), "inside a record": (off + 8, size - 8),
+               "huge size": (off, (1 << 31) - 1)}[edit]
         ENTRY.pack_into(entries, 20 * 5, *new, tags)
-        assert log.read_queue_raw(bytes(entries[:100]), 1 << 20, b"t", 0, 0)[1] == 5  # the entries before it: fine
-        assert log.read_queue_raw(bytes(entries), 1 << 20, b"t", 0, 0) is None
-        assert log.read_queue_raw(bytes(entries), 1 << 20, b"t", 0, 1) is None  # queue offsets must match too
+        assert log.read_queue_raw(bytes(entries[:100]), 1 << 20, 1 << 20, b"t", 0, 0)[1] == 5  # the entries before it: fine
+        if edit == "huge size":  # more than any record may be: never allocated for, the read stops before it
+            assert log.read_queue_raw(bytes(entries), 1 << 20, 1 << 20, b"t", 0, 0)[1] == 5
+            assert log.read_queue_raw(bytes(entries[100:]), 1 << 20, 1 << 20, b"t", 0, 5) is None
+            return
+        assert log.read_queue_raw(bytes(entries), 1 << 20, 1 << 20, b"t", 0, 0) is None
+        assert log.read_queue_raw(bytes(entries), 1 << 20, 1 << 20, b"t", 0, 1) is None  # queue offsets must match too
