@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 WRITE_HIGH = 4 << 20
+BLOB_MIN = 256 << 10  # a buffer this large (a raw pull's records) is handed to the transport as it is, not joined
 # After an error reply that ends a connection, the broker shuts its side
 # down and reads and discards what the client still sends for up to this
 # long before closing: closing with unread input would reset the connection
@@ -104,6 +105,7 @@ class LimitedConnection(asyncio.Protocol):
         self._write_paused = False
         self._out: list[bytes] = []
         self._out_bytes = 0
+        self._out_blob = False  # a buffer of BLOB_MIN bytes or more is queued: written with writelines
         self._flush_scheduled = False
         self.inflight = 0
         self._pull_bytes = 0
@@ -243,6 +245,8 @@ class LimitedConnection(asyncio.Protocol):
             return
         self._out.append(data)
         self._out_bytes += len(data)
+        if len(data) >= BLOB_MIN:
+            self._out_blob = True
         if now or self._out_bytes > WRITE_HIGH:
             self._write_out()  # over the limit: hand it to the transport now, it pauses us if the peer is not reading
         elif not self._flush_scheduled:
@@ -255,9 +259,15 @@ class LimitedConnection(asyncio.Protocol):
 
     def _write_out(self) -> None:
         self._out_bytes = 0
+        blob, self._out_blob = self._out_blob, False
         if self._out and self.transport is not None and not self.transport.is_closing():
             out, self._out = self._out, []
-            self.transport.write(b"".join(out) if len(out) > 1 else out[0])
+            if len(out) == 1:
+                self.transport.write(out[0])
+            elif blob:  # a large buffer among them: each handed over as it is (writev), not joined
+                self.transport.writelines(out)
+            else:
+                self.transport.write(b"".join(out))
             arm = self.core.busy_poll.arm
             if arm is not None and self.shared.busy <= 1:
                 arm()  # a lone client's next request: keep a CPU awake through its fsync (broker/busypoll.py)

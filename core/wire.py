@@ -133,6 +133,20 @@ def reply(id_: int, fields: dict[str, Any], code: int = 0) -> bytes:
     return encode(REPLY, id_, code, fields)
 
 
+def reply_parts(id_: int, fields: dict[str, Any], key: str) -> tuple[bytes, bytes]:
+    """``reply(id_, fields)`` with fields[key] (bytes) packed last, as (everything before its bytes, its bytes): a large
+    value (a raw pull's records) goes to the socket as it is, with no copy into the frame."""
+    blob = fields[key]
+    rest = {k: v for k, v in fields.items() if k != key}
+    rest[key] = b""
+    packed = _packer.pack([REPLY, id_, 0, rest])  # ends with the empty value's bin 8 header, c4 00
+    n = len(blob)
+    bin_head = b"\xc4" + n.to_bytes(1, "big") if n < 1 << 8 else b"\xc5" + n.to_bytes(2, "big") if n < 1 << 16 \
+        else b"\xc6" + n.to_bytes(4, "big")
+    head = packed[:-2] + bin_head
+    return HEADER.pack(len(head) + n) + head, blob
+
+
 def push(op: str, fields: dict[str, Any]) -> bytes:
     return encode(PUSH, 0, op, fields)
 

@@ -40,6 +40,7 @@ DEFAULT_MAX_RECORDS_PER_PARTITION = 2_000_000
 EARLIEST, LATEST = -2, -1  # as in per-queue JSON offsets (the Kafka source's convention)
 _log = logging.getLogger("txmq.spark")
 _LEN = struct.Struct(">I")
+_DIRECT = 256 << 10  # payloads this much larger than what is buffered are received straight into their own buffer
 
 
 class BrokerReadError(RuntimeError):
@@ -94,8 +95,10 @@ class WireClient:
             raise ConnectionError(f"lost the connection to {self.address}: {e}") from None
         return rid
 
-    def _recv_exact(self, n: int) -> bytes:
+    def _recv_exact(self, n: int) -> bytes | bytearray:
         buf = self._buf
+        if n - len(buf) >= _DIRECT:  # a large payload (a pull's records): received in place, no copies after
+            return self._recv_into(n)
         while len(buf) < n:
             try:
                 chunk = self.sock.recv(max(n - len(buf), 1 << 20))
@@ -108,6 +111,24 @@ class WireClient:
             buf += chunk
         out = bytes(buf[:n])
         del buf[:n]
+        return out
+
+    def _recv_into(self, n: int) -> bytearray:
+        out = bytearray(n)
+        have = len(self._buf)
+        out[:have] = self._buf
+        self._buf.clear()
+        view = memoryview(out)
+        while have < n:
+            try:
+                got = self.sock.recv_into(view[have:], n - have)
+            except socket.timeout:
+                raise ConnectionError(f"no answer from {self.address} within {self.timeout:g}s") from None
+            except OSError as e:
+                raise ConnectionError(f"lost the connection to {self.address}: {e}") from None
+            if not got:
+                raise ConnectionError(f"the broker at {self.address} closed the connection")
+            have += got
         return out
 
     def receive(self, rid: int) -> dict[str, Any]:

@@ -13,7 +13,9 @@ import struct
 from bisect import bisect_right
 from collections.abc import Callable, Iterator, Sequence
 
-from .codec import H_SIZE, HEADER_SIZE, MAGIC, Record, check_header, check_record, decode, valid_header
+from . import codec
+from .codec import (H_QUEUE_ID, H_QUEUE_OFFSET, H_SIZE, H_TOPIC_LEN, HEADER_SIZE, MAGIC, Record, check_header, check_record,
+                    decode, valid_header)
 from .errors import CorruptRecordError
 
 CHUNK = 1 << 20  # bytes per sequential read
@@ -21,6 +23,9 @@ FIRST_READ = 64 << 10  # a walk's first read: a reader's walk from the end of th
 GAP = 16 << 10  # read through holes up to this size rather than issue another pread
 SPAN = 1 << 20  # largest coalesced random read (one record may be larger)
 GUESS = 4096  # bytes read at an offset whose record size is unknown
+# A raw pull reads through holes up to this size: one pread costs about what copying 8 KiB from the page cache does.
+RAW_GAP = 8 << 10
+_ENTRY = struct.Struct("<qIq")  # a consume-queue entry (consumequeue.ENTRY): commit-log offset, size, tag hash
 _MAGIC_BYTES = MAGIC.to_bytes(4, "little")
 _U32 = struct.Struct("<I")
 ZERO_HEADER = bytes(8)  # where a record would start: no size, no magic (preallocated space)
@@ -246,6 +251,78 @@ class LogView:
                 out[order[k]] = rec
             i = j
         return out
+
+    def read_queue_raw(self, entries: bytes, max_bytes: int, max_record: int, topic: bytes, queue_id: int,
+                       first_q: int) -> tuple[bytes, int] | None:
+        """The records of packed consume-queue entries (for queue offsets first_q, first_q + 1, ...) as stored, back
+        to back, with their count: the leading entries whose sizes fit max_bytes (at least one), none claiming more
+        than max_record bytes (a garbage entry: nothing that large is allocated).
+
+        None when any of them is not plain: an entry outside the log, a
+        record that does not check (size, magic, lengths, its own offset,
+        tx_type, CRC) or is not this queue's record at that queue offset, a
+        failed read. The caller then reads with ``read_queue``, which
+        reports, repairs or skips what is wrong. One compiled call when the
+        speed-ups are built (``_speedups.read_queue_raw``), else
+        ``read_queue_raw_py``, which answers the same.
+        """
+        fn = getattr(codec.speedups, "read_queue_raw", None)
+        if fn is None:
+            return self.read_queue_raw_py(entries, max_bytes, max_record, topic, queue_id, first_q)
+        segs = [(seg.start, seg.start + seg.length, seg.fd) for seg in self._segs]
+        return fn(entries, max_bytes, max_record, segs, self._readable_end(), topic, queue_id, first_q, RAW_GAP, SPAN)
+
+    def read_queue_raw_py(self, entries: bytes, max_bytes: int, max_record: int, topic: bytes, queue_id: int,
+                          first_q: int, gap: int = RAW_GAP, span: int = SPAN) -> tuple[bytes, int] | None:
+        """read_queue_raw in Python (no compiled speed-ups): the same answers (holes up to gap read through, runs of at
+        most span bytes)."""
+        picked: list[tuple[int, int]] = []
+        total = 0
+        for off, size, _ in _ENTRY.iter_unpack(memoryview(entries)[: len(entries) // 20 * 20]):
+            if size > max_record:  # a garbage entry: the usual read reports it
+                if not picked:
+                    return None
+                break
+            if picked and total + size > max_bytes:
+                break
+            picked.append((off, size))
+            total += size
+        if not picked or not self._segs or len(topic) > 0xFFFF:
+            return None
+        end = self._readable_end()
+        parts: list = []
+        i = 0
+        try:
+            while i < len(picked):
+                off, size = picked[i]
+                seg = self._seg_at(off)
+                if seg is None or size < HEADER_SIZE or off + size > min(seg.end, end):
+                    return None
+                limit = min(seg.end, end)
+                run_end = off + size
+                j = i + 1
+                while j < len(picked):
+                    o, sz = picked[j]
+                    if o < run_end or sz < HEADER_SIZE or o + sz > limit or o - run_end > gap or o + sz - off > span:
+                        break
+                    run_end = o + sz
+                    j += 1
+                chunk = os.pread(seg.fd, run_end - off, off - seg.start)
+                if len(chunk) != run_end - off:
+                    return None
+                mv = memoryview(chunk)
+                for k in range(i, j):
+                    o, sz = picked[k]
+                    pos = o - off
+                    h = valid_header(chunk, pos, o, mv)
+                    if (h is None or h[H_SIZE] != sz or h[H_QUEUE_ID] != queue_id or h[H_QUEUE_OFFSET] != first_q + k
+                            or h[H_TOPIC_LEN] != len(topic) or mv[pos + HEADER_SIZE : pos + HEADER_SIZE + len(topic)] != topic):
+                        return None
+                    parts.append(mv[pos : pos + sz])
+                i = j
+        except OSError:  # the usual read meets it again and says so
+            return None
+        return b"".join(parts), len(picked)
 
     def read_queue(self, topic: str, queue_id: int, first_q: int, entries: Sequence[tuple[int, int]]) -> tuple[list[Record], list[tuple[int, int, str]]]:
         """The records of consume-queue entries first_q, first_q + 1, ... (given as (offset, size) pairs).

@@ -588,6 +588,30 @@ class Store:
         with self._lock:
             return cq.entries(start, start + max_count)
 
+    def read_queue_raw(self, topic: str, queue_id: int, queue_offset: int, max_count: int,
+                       max_bytes: int) -> tuple[bytes, int] | None:
+        """The records of queue offsets [queue_offset, ...) as stored, back to back, and their count: at least one,
+        up to max_count and max_bytes (a raw pull).
+
+        Each record is checked as ``get_messages`` checks it (CRC, its own
+        offset, this queue's record at that queue offset, the entry's size).
+        None when the offset is outside the queue or anything is not plain:
+        ``get_messages`` then answers, and reports, repairs or skips it.
+        """
+        log = self._open_log()
+        cq = self._queues.get((topic, queue_id))
+        if cq is None or max_count < 1:
+            return None
+        with self._lock:
+            lo, hi = cq.min_offset(log.min_offset), cq.next
+            if not lo <= queue_offset < hi:
+                return None
+            raw = cq.read_raw(queue_offset, min(queue_offset + max_count, hi))
+        tb = self._topic_bytes.get(topic)
+        if tb is None:
+            tb = topic.encode()
+        return log.read_queue_raw(raw, max_bytes, self._limit, tb, queue_id, queue_offset)
+
     def get_messages(
         self, topic: str, queue_id: int, queue_offset: int, max_count: int = 32, max_bytes: int = 1 << 20
     ) -> GetResult:

@@ -134,3 +134,40 @@ def test_offline_inspection_builds_the_index_around_a_damaged_op_record(tmp_path
         args = ["inspect", what, "--data-dir", str(data), "-o", "json"] + (["0"] if what == "tx" else [])
         r = txmq(*args)
         assert r.returncode == 0 and "damaged record(s) skipped" in err(r) and "Traceback" not in err(r), (what, err(r))
+
+
+def test_a_raw_pull_over_a_damaged_record_gets_the_usual_reply_which_skips_and_reports_it(tmp_path):
+    data = tmp_path / "data"
+
+    async def first():
+        async with running_broker(data, flush="sync") as b:
+            c = await RawClient.open(b.address)
+            out = [await c.ok("send", {"topic": "t1", "queue_id": 0, "body": b"%d" % i}) for i in range(50)]
+            await c.close()
+            return out
+
+    sent = arun(first())
+    victim = sent[30]
+    with StoreReader(data) as r:
+        size = r.read(victim["commit_log_offset"]).size
+    flip(data, victim["commit_log_offset"] + size - 1)
+
+    async def second():
+        async with running_broker(data, flush="sync") as b:
+            c = await RawClient.open(b.address)
+            pull = {"topic": "t1", "queue_id": 0, "max_count": 20, "raw": True}
+            before = await c.ok("pull", {**pull, "offset": 0})
+            over = await c.ok("pull", {**pull, "offset": 20})
+            info = await c.ok("broker_info", {})
+            await c.close()
+            return before, over, info
+
+    before, over, info = arun(second())
+    assert before["count"] == 20 and before["next_offset"] == 20 and "messages" not in before
+    with StoreReader(data) as r:
+        assert before["records"] == b"".join(r.read_many([s["commit_log_offset"] for s in sent[:20]], raw=True)[i][0]
+                                             for i in range(20))
+    assert "records" not in over
+    assert [m["body"] for m in over["messages"]] == [b"%d" % i for i in range(20, 40) if i != 30]
+    assert over["next_offset"] == 40
+    assert info["damaged_records"] == 1

@@ -28,6 +28,11 @@ class RecordingTransport(asyncio.Transport):
     def write(self, data: bytes) -> None:  # type: ignore[override]
         self.writes.append(bytes(data))
 
+    def writelines(self, list_of_data) -> None:  # type: ignore[override]
+        bufs = list(list_of_data)
+        self.buffers = getattr(self, "buffers", []) + bufs
+        self.writes.append(b"".join(bufs))
+
     def is_closing(self) -> bool:
         return False
 
@@ -99,3 +104,31 @@ def test_replies_of_a_connection_with_requests_still_in_flight_leave_together_at
         assert len(t.writes) == 2 and t.reply_ids() == [1, 2, 3]
 
     asyncio.run(main())
+
+
+def test_a_raw_pulls_records_go_to_the_socket_as_they_are_in_a_frame_that_decodes_the_same(waiting_op):
+    async def main():
+        conn, t = make_connection()
+        conn.data_received(requests(1, 2))
+        records = bytes(range(256)) * 4096  # 1 MiB
+        waiting_op[0].set_result({"status": "found", "records": records, "count": 7, "next_offset": 7})
+        waiting_op[1].set_result({"ok": True})
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        assert any(b is records for b in t.buffers)  # the very object: not copied into the frame
+        dec = wire.FrameDecoder()
+        dec.max_frame = 4 << 20
+        frames = [wire.parse_payload(p) for chunk in t.writes for p in dec.feed(chunk)]
+        assert [f.id for f in frames] == [1, 2]
+        assert frames[0].fields == {"status": "found", "records": records, "count": 7, "next_offset": 7}
+        assert frames[1].fields == {"ok": True}
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("n", [0, 1, 255, 256, 65535, 65536, 1 << 20])
+def test_reply_parts_are_the_reply_with_the_value_packed_last(n):
+    fields = {"records": b"r" * n, "status": "found", "count": 1}
+    head, blob = wire.reply_parts(9, fields, "records")
+    assert blob is fields["records"]
+    assert head + blob == wire.reply(9, {"status": "found", "count": 1, "records": b"r" * n})

@@ -389,3 +389,42 @@ def test_spark_export_follow_keeps_the_tables_current_and_resumes_after_ctrl_c(s
         assert s["tables"]["messages"]["rows"] == 400  # resumed where it stopped
         offs = sorted(r.queue_offset for r in spark.read.parquet(str(out / "messages")).collect())
         assert offs == list(range(1000))
+
+
+def test_a_large_reply_arriving_in_pieces_is_received_whole_and_a_cut_one_is_a_lost_connection():
+    """Pull replies of more than 256 KiB are received straight into their own buffer (no copies after the socket)."""
+    import socket
+    import threading
+
+    from txmq import wire
+    from txmq.spark.broker import WireClient
+
+    records = bytes(range(256)) * 8192  # 2 MiB
+    frame = wire.reply(5, {"status": "found", "records": records, "count": 3, "next_offset": 3})
+    small = wire.reply(4, {"status": "no_message"})
+    for cut in (False, True):
+        a, b = socket.socketpair()
+        c = object.__new__(WireClient)
+        c.address, c.timeout, c.sock, c._buf = "test", 5.0, a, bytearray()
+        a.settimeout(5.0)
+        data = small + frame
+        if cut:
+            data = data[: len(data) - 1000]
+
+        def feed(data=data, b=b):
+            for i in range(0, len(data), 70_000):  # pieces that split the length prefix and the payload anywhere
+                b.sendall(data[i : i + 70_000])
+                time.sleep(0.001)
+            b.close()
+
+        th = threading.Thread(target=feed)
+        th.start()
+        try:
+            if not cut:
+                assert c.receive(5) == {"status": "found", "records": records, "count": 3, "next_offset": 3}
+            else:
+                with pytest.raises(ConnectionError, match="closed the connection"):
+                    c.receive(5)
+        finally:
+            th.join()
+            a.close()

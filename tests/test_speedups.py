@@ -147,6 +147,67 @@ def test_check_push_matches_python(group, tx_id, cl, qoff, size, born, ts, prep,
         checkcopy.check_push_py(gp, tx_id, cl, qoff, size, born, ts, prep, props, body)
 
 
+# ---- a raw pull's gather: one compiled call per pull ---------------------------------
+@pytest.fixture(scope="module")
+def raw_log(tmp_path_factory):
+    """A log of two topics, two queues each, records interleaved (sizes 68 bytes up to ~9 KB)."""
+    from txmq.store import Message, Store, TxType
+
+    with Store(tmp_path_factory.mktemp("rawlog")) as s:
+        s.append([Message(f"t{i % 2}", (i // 2) % 2, TxType.NORMAL, i, {"K": "v" * (i % 7)} if i % 3 else {},
+                          bytes([i % 256]) * ((i * 997) % 9000)) for i in range(400)])
+        yield s
+
+
+@native_store
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_read_queue_raw_matches_python(raw_log, data):
+    """The compiled gather and its Python twin give the same records, or both decline, for any entries: the queue's
+    own (any start, max_bytes, gap, span), another queue's, edited ones (size, offset), and a damaged byte."""
+    from txmq.store.consumequeue import ENTRY
+
+    store, log = raw_log, raw_log._log
+    topic, qid = data.draw(st.sampled_from(["t0", "t1"])), data.draw(st.integers(0, 1))
+    cq = store._queues[(topic, qid)]
+    first = data.draw(st.integers(0, cq.next - 1))
+    entries = bytearray(cq.read_raw(first, min(cq.next, first + data.draw(st.integers(1, 120)))))
+    how = data.draw(st.sampled_from(["as is", "size", "offset", "garbage size", "other queue", "flip"]))
+    k = data.draw(st.integers(0, len(entries) // 20 - 1))
+    flipped = None
+    if how == "size":
+        ENTRY.pack_into(entries, 20 * k, ENTRY.unpack_from(entries, 20 * k)[0], data.draw(st.integers(0, 20000)), 0)
+    elif how == "offset":
+        ENTRY.pack_into(entries, 20 * k, data.draw(st.integers(-10, log.end + 10)), ENTRY.unpack_from(entries, 20 * k)[1], 0)
+    elif how == "garbage size":
+        ENTRY.pack_into(entries, 20 * k, ENTRY.unpack_from(entries, 20 * k)[0], data.draw(st.integers(1 << 31, (1 << 32) - 1)), 0)
+    elif how == "other queue":
+        qid ^= 1
+    elif how == "flip":
+        off, size, _ = ENTRY.unpack_from(entries, 20 * k)
+        flipped = off + data.draw(st.integers(0, size - 1))
+        seg = log._seg_at(flipped)
+        b = os.pread(seg.fd, 1, flipped - seg.start)
+        os.pwrite(seg.fd, bytes([b[0] ^ (1 << data.draw(st.integers(0, 7)))]), flipped - seg.start)
+    max_bytes = data.draw(st.sampled_from([1, 100, 5000, 40000, 1 << 20]))
+    max_record = data.draw(st.sampled_from([5000, 16 << 20]))
+    gap, span = data.draw(st.sampled_from([0, 64, 8192, 1 << 20])), data.draw(st.sampled_from([68, 10000, 1 << 20]))
+    segs = [(sg.start, sg.end, sg.fd) for sg in log._segs]
+    try:
+        got = codec.speedups.read_queue_raw(bytes(entries), max_bytes, max_record, segs, log.end, topic.encode(), qid, first,
+                                            gap, span)
+        want = log.read_queue_raw_py(bytes(entries), max_bytes, max_record, topic.encode(), qid, first, gap, span)
+    finally:
+        if flipped is not None:
+            os.pwrite(seg.fd, b, flipped - seg.start)
+    assert got == want
+    if how == "as is" and max_record > 9000:
+        assert got is not None and got[1] >= 1
+        assert got[1] == 1 or len(got[0]) <= max_bytes  # bounded by max_bytes, at least one record
+    if how == "flip" and got is not None:  # the damaged record was past what max_bytes let in
+        assert got[1] <= k
+
+
 # ---- the same log with and without them -------------------------------------------
 _WRITE_LOG = textwrap.dedent("""
     import json, sys

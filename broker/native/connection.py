@@ -39,8 +39,8 @@ from functools import partial
 import logging
 from typing import Any
 
-from txmq.broker.connlimits import LimitCounters, LimitedConnection
-from txmq.wire import FATAL, ErrorCode, FrameDecoder, FrameError, TxmqError, parse_payload, push, reply
+from txmq.broker.connlimits import BLOB_MIN, LimitCounters, LimitedConnection
+from txmq.wire import FATAL, ErrorCode, FrameDecoder, FrameError, TxmqError, parse_payload, push, reply, reply_parts
 from txmq.wire import REQUEST
 
 
@@ -236,6 +236,12 @@ class BrokerConnection(LimitedConnection):
 
     def _send_reply(self, id_: int, result: dict[str, Any], now: bool = False) -> None:
         try:
+            records = result.get("records")
+            if type(records) is bytes and len(records) >= BLOB_MIN:  # a raw pull: its records are written as they are
+                head, blob = reply_parts(id_, result, "records")
+                self._send(head)
+                self._send(blob, now=now)
+                return
             data = reply(id_, result)
         except Exception as exc:  # a value no frame can carry (a bug): an error reply, and the connection goes on
             self._reply_error(id_, self.core.store_error(exc))

@@ -158,29 +158,21 @@ def pull(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
 
 
 def _pull_raw(core: BrokerCore, topic: str, queue_id: int, offset: int, max_count: int, max_bytes: int) -> dict | None:
-    """A pull answered with the records as stored, back to back (``records``), each CRC-checked as it is read; None when
-    anything is not plain (no such queue, out of range, a record that does not read): the usual pull answers. The
-    reader checks each record's topic, queue and queue offset (and asks again without raw when one is off)."""
-    from txmq.store.consumequeue import pick_entries
-
+    """A pull answered with the records as stored, back to back (``records``), each checked as the usual pull checks it
+    (CRC, its own offset, this queue's record at that queue offset); None when anything is not plain (no such queue,
+    out of range, a record that does not check): the usual pull answers, and reports, repairs or skips it. The reader
+    checks the records' topic, queue and queue offsets again (and asks without raw when one is off)."""
     n = core.topics.queues(topic)
     if n is None or queue_id >= n:
         return None
     store = core.store
-    lo, hi = store.queue_min_offset(topic, queue_id), store.queue_max_offset(topic, queue_id)
-    if not lo <= offset < hi:
+    got = store.read_queue_raw(topic, queue_id, offset, max_count, max_bytes)
+    if got is None:
         return None
-    entries = store.cq_entries(topic, queue_id, offset, min(max_count, hi - offset))
-    picked = pick_entries(entries, max_bytes)
-    if not picked:
-        return None
-    try:
-        recs = store.read_many([e[0] for e in picked], raw=True)
-    except Exception:  # damaged or outside the log: the usual path reports, repairs or skips it
-        return None
-    core.metrics.inc("messages_pulled", len(recs))
-    return {"status": "found", "records": b"".join(mv for mv, _ in recs), "count": len(recs),
-            "next_offset": offset + len(recs), "min_offset": lo, "max_offset": hi}
+    data, count = got
+    core.metrics.inc("messages_pulled", count)
+    return {"status": "found", "records": data, "count": count, "next_offset": offset + count,
+            "min_offset": store.queue_min_offset(topic, queue_id), "max_offset": store.queue_max_offset(topic, queue_id)}
 
 
 def queue_offsets(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
