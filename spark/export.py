@@ -408,10 +408,10 @@ def follow(spark, opts: ExportOptions, checkpoint: str, interval_s: float = 1.0,
                             .option("checkpointLocation", os.path.join(checkpoint, "transactions"))
                             .trigger(processingTime=f"{interval_s} seconds").start()))
         seen: dict[str, set] = {name: set() for name, _ in queries}
-        while True:
+
+        def account() -> None:
+            """Count the micro-batches finished since the last look (each once)."""
             for name, q in queries:
-                if q.exception() is not None:
-                    raise RuntimeError(str(q.exception()))
                 for p in q.recentProgress:
                     if p["batchId"] not in seen[name] and p["numInputRows"]:
                         seen[name].add(p["batchId"])
@@ -419,12 +419,18 @@ def follow(spark, opts: ExportOptions, checkpoint: str, interval_s: float = 1.0,
                         res.batches += 1
                         if on_batch:
                             on_batch(name, p["numInputRows"])
-            if stop is not None and stop():
-                break
-            try:
+
+        try:
+            while True:
+                for _, q in queries:
+                    if q.exception() is not None:
+                        raise RuntimeError(str(q.exception()))
+                account()
+                if stop is not None and stop():
+                    break
                 time.sleep(0.2)
-            except KeyboardInterrupt:  # the way to stop following: the checkpoint has where to resume
-                break
+        except KeyboardInterrupt:  # the way to stop following: the checkpoint has where to resume
+            pass
     finally:
         for _, q in queries:
             try:
@@ -432,4 +438,8 @@ def follow(spark, opts: ExportOptions, checkpoint: str, interval_s: float = 1.0,
             except BaseException:
                 pass
         res.seconds = time.perf_counter() - t0
+    try:  # what finished between the last look and the stop is in the sink: count it too
+        account()
+    except Exception:
+        pass
     return res

@@ -6,6 +6,7 @@ the rest of the CLI works without the `spark` extra.
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 from datetime import datetime
@@ -158,6 +159,9 @@ def _follow_with_spark(opts: ExportOptions, master: str, spark_conf: dict[str, s
     def on_batch(table: str, rows: int) -> None:
         err.print(f"{table}: +{rows:,} {'rows' if table == 'messages' else 'events'}")
 
+    # Ctrl-C sets the flag the loop looks at between micro-batches, rather than interrupting a call into Spark
+    # anywhere (the summary would then miss the tables); the default handler is back once the streams stop.
+    previous = signal.signal(signal.SIGINT, lambda *_: stopping.set())
     try:
         try:
             result = follow(session.spark, opts, checkpoint, interval, stop=stopping.is_set, on_batch=on_batch)
@@ -169,6 +173,7 @@ def _follow_with_spark(opts: ExportOptions, master: str, spark_conf: dict[str, s
             hint = f" (Spark's log: {session.log_path})" if session.log_path else ""
             raise CliError(f"spark-export --follow failed: {spark_error(e)}{hint}") from None
     finally:
+        signal.signal(signal.SIGINT, previous)
         try:
             _stop_spark(session, exported=True)
         except (Exception, KeyboardInterrupt):
