@@ -243,6 +243,29 @@ def test_forward_to_dead_letter_queue_writes_the_message_and_settles_it(tmp_path
     arun(go())
 
 
+def test_a_delivered_delayed_message_forwarded_to_the_dead_letter_topic_is_counted_delivered_once(tmp_path):
+    async def go():
+        async with running_broker(tmp_path / "d") as b:
+            c = await RawClient.open(b.address)
+            await c.ok("send", {"topic": T, "queue_id": 0, "body": b"later", "properties": {"TIMER_DELAY_MS": "50"}})
+            pop = PopService(b.core)
+            (d,) = await pop.receive(G, T, -1, None, 1, 30, 5)  # long-polls until the delivery
+            assert "TXMQ_SCHEDULED_FROM" in d.record.properties
+            await pop.forward_to_dlq(G, T, d.receipt_handle)
+            r = await c.ok("pull", {"topic": "%DLQ%" + G, "queue_id": 0, "offset": 0, "max_count": 10})
+            (m,) = r["messages"]
+            assert m["body"] == b"later" and "TXMQ_SCHEDULED_FROM" not in m["properties"]
+            assert m["properties"]["TIMER_DELIVER_MS"]  # when it was due stays readable
+            await c.close()
+        for f in (tmp_path / "d").glob("timers.db*"):  # the next start replays the whole log
+            f.unlink()
+        async with running_broker(tmp_path / "d") as b:
+            await asyncio.wait_for(b.core.scheduled.ready.wait(), 10)
+            assert b.core.scheduled.count == 0
+
+    arun(go())
+
+
 @pytest.mark.parametrize("handle", [
     "", "x", "not base64 !!", "A" * 600, "AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA",
     None, 12, "txmq1_" + "A" * 40,

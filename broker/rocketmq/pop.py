@@ -81,6 +81,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from txmq.broker.records import msg_id_of
 from txmq.constants import PROP_TRAN_MSG, PROP_UNIQ_KEY, TOPIC_RE, is_system_topic
+from txmq.broker.scheduled.timing import RESERVED
 from txmq.store import GetStatus, Message, Record, TxType
 
 if TYPE_CHECKING:
@@ -842,7 +843,9 @@ class PopService:
             if rec is None:  # gone: nothing to move
                 self._remove(sub, q, offset)
                 continue
-            props = {k: v for k, v in rec.properties.items() if k != PROP_TRAN_MSG}
+            # not the broker's own marks: a delivered delayed message's TXMQ_SCHEDULED_FROM on this copy would
+            # count its delivery twice in the next start's replay of the log
+            props = {k: v for k, v in rec.properties.items() if k != PROP_TRAN_MSG and k not in RESERVED}
             props.update({PROP_DLQ_ORIGIN_TOPIC: sub.topic, PROP_DLQ_ORIGIN_MESSAGE_ID: msg_id_of(rec),
                           PROP_DLQ_ORIGIN_QUEUE: f"{q.qid}:{offset}", PROP_DLQ_ATTEMPTS: str(slot.attempt),
                           PROP_DLQ_REASON: reason})
