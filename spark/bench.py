@@ -236,9 +236,11 @@ def stream_latency(address: str, master: str, seconds: float = 20.0, rate: int =
         shutil.rmtree(out + "-ckpt", ignore_errors=True)
 
 
-def cli_export(data_dir: str, out: str, master: str, extra: list[str]) -> dict:
+def cli_export(data_dir: str | None, out: str, master: str, extra: list[str]) -> dict:
+    """`txmq spark-export` in its own process (data_dir None: extra names the source, e.g. --broker)."""
     shutil.rmtree(out, ignore_errors=True)
-    cmd = [sys.executable, "-m", "txmq", "spark-export", "--data-dir", data_dir, "--out", out, "--master", master, "-o", "json", *extra]
+    source = ["--data-dir", data_dir] if data_dir else []
+    cmd = [sys.executable, "-m", "txmq", "spark-export", *source, "--out", out, "--master", master, "-o", "json", *extra]
     t0 = time.perf_counter()
     r = subprocess.run(cmd, capture_output=True, text=True)
     wall = time.perf_counter() - t0
@@ -276,6 +278,11 @@ def main(argv: list[str] | None = None) -> None:
         try:
             result["broker"] = {"python": broker_read(address, proc.pid),
                                 "spark_count": broker_spark_count(address, proc.pid, args.master, args.repeat)}
+            if "cli" not in skip:
+                cpu0 = _cpu_s(proc.pid)
+                exp = cli_export(None, os.path.join(work, "out-broker"), args.master, ["--broker", address])
+                exp["broker_cpu_s"] = round(_cpu_s(proc.pid) - cpu0, 2)
+                result["broker"]["export_all_parquet"] = exp
             if "latency" not in skip:
                 result["broker"]["stream_latency"] = stream_latency(address, args.master)
         finally:

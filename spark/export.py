@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -55,6 +56,9 @@ class ExportOptions:
     broker: str | None = None  # read through this broker (HOST:PORT) instead of data_dir
     report: str | None = None  # also write the transactions report (HTML) here
     token: str | None = None
+    # "arrow": the messages table as Parquet written by the executors from the reader's Arrow batches (spark/arrowwrite.py)
+    # where it applies (Parquet, no partition_by, a local out); "spark": always Spark's own writer
+    parquet_writer: str = "arrow"
 
 
 @dataclass
@@ -161,11 +165,25 @@ def _write(df, table: str, opts: ExportOptions) -> tuple[str, int]:
     return path, int(obs.get["rows"])
 
 
+def _registrar(spark) -> Callable[[], None]:
+    """Registers the txmq source with Spark on first use. The first registration in a session is also its first SQL
+    work (0.7 s on 2 cores): the messages table written from Arrow needs none, so it starts without waiting for it."""
+    lock = threading.Lock()
+    done = []
+
+    def register() -> None:
+        with lock:
+            if not done:
+                spark.dataSource.register(TxmqDataSource)
+                done.append(True)
+
+    return register
+
+
 def export(spark, opts: ExportOptions, on_table: Callable[[str], None] | None = None) -> ExportResult:
     """Write the tables named in opts; on_table(name) is called as each one starts."""
     check_options(opts)
     t0 = time.perf_counter()
-    spark.dataSource.register(TxmqDataSource)
     if opts.broker is not None:
         return _export_through_broker(spark, opts, on_table, t0)
     with StoreReader(opts.data_dir) as reader:
@@ -181,13 +199,21 @@ def export(spark, opts: ExportOptions, on_table: Callable[[str], None] | None = 
     # Executors report skipped records as files in a local directory: complete on a local master (and
     # on a cluster for executors on this machine; each executor also logs every one it skips).
     damage_dir = tempfile.mkdtemp(prefix="txmq-damage-") if opts.skip_damaged else None
+    counting = threading.Lock()
 
-    def load(**extra):
-        options = {"partitionBytes": str(opts.partition_bytes), "endOffset": str(end), **extra}
+    register = _registrar(spark)
+
+    def options_for(**extra) -> dict[str, str]:
+        options = {"path": opts.data_dir, "partitionBytes": str(opts.partition_bytes), "endOffset": str(end), **extra}
         if damage_dir:
             options["damageReport"] = damage_dir
-        res.bytes_read += res.log_bytes
-        return spark.read.format("txmq").options(**options).load(opts.data_dir)
+        with counting:  # the tables are planned side by side
+            res.bytes_read += res.log_bytes
+        return options
+
+    def load(**extra):
+        register()
+        return spark.read.format("txmq").options(**options_for(**extra)).load()
 
     staging = staging_path(opts)
     if staging:
@@ -195,7 +221,7 @@ def export(spark, opts: ExportOptions, on_table: Callable[[str], None] | None = 
         os.makedirs(os.path.dirname(staging), exist_ok=True)
     write_opts = replace(opts, out=staging, mode="error") if staging else opts
     try:
-        _export_tables(opts, write_opts, load, topics, res, on_table)
+        _export_tables(spark, opts, write_opts, load, options_for, topics, res, on_table)
         _write_report(opts, load, topics, res, on_table)
         if damage_dir:
             res.damaged = read_damage_reports(damage_dir)
@@ -238,14 +264,20 @@ def _export_through_broker(spark, opts: ExportOptions, on_table, t0: float) -> E
         q[str(r.queue_id)] = max(q.get(str(r.queue_id), 0), r.end)
     res = ExportResult(partitions=len(ranges), rows_planned=info["rows"], queues=info["queues"])
 
-    def load(**extra):
+    register = _registrar(spark)
+
+    def options_for(**extra) -> dict[str, str]:
         options = {**base, **extra}
         if ends:
             options["endingOffsets"] = json.dumps(ends)
             options["startingOffsets"] = "earliest"
         else:  # nothing stored: read nothing, whatever arrives meanwhile
             options["startingOffsets"] = "latest"
-        return spark.read.format("txmq").options(**options).load()
+        return options
+
+    def load(**extra):
+        register()
+        return spark.read.format("txmq").options(**options_for(**extra)).load()
 
     staging = staging_path(opts)
     if staging:
@@ -253,7 +285,7 @@ def _export_through_broker(spark, opts: ExportOptions, on_table, t0: float) -> E
         os.makedirs(os.path.dirname(staging), exist_ok=True)
     write_opts = replace(opts, out=staging, mode="error") if staging else opts
     try:
-        _export_tables(opts, write_opts, load, topics, res, on_table)
+        _export_tables(spark, opts, write_opts, load, options_for, topics, res, on_table)
         _write_report(opts, load, topics, res, on_table)
         if staging:
             _publish(staging, opts)
@@ -292,11 +324,39 @@ def _publish(staging: str, opts: ExportOptions) -> None:
         os.rename(src, dst)
 
 
-def _export_tables(opts: ExportOptions, write_opts: ExportOptions, load, topics: tuple[str, ...], res: ExportResult,
-                   on_table: Callable[[str], None] | None) -> None:
-    for table in opts.tables:
-        if on_table:
-            on_table(table)
+def _write_arrow(spark, options: dict[str, str], opts: ExportOptions) -> int | None:
+    """The messages table written by the executors from Arrow batches (spark/arrowwrite.py); None where it does not
+    apply (then Spark's writer does it)."""
+    from . import arrowwrite
+
+    if opts.parquet_writer != "arrow" or not arrowwrite.applies(opts.fmt, opts.partition_by, opts.out):
+        return None
+    try:
+        arrowwrite.codec(spark)
+    except KeyError:  # a codec pyarrow does not write (Spark's lz4 is Hadoop's framing): Spark's writer
+        return None
+    path = table_path(opts.out, "messages")
+    if opts.mode == "error" and os.path.exists(path):
+        raise FileExistsError(f"{path} already exists: use --mode overwrite or --mode append")
+    if opts.mode == "overwrite":
+        shutil.rmtree(path[len("file://"):] if path.startswith("file://") else path, ignore_errors=True)
+    from .schema import messages_schema
+
+    return arrowwrite.write(spark, options, messages_schema(), path, no_dictionary=("body",))
+
+
+def _export_tables(spark, opts: ExportOptions, write_opts: ExportOptions, load, options_for, topics: tuple[str, ...],
+                   res: ExportResult, on_table: Callable[[str], None] | None) -> None:
+    """Write the tables, side by side when there are two.
+
+    The messages table keeps the executors' Python busy, the transactions table is mostly the driver's: planning, the
+    aggregation's code generation and, in a fresh session, the start of Spark's Python planners. Run one after the
+    other they add up; side by side a 1,000,000-record export took 0.7 s less on 2 cores. Each runs in its own Spark
+    job group (named ``txmq-<table>``: progress displays tell the stages apart). A failure cancels the other table.
+    """
+
+    def one(table: str) -> TableResult:
+        spark.sparkContext.setJobGroup(f"txmq-{table}", f"txmq spark-export: {table}")
         t1 = time.perf_counter()
         if table == "messages":
             filters = {"topics": ",".join(topics)} if topics else {}
@@ -304,11 +364,38 @@ def _export_tables(opts: ExportOptions, write_opts: ExportOptions, load, topics:
                 filters["since"] = str(opts.since_ms)
             if opts.until_ms is not None:
                 filters["until"] = str(opts.until_ms)
-            df = load(**filters)
+            rows = _write_arrow(spark, options_for(**filters), write_opts)
+            if rows is None:
+                _, rows = _write(load(**filters), table, write_opts)
         else:
             df = _filter_transactions(transactions(load(kinds=",".join(TX_KINDS))), opts, topics)
-        _, rows = _write(df, table, write_opts)
-        res.tables.append(TableResult(table, table_path(opts.out, table), rows, time.perf_counter() - t1))
+            _, rows = _write(df, table, write_opts)
+        return TableResult(table, table_path(opts.out, table), rows, time.perf_counter() - t1)
+
+    if on_table:
+        for table in opts.tables:
+            on_table(table)
+    if len(opts.tables) == 1:
+        res.tables.append(one(opts.tables[0]))
+        return
+    from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+
+    pool = ThreadPoolExecutor(max_workers=len(opts.tables), thread_name_prefix="txmq-export")
+    futures = [pool.submit(one, t) for t in opts.tables]
+    try:
+        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+        for f in done:
+            if f.exception() is not None:
+                raise f.exception()  # type: ignore[misc]
+        res.tables.extend(f.result() for f in futures)
+    except BaseException:
+        try:
+            spark.sparkContext.cancelAllJobs()  # the other table stops too (also on Ctrl-C)
+        except BaseException:
+            pass
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _write_report(opts: ExportOptions, load, topics: tuple[str, ...], res: ExportResult,

@@ -581,6 +581,54 @@ def test_each_format_round_trips_through_spark(spark, broker_dir, tmp_path, fmt)
                 assert base64.b64decode(r["body"]) == raw[r["commit_log_offset"]]["body"]
 
 
+def test_the_arrow_writer_gives_the_table_sparks_writer_gives(spark, broker_dir, tmp_path):
+    data_dir, _ = broker_dir
+    arrow = export_to(spark, data_dir, tmp_path / "arrow", tables=("messages",), partition_bytes=4096)
+    plain = export_to(spark, data_dir, tmp_path / "spark", tables=("messages",), parquet_writer="spark")
+    a = spark.read.parquet(str(tmp_path / "arrow" / "messages"))
+    b = spark.read.parquet(str(tmp_path / "spark" / "messages"))
+    assert a.schema == b.schema
+    assert arrow.tables[0].rows == plain.tables[0].rows == b.count() > 0
+    rows = lambda df: sorted((r.asDict() for r in df.collect()), key=lambda r: r["commit_log_offset"])  # noqa: E731
+    assert rows(a) == rows(b)
+    # laid out as Spark lays a table out: part files, the _SUCCESS marker, no _temporary left behind
+    names = sorted(p.name for p in (tmp_path / "arrow" / "messages").iterdir())
+    assert "_SUCCESS" in names and "_temporary" not in names
+    parts = [n for n in names if n != "_SUCCESS"]
+    assert len(parts) > 1 and all(n.startswith("part-") and n.endswith(".snappy.parquet") for n in parts)
+    assert [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name] == []
+
+
+def test_the_arrow_writer_keeps_the_schema_of_an_empty_table_and_appends_beside_older_files(spark, broker_dir, tmp_path):
+    data_dir, _ = broker_dir
+    res = export_to(spark, data_dir, tmp_path / "out", tables=("messages",), topics=("no-such-topic",))
+    assert res.tables[0].rows == 0
+    empty = spark.read.parquet(str(tmp_path / "out" / "messages"))
+    assert empty.count() == 0 and empty.columns == list(messages_fields())
+    res = export_to(spark, data_dir, tmp_path / "out", tables=("messages",), mode="append")
+    both = spark.read.parquet(str(tmp_path / "out" / "messages"))
+    assert both.count() == res.tables[0].rows > 0
+
+
+def test_a_session_codec_is_used_and_one_pyarrow_cannot_write_falls_back_to_sparks_writer(spark, broker_dir, tmp_path):
+    data_dir, _ = broker_dir
+    spark.conf.set("spark.sql.parquet.compression.codec", "zstd")
+    try:
+        export_to(spark, data_dir, tmp_path / "zstd", tables=("messages",))
+        assert all(n.endswith(".zstd.parquet") for n in os.listdir(tmp_path / "zstd" / "messages") if n.startswith("part-"))
+        spark.conf.set("spark.sql.parquet.compression.codec", "lz4")  # Hadoop's LZ4 framing: Spark's writer
+        res = export_to(spark, data_dir, tmp_path / "lz4", tables=("messages",))
+        assert spark.read.parquet(str(tmp_path / "lz4" / "messages")).count() == res.tables[0].rows > 0
+    finally:
+        spark.conf.set("spark.sql.parquet.compression.codec", "snappy")
+
+
+def messages_fields():
+    from txmq.spark.schema import MESSAGE_FIELDS
+
+    return MESSAGE_FIELDS
+
+
 def test_partition_by_date_and_topic_and_filters(spark, broker_dir, tmp_path):
     data_dir, sent = broker_dir
     since = int(T0 * 1000)

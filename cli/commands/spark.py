@@ -43,6 +43,11 @@ class Mode(str, Enum):
     append = "append"
 
 
+class ParquetWriter(str, Enum):
+    arrow = "arrow"
+    spark = "spark"
+
+
 EPILOG = (
     "Examples:\n\n"
     "  txmq spark-export --data-dir /var/lib/txmq --out /tmp/txmq-tables\n\n"
@@ -117,6 +122,7 @@ def spark_export(
     checkpoint: Annotated[Optional[Path], typer.Option("--checkpoint", help="With --follow: where the streams keep their offsets (a restart resumes there).", show_default=False)] = None,
     report: Annotated[Optional[Path], typer.Option("--report", help="Also write a self-contained HTML report of the transactions (charts need the report extra: matplotlib).", show_default=False)] = None,
     interval: Annotated[float, typer.Option("--interval", help="With --follow: seconds between micro-batches.")] = 1.0,
+    parquet_writer: Annotated[ParquetWriter, typer.Option("--parquet-writer", help="arrow: the executors write the messages table's Parquet straight from Arrow batches (without --partition-by, to a local or mounted --out; else Spark's writer); spark: always Spark's writer.")] = ParquetWriter.arrow,
     output: OutputOpt = None,
 ) -> None:
     """Export the commit log as [key]messages[/key] and [key]transactions[/key] tables with PySpark."""
@@ -134,7 +140,8 @@ def spark_export(
     if follow and not 0.1 <= interval <= 86400:
         raise CliError("--interval must be between 0.1 and 86400 seconds", exitcodes.USAGE)
     opts = _export_options(out_path, data_dir, fmt, table, since, until, topic, partition_by,
-                           Mode.append if follow else mode, partition_bytes, skip_damaged, broker, token, report)
+                           Mode.append if follow else mode, partition_bytes, skip_damaged, broker, token, report,
+                           parquet_writer.value)
     _check_export_options(opts)
     spark_conf = parse_conf(conf or [])
     t0 = time.perf_counter()
@@ -202,7 +209,7 @@ def _require_spark() -> None:
 def _export_options(out_path: str, data_dir: Optional[Path], fmt: Format, table: Table, since: Optional[str], until: Optional[str],
                     topic: Optional[list[str]], partition_by: Optional[list[str]], mode: Mode, partition_bytes: str,
                     skip_damaged: bool, broker: Optional[str] = None, token: Optional[str] = None,
-                    report: Optional[Path] = None) -> ExportOptions:
+                    report: Optional[Path] = None, parquet_writer: str = "arrow") -> ExportOptions:
     """The command's options as the export's ExportOptions: paths made absolute, times and sizes parsed (exit 2)."""
     from txmq.broker.config import default_data_dir
     from txmq.spark.export import ExportOptions
@@ -227,6 +234,7 @@ def _export_options(out_path: str, data_dir: Optional[Path], fmt: Format, table:
         broker=broker,
         token=token,
         report=str(report.expanduser().absolute()) if report else None,
+        parquet_writer=parquet_writer,
     )
 
 
@@ -250,7 +258,7 @@ def _export_with_spark(opts: ExportOptions, master: str, spark_conf: dict[str, s
     progress.begin("starting Spark")
     _quiet_py4j()
     try:
-        session = _start_spark(master, spark_conf)
+        session = _start_spark(master, spark_conf, quick_jit=_quick_jit(opts, master))
         progress.watch(session.spark)
         ok = False
         try:
@@ -268,12 +276,22 @@ def _export_with_spark(opts: ExportOptions, master: str, spark_conf: dict[str, s
     return result, session.startup_s
 
 
-def _start_spark(master: str, spark_conf: dict[str, str]) -> Session:
+def _quick_jit(opts: ExportOptions, master: str) -> bool:
+    """Whether the driver JVM only plans and aggregates (the bulk written from Arrow by the Python workers), so that a
+    quicker JIT start beats peak speed: an embedded master, a one-off export, the messages table not in Spark's writer."""
+    from txmq.spark import arrowwrite
+    from txmq.spark.session import is_local
+
+    arrow = opts.parquet_writer == "arrow" and arrowwrite.applies(opts.fmt, opts.partition_by, opts.out)
+    return is_local(master) and (arrow or "messages" not in opts.tables)
+
+
+def _start_spark(master: str, spark_conf: dict[str, str], quick_jit: bool = False) -> Session:
     """Spark on master with the --conf settings; a failure to start is one error with the end of Spark's log."""
     from txmq.spark import session as sess
 
     try:
-        return sess.start(master, spark_conf)
+        return sess.start(master, spark_conf, archive=True, quick_jit=quick_jit)
     except sess.SparkStartError as e:
         lines = [ln for ln in e.log.splitlines() if ln.strip() and not ln.strip().startswith("at ")]
         log = "".join(f"\n  {ln.strip()}" for ln in lines[-8:])
@@ -305,8 +323,10 @@ def _stop_spark(session: Session, exported: bool) -> None:
     reported, not the stop's."""
     from txmq.spark import session as sess
 
+    if session.archive_recording is not None and err.is_terminal:
+        err.print("[dim]saving Spark's class-data archive: later runs start faster (once per Java and PySpark version)[/dim]")
     try:
-        session.stop()
+        session.stop(final=True)  # the command starts no other session: the JVM may end (and write its class archive)
     except (Exception, KeyboardInterrupt):  # the JVM got the Ctrl-C too and is gone
         if exported:
             raise
@@ -482,10 +502,21 @@ class _Progress:
                         continue
                     task = self._tasks.get(sid)
                     if task is None:
-                        task = self._tasks[sid] = p.add_task(f"{self._label}: stage {sid}", total=info.numTasks)
+                        label = self._table_of(tracker, sid) or self._label
+                        task = self._tasks[sid] = p.add_task(f"{label}: stage {sid}", total=info.numTasks)
                     p.update(task, total=info.numTasks, completed=info.numCompletedTasks)
             except Exception:  # the JVM is going away: stop quietly
                 return
+
+    @staticmethod
+    def _table_of(tracker, stage_id: int) -> str | None:
+        """The table whose job group (spark/export.py runs each table in txmq-<table>) holds the stage."""
+        for table in ("messages", "transactions"):
+            for job in tracker.getJobIdsForGroup(f"txmq-{table}"):
+                info = tracker.getJobInfo(job)
+                if info is not None and stage_id in info.stageIds:
+                    return table
+        return None
 
     def stop(self) -> None:
         self._stop.set()
