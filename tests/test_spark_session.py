@@ -121,6 +121,9 @@ def test_a_session_records_the_archive_on_its_final_stop_and_the_next_one_maps_i
 
     if _spark_problem():
         pytest.skip(_spark_problem())
+    java = sess._java_executable()
+    if subprocess.run([java, "-Xshare:on", "-version"], capture_output=True).returncode != 0:
+        pytest.skip("this Java has no base class-data archive (classes.jsa) to build an application archive on")
     env = {**os.environ, "XDG_CACHE_HOME": str(cache.parent.parent)}
     first = subprocess.run([sys.executable, "-c", START], capture_output=True, text=True, timeout=240, env=env)
     assert first.returncode == 0, first.stderr[-2000:]
