@@ -16,11 +16,20 @@ it would hand a FIFO group's messages out of order, so a person decides
 (restore it, or move it away). An entry that does not read is left out
 with a warning. Unknown keys of an entry are kept, so that a newer
 broker's settings survive an older one.
+
+A group given a setting must have a name every consumer front end takes
+(``GROUP_NAME_RE``): RocketMQ's rule for a group (TopicValidator.validateGroup,
+which its broker applies when a subscription group is created or updated:
+at most 120 characters of %|a-zA-Z0-9_-), without ``|``, which txmq's gRPC
+consumers refuse (broker/rocketmq/pop.py). An older broker took any name of
+1 to 255 characters: such an entry of groups.json still loads and can still
+be changed (to take a FIFO mark off), but no new one is added.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import threading
 from pathlib import Path
 from typing import Any
@@ -34,7 +43,17 @@ log = logging.getLogger("txmq.broker")
 GROUPS_FILE = "groups.json"
 FORMAT = 1
 MAX_GROUPS = 100_000
-MAX_GROUP_NAME = 255
+MAX_GROUP_NAME = 255  # what an entry of groups.json may hold (an older broker's names)
+MAX_NEW_GROUP_NAME = 120  # RocketMQ's GROUP_MAX_LENGTH: %RETRY%<group> is a topic name (127 characters)
+GROUP_NAME_RE = re.compile(rf"^[%a-zA-Z0-9_-]{{1,{MAX_NEW_GROUP_NAME}}}\Z")  # \Z: `$` would let a trailing newline through
+
+
+def group_name_problem(group: object) -> str | None:
+    """Why ``group`` cannot be given a setting, or None when it can."""
+    if isinstance(group, str) and GROUP_NAME_RE.match(group):
+        return None
+    return (f"consumer group {str(group)[:80]!r} is not a group name: 1 to {MAX_NEW_GROUP_NAME} characters of "
+            "a-z A-Z 0-9 % _ - (RocketMQ's rule for a group; no white space)")
 
 
 class GroupConfigTable:
@@ -78,10 +97,11 @@ class GroupConfigTable:
 
     def update(self, group: str, *, fifo: bool | None = None) -> dict[str, Any]:
         """Change a group's settings and write groups.json; {group, fifo, old: {fifo}, changed}."""
-        if not isinstance(group, str) or not (0 < len(group) <= MAX_GROUP_NAME) or group != group.strip():
-            raise TxmqError(f"consumer group {str(group)[:80]!r} must be 1 to {MAX_GROUP_NAME} characters without "
-                            "leading or trailing white space", ErrorCode.INVALID_FIELD)
         with self._lock:
+            # a name an older broker stored stays changeable; a new one must be a group name
+            problem = None if isinstance(group, str) and group in self._groups else group_name_problem(group)
+            if problem:
+                raise TxmqError(problem, ErrorCode.INVALID_FIELD)
             old = self.get(group)
             entry = dict(self._groups.get(group, {}))
             if fifo is not None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from conftest import arun
@@ -40,6 +42,52 @@ def test_bad_group_and_lookup_requests_get_error_replies(tmp_path, op, fields, c
             assert got == code, f
             assert (await c.ok("heartbeat"))["time_ms"] > 0
             await c.close()
+
+    arun(go())
+
+
+@pytest.mark.parametrize("name", ["bad group", "tab\tgroup", "a|b", "line\n", "caf\u00e9", "x" * 121, " lead"])
+def test_update_group_refuses_a_name_the_consumer_front_ends_refuse_and_stores_nothing(tmp_path, name):
+    async def go():
+        async with running_broker(tmp_path / "d") as b:
+            c = await RawClient.open(b.address)
+            got, f = await c.req("update_group", {"group": name, "fifo": True})
+            assert got == ErrorCode.INVALID_FIELD and "is not a group name" in f["error"], f
+            assert (await c.ok("list_groups", {}))["groups"] == []
+            await c.close()
+        assert not (tmp_path / "d" / "groups.json").exists()
+
+    arun(go())
+
+
+def test_update_group_takes_rocketmqs_group_names_up_to_120_characters(tmp_path):
+    async def go():
+        async with running_broker(tmp_path / "d") as b:
+            c = await RawClient.open(b.address)
+            for name in ("%orders_fifo-9", "G" * 120):
+                assert (await c.ok("update_group", {"group": name, "fifo": True}))["fifo"] is True
+            await c.close()
+        assert sorted(json.loads((tmp_path / "d" / "groups.json").read_text())["groups"]) == ["%orders_fifo-9", "G" * 120]
+
+    arun(go())
+
+
+def test_groups_file_holding_a_name_now_refused_still_loads_and_that_group_can_still_be_changed(tmp_path):
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "groups.json").write_text(json.dumps({"format": 1, "groups": {"old group": {"fifo": True}}}))
+
+    async def go():
+        async with running_broker(tmp_path / "d") as b:
+            assert b.core.group_config.fifo("old group")
+            c = await RawClient.open(b.address)
+            rows = (await c.ok("list_groups", {}))["groups"]
+            assert [(r["group"], r["fifo"]) for r in rows] == [("old group", True)]
+            r = await c.ok("update_group", {"group": "old group", "fifo": False})  # the FIFO mark can be taken off
+            assert (r["fifo"], r["changed"]) == (False, True)
+            got, _ = await c.req("update_group", {"group": "new group", "fifo": True})
+            assert got == ErrorCode.INVALID_FIELD
+            await c.close()
+        assert json.loads((tmp_path / "d" / "groups.json").read_text())["groups"] == {"old group": {"fifo": False}}
 
     arun(go())
 

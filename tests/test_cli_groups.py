@@ -65,6 +65,12 @@ def test_groups_describe_unknown_group_is_not_found(broker):
     assert r.returncode == NOT_FOUND and "no consumer group" in err(r)
 
 
+def test_groups_update_refuses_a_group_name_with_a_space_with_a_usage_error_and_stores_nothing(broker):
+    r = run(broker, "groups", "update", "bad group", "--fifo")
+    assert r.returncode == USAGE and "'bad group' is not a group name" in err(r) and not r.stdout
+    assert "bad group" not in {g["group"] for g in lines(ok(run(broker, "groups", "list")))}
+
+
 def test_groups_reset_dry_run_plans_and_changes_nothing(broker):
     send_lines(broker, "g-dry", 4)
     ok(run(broker, "consume", "g-dry", "--group", "gdry", "-q", "0"))
