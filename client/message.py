@@ -37,34 +37,51 @@ When = float | int | datetime  # epoch seconds, or an aware datetime (a naive on
 Delay = float | int | timedelta  # seconds
 
 
+MAX_TIME_MS = 253_402_300_799_999  # 9999-12-31T23:59:59.999Z: the latest time a broker (and a protobuf Timestamp) names
+
+
 def schedule_properties(deliver_at: When | None = None, delay: Delay | None = None) -> dict[str, str] | None:
     """The properties that ask the broker to deliver a message later (docs/client.md, "Delayed messages").
 
-    ``deliver_at`` becomes ``TIMER_DELIVER_MS`` (an absolute time);
+    ``deliver_at`` becomes ``TIMER_DELIVER_MS`` (an absolute time, from
+    1970 to 9999; one already past is delivered at once);
     ``delay`` becomes ``TIMER_DELAY_MS``, counted from the broker's clock
-    when it stores the message. None when neither is given.
+    when it stores the message. None when neither is given. ValueError for
+    NaN, an infinity, a negative delay or a time outside 1970..9999;
+    TypeError for a value of another type.
     """
     if deliver_at is not None and delay is not None:
         raise ValueError("give deliver_at or delay, not both")
     if deliver_at is not None:
         if isinstance(deliver_at, datetime):
-            ms = int(deliver_at.timestamp() * 1000)
+            try:
+                seconds = deliver_at.timestamp()
+            except (OverflowError, OSError, ValueError):
+                raise ValueError(f"deliver_at {deliver_at!r} is not a time from 1970 to 9999") from None
         elif isinstance(deliver_at, (int, float)) and not isinstance(deliver_at, bool):
-            ms = int(deliver_at * 1000)
+            seconds = deliver_at
         else:
             raise TypeError(f"deliver_at must be epoch seconds or a datetime, not {type(deliver_at).__name__}")
-        return {PROP_TIMER_DELIVER_MS: str(ms)}
+        return {PROP_TIMER_DELIVER_MS: str(_ms(seconds, "deliver_at", "epoch seconds from 1970 to 9999 (or a "
+                                                                      "datetime of those years)"))}
     if delay is not None:
         if isinstance(delay, timedelta):
-            ms = int(delay.total_seconds() * 1000)
+            seconds = delay.total_seconds()
         elif isinstance(delay, (int, float)) and not isinstance(delay, bool):
-            ms = int(delay * 1000)
+            seconds = delay
         else:
             raise TypeError(f"delay must be seconds or a timedelta, not {type(delay).__name__}")
-        if ms < 0:
-            raise ValueError("delay must not be negative")
-        return {PROP_TIMER_DELAY_MS: str(ms)}
+        return {PROP_TIMER_DELAY_MS: str(_ms(seconds, "delay", "0 or more seconds, finite and short of 8,000 years "
+                                                            "(or a timedelta of those)"))}
     return None
+
+
+def _ms(seconds: float, what: str, expected: str) -> int:
+    """Whole milliseconds of a checked ``deliver_at`` or ``delay``: ValueError for NaN, infinities and negative values."""
+    # math.isfinite would overflow on a huge int; the comparisons are False for NaN
+    if not (0 <= seconds <= MAX_TIME_MS / 1000):
+        raise ValueError(f"{what} must be {expected}, not {str(seconds)[:40]}")
+    return int(seconds * 1000)
 
 
 def to_bytes(body: Body) -> bytes:
@@ -112,7 +129,8 @@ class Message:
 
     ``deliver_at`` (epoch seconds or a datetime) or ``delay`` (seconds or a
     timedelta): the broker keeps the message from every consumer until then
-    (``schedule_properties``).
+    (``schedule_properties``). NaN, an infinity, a negative delay or a time
+    outside 1970..9999 raises ValueError when the Message is made.
     """
 
     topic: str
@@ -123,6 +141,10 @@ class Message:
     message_group: str | None = None
     deliver_at: When | None = None
     delay: Delay | None = None
+
+    def __post_init__(self) -> None:
+        if self.deliver_at is not None or self.delay is not None:
+            schedule_properties(self.deliver_at, self.delay)  # a bad time fails here, not at the send
 
     def wire_properties(self, base: Mapping[str, str] | None = None) -> dict[str, str] | None:
         when = schedule_properties(self.deliver_at, self.delay)

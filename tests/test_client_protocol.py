@@ -7,6 +7,7 @@ broker frames are fed to `data_received` by hand.
 from __future__ import annotations
 
 import asyncio
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import pytest
@@ -20,7 +21,7 @@ from txmq.client import (
     parse_address,
 )
 from txmq.client.connection import Connection
-from txmq.client.message import build_properties
+from txmq.client.message import build_properties, schedule_properties
 from txmq.constants import HALF_TOPIC
 from txmq.wire import ErrorCode, TxmqError
 
@@ -377,6 +378,32 @@ def test_message_fields_merge_tags_keys_and_properties():
     assert f["properties"] == {"x": "1", "TAGS": "a", "KEYS": "k1 k2", "TRAN_MSG": "true"}
     assert "properties" not in Message("t", b"x").send_fields()
     assert build_properties() is None
+
+
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize("when", [
+    {"delay": NAN}, {"delay": INF}, {"delay": -INF}, {"delay": -1}, {"delay": -0.0001}, {"delay": timedelta(seconds=-1)},
+    {"delay": 1e300}, {"deliver_at": NAN}, {"deliver_at": INF}, {"deliver_at": -INF}, {"deliver_at": -5},
+    {"deliver_at": 1e300}, {"deliver_at": 10**400}, {"deliver_at": datetime(1969, 12, 31, tzinfo=timezone.utc)},
+    {"deliver_at": datetime(1, 1, 1)},
+])
+def test_nan_infinite_negative_or_out_of_range_delivery_times_are_a_value_error_when_the_message_is_made(when):
+    with pytest.raises(ValueError, match="delay|deliver_at"):
+        Message("t", b"x", **when)
+    with pytest.raises(ValueError, match="delay|deliver_at"):  # Producer.send(..., delay=...) builds them here
+        schedule_properties(**when)
+
+
+def test_delivery_times_in_range_become_whole_millisecond_properties():
+    assert Message("t", b"x", delay=0).send_fields()["properties"] == {"TIMER_DELAY_MS": "0"}
+    assert Message("t", b"x", delay=timedelta(minutes=30)).send_fields()["properties"] == {"TIMER_DELAY_MS": "1800000"}
+    assert schedule_properties(deliver_at=1_800_000_000.5) == {"TIMER_DELIVER_MS": "1800000000500"}
+    end = datetime(9999, 12, 31, 23, 59, 59, 999000, tzinfo=timezone.utc)
+    assert schedule_properties(deliver_at=end) == {"TIMER_DELIVER_MS": "253402300799999"}
+    with pytest.raises(TypeError):
+        Message("t", b"x", delay="30s")
 
 
 @pytest.mark.parametrize(

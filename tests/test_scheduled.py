@@ -58,11 +58,49 @@ def test_delay_levels_and_timer_properties_give_rocketmqs_due_times():
     ({"TIMER_DELAY_SEC": "1_0"}, ErrorCode.INVALID_DELIVERY_TIME),  # Python's int() reads it; RocketMQ does not
     ({"TIMER_DELAY_MS": "\u0663\u0660"}, ErrorCode.INVALID_DELIVERY_TIME),  # non-ASCII digits
     ({"TIMER_DELIVER_MS": "9" * 4000}, ErrorCode.INVALID_DELIVERY_TIME),
+    ({"TIMER_DELAY_MS": "nan"}, ErrorCode.INVALID_DELIVERY_TIME),
+    ({"TIMER_DELAY_SEC": "inf"}, ErrorCode.INVALID_DELIVERY_TIME),
+    ({"TIMER_DELIVER_MS": "-Infinity"}, ErrorCode.INVALID_DELIVERY_TIME),
+    ({"TIMER_DELAY_MS": "1e3"}, ErrorCode.INVALID_DELIVERY_TIME),
+    ({"TIMER_DELAY_MS": ""}, ErrorCode.INVALID_DELIVERY_TIME),
+    ({"DELAY": "nan"}, ErrorCode.INVALID_DELIVERY_TIME),
+    # outside Java's long, which RocketMQ's Long.parseLong refuses: before, a huge negative time was delivered at once
+    ({"TIMER_DELIVER_MS": "-" + "9" * 19}, ErrorCode.INVALID_DELIVERY_TIME),
+    ({"TIMER_DELAY_SEC": "-" + "9" * 25}, ErrorCode.INVALID_DELIVERY_TIME),
+    ({"DELAY": str(1 << 63)}, ErrorCode.INVALID_DELIVERY_TIME),
 ])
 def test_unreadable_or_too_far_delivery_times_are_refused(props, code):
     with pytest.raises(TxmqError) as e:
         due_ms(props, 0, 3 * 86_400_000)
     assert e.value.code == code
+
+
+def test_a_negative_delay_on_the_wire_is_due_now_as_rocketmq_takes_it():
+    now, max_ms = 1_000_000, 3 * 86_400_000
+    assert due_ms({"TIMER_DELAY_MS": "-5000"}, now, max_ms) == now - 5000  # at or before now: delivered at once
+    assert due_ms({"TIMER_DELAY_SEC": "-1"}, now, max_ms) == now - 1000
+    assert due_ms({"TIMER_DELIVER_MS": str(-(1 << 63))}, now, max_ms) == 0  # Long.MIN_VALUE: in range, long past
+
+
+def test_bad_delivery_times_on_the_wire_get_error_replies_and_nothing_is_stored(data_dir):
+    from wireclient import RawClient
+
+    async def main():
+        async with running_broker(data_dir) as b:
+            c = await RawClient.open(b.address)
+            for props in ({"TIMER_DELAY_MS": "nan"}, {"TIMER_DELIVER_MS": "inf"}, {"TIMER_DELAY_SEC": "-" + "9" * 20},
+                          {"DELAY": "1.5"}):
+                code, f = await c.req("send", {"topic": "t", "body": b"x", "properties": props})
+                assert code == ErrorCode.INVALID_DELIVERY_TIME and f["property"] in props, f
+                code, f = await c.req("send_batch", {"topic": "t", "messages": [{"body": b"ok"}, {"body": b"x",
+                                                                                   "properties": props}]})
+                assert code == ErrorCode.INVALID_DELIVERY_TIME, f
+            assert (await c.ok("heartbeat"))["time_ms"] > 0  # the broker goes on
+            await c.close()
+            assert b.core.scheduled.gauges()["scheduled"] == 0
+            assert await _all(b.core, "t") == []
+
+    arun(main())
 
 
 # ---- a live broker with an injected clock -----------------------------------------------

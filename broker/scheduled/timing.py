@@ -47,6 +47,7 @@ def without_schedule(props: Mapping[str, str]) -> dict[str, str]:
 
 
 _WHOLE = re.compile(r"-?[0-9]{1,30}")  # ASCII digits, as RocketMQ's Long.parseLong reads them (no "1_000", no "٣")
+_LONG = 1 << 63  # Long.parseLong refuses a value outside -2^63 .. 2^63-1: RocketMQ answers such a time as illegal
 
 
 def _int(props: Mapping[str, str], key: str) -> int:
@@ -56,7 +57,11 @@ def _int(props: Mapping[str, str], key: str) -> int:
             raise ValueError(text)
         value = int(text.strip())
     except (ValueError, AttributeError, TypeError):
-        raise TxmqError(f"property {key}={text[:40]!r} is not a whole number", ErrorCode.INVALID_DELIVERY_TIME, property=key) from None
+        raise TxmqError(f"property {key}={str(text)[:40]!r} is not a whole number (NaN, infinities and fractions are "
+                        "refused)", ErrorCode.INVALID_DELIVERY_TIME, property=key) from None
+    if not -_LONG <= value < _LONG:
+        raise TxmqError(f"property {key}={text.strip()[:40]} is out of range (a 64-bit number)", ErrorCode.INVALID_DELIVERY_TIME,
+                        property=key)
     return value
 
 
