@@ -168,6 +168,41 @@ def test_delay_beyond_max_delay_and_delayed_transactions_are_refused(data_dir):
     arun(main())
 
 
+def test_delay_level_longer_than_max_delay_is_scheduled_at_its_level_and_a_level_past_the_table_is_clamped(data_dir, caplog):
+    """RocketMQ bounds only timer times by timerMaxDelaySec: its delay levels are the broker's own table."""
+    async def main():
+        clock = ManualClock(T0)
+        levels = (1000, 120_000)  # level 2 (2m) is longer than --max-delay 1m
+        with caplog.at_level("WARNING", logger="txmq.scheduled"):
+            async with running_broker(data_dir, clock=clock, max_delay_s=60, message_delay_levels_ms=levels) as b:
+                async with Producer(b.address) as p:
+                    r2 = await p.send("t", b"level2", properties={"DELAY": "2"})
+                    assert r2.deliver_at_ms == int(T0 * 1000) + 120_000
+                    r9 = await p.send("t", b"level9", properties={"DELAY": "9"})  # past the table: its last level
+                    assert r9.deliver_at_ms == int(T0 * 1000) + 120_000
+                    with pytest.raises(TxmqError) as e:  # a time the client chooses stays within --max-delay
+                        await p.send("t", b"x", properties={"TIMER_DELAY_SEC": "120"})
+                    assert e.value.code == ErrorCode.INVALID_DELIVERY_TIME
+                    await _tick(b.core, clock, 119)
+                    assert await _all(b.core, "t") == []
+                    await _tick(b.core, clock, 1.5)
+                    assert sorted(m["body"] for m in await _all(b.core, "t")) == [b"level2", b"level9"]
+        warned = [r.getMessage() for r in caplog.records if "event=delay_levels_beyond_max_delay" in r.getMessage()]
+        assert len(warned) == 1 and "levels=2 " in warned[0] and "longest=2m" in warned[0] and "max_delay=1m" in warned[0]
+
+    arun(main())
+
+
+def test_default_levels_within_the_default_max_delay_log_no_warning(data_dir, caplog):
+    async def main():
+        with caplog.at_level("WARNING", logger="txmq.scheduled"):
+            async with running_broker(data_dir):
+                pass
+        assert not [r for r in caplog.records if "delay_levels_beyond_max_delay" in r.getMessage()]
+
+    arun(main())
+
+
 def test_topic_that_does_not_accept_delay_refuses_a_delayed_send(data_dir):
     async def main():
         async with running_broker(data_dir) as b:

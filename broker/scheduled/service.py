@@ -63,7 +63,7 @@ from txmq.wire import ErrorCode, TxmqError
 from ..metrics import Durations
 from ..records import msg_id
 from .indexfile import DB_FILE, TimerDatabase, TimerFileError, damaged, remove_db
-from .timing import DEFAULT_LEVELS_MS, asks_for_time, due_ms
+from .timing import DEFAULT_LEVELS_MS, asks_for_time, due_ms, fmt_delay
 
 if TYPE_CHECKING:
     from ..appender import Appender
@@ -105,6 +105,14 @@ class ScheduleService:
         self.data_dir = data_dir
         self.max_delay_ms = int(max_delay_s * 1000)
         self.delay_levels_ms = delay_levels_ms  # RocketMQ 4's DELAY levels 1..n (broker start --message-delay-level)
+        # A level is the operator's own delay and is kept even beyond --max-delay, which bounds the times clients
+        # choose (TIMER_*), as RocketMQ's timerMaxDelaySec does (docs/scheduled.md, "Delay levels and --max-delay").
+        beyond = [i + 1 for i, d in enumerate(delay_levels_ms) if d > self.max_delay_ms]
+        if beyond:
+            log.warning("event=delay_levels_beyond_max_delay levels=%s longest=%s max_delay=%s msg=%s", ",".join(map(str, beyond)),
+                        fmt_delay(max(delay_levels_ms)), fmt_delay(self.max_delay_ms),
+                        "'DELAY sends of those levels and RocketMQ 4 consumer retries wait their level's delay, longer than "
+                        "--max-delay, which bounds only TIMER_* times (as RocketMQ does)'")
         self.new_id = TxIds()
         self.ready = asyncio.Event()  # the file is loaded and the log replayed: deliveries, cancels and listings go
         self.error: TxmqError | None = None  # why the index could not be built

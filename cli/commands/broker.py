@@ -106,8 +106,10 @@ def start(
                                                      help="Create a topic the first time a send names it (native or RocketMQ), or a "
                                                      "RocketMQ route or receive; with --no-auto-create-topics such requests are refused "
                                                      "until `txmq topics create`.")] = defaults.AUTO_CREATE_TOPICS,
-    max_delay: Annotated[str, typer.Option(help="The furthest ahead a delayed or timed message may be due (RocketMQ's default: "
-                                           "3 days); a send due later is refused (docs/scheduled.md).")] = _duration(defaults.MAX_DELAY_S),
+    max_delay: Annotated[str, typer.Option(help="The furthest ahead a timed message (TIMER_*, --delay, --deliver-at, a gRPC "
+                                           "delivery_timestamp) may be due (RocketMQ's default: 3 days); a send due later is "
+                                           "refused. DELAY levels wait their --message-delay-level delay, as in RocketMQ "
+                                           "(docs/scheduled.md).")] = _duration(defaults.MAX_DELAY_S),
     index_snapshot_records: Annotated[Optional[int], typer.Option(min=0, hidden=True, help="Deprecated, no effect: the transaction index is flushed to txindex.db every second.", show_default=False)] = None,
 ) -> None:
     """Run a broker in the foreground until SIGINT/SIGTERM (logs on stderr)."""
