@@ -217,6 +217,21 @@ def test_topic_that_does_not_accept_delay_refuses_a_delayed_send(data_dir):
     arun(main())
 
 
+def test_a_topic_a_plain_send_created_takes_delayed_messages_natively_but_not_fifo(data_dir):
+    async def main():
+        async with running_broker(data_dir) as b:
+            async with Producer(b.address) as p:
+                await p.send("orders", b"hello")  # creates the topic with the default types
+                r = await p.send("orders", b"cancel order 3 if unpaid", delay=10)
+                assert r.queue_offset == -1 and b.core.scheduled.gauges()["scheduled"] == 1
+                with pytest.raises(TxmqError) as e:
+                    await p.send("orders", b"step", properties={"__SHARDINGKEY": "order-4"})
+                assert e.value.code == ErrorCode.MESSAGE_TYPE_NOT_ACCEPTED
+            assert b.core.topics.message_types("orders") == ("normal", "transaction")
+
+    arun(main())
+
+
 def test_cancelled_message_is_never_delivered_even_after_a_restart(data_dir):
     async def main():
         clock = ManualClock(T0)
