@@ -44,8 +44,12 @@ def test_delay_levels_and_timer_properties_give_rocketmqs_due_times():
     assert due_ms({"TIMER_DELAY_SEC": "7"}, now, max_ms) == now + 7000
     assert due_ms({"TIMER_DELAY_MS": "250"}, now, max_ms) == now + 250
     assert due_ms({"TIMER_DELIVER_MS": "5000000"}, now, max_ms) == 5_000_000
-    # RocketMQ's precedence: TIMER_DELAY_SEC, then TIMER_DELAY_MS, then TIMER_DELIVER_MS, then DELAY
-    assert due_ms({"TIMER_DELAY_SEC": "1", "TIMER_DELIVER_MS": "9", "DELAY": "3"}, now, max_ms) == now + 1000
+    # RocketMQ's precedence: a delay level above 0 (the broker then drops the timer properties), then
+    # TIMER_DELAY_SEC, TIMER_DELAY_MS, TIMER_DELIVER_MS
+    assert due_ms({"TIMER_DELAY_SEC": "1", "TIMER_DELIVER_MS": "9", "DELAY": "3"}, now, max_ms) == now + 10_000
+    assert due_ms({"TIMER_DELAY_SEC": "1", "TIMER_DELIVER_MS": "9", "DELAY": "0"}, now, max_ms) == now + 1000
+    assert due_ms({"TIMER_DELAY_MS": "20", "TIMER_DELIVER_MS": "9"}, now, max_ms) == now + 20
+    assert due_ms({"DELAY": "-1", "TIMER_DELIVER_MS": "5000000"}, now, max_ms) == 5_000_000
     assert due_ms({"TIMER_DELIVER_MS": "10"}, now, max_ms) == 10  # past: the caller delivers it now
 
 

@@ -21,8 +21,9 @@ from txmq.wire import ErrorCode, TxmqError
 
 from ..config import parse_delay_levels
 
-# The properties that ask for a later delivery, in RocketMQ's order of precedence (HookUtils.transformTimerMessage:
-# TIMER_DELAY_SEC, then TIMER_DELAY_MS, then TIMER_DELIVER_MS; a delay level only without any of them).
+# The properties that ask for a later delivery, in RocketMQ's order of precedence: a delay level above 0 first (its
+# broker then drops the timer properties: HookUtils.checkIfTimerMessage), then TIMER_DELAY_SEC, TIMER_DELAY_MS and
+# TIMER_DELIVER_MS (HookUtils.transformTimerMessage).
 TIMER_PROPERTIES = (PROP_TIMER_DELAY_SEC, PROP_TIMER_DELAY_MS, PROP_TIMER_DELIVER_MS)
 # What a client may not set: the broker's own marks (a forged one would make a replay of the log drop a schedule).
 RESERVED = (PROP_SCHEDULED_FROM, PROP_SCHEDULE_CANCEL)
@@ -78,19 +79,18 @@ def due_ms(props: Mapping[str, str], now_ms: int, max_delay_ms: int,
     for key in RESERVED:
         if key in props:
             raise TxmqError(f"property {key} is the broker's own and cannot be sent", ErrorCode.INVALID_FIELD, property=key)
+    if PROP_DELAY in props:
+        level = _int(props, PROP_DELAY)
+        if level > 0:
+            return now_ms + levels_ms[min(level, len(levels_ms)) - 1]
     if PROP_TIMER_DELAY_SEC in props:
         due, key = now_ms + _int(props, PROP_TIMER_DELAY_SEC) * 1000, PROP_TIMER_DELAY_SEC
     elif PROP_TIMER_DELAY_MS in props:
         due, key = now_ms + _int(props, PROP_TIMER_DELAY_MS), PROP_TIMER_DELAY_MS
     elif PROP_TIMER_DELIVER_MS in props:
         due, key = _int(props, PROP_TIMER_DELIVER_MS), PROP_TIMER_DELIVER_MS
-    elif PROP_DELAY in props:
-        level = _int(props, PROP_DELAY)
-        if level <= 0:
-            return None
-        return now_ms + levels_ms[min(level, len(levels_ms)) - 1]
     else:
-        return None
+        return None  # no property, or a delay level of 0 or less alone
     if due - now_ms > max_delay_ms:
         raise TxmqError(f"{key}={props[key][:40]} asks for a delivery {fmt_delay(due - now_ms)} ahead: this broker schedules "
                         f"at most {fmt_delay(max_delay_ms)} ahead (broker start --max-delay)", ErrorCode.INVALID_DELIVERY_TIME,
