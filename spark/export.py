@@ -324,25 +324,33 @@ def _publish(staging: str, opts: ExportOptions) -> None:
         os.rename(src, dst)
 
 
-def _write_arrow(spark, options: dict[str, str], opts: ExportOptions) -> int | None:
-    """The messages table written by the executors from Arrow batches (spark/arrowwrite.py); None where it does not
-    apply (then Spark's writer does it)."""
+def _arrow_applies(spark, opts: ExportOptions) -> bool:
+    """Whether the messages table is written by the executors from Arrow batches (spark/arrowwrite.py); where not,
+    Spark's writer writes it."""
     from . import arrowwrite
 
     if opts.parquet_writer != "arrow" or not arrowwrite.applies(opts.fmt, opts.partition_by, opts.out):
-        return None
+        return False
     try:
         arrowwrite.codec(spark)
     except KeyError:  # a codec pyarrow does not write (Spark's lz4 is Hadoop's framing): Spark's writer
-        return None
-    path = table_path(opts.out, "messages")
-    if opts.mode == "error" and os.path.exists(path):
-        raise FileExistsError(f"{path} already exists: use --mode overwrite or --mode append")
-    if opts.mode == "overwrite":
-        shutil.rmtree(path[len("file://"):] if path.startswith("file://") else path, ignore_errors=True)
+        return False
+    return True
+
+
+def _write_arrow(spark, options: dict[str, str], opts: ExportOptions) -> int:
+    """The messages table written by the executors from Arrow batches (where _arrow_applies): the rows written."""
+    from . import arrowwrite
     from .schema import messages_schema
 
-    return arrowwrite.write(spark, options, messages_schema(), path, no_dictionary=("body",))
+    path = table_path(opts.out, "messages")
+    local = arrowwrite.local_folder(path)
+    assert local is not None
+    if opts.mode == "error" and os.path.exists(local):
+        raise FileExistsError(f"{path} already exists: use --mode overwrite or --mode append")
+    if opts.mode == "overwrite":
+        shutil.rmtree(local, ignore_errors=True)
+    return arrowwrite.write(spark, options, messages_schema(), local, no_dictionary=("body",))
 
 
 def _export_tables(spark, opts: ExportOptions, write_opts: ExportOptions, load, options_for, topics: tuple[str, ...],
@@ -364,8 +372,9 @@ def _export_tables(spark, opts: ExportOptions, write_opts: ExportOptions, load, 
                 filters["since"] = str(opts.since_ms)
             if opts.until_ms is not None:
                 filters["until"] = str(opts.until_ms)
-            rows = _write_arrow(spark, options_for(**filters), write_opts)
-            if rows is None:
+            if _arrow_applies(spark, write_opts):
+                rows = _write_arrow(spark, options_for(**filters), write_opts)
+            else:
                 _, rows = _write(load(**filters), table, write_opts)
         else:
             df = _filter_transactions(transactions(load(kinds=",".join(TX_KINDS))), opts, topics)

@@ -690,3 +690,40 @@ def test_since_and_until_accept_iso_times_and_durations():
     with pytest.raises(CliError) as e:
         parse_when("yesterday")
     assert e.value.code == 2
+
+
+def test_a_file_uri_out_refuses_an_existing_messages_table_in_mode_error(spark, broker_dir, tmp_path):
+    data_dir, _ = broker_dir
+    out = f"file://{tmp_path / 'out'}"
+    first = export_to(spark, data_dir, out, tables=("messages",))
+    with pytest.raises(Exception) as e:  # as Spark's writer refuses it: the table is not written twice
+        export_to(spark, data_dir, out, tables=("messages",))
+    assert "already exists" in str(e.value) or "PATH_ALREADY_EXISTS" in str(e.value)
+    assert spark.read.parquet(str(tmp_path / "out" / "messages")).count() == first.tables[0].rows > 0
+
+
+def test_a_file_uri_out_with_a_host_is_left_to_spark_not_written_under_the_working_folder(
+        spark, broker_dir, tmp_path, monkeypatch):
+    data_dir, _ = broker_dir
+    monkeypatch.chdir(tmp_path)  # a URI taken for a relative path would land in here
+    out = f"file://localhost{tmp_path / 'out'}"
+    with pytest.raises(Exception, match="Wrong FS"):  # Hadoop's local file system takes no host: Spark's error
+        export_to(spark, data_dir, out, tables=("messages",))
+    assert not (tmp_path / "localhost").exists()
+
+
+def test_a_relative_out_appended_to_is_written_under_the_drivers_working_folder(spark, broker_dir, tmp_path, monkeypatch):
+    data_dir, _ = broker_dir
+    monkeypatch.chdir(tmp_path)  # the executors' working folder is the JVM's, not this one
+    res = export_to(spark, data_dir, "rel", tables=("messages",), mode="append")
+    assert spark.read.parquet(str(tmp_path / "rel" / "messages")).count() == res.tables[0].rows > 0
+    assert sorted(p.name for p in (tmp_path / "rel" / "messages").iterdir() if p.name.startswith("_")) == ["_SUCCESS"]
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "json"])
+def test_bytes_read_counts_one_pass_per_table_whichever_writer(spark, broker_dir, tmp_path, fmt):
+    data_dir, _ = broker_dir
+    res = export_to(spark, data_dir, tmp_path / "out", fmt=fmt)
+    assert res.bytes_read == 2 * res.log_bytes > 0
+    res = export_to(spark, data_dir, tmp_path / "one", fmt=fmt, tables=("messages",))
+    assert res.bytes_read == res.log_bytes
