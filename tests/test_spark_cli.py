@@ -203,3 +203,18 @@ def test_only_the_broker_option_turns_an_export_into_a_read_through_a_broker(tmp
     assert r.returncode == 2 and "--follow reads through a broker: give --broker" in r.stderr, r.stderr
     r = run_cli(["spark-export", "--broker", "127.0.0.1:1", "--out", str(tmp_path / "out"), "--follow"])
     assert r.returncode == 2 and "--follow needs --checkpoint" in r.stderr, r.stderr
+
+
+def test_the_quick_jit_is_chosen_only_when_the_messages_table_skips_sparks_writer(tmp_path):
+    from txmq.cli.commands.spark import _quick_jit
+    from txmq.spark.export import ExportOptions
+
+    opts = ExportOptions(str(tmp_path), str(tmp_path / "out"))
+    assert _quick_jit(opts, "local[2]", {})
+    assert _quick_jit(opts, "local[2]", {"spark.sql.parquet.compression.codec": "zstd"})
+    assert not _quick_jit(opts, "spark://h:7077", {})
+    # the messages table through Spark's writer: the JVM moves every row, the full JIT pays for itself
+    assert not _quick_jit(opts, "local[2]", {"spark.sql.parquet.compression.codec": "lz4"})
+    for other in ({"parquet_writer": "spark"}, {"fmt": "json"}, {"partition_by": ("date",)}, {"out": "hdfs:///t"}):
+        assert not _quick_jit(ExportOptions(str(tmp_path), str(tmp_path / "out"), **other), "local[2]", {})
+    assert _quick_jit(ExportOptions(str(tmp_path), str(tmp_path / "out"), fmt="json", tables=("transactions",)), "local[2]", {})
