@@ -206,6 +206,8 @@ def test_only_the_broker_option_turns_an_export_into_a_read_through_a_broker(tmp
 
 
 def test_the_quick_jit_is_chosen_only_when_the_messages_table_skips_sparks_writer(tmp_path):
+    from dataclasses import replace
+
     from txmq.cli.commands.spark import _quick_jit
     from txmq.spark.export import ExportOptions
 
@@ -216,5 +218,5 @@ def test_the_quick_jit_is_chosen_only_when_the_messages_table_skips_sparks_write
     # the messages table through Spark's writer: the JVM moves every row, the full JIT pays for itself
     assert not _quick_jit(opts, "local[2]", {"spark.sql.parquet.compression.codec": "lz4"})
     for other in ({"parquet_writer": "spark"}, {"fmt": "json"}, {"partition_by": ("date",)}, {"out": "hdfs:///t"}):
-        assert not _quick_jit(ExportOptions(str(tmp_path), str(tmp_path / "out"), **other), "local[2]", {})
+        assert not _quick_jit(replace(opts, **other), "local[2]", {})
     assert _quick_jit(ExportOptions(str(tmp_path), str(tmp_path / "out"), fmt="json", tables=("transactions",)), "local[2]", {})
