@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -218,7 +219,9 @@ class Session:
 
 
 def _exit_jvm(spark, recording: Path, final: Path, timeout_s: float = 120.0) -> None:
-    """End the driver JVM (it writes the archive as it exits), wait for it, then publish the archive."""
+    """End the driver JVM (it writes the archive as it exits), wait for it, then publish the archive. Ctrl-C while
+    it writes (or a JVM that takes longer than timeout_s) ends the JVM at once, without an archive: the next run
+    records one."""
     from pyspark import SparkContext
 
     gateway = SparkContext._gateway
@@ -226,20 +229,23 @@ def _exit_jvm(spark, recording: Path, final: Path, timeout_s: float = 120.0) -> 
     if proc is None:
         recording.unlink(missing_ok=True)
         return
+    code = None
     try:
-        spark._jvm.java.lang.System.exit(0)  # type: ignore[attr-defined]
-    except Exception:
-        pass  # the connection ends with the JVM
-    try:
+        try:
+            spark._jvm.java.lang.System.exit(0)  # type: ignore[attr-defined]
+        except Exception:
+            pass  # the connection ends with the JVM
         code = proc.wait(timeout=timeout_s)
-    except Exception:
-        code = None
-    SparkContext._gateway = None
-    SparkContext._jvm = None
-    if code == 0:  # an archive is complete only once the JVM has exited normally
-        publish_archive(recording, final)
-    else:
-        recording.unlink(missing_ok=True)
+    except (KeyboardInterrupt, subprocess.TimeoutExpired):
+        proc.kill()  # the JVM ignores SIGINT (PySpark starts it so): it would go on writing after we are gone
+        proc.wait()
+    finally:
+        SparkContext._gateway = None
+        SparkContext._jvm = None
+        if code == 0:  # an archive is complete only once the JVM has exited normally
+            publish_archive(recording, final)
+        else:
+            recording.unlink(missing_ok=True)
 
 
 @contextlib.contextmanager

@@ -327,10 +327,13 @@ def _stop_spark(session: Session, exported: bool) -> None:
     from txmq.spark import session as sess
 
     if session.archive_recording is not None and err.is_terminal:
-        err.print("[dim]saving Spark's class-data archive: later runs start faster (once per Java and PySpark version)[/dim]")
+        err.print("[dim]saving Spark's class-data archive: later runs start faster (once per Java and PySpark version;"
+                  " Ctrl-C skips it)[/dim]")
     try:
         session.stop(final=True)  # the command starts no other session: the JVM may end (and write its class archive)
-    except (Exception, KeyboardInterrupt):  # the JVM got the Ctrl-C too and is gone
+    except KeyboardInterrupt:  # Ctrl-C while Spark stops: the tables are in place (or the failure is reported)
+        pass
+    except Exception:
         if exported:
             raise
     if exported:
