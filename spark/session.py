@@ -126,6 +126,13 @@ def _java_executable() -> str | None:
     return os.path.realpath(exe) if exe and os.path.exists(exe) else None
 
 
+def _spark_home() -> str:
+    """The Spark installation whose jars the driver loads: SPARK_HOME when set, else PySpark's own."""
+    from pyspark.find_spark_home import _find_spark_home
+
+    return _find_spark_home()
+
+
 def class_archive_path() -> Path | None:
     """Where this Java and this PySpark keep their archive (None: no java found)."""
     import hashlib
@@ -135,13 +142,22 @@ def class_archive_path() -> Path | None:
     java = _java_executable()
     if java is None:
         return None
-    jars = Path(pyspark.__file__).parent / "jars"
+    jars = Path(_spark_home()) / "jars"
     try:
         names = sorted(os.listdir(jars))
     except OSError:
         names = []
-    st = os.stat(java)
-    key = "\0".join([java, str(st.st_mtime_ns), str(st.st_size), pyspark.__version__, str(jars), *names])
+    # the launcher, the JVM itself and its base archive (a dynamic archive extends it): a JDK updated in place
+    # changes the last two, and the JVM would refuse the old archive on every run
+    home = Path(java).parent.parent
+    parts = [java, pyspark.__version__, str(jars), *names]
+    for f in (Path(java), home / "lib" / "server" / "libjvm.so", home / "lib" / "server" / "classes.jsa"):
+        try:
+            st = os.stat(f)
+        except OSError:
+            continue
+        parts += [str(f), str(st.st_mtime_ns), str(st.st_size)]
+    key = "\0".join(parts)
     return cache_dir() / f"driver-{pyspark.__version__}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.jsa"
 
 
@@ -149,7 +165,7 @@ def archive_options(settings: dict[str, str]) -> tuple[str | None, Path | None, 
     """(JVM flags to add, the archive being recorded (to publish), its final path) for a session with these settings."""
     if os.environ.get(CLASS_ARCHIVE_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
         return None, None, None
-    if any(f in settings.get("spark.driver.extraJavaOptions", "") for f in _ARCHIVE_FLAGS):
+    if any(f in _java_options(settings) for f in _ARCHIVE_FLAGS):
         return None, None, None  # the user chose the JVM's sharing settings
     final = class_archive_path()
     if final is None:
@@ -164,9 +180,16 @@ def archive_options(settings: dict[str, str]) -> tuple[str | None, Path | None, 
         final.parent.mkdir(parents=True, exist_ok=True)
     except OSError:
         return None, None, None
+    if not os.access(final.parent, os.W_OK | os.X_OK):  # the JVM could not write it: every run would try again
+        return None, None, None
     _remove_abandoned_recordings(final.parent)
     recording = final.with_name(f"{final.name}.tmp-{os.getpid()}")
     return f"-XX:ArchiveClassesAtExit={recording}", recording, final
+
+
+def _java_options(settings: dict[str, str]) -> str:
+    """The driver JVM's options the settings give (Spark puts defaultJavaOptions before extraJavaOptions)."""
+    return f"{settings.get('spark.driver.defaultJavaOptions', '')} {settings.get('spark.driver.extraJavaOptions', '')}"
 
 
 def _remove_abandoned_recordings(directory: Path) -> None:
@@ -189,8 +212,11 @@ def publish_archive(recording: Path, final: Path) -> bool:
                 return False
         now = time.time()
         for old in final.parent.glob("driver-*.jsa"):
-            if old.name != final.name and now - old.stat().st_mtime > UNUSED_ARCHIVE_S:
-                old.unlink(missing_ok=True)
+            try:
+                if old.name != final.name and now - old.stat().st_mtime > UNUSED_ARCHIVE_S:
+                    old.unlink(missing_ok=True)
+            except OSError:  # removed meanwhile (another export cleaning up), or not ours to remove
+                pass
         os.replace(recording, final)  # readers map either the old file or the whole new one
         return True
     except OSError:
@@ -268,6 +294,22 @@ def _output_to(path: str) -> Iterator[None]:
             os.close(f)
 
 
+def driver_settings(defaults: dict[str, str], conf: dict[str, str], archive: bool = False, quick_jit: bool = False
+                    ) -> tuple[dict[str, str], Path | None, Path | None]:
+    """(the session's settings, the class-data archive being recorded, its final path): conf over the defaults, with
+    the driver JVM's options of both kept (the log configuration, then the user's), and those `start` adds."""
+    settings = {**defaults, **conf}
+    key = "spark.driver.extraJavaOptions"
+    if key in defaults and key in conf:
+        settings[key] = f"{defaults[key]} {conf[key]}".strip()
+    flag, recording, final = archive_options(settings) if archive else (None, None, None)
+    if quick_jit and "Tiered" not in _java_options(settings):
+        flag = f"{flag or ''} -XX:TieredStopAtLevel=1".strip()
+    if flag:
+        settings[key] = f"{flag} {settings.get(key, '')}".strip()
+    return settings, recording, final
+
+
 def start(master: str, conf: dict[str, str] | None = None, quiet: bool = True, archive: bool = False,
           quick_jit: bool = False) -> Session:
     """Reuse the active SparkSession, or start one: quiet logs, no UI, UTC session time zone.
@@ -302,13 +344,7 @@ def start(master: str, conf: dict[str, str] | None = None, quiet: bool = True, a
         # Python workers must import txmq: use this interpreter unless told otherwise.
         os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
         os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
-    settings = {**default_conf(master, log4j), **(conf or {})}
-    flag, recording, final = archive_options(settings) if archive else (None, None, None)
-    java_opts = settings.get("spark.driver.extraJavaOptions", "")
-    if quick_jit and "Tiered" not in java_opts:
-        flag = f"{flag or ''} -XX:TieredStopAtLevel=1".strip()
-    if flag:
-        settings["spark.driver.extraJavaOptions"] = f"{flag} {java_opts}".strip()
+    settings, recording, final = driver_settings(default_conf(master, log4j), conf or {}, archive, quick_jit)
     builder = SparkSession.builder.master(master)
     for k, v in settings.items():
         builder = builder.config(k, v)
