@@ -355,7 +355,7 @@ def _write_arrow(spark, options: dict[str, str], opts: ExportOptions) -> int:
 
 def _export_tables(spark, opts: ExportOptions, write_opts: ExportOptions, load, options_for, topics: tuple[str, ...],
                    res: ExportResult, on_table: Callable[[str], None] | None) -> None:
-    """Write the tables, side by side when there are two.
+    """Write the tables, side by side when there are two, each in a thread of its own.
 
     The messages table keeps the executors' Python busy, the transactions table is mostly the driver's: planning, the
     aggregation's code generation and, in a fresh session, the start of Spark's Python planners. Run one after the
@@ -364,7 +364,15 @@ def _export_tables(spark, opts: ExportOptions, write_opts: ExportOptions, load, 
     """
 
     def one(table: str) -> TableResult:
+        # In a thread of its own: the job group is the JVM thread's, and PySpark reuses JVM threads for other Python
+        # threads, the caller's among them (their jobs would join the export's group): cleared when the table is done.
         spark.sparkContext.setJobGroup(f"txmq-{table}", f"txmq spark-export: {table}")
+        try:
+            return write_table(table)
+        finally:
+            spark.sparkContext._jsc.clearJobGroup()
+
+    def write_table(table: str) -> TableResult:
         t1 = time.perf_counter()
         if table == "messages":
             filters = {"topics": ",".join(topics)} if topics else {}
@@ -384,9 +392,6 @@ def _export_tables(spark, opts: ExportOptions, write_opts: ExportOptions, load, 
     if on_table:
         for table in opts.tables:
             on_table(table)
-    if len(opts.tables) == 1:
-        res.tables.append(one(opts.tables[0]))
-        return
     from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 
     pool = ThreadPoolExecutor(max_workers=len(opts.tables), thread_name_prefix="txmq-export")

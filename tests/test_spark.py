@@ -727,3 +727,31 @@ def test_bytes_read_counts_one_pass_per_table_whichever_writer(spark, broker_dir
     assert res.bytes_read == 2 * res.log_bytes > 0
     res = export_to(spark, data_dir, tmp_path / "one", fmt=fmt, tables=("messages",))
     assert res.bytes_read == res.log_bytes
+
+
+@pytest.mark.parametrize("tables", [("transactions",), ("messages", "transactions")])
+def test_an_export_leaves_the_callers_spark_job_group_alone(spark, broker_dir, tmp_path, tables):
+    data_dir, _ = broker_dir
+    sc = spark.sparkContext
+    export_to(spark, data_dir, tmp_path / "out", tables=tables)
+    before = set(sc.statusTracker().getJobIdsForGroup("txmq-transactions"))
+    assert before  # the export's own jobs ran in its group
+    assert spark.range(3).count() == 3  # the caller's next job is not one of the export's
+    assert set(sc.statusTracker().getJobIdsForGroup("txmq-transactions")) == before
+
+
+def test_a_failing_table_fails_the_export_with_its_error_and_leaves_no_output(spark, broker_dir, tmp_path, monkeypatch):
+    from txmq.spark import export as ex
+
+    data_dir, _ = broker_dir
+
+    def broken(*a, **kw):
+        raise ValueError("the transactions table cannot be planned")
+
+    monkeypatch.setattr(ex, "_filter_transactions", broken)
+    with pytest.raises(ValueError, match="cannot be planned"):
+        export_to(spark, data_dir, tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # neither table, no staging folder
+    monkeypatch.undo()
+    res = export_to(spark, data_dir, tmp_path / "out")  # the session goes on serving
+    assert [t.rows > 0 for t in res.tables] == [True, True]
