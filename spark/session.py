@@ -128,9 +128,10 @@ def _java_executable() -> str | None:
 
 def _spark_home() -> str:
     """The Spark installation whose jars the driver loads: SPARK_HOME when set, else PySpark's own."""
-    from pyspark.find_spark_home import _find_spark_home
+    import pyspark
 
-    return _find_spark_home()
+    home = os.environ.get("SPARK_HOME")
+    return home if home else str(Path(pyspark.__file__).parent)
 
 
 def class_archive_path() -> Path | None:
@@ -176,6 +177,8 @@ def archive_options(settings: dict[str, str]) -> tuple[str | None, Path | None, 
         except OSError:
             pass
         return f"-XX:SharedArchiveFile={final}", None, final
+    if settings.get("spark.driver.extraClassPath"):
+        return None, None, None  # an archive of that class path: every run without it would be refused it
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
     except OSError:

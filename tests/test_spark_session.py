@@ -226,3 +226,13 @@ def test_a_cache_folder_this_user_cannot_write_records_no_archive(cache, tmp_pat
     finally:
         os.chmod(os.path.join(base, "txmq", "spark"), 0o755)
         shutil.rmtree(base, ignore_errors=True)
+
+
+def test_a_run_with_its_own_driver_class_path_records_no_archive(cache):
+    from txmq.spark import session as sess
+
+    if _spark_problem():
+        pytest.skip(_spark_problem())
+    # the JVM accepts an archive only with the class path it was recorded with, as a prefix
+    assert sess.archive_options({"spark.driver.extraClassPath": "/opt/extra.jar"}) == (None, None, None)
+    assert sess.archive_options({})[1] is not None
