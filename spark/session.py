@@ -187,6 +187,14 @@ def archive_options(settings: dict[str, str]) -> tuple[str | None, Path | None, 
         return None, None, None
     _remove_abandoned_recordings(final.parent)
     recording = final.with_name(f"{final.name}.tmp-{os.getpid()}")
+    if any(p != recording for p in final.parent.glob(f"{final.name}.tmp-*")):
+        return None, None, None  # another export, still running, records it: this one need not pay for it too
+    try:
+        # claimed while this process records (the JVM writes the file as it exits): an empty file until then
+        with open(recording, "wb"):
+            pass
+    except OSError:
+        return None, None, None
     return f"-XX:ArchiveClassesAtExit={recording}", recording, final
 
 

@@ -236,3 +236,21 @@ def test_a_run_with_its_own_driver_class_path_records_no_archive(cache):
     # the JVM accepts an archive only with the class path it was recorded with, as a prefix
     assert sess.archive_options({"spark.driver.extraClassPath": "/opt/extra.jar"}) == (None, None, None)
     assert sess.archive_options({})[1] is not None
+
+
+def test_while_one_export_records_the_archive_another_records_none(cache):
+    from txmq.spark import session as sess
+
+    if _spark_problem():
+        pytest.skip(_spark_problem())
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        final = sess.class_archive_path()
+        cache.mkdir(parents=True)
+        (cache / f"{final.name}.tmp-{other.pid}").write_bytes(b"")  # that export's claim, its JVM still running
+        assert sess.archive_options({}) == (None, None, None)  # neither mapped (none yet) nor recorded twice
+    finally:
+        other.kill()
+        other.wait()
+    flag, recording, _ = sess.archive_options({})  # that export gone without publishing: this one records
+    assert recording is not None and recording.exists() and flag.endswith(str(recording))
