@@ -254,3 +254,30 @@ def test_while_one_export_records_the_archive_another_records_none(cache):
         other.wait()
     flag, recording, _ = sess.archive_options({})  # that export gone without publishing: this one records
     assert recording is not None and recording.exists() and flag.endswith(str(recording))
+
+
+RESTART = textwrap.dedent("""
+    from txmq.spark import session as sess
+    s = sess.start("local[1]", archive=True)
+    assert s.archive_recording is not None and s.spark.range(5).count() == 5
+    s.stop(final=True)
+    again = sess.start("local[1]", archive=True)  # the JVM has exited: a new one starts, mapping the new archive
+    assert again.created and again.archive_recording is None
+    assert again.spark.range(7).count() == 7
+    args = " ".join(again.spark._jvm.java.lang.management.ManagementFactory.getRuntimeMXBean().getInputArguments())
+    print("ARGS", args)
+    again.stop(final=True)
+    sess.cleanup(s)
+    sess.cleanup(again)
+""")
+
+
+def test_after_its_final_stop_a_process_can_start_spark_again(cache):
+    from txmq.spark import session as sess
+
+    if _spark_problem():
+        pytest.skip(_spark_problem())
+    env = {**os.environ, "XDG_CACHE_HOME": str(cache.parent.parent)}
+    r = subprocess.run([sys.executable, "-c", RESTART], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert f"-XX:SharedArchiveFile={sess.class_archive_path()}" in r.stdout
