@@ -229,10 +229,7 @@ def export(spark, opts: ExportOptions, on_table: Callable[[str], None] | None = 
             _publish(staging, opts)
     except BaseException:  # a failure or Ctrl-C leaves no partial output behind
         if staging:
-            try:
-                spark.sparkContext.cancelAllJobs()  # tasks still writing would recreate it
-            except BaseException:
-                pass
+            _cancel(spark, opts.tables)  # tasks still writing would recreate it
         raise
     finally:
         if staging:
@@ -291,10 +288,7 @@ def _export_through_broker(spark, opts: ExportOptions, on_table, t0: float) -> E
             _publish(staging, opts)
     except BaseException:
         if staging:
-            try:
-                spark.sparkContext.cancelAllJobs()
-            except BaseException:
-                pass
+            _cancel(spark, opts.tables)
         raise
     finally:
         if staging:
@@ -353,6 +347,15 @@ def _write_arrow(spark, options: dict[str, str], opts: ExportOptions) -> int:
     return arrowwrite.write(spark, options, messages_schema(), local, no_dictionary=("body",))
 
 
+def _cancel(spark, tables: tuple[str, ...]) -> None:
+    """Cancel the export's Spark jobs (its tables' job groups), not other work sharing the session."""
+    for table in tables:
+        try:
+            spark.sparkContext.cancelJobGroup(f"txmq-{table}")
+        except BaseException:  # the JVM is going away (Ctrl-C): nothing is left to cancel
+            pass
+
+
 def _export_tables(spark, opts: ExportOptions, write_opts: ExportOptions, load, options_for, topics: tuple[str, ...],
                    res: ExportResult, on_table: Callable[[str], None] | None) -> None:
     """Write the tables, side by side when there are two, each in a thread of its own.
@@ -403,10 +406,7 @@ def _export_tables(spark, opts: ExportOptions, write_opts: ExportOptions, load, 
                 raise f.exception()  # type: ignore[misc]
         res.tables.extend(f.result() for f in futures)
     except BaseException:
-        try:
-            spark.sparkContext.cancelAllJobs()  # the other table stops too (also on Ctrl-C)
-        except BaseException:
-            pass
+        _cancel(spark, opts.tables)  # the other table stops too (also on Ctrl-C)
         raise
     finally:
         pool.shutdown(wait=True, cancel_futures=True)

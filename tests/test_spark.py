@@ -755,3 +755,28 @@ def test_a_failing_table_fails_the_export_with_its_error_and_leaves_no_output(sp
     monkeypatch.undo()
     res = export_to(spark, data_dir, tmp_path / "out")  # the session goes on serving
     assert [t.rows > 0 for t in res.tables] == [True, True]
+
+
+def test_a_failed_export_cancels_its_own_spark_jobs_not_the_callers(spark, broker_dir, tmp_path, monkeypatch):
+    import threading
+    import time
+
+    from txmq.spark import export as ex
+
+    data_dir, _ = broker_dir
+    result: dict = {}
+
+    def callers_job() -> None:
+        try:
+            result["rows"] = spark.sparkContext.parallelize([1, 2], 1).map(lambda x: time.sleep(6) or x).collect()
+        except Exception as e:  # cancelled
+            result["error"] = str(e)[:300]
+
+    t = threading.Thread(target=callers_job)
+    t.start()
+    time.sleep(1.5)  # the caller's job is running
+    monkeypatch.setattr(ex, "_filter_transactions", lambda *a, **kw: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        export_to(spark, data_dir, tmp_path / "out")
+    t.join(60)
+    assert result == {"rows": [1, 2]}
