@@ -780,3 +780,29 @@ def test_a_failed_export_cancels_its_own_spark_jobs_not_the_callers(spark, broke
         export_to(spark, data_dir, tmp_path / "out")
     t.join(60)
     assert result == {"rows": [1, 2]}
+
+
+def test_a_table_failing_while_the_other_is_written_leaves_no_output_behind(spark, broker_dir, tmp_path, monkeypatch):
+    import time
+
+    from txmq.spark import export as ex
+
+    data_dir, _ = broker_dir
+    real = ex._write
+
+    def slow_write(df, table, opts):  # the transactions table's tasks still running when the messages table fails
+        from pyspark.sql import functions as F
+
+        slow = F.udf(lambda v: time.sleep(0.5) or v, "string")
+        return real(df.withColumn("tx_id", slow("tx_id")).repartition(2), table, opts)
+
+    def failing_arrow(*a, **kw):
+        time.sleep(3)
+        raise OSError("no space left on device")
+
+    monkeypatch.setattr(ex, "_write", slow_write)
+    monkeypatch.setattr(ex, "_write_arrow", failing_arrow)
+    with pytest.raises(OSError, match="no space"):
+        export_to(spark, data_dir, tmp_path / "out")
+    time.sleep(8)  # what the cancelled tasks would still write
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == []
