@@ -33,15 +33,35 @@ CODECS = {"snappy": "snappy", "gzip": "gzip", "zstd": "zstd", "brotli": "brotli"
 _SUFFIX = {"snappy": ".snappy", "gzip": ".gz", "zstd": ".zstd", "brotli": ".br", "lz4": ".lz4raw", None: ""}
 
 
+CODEC_CONF = "spark.sql.parquet.compression.codec"
+
+
 def codec(spark) -> str | None:
     """The session's Parquet codec as pyarrow names it; KeyError for one pyarrow cannot write (the caller falls back)."""
-    name = (spark.conf.get("spark.sql.parquet.compression.codec", "snappy") or "snappy").lower()
+    name = (spark.conf.get(CODEC_CONF, "snappy") or "snappy").lower()
     return CODECS[name]
+
+
+def local_folder(out: str) -> str | None:
+    """The absolute local folder `out` names (a path, or a file: URI without a host); None for any other URI.
+
+    Absolute because the executors' working folder need not be the driver's. A host in a file: URI is left to
+    Spark's writer, which knows what its file system makes of it."""
+    if out.startswith("file:"):
+        rest = out[len("file:"):]
+        if rest.startswith("//"):
+            if not rest.startswith("///"):
+                return None
+            rest = rest[2:]
+        return os.path.abspath(rest)
+    if "://" in out:
+        return None
+    return os.path.abspath(out)
 
 
 def applies(fmt: str, partition_by, out: str) -> bool:
     """Whether a table can be written this way: Parquet, not partitioned, into a folder this process can see."""
-    return fmt == "parquet" and not partition_by and ("://" not in out or out.startswith("file://"))
+    return fmt == "parquet" and not partition_by and local_folder(out) is not None
 
 
 def _write_partition(reader, arrow_schema, tmp: str, job: str, compression, no_dictionary: tuple[str, ...]):
@@ -84,7 +104,9 @@ def write(spark, options: dict[str, str], schema, path: str, no_dictionary: tupl
     from pyspark.sql.pandas.types import to_arrow_schema
 
     compression = codec(spark)
-    local = path[len("file://"):] if path.startswith("file://") else path
+    local = local_folder(path)
+    if local is None:
+        raise ValueError(f"{path} is not a local folder: Spark's writer writes there")
     reader = TxmqDataSource(options).reader(schema)
     parts = list(reader.partitions())
     arrow_schema = to_arrow_schema(schema, timezone="UTC")

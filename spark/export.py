@@ -229,10 +229,7 @@ def export(spark, opts: ExportOptions, on_table: Callable[[str], None] | None = 
             _publish(staging, opts)
     except BaseException:  # a failure or Ctrl-C leaves no partial output behind
         if staging:
-            try:
-                spark.sparkContext.cancelAllJobs()  # tasks still writing would recreate it
-            except BaseException:
-                pass
+            _cancel(spark, opts.tables)  # tasks still writing would recreate it
         raise
     finally:
         if staging:
@@ -291,10 +288,7 @@ def _export_through_broker(spark, opts: ExportOptions, on_table, t0: float) -> E
             _publish(staging, opts)
     except BaseException:
         if staging:
-            try:
-                spark.sparkContext.cancelAllJobs()
-            except BaseException:
-                pass
+            _cancel(spark, opts.tables)
         raise
     finally:
         if staging:
@@ -324,30 +318,47 @@ def _publish(staging: str, opts: ExportOptions) -> None:
         os.rename(src, dst)
 
 
-def _write_arrow(spark, options: dict[str, str], opts: ExportOptions) -> int | None:
-    """The messages table written by the executors from Arrow batches (spark/arrowwrite.py); None where it does not
-    apply (then Spark's writer does it)."""
+def _arrow_applies(spark, opts: ExportOptions) -> bool:
+    """Whether the messages table is written by the executors from Arrow batches (spark/arrowwrite.py); where not,
+    Spark's writer writes it."""
     from . import arrowwrite
 
     if opts.parquet_writer != "arrow" or not arrowwrite.applies(opts.fmt, opts.partition_by, opts.out):
-        return None
+        return False
     try:
         arrowwrite.codec(spark)
     except KeyError:  # a codec pyarrow does not write (Spark's lz4 is Hadoop's framing): Spark's writer
-        return None
-    path = table_path(opts.out, "messages")
-    if opts.mode == "error" and os.path.exists(path):
-        raise FileExistsError(f"{path} already exists: use --mode overwrite or --mode append")
-    if opts.mode == "overwrite":
-        shutil.rmtree(path[len("file://"):] if path.startswith("file://") else path, ignore_errors=True)
+        return False
+    return True
+
+
+def _write_arrow(spark, options: dict[str, str], opts: ExportOptions) -> int:
+    """The messages table written by the executors from Arrow batches (where _arrow_applies): the rows written."""
+    from . import arrowwrite
     from .schema import messages_schema
 
-    return arrowwrite.write(spark, options, messages_schema(), path, no_dictionary=("body",))
+    path = table_path(opts.out, "messages")
+    local = arrowwrite.local_folder(path)
+    assert local is not None
+    if opts.mode == "error" and os.path.exists(local):
+        raise FileExistsError(f"{path} already exists: use --mode overwrite or --mode append")
+    if opts.mode == "overwrite":
+        shutil.rmtree(local, ignore_errors=True)
+    return arrowwrite.write(spark, options, messages_schema(), local, no_dictionary=("body",))
+
+
+def _cancel(spark, tables: tuple[str, ...]) -> None:
+    """Cancel the export's Spark jobs (its tables' job groups), not other work sharing the session."""
+    for table in tables:
+        try:
+            spark.sparkContext.cancelJobGroup(f"txmq-{table}")
+        except BaseException:  # the JVM is going away (Ctrl-C): nothing is left to cancel
+            pass
 
 
 def _export_tables(spark, opts: ExportOptions, write_opts: ExportOptions, load, options_for, topics: tuple[str, ...],
                    res: ExportResult, on_table: Callable[[str], None] | None) -> None:
-    """Write the tables, side by side when there are two.
+    """Write the tables, side by side when there are two, each in a thread of its own.
 
     The messages table keeps the executors' Python busy, the transactions table is mostly the driver's: planning, the
     aggregation's code generation and, in a fresh session, the start of Spark's Python planners. Run one after the
@@ -356,7 +367,15 @@ def _export_tables(spark, opts: ExportOptions, write_opts: ExportOptions, load, 
     """
 
     def one(table: str) -> TableResult:
+        # In a thread of its own: the job group is the JVM thread's, and PySpark reuses JVM threads for other Python
+        # threads, the caller's among them (their jobs would join the export's group): cleared when the table is done.
         spark.sparkContext.setJobGroup(f"txmq-{table}", f"txmq spark-export: {table}")
+        try:
+            return write_table(table)
+        finally:
+            spark.sparkContext._jsc.clearJobGroup()
+
+    def write_table(table: str) -> TableResult:
         t1 = time.perf_counter()
         if table == "messages":
             filters = {"topics": ",".join(topics)} if topics else {}
@@ -364,8 +383,9 @@ def _export_tables(spark, opts: ExportOptions, write_opts: ExportOptions, load, 
                 filters["since"] = str(opts.since_ms)
             if opts.until_ms is not None:
                 filters["until"] = str(opts.until_ms)
-            rows = _write_arrow(spark, options_for(**filters), write_opts)
-            if rows is None:
+            if _arrow_applies(spark, write_opts):
+                rows = _write_arrow(spark, options_for(**filters), write_opts)
+            else:
                 _, rows = _write(load(**filters), table, write_opts)
         else:
             df = _filter_transactions(transactions(load(kinds=",".join(TX_KINDS))), opts, topics)
@@ -375,9 +395,6 @@ def _export_tables(spark, opts: ExportOptions, write_opts: ExportOptions, load, 
     if on_table:
         for table in opts.tables:
             on_table(table)
-    if len(opts.tables) == 1:
-        res.tables.append(one(opts.tables[0]))
-        return
     from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 
     pool = ThreadPoolExecutor(max_workers=len(opts.tables), thread_name_prefix="txmq-export")
@@ -389,10 +406,7 @@ def _export_tables(spark, opts: ExportOptions, write_opts: ExportOptions, load, 
                 raise f.exception()  # type: ignore[misc]
         res.tables.extend(f.result() for f in futures)
     except BaseException:
-        try:
-            spark.sparkContext.cancelAllJobs()  # the other table stops too (also on Ctrl-C)
-        except BaseException:
-            pass
+        _cancel(spark, opts.tables)  # the other table stops too (also on Ctrl-C)
         raise
     finally:
         pool.shutdown(wait=True, cancel_futures=True)

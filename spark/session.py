@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -125,6 +126,14 @@ def _java_executable() -> str | None:
     return os.path.realpath(exe) if exe and os.path.exists(exe) else None
 
 
+def _spark_home() -> str:
+    """The Spark installation whose jars the driver loads: SPARK_HOME when set, else PySpark's own."""
+    import pyspark
+
+    home = os.environ.get("SPARK_HOME")
+    return home if home else str(Path(pyspark.__file__).parent)
+
+
 def class_archive_path() -> Path | None:
     """Where this Java and this PySpark keep their archive (None: no java found)."""
     import hashlib
@@ -134,13 +143,22 @@ def class_archive_path() -> Path | None:
     java = _java_executable()
     if java is None:
         return None
-    jars = Path(pyspark.__file__).parent / "jars"
+    jars = Path(_spark_home()) / "jars"
     try:
         names = sorted(os.listdir(jars))
     except OSError:
         names = []
-    st = os.stat(java)
-    key = "\0".join([java, str(st.st_mtime_ns), str(st.st_size), pyspark.__version__, str(jars), *names])
+    # the launcher, the JVM itself and its base archive (a dynamic archive extends it): a JDK updated in place
+    # changes the last two, and the JVM would refuse the old archive on every run
+    home = Path(java).parent.parent
+    parts = [java, pyspark.__version__, str(jars), *names]
+    for f in (Path(java), home / "lib" / "server" / "libjvm.so", home / "lib" / "server" / "classes.jsa"):
+        try:
+            st = os.stat(f)
+        except OSError:
+            continue
+        parts += [str(f), str(st.st_mtime_ns), str(st.st_size)]
+    key = "\0".join(parts)
     return cache_dir() / f"driver-{pyspark.__version__}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.jsa"
 
 
@@ -148,7 +166,7 @@ def archive_options(settings: dict[str, str]) -> tuple[str | None, Path | None, 
     """(JVM flags to add, the archive being recorded (to publish), its final path) for a session with these settings."""
     if os.environ.get(CLASS_ARCHIVE_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
         return None, None, None
-    if any(f in settings.get("spark.driver.extraJavaOptions", "") for f in _ARCHIVE_FLAGS):
+    if any(f in _java_options(settings) for f in _ARCHIVE_FLAGS):
         return None, None, None  # the user chose the JVM's sharing settings
     final = class_archive_path()
     if final is None:
@@ -159,13 +177,30 @@ def archive_options(settings: dict[str, str]) -> tuple[str | None, Path | None, 
         except OSError:
             pass
         return f"-XX:SharedArchiveFile={final}", None, final
+    if settings.get("spark.driver.extraClassPath"):
+        return None, None, None  # an archive of that class path: every run without it would be refused it
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
     except OSError:
         return None, None, None
+    if not os.access(final.parent, os.W_OK | os.X_OK):  # the JVM could not write it: every run would try again
+        return None, None, None
     _remove_abandoned_recordings(final.parent)
     recording = final.with_name(f"{final.name}.tmp-{os.getpid()}")
+    if any(p != recording for p in final.parent.glob(f"{final.name}.tmp-*")):
+        return None, None, None  # another export, still running, records it: this one need not pay for it too
+    try:
+        # claimed while this process records (the JVM writes the file as it exits): an empty file until then
+        with open(recording, "wb"):
+            pass
+    except OSError:
+        return None, None, None
     return f"-XX:ArchiveClassesAtExit={recording}", recording, final
+
+
+def _java_options(settings: dict[str, str]) -> str:
+    """The driver JVM's options the settings give (Spark puts defaultJavaOptions before extraJavaOptions)."""
+    return f"{settings.get('spark.driver.defaultJavaOptions', '')} {settings.get('spark.driver.extraJavaOptions', '')}"
 
 
 def _remove_abandoned_recordings(directory: Path) -> None:
@@ -188,8 +223,11 @@ def publish_archive(recording: Path, final: Path) -> bool:
                 return False
         now = time.time()
         for old in final.parent.glob("driver-*.jsa"):
-            if old.name != final.name and now - old.stat().st_mtime > UNUSED_ARCHIVE_S:
-                old.unlink(missing_ok=True)
+            try:
+                if old.name != final.name and now - old.stat().st_mtime > UNUSED_ARCHIVE_S:
+                    old.unlink(missing_ok=True)
+            except OSError:  # removed meanwhile (another export cleaning up), or not ours to remove
+                pass
         os.replace(recording, final)  # readers map either the old file or the whole new one
         return True
     except OSError:
@@ -218,7 +256,9 @@ class Session:
 
 
 def _exit_jvm(spark, recording: Path, final: Path, timeout_s: float = 120.0) -> None:
-    """End the driver JVM (it writes the archive as it exits), wait for it, then publish the archive."""
+    """End the driver JVM (it writes the archive as it exits), wait for it, then publish the archive. Ctrl-C while
+    it writes (or a JVM that takes longer than timeout_s) ends the JVM at once, without an archive: the next run
+    records one."""
     from pyspark import SparkContext
 
     gateway = SparkContext._gateway
@@ -226,20 +266,23 @@ def _exit_jvm(spark, recording: Path, final: Path, timeout_s: float = 120.0) -> 
     if proc is None:
         recording.unlink(missing_ok=True)
         return
+    code = None
     try:
-        spark._jvm.java.lang.System.exit(0)  # type: ignore[attr-defined]
-    except Exception:
-        pass  # the connection ends with the JVM
-    try:
+        try:
+            spark._jvm.java.lang.System.exit(0)  # type: ignore[attr-defined]
+        except Exception:
+            pass  # the connection ends with the JVM
         code = proc.wait(timeout=timeout_s)
-    except Exception:
-        code = None
-    SparkContext._gateway = None
-    SparkContext._jvm = None
-    if code == 0:  # an archive is complete only once the JVM has exited normally
-        publish_archive(recording, final)
-    else:
-        recording.unlink(missing_ok=True)
+    except (KeyboardInterrupt, subprocess.TimeoutExpired):
+        proc.kill()  # the JVM ignores SIGINT (PySpark starts it so): it would go on writing after we are gone
+        proc.wait()
+    finally:
+        SparkContext._gateway = None
+        SparkContext._jvm = None
+        if code == 0:  # an archive is complete only once the JVM has exited normally
+            publish_archive(recording, final)
+        else:
+            recording.unlink(missing_ok=True)
 
 
 @contextlib.contextmanager
@@ -260,6 +303,22 @@ def _output_to(path: str) -> Iterator[None]:
         os.dup2(saved[1], 2)
         for f in (fd, *saved):
             os.close(f)
+
+
+def driver_settings(defaults: dict[str, str], conf: dict[str, str], archive: bool = False, quick_jit: bool = False
+                    ) -> tuple[dict[str, str], Path | None, Path | None]:
+    """(the session's settings, the class-data archive being recorded, its final path): conf over the defaults, with
+    the driver JVM's options of both kept (the log configuration, then the user's), and those `start` adds."""
+    settings = {**defaults, **conf}
+    key = "spark.driver.extraJavaOptions"
+    if key in defaults and key in conf:
+        settings[key] = f"{defaults[key]} {conf[key]}".strip()
+    flag, recording, final = archive_options(settings) if archive else (None, None, None)
+    if quick_jit and "Tiered" not in _java_options(settings):
+        flag = f"{flag or ''} -XX:TieredStopAtLevel=1".strip()
+    if flag:
+        settings[key] = f"{flag} {settings.get(key, '')}".strip()
+    return settings, recording, final
 
 
 def start(master: str, conf: dict[str, str] | None = None, quiet: bool = True, archive: bool = False,
@@ -296,13 +355,7 @@ def start(master: str, conf: dict[str, str] | None = None, quiet: bool = True, a
         # Python workers must import txmq: use this interpreter unless told otherwise.
         os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
         os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
-    settings = {**default_conf(master, log4j), **(conf or {})}
-    flag, recording, final = archive_options(settings) if archive else (None, None, None)
-    java_opts = settings.get("spark.driver.extraJavaOptions", "")
-    if quick_jit and "Tiered" not in java_opts:
-        flag = f"{flag or ''} -XX:TieredStopAtLevel=1".strip()
-    if flag:
-        settings["spark.driver.extraJavaOptions"] = f"{flag} {java_opts}".strip()
+    settings, recording, final = driver_settings(default_conf(master, log4j), conf or {}, archive, quick_jit)
     builder = SparkSession.builder.master(master)
     for k, v in settings.items():
         builder = builder.config(k, v)

@@ -690,3 +690,119 @@ def test_since_and_until_accept_iso_times_and_durations():
     with pytest.raises(CliError) as e:
         parse_when("yesterday")
     assert e.value.code == 2
+
+
+def test_a_file_uri_out_refuses_an_existing_messages_table_in_mode_error(spark, broker_dir, tmp_path):
+    data_dir, _ = broker_dir
+    out = f"file://{tmp_path / 'out'}"
+    first = export_to(spark, data_dir, out, tables=("messages",))
+    with pytest.raises(Exception) as e:  # as Spark's writer refuses it: the table is not written twice
+        export_to(spark, data_dir, out, tables=("messages",))
+    assert "already exists" in str(e.value) or "PATH_ALREADY_EXISTS" in str(e.value)
+    assert spark.read.parquet(str(tmp_path / "out" / "messages")).count() == first.tables[0].rows > 0
+
+
+def test_a_file_uri_out_with_a_host_is_left_to_spark_not_written_under_the_working_folder(
+        spark, broker_dir, tmp_path, monkeypatch):
+    data_dir, _ = broker_dir
+    monkeypatch.chdir(tmp_path)  # a URI taken for a relative path would land in here
+    out = f"file://localhost{tmp_path / 'out'}"
+    with pytest.raises(Exception, match="Wrong FS"):  # Hadoop's local file system takes no host: Spark's error
+        export_to(spark, data_dir, out, tables=("messages",))
+    assert not (tmp_path / "localhost").exists()
+
+
+def test_a_relative_out_appended_to_is_written_under_the_drivers_working_folder(spark, broker_dir, tmp_path, monkeypatch):
+    data_dir, _ = broker_dir
+    monkeypatch.chdir(tmp_path)  # the executors' working folder is the JVM's, not this one
+    res = export_to(spark, data_dir, "rel", tables=("messages",), mode="append")
+    assert spark.read.parquet(str(tmp_path / "rel" / "messages")).count() == res.tables[0].rows > 0
+    assert sorted(p.name for p in (tmp_path / "rel" / "messages").iterdir() if p.name.startswith("_")) == ["_SUCCESS"]
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "json"])
+def test_bytes_read_counts_one_pass_per_table_whichever_writer(spark, broker_dir, tmp_path, fmt):
+    data_dir, _ = broker_dir
+    res = export_to(spark, data_dir, tmp_path / "out", fmt=fmt)
+    assert res.bytes_read == 2 * res.log_bytes > 0
+    res = export_to(spark, data_dir, tmp_path / "one", fmt=fmt, tables=("messages",))
+    assert res.bytes_read == res.log_bytes
+
+
+@pytest.mark.parametrize("tables", [("transactions",), ("messages", "transactions")])
+def test_an_export_leaves_the_callers_spark_job_group_alone(spark, broker_dir, tmp_path, tables):
+    data_dir, _ = broker_dir
+    sc = spark.sparkContext
+    export_to(spark, data_dir, tmp_path / "out", tables=tables)
+    before = set(sc.statusTracker().getJobIdsForGroup("txmq-transactions"))
+    assert before  # the export's own jobs ran in its group
+    assert spark.range(3).count() == 3  # the caller's next job is not one of the export's
+    assert set(sc.statusTracker().getJobIdsForGroup("txmq-transactions")) == before
+
+
+def test_a_failing_table_fails_the_export_with_its_error_and_leaves_no_output(spark, broker_dir, tmp_path, monkeypatch):
+    from txmq.spark import export as ex
+
+    data_dir, _ = broker_dir
+
+    def broken(*a, **kw):
+        raise ValueError("the transactions table cannot be planned")
+
+    monkeypatch.setattr(ex, "_filter_transactions", broken)
+    with pytest.raises(ValueError, match="cannot be planned"):
+        export_to(spark, data_dir, tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # neither table, no staging folder
+    monkeypatch.undo()
+    res = export_to(spark, data_dir, tmp_path / "out")  # the session goes on serving
+    assert [t.rows > 0 for t in res.tables] == [True, True]
+
+
+def test_a_failed_export_cancels_its_own_spark_jobs_not_the_callers(spark, broker_dir, tmp_path, monkeypatch):
+    import threading
+    import time
+
+    from txmq.spark import export as ex
+
+    data_dir, _ = broker_dir
+    result: dict = {}
+
+    def callers_job() -> None:
+        try:
+            result["rows"] = spark.sparkContext.parallelize([1, 2], 1).map(lambda x: time.sleep(6) or x).collect()
+        except Exception as e:  # cancelled
+            result["error"] = str(e)[:300]
+
+    t = threading.Thread(target=callers_job)
+    t.start()
+    time.sleep(1.5)  # the caller's job is running
+    monkeypatch.setattr(ex, "_filter_transactions", lambda *a, **kw: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        export_to(spark, data_dir, tmp_path / "out")
+    t.join(60)
+    assert result == {"rows": [1, 2]}
+
+
+def test_a_table_failing_while_the_other_is_written_leaves_no_output_behind(spark, broker_dir, tmp_path, monkeypatch):
+    import time
+
+    from txmq.spark import export as ex
+
+    data_dir, _ = broker_dir
+    real = ex._write
+
+    def slow_write(df, table, opts):  # the transactions table's tasks still running when the messages table fails
+        from pyspark.sql import functions as F
+
+        slow = F.udf(lambda v: time.sleep(0.5) or v, "string")
+        return real(df.withColumn("tx_id", slow("tx_id")).repartition(2), table, opts)
+
+    def failing_arrow(*a, **kw):
+        time.sleep(3)
+        raise OSError("no space left on device")
+
+    monkeypatch.setattr(ex, "_write", slow_write)
+    monkeypatch.setattr(ex, "_write_arrow", failing_arrow)
+    with pytest.raises(OSError, match="no space"):
+        export_to(spark, data_dir, tmp_path / "out")
+    time.sleep(8)  # what the cancelled tasks would still write
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == []

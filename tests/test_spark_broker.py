@@ -428,3 +428,27 @@ def test_a_large_reply_arriving_in_pieces_is_received_whole_and_a_cut_one_is_a_l
         finally:
             th.join()
             a.close()
+
+
+def test_the_arrow_writer_through_the_broker_writes_the_rows_sparks_writer_writes(spark, served, tmp_path):
+    from txmq.spark.export import ExportOptions, export
+
+    _, _, b = served
+    arrow = export(spark, ExportOptions("", str(tmp_path / "arrow"), broker=b.address))
+    plain = export(spark, ExportOptions("", str(tmp_path / "spark"), broker=b.address, parquet_writer="spark"))
+    for table in ("messages", "transactions"):
+        a = spark.read.parquet(str(tmp_path / "arrow" / table))
+        s = spark.read.parquet(str(tmp_path / "spark" / table))
+        assert a.schema == s.schema
+        key = "commit_log_offset" if table == "messages" else "tx_id"
+        rows = lambda df: sorted((r.asDict() for r in df.collect()), key=lambda r: r[key])  # noqa: E731
+        assert rows(a) == rows(s)
+    assert [t.rows for t in arrow.tables] == [t.rows for t in plain.tables]
+    assert arrow.tables[0].rows == through(spark, b.address).count() > 20
+    # pyarrow wrote the one (its files carry the Arrow schema), Spark the other
+    import pyarrow.parquet as pq
+
+    for writer, key in (("arrow", b"ARROW:schema"), ("spark", b"org.apache.spark.sql.parquet.row.metadata")):
+        files = [p for p in (tmp_path / writer / "messages").iterdir() if p.name.startswith("part-")]
+        assert files and all(key in (pq.read_metadata(p).metadata or {}) for p in files)
+    assert not (tmp_path / "arrow" / "messages" / "_temporary").exists()

@@ -203,3 +203,65 @@ def test_only_the_broker_option_turns_an_export_into_a_read_through_a_broker(tmp
     assert r.returncode == 2 and "--follow reads through a broker: give --broker" in r.stderr, r.stderr
     r = run_cli(["spark-export", "--broker", "127.0.0.1:1", "--out", str(tmp_path / "out"), "--follow"])
     assert r.returncode == 2 and "--follow needs --checkpoint" in r.stderr, r.stderr
+
+
+def test_the_quick_jit_is_chosen_only_when_the_messages_table_skips_sparks_writer(tmp_path):
+    from dataclasses import replace
+
+    from txmq.cli.commands.spark import _quick_jit
+    from txmq.spark.export import ExportOptions
+
+    opts = ExportOptions(str(tmp_path), str(tmp_path / "out"))
+    assert _quick_jit(opts, "local[2]", {})
+    assert _quick_jit(opts, "local[2]", {"spark.sql.parquet.compression.codec": "zstd"})
+    assert not _quick_jit(opts, "spark://h:7077", {})
+    # the messages table through Spark's writer: the JVM moves every row, the full JIT pays for itself
+    assert not _quick_jit(opts, "local[2]", {"spark.sql.parquet.compression.codec": "lz4"})
+    for other in ({"parquet_writer": "spark"}, {"fmt": "json"}, {"partition_by": ("date",)}, {"out": "hdfs:///t"}):
+        assert not _quick_jit(replace(opts, **other), "local[2]", {})
+    assert _quick_jit(ExportOptions(str(tmp_path), str(tmp_path / "out"), fmt="json", tables=("transactions",)), "local[2]", {})
+
+
+# Ctrl-C while the driver JVM writes its class-data archive (after the export): the first wait for the JVM is cut short
+CTRL_C_WHILE_ARCHIVING = """
+import subprocess
+_wait = subprocess.Popen.wait
+def wait(self, timeout=None):
+    from pyspark import SparkContext
+    gw = SparkContext._gateway
+    if gw is not None and getattr(gw, "proc", None) is self and timeout is not None:
+        print(f"JVM {self.pid}", file=sys.stderr, flush=True)
+        raise KeyboardInterrupt
+    return _wait(self, timeout)
+subprocess.Popen.wait = wait
+"""
+
+
+def test_ctrl_c_while_the_class_archive_is_written_keeps_the_finished_export_and_skips_the_archive(tmp_path):
+    import json
+    import re
+    import time
+
+    from txmq.spark.session import missing_dependency, missing_java
+    from txmq.store import Message, Store, TxType
+
+    if missing_dependency() or missing_java():
+        pytest.skip(missing_dependency() or missing_java())
+    data = tmp_path / "data"
+    with Store(data) as s:
+        s.append([Message("t", 0, TxType.NORMAL, 1, {}, b"x" * 10) for _ in range(20)])
+    cache = tmp_path / "cache"
+    env = {**os.environ, "XDG_CACHE_HOME": str(cache)}
+    env.pop("TXMQ_SPARK_CLASS_ARCHIVE", None)
+    code = ("import sys\n" f"{CTRL_C_WHILE_ARCHIVING}\n"
+            f"sys.argv = ['txmq', 'spark-export', '--data-dir', {str(data)!r}, '--out', {str(tmp_path / 'out')!r}, "
+            "'--master', 'local[1]', '-o', 'json']\n"
+            "from txmq.cli.main import main\nmain()\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads(r.stdout)["tables"]["messages"]["rows"] == 20
+    assert (tmp_path / "out" / "messages" / "_SUCCESS").exists() and "interrupted" not in r.stderr
+    jvm = int(re.search(r"JVM (\d+)", r.stderr).group(1))
+    time.sleep(1)
+    assert not os.path.exists(f"/proc/{jvm}") or " Z " in open(f"/proc/{jvm}/stat").read()  # ended, not left writing
+    assert list((cache / "txmq" / "spark").glob("*.jsa*")) == []  # no archive, no recording left

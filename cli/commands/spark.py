@@ -258,7 +258,7 @@ def _export_with_spark(opts: ExportOptions, master: str, spark_conf: dict[str, s
     progress.begin("starting Spark")
     _quiet_py4j()
     try:
-        session = _start_spark(master, spark_conf, quick_jit=_quick_jit(opts, master))
+        session = _start_spark(master, spark_conf, quick_jit=_quick_jit(opts, master, spark_conf))
         progress.watch(session.spark)
         ok = False
         try:
@@ -276,13 +276,16 @@ def _export_with_spark(opts: ExportOptions, master: str, spark_conf: dict[str, s
     return result, session.startup_s
 
 
-def _quick_jit(opts: ExportOptions, master: str) -> bool:
+def _quick_jit(opts: ExportOptions, master: str, spark_conf: dict[str, str]) -> bool:
     """Whether the driver JVM only plans and aggregates (the bulk written from Arrow by the Python workers), so that a
-    quicker JIT start beats peak speed: an embedded master, a one-off export, the messages table not in Spark's writer."""
+    quicker JIT start beats peak speed: an embedded master, a one-off export, the messages table not in Spark's writer
+    (which also writes it when --conf names a Parquet codec pyarrow does not write)."""
     from txmq.spark import arrowwrite
     from txmq.spark.session import is_local
 
-    arrow = opts.parquet_writer == "arrow" and arrowwrite.applies(opts.fmt, opts.partition_by, opts.out)
+    codec = (spark_conf.get(arrowwrite.CODEC_CONF) or "snappy").lower()
+    arrow = (opts.parquet_writer == "arrow" and arrowwrite.applies(opts.fmt, opts.partition_by, opts.out)
+             and codec in arrowwrite.CODECS)
     return is_local(master) and (arrow or "messages" not in opts.tables)
 
 
@@ -324,10 +327,13 @@ def _stop_spark(session: Session, exported: bool) -> None:
     from txmq.spark import session as sess
 
     if session.archive_recording is not None and err.is_terminal:
-        err.print("[dim]saving Spark's class-data archive: later runs start faster (once per Java and PySpark version)[/dim]")
+        err.print("[dim]saving Spark's class-data archive: later runs start faster (once per Java and PySpark version;"
+                  " Ctrl-C skips it)[/dim]")
     try:
         session.stop(final=True)  # the command starts no other session: the JVM may end (and write its class archive)
-    except (Exception, KeyboardInterrupt):  # the JVM got the Ctrl-C too and is gone
+    except KeyboardInterrupt:  # Ctrl-C while Spark stops: the tables are in place (or the failure is reported)
+        pass
+    except Exception:
         if exported:
             raise
     if exported:
