@@ -131,6 +131,27 @@ def test_an_export_is_renamed_into_place_once_complete(tmp_path):
     assert [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name] == []
 
 
+@pytest.mark.parametrize("scheme", ["file:", "file://"])
+def test_a_file_uri_out_is_the_local_folder_it_names_checked_and_staged_as_one(tmp_path, scheme):
+    import json
+
+    problem = _spark_ready()
+    if problem:
+        pytest.skip(problem)
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    out = tmp_path / "out"
+    code = ("import sys\nsys.argv = ['txmq', *sys.argv[1:]]\nfrom txmq.cli.main import main\nmain()\n")
+    args = ["spark-export", "--data-dir", small_data_dir(tmp_path), "--out", f"{scheme}{out}", "--master", "local[1]", "-o", "json"]
+    r = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=240, cwd=cwd)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["out"] == str(out)
+    assert sorted(p.name for p in out.iterdir()) == ["messages", "transactions"]
+    assert list(cwd.iterdir()) == []  # not a folder named "file:" under the working folder
+    again = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=240, cwd=cwd)
+    assert again.returncode == 2 and "--mode overwrite" in again.stderr  # refused before Spark starts
+
+
 def test_a_damaged_record_fails_the_export_with_a_hint_and_skip_damaged_lists_it(tmp_path):
     import json
 

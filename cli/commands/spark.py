@@ -221,7 +221,7 @@ def _export_options(out_path: str, data_dir: Optional[Path], fmt: Format, table:
         raise CliError(str(e), exitcodes.USAGE) from None
     return ExportOptions(
         data_dir=str((data_dir or default_data_dir()).expanduser().absolute()),
-        out=out_path if "://" in out_path else str(Path(out_path).expanduser().absolute()),
+        out=_out_folder(out_path),
         fmt=fmt.value,
         tables=("messages", "transactions") if table is Table.all else (table.value,),
         since_ms=parse_when(since) if since else None,
@@ -236,6 +236,16 @@ def _export_options(out_path: str, data_dir: Optional[Path], fmt: Format, table:
         report=str(report.expanduser().absolute()) if report else None,
         parquet_writer=parquet_writer,
     )
+
+
+def _out_folder(out_path: str) -> str:
+    """--out as the export takes it: a local path made absolute (also from a file: URI without a host, so that it is
+    staged and checked as a local folder is), any other URI as it is."""
+    from txmq.spark.arrowwrite import local_folder
+
+    if out_path.startswith("file:"):
+        return local_folder(out_path) or out_path
+    return out_path if "://" in out_path else str(Path(out_path).expanduser().absolute())
 
 
 def _check_export_options(opts: ExportOptions) -> None:
