@@ -303,7 +303,8 @@ def test_a_message_sent_back_goes_to_the_retry_topic_then_past_its_retries_to_th
         [retry] = decode_messages((await c.pull("fg", "%RETRY%fg", 0, 0, suspend_ms=5000)).body)
         assert retry["body"] == b"poison" and retry["reconsume_times"] == 1
         props = retry["properties"]
-        assert props["RETRY_TOPIC"] == "Failing" and int(props["TIMER_DELIVER_MS"]) - int(props["TIMER_ENQUEUE_MS"]) == 300
+        # due 300 ms after the broker took the send; stored (TIMER_ENQUEUE_MS) a clock reading later, so up to 300 ms before it
+        assert props["RETRY_TOPIC"] == "Failing" and 150 < int(props["TIMER_DELIVER_MS"]) - int(props["TIMER_ENQUEUE_MS"]) <= 300
         assert retry["properties"]["UNIQ_KEY"] == "P1"
         # sent back again (its delivery's marks with it): past its retries, into the dead-letter topic at once
         r = await c.request(CONSUMER_SEND_MSG_BACK, {"offset": retry["cl_offset"], "group": "fg", "delayLevel": 0, "maxReconsumeTimes": 1})
