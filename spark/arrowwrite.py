@@ -36,10 +36,13 @@ _SUFFIX = {"snappy": ".snappy", "gzip": ".gz", "zstd": ".zstd", "brotli": ".br",
 CODEC_CONF = "spark.sql.parquet.compression.codec"
 
 
+def _codec_name(name: str | None) -> str:
+    return (name or "snappy").lower()  # Spark's default
+
+
 def codec(spark) -> str | None:
-    """The session's Parquet codec as pyarrow names it; KeyError for one pyarrow cannot write (the caller falls back)."""
-    name = (spark.conf.get(CODEC_CONF, "snappy") or "snappy").lower()
-    return CODECS[name]
+    """The session's Parquet codec as pyarrow names it; KeyError for one pyarrow cannot write (see applies)."""
+    return CODECS[_codec_name(spark.conf.get(CODEC_CONF, None))]
 
 
 def local_folder(out: str) -> str | None:
@@ -59,9 +62,10 @@ def local_folder(out: str) -> str | None:
     return os.path.abspath(out)
 
 
-def applies(fmt: str, partition_by, out: str) -> bool:
-    """Whether a table can be written this way: Parquet, not partitioned, into a folder this process can see."""
-    return fmt == "parquet" and not partition_by and local_folder(out) is not None
+def applies(fmt: str, partition_by, out: str, codec_name: str | None = None) -> bool:
+    """Whether a table can be written this way: Parquet, not partitioned, into a folder this process can see, with a
+    codec (spark.sql.parquet.compression.codec; None: Spark's default) pyarrow writes (Spark's lz4 is Hadoop's framing)."""
+    return fmt == "parquet" and not partition_by and local_folder(out) is not None and _codec_name(codec_name) in CODECS
 
 
 def _write_partition(reader, arrow_schema, tmp: str, job: str, compression, no_dictionary: tuple[str, ...]):

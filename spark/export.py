@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 from txmq.constants import canonical_topic
 from txmq.store import StoreReader
 
+from .arrowwrite import CODEC_CONF
 from .schema import MESSAGE_FIELDS, TRANSACTION_FIELDS, TX_KINDS
 from .source import DEFAULT_PARTITION_BYTES, TxmqDataSource, has_commit_log, plan_partitions, read_damage_reports
 from .transactions import transactions
@@ -165,21 +166,6 @@ def _write(df, table: str, opts: ExportOptions) -> tuple[str, int]:
     return path, int(obs.get["rows"])
 
 
-def _registrar(spark) -> Callable[[], None]:
-    """Registers the txmq source with Spark on first use. The first registration in a session is also its first SQL
-    work (0.7 s on 2 cores): the messages table written from Arrow needs none, so it starts without waiting for it."""
-    lock = threading.Lock()
-    done = []
-
-    def register() -> None:
-        with lock:
-            if not done:
-                spark.dataSource.register(TxmqDataSource)
-                done.append(True)
-
-    return register
-
-
 def export(spark, opts: ExportOptions, on_table: Callable[[str], None] | None = None) -> ExportResult:
     """Write the tables named in opts; on_table(name) is called as each one starts."""
     check_options(opts)
@@ -201,8 +187,6 @@ def export(spark, opts: ExportOptions, on_table: Callable[[str], None] | None = 
     damage_dir = tempfile.mkdtemp(prefix="txmq-damage-") if opts.skip_damaged else None
     counting = threading.Lock()
 
-    register = _registrar(spark)
-
     def options_for(**extra) -> dict[str, str]:
         options = {"path": opts.data_dir, "partitionBytes": str(opts.partition_bytes), "endOffset": str(end), **extra}
         if damage_dir:
@@ -211,29 +195,9 @@ def export(spark, opts: ExportOptions, on_table: Callable[[str], None] | None = 
             res.bytes_read += res.log_bytes
         return options
 
-    def load(**extra):
-        register()
-        return spark.read.format("txmq").options(**options_for(**extra)).load()
-
-    staging = staging_path(opts)
-    if staging:
-        shutil.rmtree(staging, ignore_errors=True)  # left by a process killed with SIGKILL that had our pid
-        os.makedirs(os.path.dirname(staging), exist_ok=True)
-    write_opts = replace(opts, out=staging, mode="error") if staging else opts
     try:
-        _export_tables(spark, opts, write_opts, load, options_for, topics, res, on_table)
-        _write_report(opts, load, topics, res, on_table)
-        if damage_dir:
-            res.damaged = read_damage_reports(damage_dir)
-        if staging:
-            _publish(staging, opts)
-    except BaseException:  # a failure or Ctrl-C leaves no partial output behind
-        if staging:
-            _cancel(spark, opts.tables)  # tasks still writing would recreate it
-        raise
+        _run(spark, opts, options_for, topics, res, on_table, damage_dir)
     finally:
-        if staging:
-            shutil.rmtree(staging, ignore_errors=True)
         if damage_dir:
             shutil.rmtree(damage_dir, ignore_errors=True)
     res.seconds = time.perf_counter() - t0
@@ -261,8 +225,6 @@ def _export_through_broker(spark, opts: ExportOptions, on_table, t0: float) -> E
         q[str(r.queue_id)] = max(q.get(str(r.queue_id), 0), r.end)
     res = ExportResult(partitions=len(ranges), rows_planned=info["rows"], queues=info["queues"])
 
-    register = _registrar(spark)
-
     def options_for(**extra) -> dict[str, str]:
         options = {**base, **extra}
         if ends:
@@ -272,29 +234,45 @@ def _export_through_broker(spark, opts: ExportOptions, on_table, t0: float) -> E
             options["startingOffsets"] = "latest"
         return options
 
+    _run(spark, opts, options_for, topics, res, on_table)
+    res.seconds = time.perf_counter() - t0
+    return res
+
+
+def _run(spark, opts: ExportOptions, options_for: Callable[..., dict[str, str]], topics: tuple[str, ...],
+         res: ExportResult, on_table: Callable[[str], None] | None, damage_dir: str | None = None) -> None:
+    """Write the tables and the report from the source options_for(**extra) gives, staged where the output is local."""
+    # The first registration in a session is also its first SQL work (0.7 s on 2 cores): made when a table first
+    # loads the source, so that the messages table written from Arrow (which needs none) starts without waiting for it.
+    registering = threading.Lock()
+    registered: list[bool] = []
+
     def load(**extra):
-        register()
+        with registering:  # the tables load side by side
+            if not registered:
+                spark.dataSource.register(TxmqDataSource)
+                registered.append(True)
         return spark.read.format("txmq").options(**options_for(**extra)).load()
 
     staging = staging_path(opts)
     if staging:
-        shutil.rmtree(staging, ignore_errors=True)
+        shutil.rmtree(staging, ignore_errors=True)  # left by a process killed with SIGKILL that had our pid
         os.makedirs(os.path.dirname(staging), exist_ok=True)
     write_opts = replace(opts, out=staging, mode="error") if staging else opts
     try:
         _export_tables(spark, opts, write_opts, load, options_for, topics, res, on_table)
         _write_report(opts, load, topics, res, on_table)
+        if damage_dir:
+            res.damaged = read_damage_reports(damage_dir)
         if staging:
             _publish(staging, opts)
-    except BaseException:
+    except BaseException:  # a failure or Ctrl-C leaves no partial output behind
         if staging:
-            _cancel(spark, opts.tables)
+            _cancel(spark, opts.tables)  # tasks still writing would recreate it
         raise
     finally:
         if staging:
             shutil.rmtree(staging, ignore_errors=True)
-    res.seconds = time.perf_counter() - t0
-    return res
 
 
 def staging_path(opts: ExportOptions) -> str | None:
@@ -318,22 +296,16 @@ def _publish(staging: str, opts: ExportOptions) -> None:
         os.rename(src, dst)
 
 
-def _arrow_applies(spark, opts: ExportOptions) -> bool:
-    """Whether the messages table is written by the executors from Arrow batches (spark/arrowwrite.py); where not,
-    Spark's writer writes it."""
+def arrow_writes_messages(opts: ExportOptions, codec_name: str | None) -> bool:
+    """Whether the messages table is written by the executors from Arrow batches (spark/arrowwrite.py) under the
+    session's Parquet codec `codec_name` (None: Spark's default); where not, Spark's writer writes it."""
     from . import arrowwrite
 
-    if opts.parquet_writer != "arrow" or not arrowwrite.applies(opts.fmt, opts.partition_by, opts.out):
-        return False
-    try:
-        arrowwrite.codec(spark)
-    except KeyError:  # a codec pyarrow does not write (Spark's lz4 is Hadoop's framing): Spark's writer
-        return False
-    return True
+    return opts.parquet_writer == "arrow" and arrowwrite.applies(opts.fmt, opts.partition_by, opts.out, codec_name)
 
 
 def _write_arrow(spark, options: dict[str, str], opts: ExportOptions) -> int:
-    """The messages table written by the executors from Arrow batches (where _arrow_applies): the rows written."""
+    """The messages table written by the executors from Arrow batches (where arrow_writes_messages): the rows written."""
     from . import arrowwrite
     from .schema import messages_schema
 
@@ -383,7 +355,7 @@ def _export_tables(spark, opts: ExportOptions, write_opts: ExportOptions, load, 
                 filters["since"] = str(opts.since_ms)
             if opts.until_ms is not None:
                 filters["until"] = str(opts.until_ms)
-            if _arrow_applies(spark, write_opts):
+            if arrow_writes_messages(write_opts, spark.conf.get(CODEC_CONF, None)):
                 rows = _write_arrow(spark, options_for(**filters), write_opts)
             else:
                 _, rows = _write(load(**filters), table, write_opts)

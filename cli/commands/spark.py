@@ -290,13 +290,11 @@ def _quick_jit(opts: ExportOptions, master: str, spark_conf: dict[str, str]) -> 
     """Whether the driver JVM only plans and aggregates (the bulk written from Arrow by the Python workers), so that a
     quicker JIT start beats peak speed: an embedded master, a one-off export, the messages table not in Spark's writer
     (which also writes it when --conf names a Parquet codec pyarrow does not write)."""
-    from txmq.spark import arrowwrite
+    from txmq.spark.arrowwrite import CODEC_CONF
+    from txmq.spark.export import arrow_writes_messages
     from txmq.spark.session import is_local
 
-    codec = (spark_conf.get(arrowwrite.CODEC_CONF) or "snappy").lower()
-    arrow = (opts.parquet_writer == "arrow" and arrowwrite.applies(opts.fmt, opts.partition_by, opts.out)
-             and codec in arrowwrite.CODECS)
-    return is_local(master) and (arrow or "messages" not in opts.tables)
+    return is_local(master) and ("messages" not in opts.tables or arrow_writes_messages(opts, spark_conf.get(CODEC_CONF)))
 
 
 def _start_spark(master: str, spark_conf: dict[str, str], quick_jit: bool = False) -> Session:
