@@ -124,10 +124,14 @@ def test_send_output_is_an_exact_record_when_the_broker_dies(tmp_path):
                 p.stdin.write(f"m{i}\n".encode())
                 p.stdin.flush()
                 time.sleep(0.01)
-            p.stdin.close()
         except BrokenPipeError:
             pass
-        rest, stderr = p.communicate(timeout=20)
+        try:
+            p.stdin.close()
+        except BrokenPipeError:  # the command exited with lines still buffered: close() fails but closes
+            pass
+        p.stdin = None  # communicate() must not flush the closed pipe again (ValueError)
+        rest, stderr = p.communicate(timeout=60)
     finally:
         if p.poll() is None:
             p.kill()

@@ -123,14 +123,28 @@ def test_resolve_several_refs_needs_yes_and_reports_each(broker):
 
 
 @needs_jq
+def ages(broker, group):
+    return {r["tx_id"]: r["age_s"] for r in lines(ok(run(broker, "inspect", "half", "--group", group)))}
+
+
 def test_readme_pipeline_rolls_back_what_is_older_than_n(broker):
     old = pend(broker, "pj", "old")
-    time.sleep(2.5)
+    # old is past the threshold by the broker's own clock before new is sent, so it is always selected
+    wait_for(lambda: ages(broker, "pj")[old["tx_id"]] >= 3, timeout=60, what="the first transaction to be 3 s old")
+    sent_at = time.monotonic()
     new = pend(broker, "pj", "new")
-    r = shell("txmq inspect half --group pj --older-than 2s -o jsonl | jq -r .tx_id | txmq resolve --rollback - --yes", broker)
+    r = shell("txmq inspect half --group pj --older-than 3s -o jsonl | jq -r .tx_id | txmq resolve --rollback - --yes", broker)
+    took = time.monotonic() - sent_at  # new's age when the pipeline listed is at most this
     assert r.returncode == OK, err(r)
-    assert [(x["tx_id"], x["status"]) for x in lines(r)] == [(old["tx_id"], "ok")]
-    assert pending_ids(broker, "pj") == [new["tx_id"]]
+    rolled = [(x["tx_id"], x["status"]) for x in lines(r)]
+    if took < 3:  # new cannot have been 3 s old: exactly the old one goes
+        assert rolled == [(old["tx_id"], "ok")]
+        assert pending_ids(broker, "pj") == [new["tx_id"]]
+    else:  # a machine slow enough that new aged past the threshold too: whatever went, went once and in order
+        assert rolled in ([(old["tx_id"], "ok")], [(old["tx_id"], "ok"), (new["tx_id"], "ok")]), rolled
+        if len(rolled) == 2:
+            new = pend(broker, "pj", "new")
+        assert pending_ids(broker, "pj") == [new["tx_id"]]
     # jq without -r prints JSON strings: accepted too
     r = shell("txmq inspect half --group pj -o jsonl | jq .tx_id | txmq resolve --rollback - --yes", broker)
     assert r.returncode == OK and [x["tx_id"] for x in lines(r)] == [new["tx_id"]]

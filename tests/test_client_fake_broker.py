@@ -874,10 +874,10 @@ def test_send_many_and_close_return_when_the_broker_stops_reading(monkeypatch):
         t0 = time.monotonic()
         with pytest.raises(TimeoutError):
             await p.send_many([Message("t", b"x" * (1 << 20)) for _ in range(256)], return_exceptions=True, window=16)
-        assert time.monotonic() - t0 < 5
+        assert time.monotonic() - t0 < 20  # not stuck behind the unread 256 MiB
         t0 = time.monotonic()
         await p.close()
-        assert time.monotonic() - t0 < 3
+        assert time.monotonic() - t0 < 15
         await b.stop()
 
     run(main())
@@ -889,9 +889,15 @@ def test_reconnects_to_a_peer_that_drops_every_connection_back_off():
         c = await Client(b.address, backoff_initial=0.01, backoff_max=0.4).start()
         b.after_hello = "drop"
         b.drop_connections()
+        t0 = time.monotonic()
+        while len(b.hellos) < 3:  # it does reconnect
+            assert time.monotonic() - t0 < 30, len(b.hellos)
+            await asyncio.sleep(0.05)
+        before = len(b.hellos)
         await asyncio.sleep(1.5)
-        # without a backoff carried across connections: thousands of connections a second
-        assert 3 <= len(b.hellos) <= 15, len(b.hellos)
+        # without a backoff carried across connections: thousands of connections a second; with it, one per
+        # 0.4 s at most (a loaded machine only makes fewer)
+        assert len(b.hellos) - before <= 8, len(b.hellos) - before
         await c.close()
         await b.stop()
 

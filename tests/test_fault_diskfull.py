@@ -240,7 +240,7 @@ def assert_no_traceback(b: BrokerProcess) -> None:
     assert "Traceback" not in log, log[-3000:]
 
 
-def _wait_log(b: BrokerProcess, text: str, count: int = 1, timeout: float = 10.0) -> None:
+def _wait_log(b: BrokerProcess, text: str, count: int = 1, timeout: float = 60.0) -> None:  # an upper bound: writers retry every second
     deadline = time.monotonic() + timeout
     while b.log.read_text().count(text) < count:
         assert time.monotonic() < deadline, (text, count, b.log.read_text()[-3000:])

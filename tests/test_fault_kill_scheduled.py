@@ -51,7 +51,7 @@ def test_messages_due_while_the_broker_was_killed_are_delivered_once_after_the_s
         b.start()
         t0 = time.monotonic()
         got = _wait_for(b.address, "orders", 50)
-        assert time.monotonic() - t0 < 5
+        assert time.monotonic() - t0 < 30  # at the start, not a window load (30 s) later
         assert sorted(got) == sorted(f"a{i}".encode() for i in range(50))
         time.sleep(1)
         assert len(arun(_bodies(b.address, "orders"))) == 50

@@ -221,20 +221,19 @@ def test_empty_receive_answers_message_not_found_within_the_long_poll(tmp_path):
             st, msgs, frames = await r.receive(poll=1.0)
             took = time.monotonic() - t0
             assert st.code == d.Code.MESSAGE_NOT_FOUND and msgs == [] and len(frames) == 1
-            assert 0.9 <= took < 3, took
+            assert 0.9 <= took < 15, took
             # a long poll longer than the call's deadline still answers before it
             t0 = time.monotonic()
             st, msgs, _ = await r.receive(poll=30, timeout=2)
-            assert st.code == d.Code.MESSAGE_NOT_FOUND
-            assert time.monotonic() - t0 < 2
+            assert st.code == d.Code.MESSAGE_NOT_FOUND  # an answer, not the call's DEADLINE_EXCEEDED
             # and a waiting receive wakes on a native send
-            waiting = asyncio.ensure_future(r.receive(poll=10))
+            waiting = asyncio.ensure_future(r.receive(poll=60, timeout=90))
             await asyncio.sleep(0.3)
             t0 = time.monotonic()
             await native_send(c, 1, queue_id=2)
-            st, msgs, _ = await asyncio.wait_for(waiting, 5)
+            st, msgs, _ = await asyncio.wait_for(waiting, 90)
             assert st.code == d.Code.OK and [m.body for m in msgs] == [b"m0"]
-            assert time.monotonic() - t0 < 1.5
+            assert time.monotonic() - t0 < 30  # woken, not answered at the 60 s poll's end
             await r.close()
             await c.close()
 
@@ -251,8 +250,8 @@ def test_expired_invisibility_redelivers_with_attempt_two(tmp_path):
             st, msgs, _ = await r.receive(invisible=1)
             assert st.code == d.Code.MESSAGE_NOT_FOUND  # invisible meanwhile
             t0 = time.monotonic()
-            st, msgs, _ = await r.receive(invisible=5, poll=5)  # the long poll wakes when the duration ends
-            assert time.monotonic() - t0 < 2.5
+            st, msgs, _ = await r.receive(invisible=5, poll=60, timeout=90)  # the long poll wakes when the duration ends
+            assert time.monotonic() - t0 < 30  # at the end of the 1 s invisibility, not the 60 s poll's
             (again,) = msgs
             assert again.body == b"m0" and again.system_properties.delivery_attempt == 2
             assert again.system_properties.message_id == first.system_properties.message_id
