@@ -6,6 +6,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from rocketmq_peer import rocketmq_peer  # noqa: E402,F401  the session's RocketMQ 4.9.8 (tests marked rocketmq_peer)
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -17,6 +19,20 @@ def arun(coro):
         return uvloop.run(coro)
     except ImportError:
         return asyncio.run(coro)
+
+
+async def eventually(pred, timeout: float = 30.0, what: str = "condition", every: float = 0.02):
+    """Wait until pred() (or its awaited result) is true; timeout is an upper bound for a loaded machine, never a margin."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        v = pred()
+        if asyncio.iscoroutine(v):
+            v = await v
+        if v:
+            return v
+        assert loop.time() < deadline, f"timed out after {timeout:g} s waiting for {what}"
+        await asyncio.sleep(every)
 
 
 @pytest.fixture

@@ -197,11 +197,11 @@ def test_queues_of_other_groups_are_not_blocked_and_a_long_poll_wakes_when_the_q
             more = await pop.receive(G, T, -1, None, 1, 30, 0)
             assert sorted(bodies(got + more)) == ["a0", "b0"]  # one from each queue
             a0 = next(d for d in got + more if d.record.body == b"a0")
-            waiting = asyncio.ensure_future(pop.receive(G, T, -1, None, 1, 30, 5))
+            waiting = asyncio.ensure_future(pop.receive(G, T, -1, None, 1, 30, 60))
             await asyncio.sleep(0.2)
             assert not waiting.done()
             pop.ack(G, T, a0.receipt_handle)
-            assert bodies(await asyncio.wait_for(waiting, 3)) == ["a1"]
+            assert bodies(await asyncio.wait_for(waiting, 30)) == ["a1"]  # woken by the ack, not the 60 s poll's end
             await c.close()
 
     arun(go())

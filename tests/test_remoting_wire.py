@@ -17,7 +17,7 @@ import struct
 import time
 from hashlib import sha1
 
-from conftest import arun
+from conftest import arun, eventually
 
 from clihelpers import ok, out, txmq
 from remotingwire import (
@@ -352,8 +352,8 @@ def test_an_orphan_half_is_resolved_through_check_transaction_state_over_the_gro
         [m] = decode_messages(check.body)
         assert m["topic"] == "Orphans" and m["body"] == b"orphan" and m["properties"]["UNIQ_KEY"] == "TX-O"
         assert m["queue_id"] == int(h.ext["queueId"]) and m["sys_flag"] & 4
-        c.end_check("orph", check, COMMIT)
-        await asyncio.sleep(0.3)
+        c.end_check("orph", check, COMMIT)  # oneway: its effect is waited for
+        await eventually(lambda: b.core.metrics.counters.get("committed_check") == 1, what="the check's commit")
         assert [x["body"] for x in await pull_all(c, "cg", "Orphans")] == [b"orphan"]
         assert b.core.metrics.counters["committed_check"] == 1
         await c.close()
@@ -373,8 +373,8 @@ def test_a_oneway_end_lost_with_its_connection_is_recovered_by_a_check_back_to_a
         await second.heartbeat("p2", producers=["lost"])
         check = await second.next_pushed(timeout=10)
         assert check.code == CHECK_TRANSACTION_STATE and check.serialize == 1 and check.ext["transactionId"] == "TX-L"
-        second.end_check("lost", check, COMMIT)
-        await asyncio.sleep(0.3)
+        second.end_check("lost", check, COMMIT)  # oneway: its effect is waited for
+        await eventually(lambda: "TX-L" not in b.core.tx.index.pending, what="the check's commit")
         assert [x["body"] for x in await pull_all(second, "cg", "LostEnds")] == [b"lost-end"]
         assert h.code == 0
         await second.close()
@@ -636,8 +636,7 @@ def test_remoting_connections_count_in_broker_status_stats_and_prometheus(tmp_pa
         assert prom["txmq_remoting_requests"].samples[0].value >= 1
         for c in held:
             await c.close()
-        await asyncio.sleep(0.2)
-        assert b.core.info()["remoting_connections"] == 0
+        await eventually(lambda: b.core.info()["remoting_connections"] == 0, what="the closed connections to be forgotten")
     with_broker(tmp_path, test)
 
 

@@ -137,12 +137,12 @@ def test_a_receive_on_a_topic_with_no_message_yet_long_polls_instead_of_failing(
 def test_a_receive_on_a_created_topic_long_polls_and_wakes_on_a_send_without_auto_creation(tmp_path):
     async def body(b, stub, ch):
         await native(b, "create_topic", {"topic": "made", "queues": 2})
-        waiting = asyncio.ensure_future(receive(stub, receive_request("made", poll_s=10)))
+        waiting = asyncio.ensure_future(receive(stub, receive_request("made", poll_s=60)))
         await asyncio.sleep(0.5)
         assert not waiting.done()
         r = await stub.SendMessage(s.SendMessageRequest(messages=[message("made", b"wake", "W1")]), metadata=MD)
         assert r.status.code == OK
-        got = await asyncio.wait_for(waiting, 5)
+        got = await asyncio.wait_for(waiting, 30)  # woken by the send, not the 60 s poll's end
         assert [x.message.body for x in got if x.HasField("message")] == [b"wake"]
 
     with_frontend(tmp_path, body, auto_create_topics=False)
