@@ -26,7 +26,8 @@ class RawClient:
     def send_raw(self, data: bytes) -> None:
         self.writer.write(data)
 
-    async def read_frame(self, timeout: float = 10.0) -> wire.Frame | None:
+    # The default waits are upper bounds for a loaded machine (a 100,000-ref request took >10 s at load 10), not margins.
+    async def read_frame(self, timeout: float = 60.0) -> wire.Frame | None:
         while True:
             for f in self._pending_frames():
                 return f
@@ -40,7 +41,7 @@ class RawClient:
         while frames:
             yield frames.pop(0)
 
-    async def req(self, op: str, fields: dict[str, Any] | None = None, timeout: float = 10.0) -> tuple[int, dict[str, Any]]:
+    async def req(self, op: str, fields: dict[str, Any] | None = None, timeout: float = 60.0) -> tuple[int, dict[str, Any]]:
         """Send one request and wait for its reply; returns (code, fields). Pushes are kept."""
         self.next_id += 1
         rid = self.next_id
@@ -61,7 +62,7 @@ class RawClient:
         assert code == 0, (op, code, f)
         return f
 
-    async def wait_push(self, timeout: float = 10.0) -> wire.Frame:
+    async def wait_push(self, timeout: float = 60.0) -> wire.Frame:
         while not self.pushes:
             f = await self.read_frame(timeout)
             if f is None:
