@@ -251,7 +251,7 @@ def test_the_shared_temporary_fallback_must_be_private_to_the_user(executable, t
     shared.chmod(0o777)  # someone else could have planted files to run in it
     r = _host_run(executable, "--version", env={"TMPDIR": str(tmp_path)})  # no HOME: the fallback is $TMPDIR/txmq-<uid>
     assert r.returncode == 1, (r.returncode, r.stdout, r.stderr)
-    assert len(r.stderr.strip().splitlines()) == 1 and "not a private writable directory" in r.stderr and "TXMQ_CACHE_DIR" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and f"{shared} is writable by others (mode 0777)" in r.stderr and "TXMQ_CACHE_DIR" in r.stderr
     shared.chmod(0o700)
     r = _host_run(executable, "--version", env={"TMPDIR": str(tmp_path)})
     assert r.returncode == 0 and r.stdout.strip() == "txmq 0.1.0", r.stderr
@@ -266,3 +266,47 @@ def test_a_truncated_executable_says_so_instead_of_running(executable, tmp_path)
     r = _host_run(cut, "--version", env={"TXMQ_CACHE_DIR": str(tmp_path / "cache")})
     assert r.returncode == 1 and "truncated" in r.stderr and len(r.stderr.strip().splitlines()) == 1, (r.returncode, r.stderr)
     assert not list((tmp_path / "cache").glob("txmq-*"))
+
+
+def test_the_executable_never_runs_a_tree_another_user_planted_in_its_cache(executable, tmp_path):
+    """As root: a TXMQ_CACHE_DIR open to all (mode 1777) in which nobody created the executable's tree name with a
+    `txmq` of their own is refused in one line; a ~/.cache/txmq linking to nobody's open directory is passed over
+    for a private one. Neither runs nobody's `txmq` (it would create a marker file)."""
+    if os.geteuid() != 0:
+        pytest.skip("planting files owned by another user needs root")
+    import pwd
+
+    nobody = pwd.getpwnam("nobody").pw_uid if "nobody" in {p.pw_name for p in pwd.getpwall()} else 65534
+    name = executable.read_bytes()[-96:].rstrip(b"\0").decode()
+    marker = tmp_path / "planted-code-ran"
+
+    def plant(parent: Path) -> None:
+        tree = parent / name
+        tree.mkdir()
+        (tree / "txmq").write_text(f"#!/bin/sh\ntouch {marker}\necho planted\n")
+        (tree / "txmq").chmod(0o755)
+        (tree / ".txmq-manifest").write_text(f"{(tree / 'txmq').stat().st_size} txmq\n")
+        for p in (tree, tree / "txmq", tree / ".txmq-manifest"):
+            os.lchown(p, nobody, nobody)
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    plant(shared)
+    shared.chmod(0o1777)
+    r = _host_run(executable, "--version", env={"TXMQ_CACHE_DIR": str(shared)})
+    assert r.returncode == 1 and r.stdout == "", (r.returncode, r.stdout, r.stderr)
+    assert len(r.stderr.strip().splitlines()) == 1 and f"{shared} is writable by others (mode 1777)" in r.stderr, r.stderr
+
+    evil, home, tmp = tmp_path / "evil", tmp_path / "home", tmp_path / "tmp"
+    evil.mkdir()
+    plant(evil)
+    os.chown(evil, nobody, nobody)
+    evil.chmod(0o777)
+    (home / ".cache").mkdir(parents=True)
+    (home / ".cache" / "txmq").symlink_to(evil)
+    tmp.mkdir(mode=0o700)
+    r = _host_run(executable, "--version", env={"HOME": str(home), "TMPDIR": str(tmp)})
+    assert r.returncode == 0 and r.stdout.strip() == "txmq 0.1.0", (r.returncode, r.stdout, r.stderr)
+    assert f"{evil} is owned by uid {nobody}" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert (tmp / f"txmq-{os.geteuid()}" / name / "txmq").is_file()
+    assert not marker.exists(), "the executable ran a tree another user planted"

@@ -5,13 +5,15 @@ Three steps, run by `make binary` with the virtual environment's Python (PyInsta
 1. PyInstaller freezes txmq's CLI (with the RocketMQ front end, grpcio and protobuf) into a
    one-directory bundle, build/binary/dist/txmq: a bootloader, libpython, the compiled modules
    (txmq's speed-ups, uvloop, msgpack, grpcio, pydantic-core) and the rest as bytecode.
-2. That directory is packed into one gzip stream of records (launcher.c describes the format), and
-   named txmq-<version>-<first 16 hex digits of the SHA-256 of the records>.
+2. That directory is packed into one gzip stream of records (launcher.c describes the format) with a
+   manifest listing every record's type, mode, size and SHA-256, and named
+   txmq-<version>-<first 16 hex digits of the SHA-256 of the manifest>.
 3. scripts/binary/launcher.c is compiled (zlib linked in statically where libz.a exists) and the
-   executable is the launcher, the packed stream and a trailer. Its first start unpacks the bundle
-   once into the cache directory under that name, atomically; later starts exec it directly.
+   executable is the launcher, the packed stream, the manifest and a trailer. Its first start unpacks
+   the bundle once into the cache directory under that name, checks every file against the manifest's
+   SHA-256 and renames it into place; later starts check the tree against the manifest and exec it.
 
-Usage: python scripts/binary/build.py [--out dist/txmq-linux-x86_64] [--keep-work] [--pyinstaller-onefile]
+Usage: python scripts/binary/build.py [--out dist/txmq-linux-x86_64] [--keep-work] [--reuse-bundle] [--pyinstaller-onefile]
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import gzip
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import struct
 import subprocess
@@ -32,7 +35,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 BUILD = REPO / "build" / "binary"
-MAGIC = b"TXMQEXE1"
+MAGIC = b"TXMQEXE2"
 NAME_SIZE = 96
 
 # Never in the executable: the Spark export's dependencies (an optional extra: the executable says how to
@@ -113,26 +116,27 @@ def records(root: Path):
                 yield b"F", mode, rel, p.read_bytes()
 
 
-def pack(root: Path, out_payload: Path) -> str:
-    """Write the gzip stream of records; return its content hash (SHA-256 of the uncompressed records)."""
-    digest = hashlib.sha256()
-    with open(out_payload, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=9, mtime=0, filename="") as gz:
-        def put(chunk: bytes) -> None:
-            digest.update(chunk)
-            gz.write(chunk)
-
+def pack(root: Path, out_payload: Path, compresslevel: int = 9) -> bytes:
+    """Write the gzip stream of records; return the manifest: one line per record, in the same order,
+    `<type> <mode, octal> <data length> <SHA-256 of the data, or - for a directory> <path>`."""
+    manifest = []
+    with open(out_payload, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=compresslevel, mtime=0, filename="") as gz:
         for kind, mode, rel, data in records(root):
             path = rel.encode()
-            put(kind + struct.pack("<IIQ", mode, len(path), len(data)) + path)
-            put(data)
-        put(b"E" + struct.pack("<IIQ", 0, 0, 0))
-    return digest.hexdigest()
+            if b"\n" in path or b"\0" in path:
+                sys.exit(f"cannot pack {rel!r}: a path with a newline or NUL")
+            gz.write(kind + struct.pack("<IIQ", mode, len(path), len(data)) + path)
+            gz.write(data)
+            digest = "-" if kind == b"D" else hashlib.sha256(data).hexdigest()
+            manifest.append(b"%s %o %d %s %s\n" % (kind, mode, len(data), digest.encode(), path))
+        gz.write(b"E" + struct.pack("<IIQ", 0, 0, 0))
+    return b"".join(manifest)
 
 
 def compile_launcher(out: Path) -> None:
     cc = os.environ.get("CC", "cc")
     src = str(HERE / "launcher.c")
-    flags = ["-O2", "-Wall", "-Wno-format-truncation", "-o", str(out), src]
+    flags = ["-O2", "-Wall", "-Wno-format-truncation", *shlex.split(os.environ.get("CFLAGS", "")), "-o", str(out), src]
     # zlib linked in, so the executable needs only glibc; a shared libz.so.1 where there is no libz.a
     static = subprocess.run([cc, *flags, "-Wl,-Bstatic", "-lz", "-Wl,-Bdynamic"], capture_output=True, text=True)
     if static.returncode != 0:
@@ -140,6 +144,35 @@ def compile_launcher(out: Path) -> None:
         if r.returncode != 0:
             sys.exit(f"cannot compile {src} (needs a C compiler and zlib's headers, e.g. apt install gcc zlib1g-dev):\n{r.stderr}")
     subprocess.run(["strip", str(out)], check=False)
+
+
+def assemble(bundle: Path, out: Path, work: Path, compresslevel: int = 9) -> str:
+    """Write the executable for the bundle directory to out: launcher, payload, manifest, trailer. Returns its
+    cache directory's name."""
+    payload = work / "payload.gz"
+    manifest = pack(bundle, payload, compresslevel)
+    launcher = work / "launcher"
+    compile_launcher(launcher)
+    return write_executable(launcher, payload, manifest, out)
+
+
+def write_executable(launcher: Path, payload: Path, manifest: bytes, out: Path) -> str:
+    """launcher + payload + manifest + trailer, written to out atomically; returns the cache directory's name."""
+    digest = hashlib.sha256(manifest)
+    name = f"txmq-{version()}-{digest.hexdigest()[:16]}"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(launcher.read_bytes())
+        offset = f.tell()
+        with open(payload, "rb") as p:
+            shutil.copyfileobj(p, f, 1 << 20)
+        length = f.tell() - offset
+        f.write(manifest)
+        f.write(MAGIC + struct.pack("<QQQ", offset, length, len(manifest)) + digest.digest() + name.encode().ljust(NAME_SIZE, b"\0"))
+    tmp.chmod(0o755)
+    tmp.replace(out)
+    return name
 
 
 def machine() -> str:
@@ -150,36 +183,26 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=REPO / "dist" / f"txmq-linux-{machine()}")
     ap.add_argument("--keep-work", action="store_true", help="keep build/binary (PyInstaller's work and the bundle)")
+    ap.add_argument("--reuse-bundle", action="store_true",
+                    help="reuse the bundle an earlier build left in build/binary/dist/txmq (to rebuild after a change to launcher.c only)")
     ap.add_argument("--pyinstaller-onefile", action="store_true",
                     help="instead, write PyInstaller's own one-file executable to --out (unpacks on every start; for comparison, docs/binary.md)")
     args = ap.parse_args()
     t0 = time.monotonic()
-    if BUILD.exists():
+    if args.reuse_bundle:
+        if not (BUILD / "dist" / "txmq" / "txmq").is_file():
+            sys.exit(f"no bundle in {BUILD / 'dist' / 'txmq'} to reuse: build once without --reuse-bundle")
+    elif BUILD.exists():
         shutil.rmtree(BUILD)
-    BUILD.mkdir(parents=True)
+    BUILD.mkdir(parents=True, exist_ok=True)
     if args.pyinstaller_onefile:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         shutil.move(freeze(BUILD, onefile=True), args.out)
         print(f"built {args.out}: {args.out.stat().st_size / 1e6:.1f} MB (PyInstaller --onefile), in {time.monotonic() - t0:.0f} s")
         return
-    bundle = freeze(BUILD)
+    bundle = BUILD / "dist" / "txmq" if args.reuse_bundle else freeze(BUILD)
     t_freeze = time.monotonic() - t0
-    payload = BUILD / "payload.gz"
-    digest = pack(bundle, payload)
-    name = f"txmq-{version()}-{digest[:16]}"
-    launcher = BUILD / "launcher"
-    compile_launcher(launcher)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_name(args.out.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(launcher.read_bytes())
-        offset = f.tell()
-        with open(payload, "rb") as p:
-            shutil.copyfileobj(p, f, 1 << 20)
-        length = f.tell() - offset
-        f.write(MAGIC + struct.pack("<QQ", offset, length) + name.encode().ljust(NAME_SIZE, b"\0"))
-    tmp.chmod(0o755)
-    tmp.replace(args.out)
+    name = assemble(bundle, args.out, BUILD)
     unpacked = sum(p.stat().st_size for p in bundle.rglob("*") if p.is_file() and not p.is_symlink())
     if not args.keep_work:
         shutil.rmtree(BUILD / "work", ignore_errors=True)
