@@ -8,7 +8,7 @@ how its replies are encoded. What lives here, the same on both ports:
 - Admission: connections beyond the port's cap, or beyond
   --max-connections-per-ip from one address, are refused as soon as they
   are accepted (one reply saying why, then closed), counted and logged
-  (the shared object's ``note_refusal``).
+  (``core.refusals``, broker/refusals.py: at most one line per 10 s).
 - The bytes all connections hold in partly received frames stay under
   --partial-frame-budget; a connection must send its first request within
   --auth-timeout and finish each frame within --frame-timeout of its first
@@ -24,7 +24,7 @@ how its replies are encoded. What lives here, the same on both ports:
 
 The ``shared`` object a connection is built with (native's ServerState,
 remoting's RemotingFrontend) holds ``connections``, ``by_ip``,
-``partial_frame_bytes``, ``busy``, ``inflight`` and ``note_refusal``.
+``partial_frame_bytes``, ``busy`` and ``inflight``.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 WRITE_HIGH = 4 << 20
 BLOB_MIN = 256 << 10  # a buffer this large (a raw pull's records) is handed to the transport as it is, not joined
@@ -50,15 +50,16 @@ class LogThrottle:
     A flood of refused connections (or failed requests) must not flood the log.
     """
 
-    def __init__(self, every_s: float) -> None:
+    def __init__(self, every_s: float, clock: Callable[[], float] | None = None) -> None:
         self.every_s = every_s
+        self.clock = clock  # None: time.monotonic
         self._count = 0  # events not logged yet
         self._logged_at = float("-inf")
 
     def note(self) -> int:
         """Count one event; returns how many to log now (the count is then reset), 0 while a line is not due."""
         self._count += 1
-        now = time.monotonic()
+        now = self.clock() if self.clock is not None else time.monotonic()
         if now - self._logged_at < self.every_s:
             return 0
         count, self._count, self._logged_at = self._count, 0, now
@@ -88,6 +89,7 @@ class LimitedConnection(asyncio.Protocol):
     """
 
     counters: LimitCounters
+    frontend: str  # the front end's name in refusals (broker/refusals.py): "native", "remoting"
     first_request = "request"  # what --auth-timeout waits for when a token is configured
 
     def __init__(self, core: Any, shared: Any) -> None:
@@ -142,7 +144,7 @@ class LimitedConnection(asyncio.Protocol):
         """Close a connection over a connection limit as soon as it is accepted: its descriptor is freed at once."""
         self._closing = True
         self.core.metrics.inc(counter)
-        self.shared.note_refusal(counter, self.peer)
+        self.core.refusals.note(self.frontend, "connection_limit", self.peer, message)
         try:
             self.transport.write(self._refusal(message))  # one small frame: fits the socket buffer
         finally:

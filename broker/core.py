@@ -52,6 +52,7 @@ from .flush import DescriptorState, DiskState, Flusher
 from .groupconfig import GROUPS_FILE, GroupConfigTable
 from .metrics import Metrics
 from .records import msg_id, record_to_map
+from .refusals import Refusals
 from .registry import ClientRegistry
 from .scheduled.service import ScheduleService
 from .scheduled.timing import asks_for_time
@@ -104,6 +105,7 @@ class BrokerCore:
             clock=self.clock,
         )
         self.metrics: Metrics = Metrics()
+        self.refusals: Refusals = Refusals(self.metrics)  # refused requests and internal errors: counted, logged throttled
         self.registry: ClientRegistry = ClientRegistry()  # live producer connections by group (check-backs go to them)
         self.consumer_registry: ClientRegistry = ClientRegistry()  # live consumer connections by group (hello consumer_groups)
         self.broker_id: str = f"txmq-{os.getpid()}"
@@ -240,7 +242,7 @@ class BrokerCore:
         if isinstance(exc, (StoreError, OSError)):
             log.error("event=store_error error=%r", exc)
             return TxmqError(f"store error: {exc}", ErrorCode.STORE_ERROR)
-        log.exception("event=internal_error", exc_info=exc)
+        self.refusals.internal("request", exc)  # counted; a traceback only for the first of its type, then throttled lines
         return TxmqError(f"internal error: {type(exc).__name__}", ErrorCode.INTERNAL)
 
     # ---- sending -------------------------------------------------------

@@ -42,6 +42,7 @@ COUNTERS = (
     ("frame_timeouts", "Connections closed for a frame not complete within --frame-timeout"),
     ("partial_frame_refusals", "Connections closed because their partial frame would pass --partial-frame-budget"),
     ("check_passes", "Check-service passes over the half queue"),
+    ("internal_errors", "Requests that met an error nothing expected (event=internal_error; a traceback for the first of each type)"),
     # the RocketMQ 5 gRPC front end (--rocketmq-port)
     ("rmq_requests", "RocketMQ front end: requests served (SendMessage, ReceiveMessage, AckMessage, EndTransaction, ...)"),
     ("rmq_malformed_requests", "RocketMQ front end: requests refused as malformed"),
@@ -124,6 +125,12 @@ class BrokerCollector:
         for key in sorted(k for k in c if k.startswith("errors_")):
             errors.add_metric([key[len("errors_"):].upper()], c[key])
         yield errors
+        refused = CounterMetricFamily("txmq_refused", "Requests and connections refused, by front end and kind (auth, connection_limit, "
+                                      "busy, timeout, bad_request; event=refused)", labels=["frontend", "kind"])
+        for key in sorted(k for k in c if k.startswith("refused_")):
+            frontend, _, kind = key[len("refused_"):].partition("_")
+            refused.add_metric([frontend, kind], c[key])
+        yield refused
         m = core.metrics
         yield _histogram("txmq_decision_seconds", "Time from a half message's birth to its commit or rollback",
                          m.decision_buckets, m.decision_hist, m.decision_sum)

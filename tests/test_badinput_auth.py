@@ -37,7 +37,7 @@ def state(b) -> dict:
                 files[str(p.relative_to(core.data_dir))] = p.stat().st_size
     return {
         "max_offset": core.store.max_offset,
-        "counters": {k: v for k, v in core.metrics.snapshot().items() if k not in REFUSAL_COUNTERS and v},
+        "counters": {k: v for k, v in core.metrics.snapshot().items() if k not in REFUSAL_COUNTERS and not k.startswith("refused_") and v},
         "groups": core.registry.groups(),
         "settings": core.check.settings,
         "offsets": core.offsets.all(),

@@ -383,24 +383,23 @@ def test_limits_the_broker_could_not_serve_with_exit_2(tmp_path, args, says):
     assert says in refused_start(tmp_path, "--port", str(free_port()), *args)
 
 
-def test_connection_refusals_are_logged_at_most_once_per_ten_seconds_with_the_count_since_the_last_line(caplog, monkeypatch):
+def test_connection_refusals_are_logged_at_most_once_per_ten_seconds_with_the_count_since_the_last_line(caplog):
     import logging
-    import types
 
-    from txmq.broker import connlimits
-    from txmq.broker.native.server import ServerState
+    from txmq.broker.metrics import Metrics
+    from txmq.broker.refusals import Refusals
 
     now = [1000.0]
-    monkeypatch.setattr(connlimits, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
-    state = ServerState()
+    refusals = Refusals(Metrics(), clock=lambda: now[0])
     with caplog.at_level(logging.WARNING, logger="txmq.broker"):
         for _ in range(3):
-            state.note_refusal("connections_refused", "127.0.0.1:1")
+            refusals.note("native", "connection_limit", "127.0.0.1:1", "too many connections: the broker's limit is 4 (--max-connections)")
         now[0] += 9.9
-        state.note_refusal("connections_refused_per_ip", "127.0.0.1:2")
+        refusals.note("native", "connection_limit", "127.0.0.1:2", "too many connections from 127.0.0.1 (--max-connections-per-ip)")
         now[0] += 0.1
-        state.note_refusal("connections_refused_per_ip", "127.0.0.1:3")
-    lines = [r.getMessage() for r in caplog.records if "event=connections_refused" in r.getMessage()]
+        refusals.note("native", "connection_limit", "127.0.0.1:3", "too many connections from 127.0.0.1 (--max-connections-per-ip)")
+    lines = [r.getMessage() for r in caplog.records if "event=refused" in r.getMessage()]
     assert len(lines) == 2, lines
-    assert "reason=connections_refused peer=127.0.0.1:1 refused=1 " in lines[0]
-    assert "reason=connections_refused_per_ip peer=127.0.0.1:3 refused=4 " in lines[1]
+    assert "kind=connection_limit peer=127.0.0.1:1 refused=1 reason='too many connections: the broker's limit is 4" in lines[0].replace('"', "'")
+    assert "kind=connection_limit peer=127.0.0.1:3 refused=4 reason='too many connections from 127.0.0.1 (--max-connections-per-ip)'" in lines[1]
+    assert refusals.metrics.counters["refused_native_connection_limit"] == 5

@@ -168,3 +168,23 @@ def test_shipped_bash_script_completes_in_bash():
                        env=cli_env(PATH=f"{path}{os.pathsep}{os.environ.get('PATH', '')}"))
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["max-checks"]
+
+
+def test_version_answers_without_loading_the_cli():
+    """`txmq --version` (the console script, the zipapp and the single executable's entry) loads neither Typer nor rich."""
+    from txmq import __version__
+
+    code = (
+        "import sys\n"
+        "sys.argv = ['txmq', '--version']\n"
+        "from txmq.cli.launch import main\n"
+        "main()\n"
+        "print(' '.join(sorted(n for n in sys.modules if n.split('.')[0] in ('typer', 'rich', 'click') or n.startswith('txmq.cli.'))))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == [f"txmq {__version__}", "txmq.cli.launch"], r.stdout
+    # any other arguments go to the whole CLI
+    r = subprocess.run([sys.executable, "-c", "import sys; sys.argv = ['txmq', '--version', '--help']\n"
+                        "from txmq.cli.launch import main; main()"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == f"txmq {__version__}", (r.stdout, r.stderr)

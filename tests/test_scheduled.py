@@ -10,7 +10,7 @@ from conftest import arun
 from txmq.broker.clock import ManualClock
 from txmq.broker.scheduled import service as sched_service
 from txmq.broker.scheduled.indexfile import DB_FILE
-from txmq.broker.scheduled.timing import due_ms
+from txmq.broker.scheduled.timing import MAX_MS, due_ms, parse_long
 from txmq.broker.testing import running_broker
 from txmq.client import Producer
 from txmq.wire import ErrorCode, TxmqError
@@ -72,11 +72,46 @@ def test_delay_levels_and_timer_properties_give_rocketmqs_due_times():
     ({"TIMER_DELIVER_MS": "-" + "9" * 19}, ErrorCode.INVALID_DELIVERY_TIME),
     ({"TIMER_DELAY_SEC": "-" + "9" * 25}, ErrorCode.INVALID_DELIVERY_TIME),
     ({"DELAY": str(1 << 63)}, ErrorCode.INVALID_DELIVERY_TIME),
+    # Long.parseLong's text: an optional sign, then ASCII digits, nothing else
+    ({"TIMER_DELAY_MS": " 100 "}, ErrorCode.INVALID_DELIVERY_TIME),
+    ({"TIMER_DELAY_MS": " 100"}, ErrorCode.INVALID_DELIVERY_TIME),
+    ({"TIMER_DELAY_SEC": "100\n"}, ErrorCode.INVALID_DELIVERY_TIME),
+    ({"TIMER_DELIVER_MS": "\t5"}, ErrorCode.INVALID_DELIVERY_TIME),
+    ({"TIMER_DELAY_MS": "+-1"}, ErrorCode.INVALID_DELIVERY_TIME),
+    ({"TIMER_DELAY_MS": "++1"}, ErrorCode.INVALID_DELIVERY_TIME),
+    ({"TIMER_DELAY_MS": "+"}, ErrorCode.INVALID_DELIVERY_TIME),
+    ({"TIMER_DELAY_MS": "-"}, ErrorCode.INVALID_DELIVERY_TIME),
+    ({"TIMER_DELAY_MS": "0x10"}, ErrorCode.INVALID_DELIVERY_TIME),
+    ({"TIMER_DELAY_MS": "10L"}, ErrorCode.INVALID_DELIVERY_TIME),
+    ({"TIMER_DELAY_MS": "\uff11\uff12"}, ErrorCode.INVALID_DELIVERY_TIME),  # fullwidth digits: Long.parseLong takes them, txmq not
+    ({"TIMER_DELIVER_MS": str(1 << 63)}, ErrorCode.INVALID_DELIVERY_TIME),  # Long.MAX_VALUE + 1
+    ({"TIMER_DELIVER_MS": "0" * 50 + str(1 << 63)}, ErrorCode.INVALID_DELIVERY_TIME),
+    ({"DELAY": str(1 << 31)}, ErrorCode.INVALID_DELIVERY_TIME),  # DELAY is Integer.parseInt's
+    ({"DELAY": " 1"}, ErrorCode.INVALID_DELIVERY_TIME),
 ])
 def test_unreadable_or_too_far_delivery_times_are_refused(props, code):
     with pytest.raises(TxmqError) as e:
         due_ms(props, 0, 3 * 86_400_000)
     assert e.value.code == code
+
+
+def test_timer_properties_are_read_as_long_parse_long_reads_them():
+    now, max_ms = 1_000_000, 3 * 86_400_000
+    assert due_ms({"TIMER_DELAY_MS": "+100"}, now, max_ms) == now + 100
+    assert due_ms({"TIMER_DELAY_SEC": "+7"}, now, max_ms) == now + 7000
+    assert due_ms({"TIMER_DELIVER_MS": "+5000000"}, now, max_ms) == 5_000_000
+    assert due_ms({"TIMER_DELAY_MS": "007"}, now, max_ms) == now + 7
+    assert due_ms({"TIMER_DELAY_MS": "0" * 60 + "250"}, now, max_ms) == now + 250  # any number of leading zeros
+    assert due_ms({"TIMER_DELAY_MS": "-0"}, now, max_ms) == now  # due now: delivered at once
+    assert due_ms({"TIMER_DELIVER_MS": str((1 << 63) - 1)}, now, 1 << 70) == MAX_MS  # Long.MAX_VALUE, the latest time kept
+    assert due_ms({"DELAY": "+2"}, now, max_ms) == now + 5000
+    assert due_ms({"DELAY": str((1 << 31) - 1)}, now, max_ms) == now + 2 * 3600_000  # Integer.MAX_VALUE: the last level
+    assert due_ms({"DELAY": str(-(1 << 31))}, now, max_ms) is None
+    for text, value in (("+100", 100), ("-9223372036854775808", -(1 << 63)), ("00", 0), ("+0", 0)):
+        assert parse_long(text) == value
+    for text in (" 100 ", "", "+", "1 0", "١", "1.0", None, 100):
+        with pytest.raises(ValueError):
+            parse_long(text)
 
 
 def test_a_negative_delay_on_the_wire_is_due_now_as_rocketmq_takes_it():
@@ -103,6 +138,33 @@ def test_bad_delivery_times_on_the_wire_get_error_replies_and_nothing_is_stored(
             await c.close()
             assert b.core.scheduled.gauges()["scheduled"] == 0
             assert await _all(b.core, "t") == []
+
+    arun(main())
+
+
+def test_timer_values_on_the_wire_follow_long_parse_long_spaces_refused_a_plus_sign_taken(data_dir):
+    """Through the native front end and RocketMQ 4's remoting front end: the broker reads the text as Long.parseLong does."""
+    from remotingwire import RemotingClient
+    from wireclient import RawClient
+
+    async def main():
+        clock = ManualClock(T0)
+        async with running_broker(data_dir, clock=clock, remoting_port=0) as b:
+            c = await RawClient.open(b.address)
+            code, f = await c.req("send", {"topic": "t", "body": b"spaces", "properties": {"TIMER_DELAY_MS": " 100 "}})
+            assert code == ErrorCode.INVALID_DELIVERY_TIME and f["property"] == "TIMER_DELAY_MS", f
+            sent = await c.ok("send", {"topic": "t", "body": b"plus", "properties": {"TIMER_DELAY_MS": "+100"}})
+            assert sent["deliver_at_ms"] == int(T0 * 1000) + 100
+            await c.close()
+            r = await RemotingClient.connect(b.remoting_address)
+            refused = await r.send("t", b"spaces", props={"TIMER_DELIVER_MS": f" {int(T0 * 1000) + 5000} "})
+            assert refused.code != 0 and "not a whole number" in refused.remark, refused
+            taken = await r.send("t", b"plus4", props={"TIMER_DELIVER_MS": f"+{int(T0 * 1000) + 5000}"})
+            assert taken.code == 0, taken
+            await r.close()
+            assert b.core.scheduled.gauges()["scheduled"] == 2
+            await _tick(b.core, clock, 10)
+            assert sorted(m["body"] for m in await _all(b.core, "t")) == [b"plus", b"plus4"]
 
     arun(main())
 

@@ -22,7 +22,9 @@
   by the server); the bytes all connections hold in partly received frames
   stay under partial_frame_budget; connections beyond max_connections (or
   max_connections_per_ip from one address) are closed as soon as accepted.
-  Each refusal gets an error reply when one can be sent, and is counted.
+  Each refusal gets an error reply when one can be sent, and is counted and
+  logged (broker/refusals.py: one line per kind at most every 10 s, with
+  the peer and the reason).
   Authenticated connections may stay idle for as long as they like.
 
 The limits, the output batching and the backpressure are the base class's,
@@ -51,10 +53,26 @@ _COUNTERS = LimitCounters(accepted="connections_accepted", refused="connections_
                           refused_per_ip="connections_refused_per_ip", partial_frame_refusals="partial_frame_refusals",
                           auth_timeouts="auth_timeouts", frame_timeouts="frame_timeouts")
 _LIMIT_CODES = {"busy": ErrorCode.BUSY, "auth_timeout": ErrorCode.AUTH_REQUIRED, "frame_timeout": ErrorCode.MALFORMED_FRAME}
+_LIMIT_KINDS = {"busy": "busy", "auth_timeout": "timeout", "frame_timeout": "timeout"}  # refusal kinds (broker/refusals.py)
+# msgpack's unpacker refuses frames nested past 1024 levels (MALFORMED_FRAME), deeper than Python's code can
+# take a value apart: a field nested that deep that makes a handler recurse past the interpreter's limit is a
+# request the broker cannot read (INVALID_FIELD, a refusal), not an internal error. No request nests past 5.
+MAX_FIELD_DEPTH = 32
+
+
+def nests_deeper(value: Any, limit: int = MAX_FIELD_DEPTH) -> bool:
+    """Whether the map or array ``value`` nests more than ``limit`` levels, itself the first (iterative: a level at a time)."""
+    level = [value]
+    for _ in range(limit):
+        level = [v for o in level for v in (o.values() if type(o) is dict else o) if type(v) is dict or type(v) is list]
+        if not level:
+            return False
+    return True
 
 
 class BrokerConnection(LimitedConnection):
     counters = _COUNTERS
+    frontend = "native"
     first_request = "hello with the broker's token"
 
     def __init__(self, core, server_state) -> None:
@@ -134,7 +152,7 @@ class BrokerConnection(LimitedConnection):
             self.decoder = FrameDecoder(0)  # what was buffered is never read: let it go now
 
     def _close_for(self, counter: str, kind: str, message: str) -> None:
-        self._close_with(TxmqError(message, _LIMIT_CODES[kind]), counter)
+        self._close_with(TxmqError(message, _LIMIT_CODES[kind]), counter, kind=_LIMIT_KINDS[kind])
 
     def _run(self, payloads: list[bytes]) -> None:
         for i, payload in enumerate(payloads):
@@ -162,7 +180,6 @@ class BrokerConnection(LimitedConnection):
             expected = self.core.config.auth_token.encode()
             if not isinstance(token, str) or not hmac.compare_digest(token.encode(), expected):
                 self.core.metrics.inc("auth_failures")
-                log.warning("event=auth_failed peer=%s", self.peer)
                 self._fatal(id_, TxmqError("authentication failed: wrong token", ErrorCode.AUTH_FAILED))
                 return
             self.authed = True
@@ -180,7 +197,10 @@ class BrokerConnection(LimitedConnection):
         except TxmqError as err:
             self._reply_error(id_, err)
             return
-        except Exception as exc:  # a bug: answer, log, keep serving
+        except RecursionError as exc:
+            self._reply_error(id_, self._too_deep(op, fields, exc))
+            return
+        except Exception as exc:  # a bug: answer, log (broker/refusals.py: throttled), keep serving
             self._reply_error(id_, self.core.store_error(exc))
             return
         if isinstance(result, dict):
@@ -215,6 +235,14 @@ class BrokerConnection(LimitedConnection):
                 self._reply_error(id_, self.core.store_error(exc))
         self._maybe_resume_reading()
 
+    def _too_deep(self, op: str, fields: dict[str, Any], exc: RecursionError) -> TxmqError:
+        """A handler recursed past the interpreter's limit: on fields nested too deeply (a refusal), else a bug."""
+        if not nests_deeper(fields):
+            return self.core.store_error(exc)
+        err = TxmqError(f"the fields of {op[:64]!r} nest more than {MAX_FIELD_DEPTH} levels deep", ErrorCode.INVALID_FIELD)
+        self.core.refusals.note("native", "bad_request", self.peer, str(err))
+        return err
+
     # ---- output ---------------------------------------------------------------
     def _reply_error(self, id_: int, err: TxmqError) -> None:
         self.core.metrics.inc(f"errors_{err.code.name.lower()}")
@@ -222,15 +250,19 @@ class BrokerConnection(LimitedConnection):
 
     def _fatal(self, id_: int, err: TxmqError) -> None:
         assert err.code in FATAL or err.code == ErrorCode.MALFORMED_FRAME
-        self._close_with(err, None, id_)
+        auth = err.code in (ErrorCode.AUTH_REQUIRED, ErrorCode.AUTH_FAILED)
+        self._close_with(err, None, id_, kind="auth" if auth else "bad_request")
 
-    def _close_with(self, err: TxmqError, counter: str | None, id_: int = 0) -> None:
-        """Send one error reply, then close: after it the byte stream is not read any more."""
+    def _close_with(self, err: TxmqError, counter: str | None, id_: int = 0, kind: str = "bad_request") -> None:
+        """Send one error reply, then close: after it the byte stream is not read any more.
+
+        The refusal is counted (errors_<code>, ``counter``, refused_native_<kind>) and logged throttled (broker/refusals.py).
+        """
         metrics = self.core.metrics
         metrics.inc(f"errors_{err.code.name.lower()}")
         if counter is not None:
             metrics.inc(counter)
-        log.info("event=connection_refused peer=%s reason=%s", self.peer, counter or err.code.name)
+        self.core.refusals.note("native", kind, self.peer, str(err))
         self._send(reply(id_, err.to_fields(), int(err.code)))
         self._end_after_reply()
 

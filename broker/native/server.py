@@ -12,8 +12,6 @@ import logging
 import socket
 from typing import TYPE_CHECKING
 
-from txmq.broker.connlimits import LogThrottle
-
 from .connection import BrokerConnection
 from .operations import HANDLERS, Handler
 
@@ -22,8 +20,6 @@ if TYPE_CHECKING:
     from ..core import BrokerCore
 
 log = logging.getLogger("txmq.broker")
-
-REFUSAL_LOG_EVERY_S = 10.0
 
 
 class ServerState:
@@ -36,18 +32,10 @@ class ServerState:
         self.by_ip: dict[str, int] = {}  # open connections per remote address
         self.busy = 0  # connections with requests in flight
         self.partial_frame_bytes = 0  # held by all connections in frames not yet complete
-        self._refusals = LogThrottle(REFUSAL_LOG_EVERY_S)  # connection-limit refusals
 
     def gauges(self) -> dict[str, int]:
         """What `txmq broker status`, `txmq stats` and Prometheus show of the connections (BrokerCore.connection_gauges)."""
         return {"connections": len(self.connections), "partial_frame_bytes": self.partial_frame_bytes}
-
-    def note_refusal(self, reason: str, peer: str) -> None:
-        """Log connection-limit refusals, at most one line per REFUSAL_LOG_EVERY_S (a flood must not flood the log)."""
-        refused = self._refusals.note()
-        if refused:
-            log.warning("event=connections_refused reason=%s peer=%s refused=%d msg=%s", reason, peer, refused,
-                        "'over a connection limit; counted in connections_refused*, logged at most every 10s'")
 
 
 async def sweep_connections(state: ServerState, config: BrokerConfig) -> None:

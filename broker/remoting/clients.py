@@ -22,7 +22,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -78,6 +77,8 @@ class Consumer:
     conn: Any
     subscriptions: dict[str, str] = field(default_factory=dict)  # topic -> expression ("*", "a || b")
     clustering: bool = True
+    consume_type: str = "CONSUME_PASSIVELY"  # CONSUME_ACTIVELY: a pull consumer (GET_CONSUMER_CONNECTION_LIST shows both)
+    consume_from: str = "CONSUME_FROM_LAST_OFFSET"
 
 
 class ClientTable:
@@ -90,12 +91,7 @@ class ClientTable:
 
     # ---- heartbeats --------------------------------------------------------------------------
     def heartbeat(self, conn: RemotingConnection, body: bytes) -> None:
-        try:
-            data = json.loads(body or b"{}")
-        except (ValueError, UnicodeDecodeError):
-            raise TxmqError("the heartbeat's body is not JSON", ErrorCode.INVALID_FIELD) from None
-        if not isinstance(data, dict):
-            raise TxmqError("the heartbeat's body is not a JSON object", ErrorCode.INVALID_FIELD)
+        data = p.load_json_object(body, "HEART_BEAT")  # p.BodyError: too large, nested too deeply, not a JSON object
         client_id = data.get("clientID")
         if not isinstance(client_id, str) or not client_id or len(client_id) > 255:
             raise TxmqError("the heartbeat has no clientID (1 to 255 characters)", ErrorCode.INVALID_FIELD)
@@ -135,6 +131,8 @@ class ClientTable:
                 self.core.consumer_registry.register(group, conn)  # raises past the groups one connection may hold
                 c = members[key] = Consumer(client_id, conn)
             c.subscriptions, c.clustering = subs, clustering
+            c.consume_type = _one_of(cd.get("consumeType"), CONSUME_TYPES, c.consume_type)
+            c.consume_from = _one_of(cd.get("consumeFromWhere"), CONSUME_FROM, c.consume_from)
             if client_id not in before:
                 changed.append(group)
         for group in changed:
@@ -242,3 +240,13 @@ class ClientTable:
 
 def _list(v: Any) -> list:
     return v if isinstance(v, list) else []
+
+
+CONSUME_TYPES = ("CONSUME_ACTIVELY", "CONSUME_PASSIVELY")
+CONSUME_FROM = ("CONSUME_FROM_LAST_OFFSET", "CONSUME_FROM_FIRST_OFFSET", "CONSUME_FROM_TIMESTAMP",
+                "CONSUME_FROM_LAST_OFFSET_AND_FROM_MIN_WHEN_BOOT_FIRST", "CONSUME_FROM_MIN_OFFSET", "CONSUME_FROM_MAX_OFFSET")
+
+
+def _one_of(v: Any, names: tuple[str, ...], default: str) -> str:
+    """A heartbeat's enum value (ConsumeType, ConsumeFromWhere) when it is one of RocketMQ's names, else ``default``."""
+    return v if isinstance(v, str) and v in names else default

@@ -32,13 +32,15 @@ from txmq.broker.scheduled.timing import without_schedule
 from txmq.broker.topics import MAX_QUEUES, check_topic_name
 
 from . import protocol as p
-from .clients import INNER_PRODUCER, check_group, dlq_topic, retry_topic
+from .clients import DLQ_PREFIX, INNER_PRODUCER, RETRY_PREFIX, check_group, dlq_topic, retry_topic
 from .messages import (
+    PROP_CLUSTER,
     PROP_FLAG,
     PROP_MAX_RECONSUME_TIMES,
     PROP_ORIGIN_MESSAGE_ID,
     PROP_RECONSUME_TIME,
     PROP_RETRY_TOPIC,
+    PROP_WAIT,
     MessageFormatError,
     decode_batch,
     decode_properties,
@@ -102,6 +104,9 @@ def error_response(core: BrokerCore, cmd: p.Command, exc: BaseException) -> p.Co
     if isinstance(exc, MessageFormatError):
         core.metrics.inc("remoting_errors")
         return p.response(cmd, p.MESSAGE_ILLEGAL, remark=str(exc))
+    if isinstance(exc, p.BodyError):  # RocketMQ's broker answers a body it cannot decode SYSTEM_ERROR; clients take both alike
+        core.metrics.inc("remoting_errors")
+        return p.response(cmd, p.INVALID_PARAMETER, remark=f"{ErrorCode.INVALID_FIELD.name}: {exc}")
     err = exc if isinstance(exc, TxmqError) else core.store_error(exc)
     core.metrics.inc("remoting_errors")
     return p.response(cmd, rmq_code(err.code), remark=f"{err.code.name}: {err.message}")
@@ -183,13 +188,8 @@ def json_body(obj: Any) -> bytes:
 
 
 def parse_json_body(cmd: p.Command, what: str) -> dict:
-    try:
-        data = json.loads(cmd.body or b"{}")
-    except (ValueError, UnicodeDecodeError):
-        raise _bad(f"the body of {what} is not JSON") from None
-    if not isinstance(data, dict):
-        raise _bad(f"the body of {what} is not a JSON object")
-    return data
+    """The request's JSON object; p.BodyError (INVALID_PARAMETER, a refusal) when the body is none, or past the limits."""
+    return p.load_json_object(cmd.body, what)
 
 
 async def _await(result: Any) -> Any:
@@ -220,7 +220,8 @@ def get_route(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Command)
         if topic == AUTO_CREATE_TOPIC:  # the Java producer's template topic: routed, never created
             n = core.config.default_queues
         else:
-            n, _ = core.topics.ensure(topic)
+            # a group's retry and dead-letter topics have one queue, as RocketMQ's broker creates them
+            n, _ = core.topics.ensure(topic, 1 if topic.startswith((RETRY_PREFIX, DLQ_PREFIX)) else None)
     host = conn.local_host
     addr = f"[{host}]:{front.port}" if ":" in host else f"{host}:{front.port}"
     route = {
@@ -240,9 +241,14 @@ def topic_list(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Command
 
 @handles(p.UPDATE_AND_CREATE_TOPIC)
 def create_topic(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Command) -> p.Command:
+    """`txmq topics create` with the larger of the read and write queue counts; for a topic that exists, `txmq topics
+    update` to that count (mqadmin's updateTopic; queues that held messages are not removed)."""
     topic = topic_of(cmd.ext)
     queues = max(opt_int(cmd.ext, "writeQueueNums", 0, 0, MAX_QUEUES), opt_int(cmd.ext, "readQueueNums", 0, 0, MAX_QUEUES)) or None
-    front.core.create_topic(topic, queues, None)
+    if queues is not None and front.core.topics.queues(topic) is not None:
+        front.core.update_topic(topic, queues, None)
+    else:
+        front.core.create_topic(topic, queues, None)
     return ok(cmd)
 
 
@@ -250,6 +256,7 @@ def create_topic(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Comma
 @handles(p.HEART_BEAT)
 def heartbeat(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Command) -> p.Command:
     front.clients.heartbeat(conn, cmd.body)
+    conn.client_language, conn.client_version = cmd.language, cmd.version  # GET_CONSUMER_CONNECTION_LIST shows them
     return ok(cmd)
 
 
@@ -313,11 +320,10 @@ def _with_flags(props: dict[str, str], flag: int, reconsume: int) -> dict[str, s
     return props
 
 
-def _send_ext(conn: RemotingConnection, front: RemotingFrontend, msg_id: str, qid: int, qoff: int, tx_id: str | None) -> dict[str, str]:
-    ext = {"msgId": msg_id, "queueId": str(qid), "queueOffset": str(qoff), "MSG_REGION": "DefaultRegion", "TRACE_ON": "true"}
-    if tx_id:
-        ext["transactionId"] = tx_id
-    return ext
+def _send_ext(msg_id: str, qid: int, qoff: int) -> dict[str, str]:
+    # No transactionId: RocketMQ 4.9.8's broker sends none (a client's TransactionSendResult.getTransactionId() is
+    # null); the client ends a transaction with the msgId it sent, which txmq's end takes as the transaction id.
+    return {"msgId": msg_id, "queueId": str(qid), "queueOffset": str(qoff), "MSG_REGION": "DefaultRegion", "TRACE_ON": "true"}
 
 
 @handles(p.SEND_MESSAGE, p.SEND_MESSAGE_V2, p.SEND_BATCH_MESSAGE)
@@ -336,6 +342,9 @@ def send_message(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Comma
         return _send_batch(front, conn, cmd, topic, qid, born, props)
     body = _body(front, cmd.body, sys_flag)
     _with_flags(props, flag, reconsume)
+    # As RocketMQ's broker stores a message sent alone: without the client's WAIT=true, with the cluster's name.
+    props.pop(PROP_WAIT, None)
+    props[PROP_CLUSTER] = front.cluster_name
     if props.get(PROP_TRAN_MSG) == "true" or sys_flag & p.TRANSACTION_TYPE_MASK == p.TRANSACTION_PREPARED_TYPE:
         props[PROP_TRAN_MSG] = "true"
         if not props.get(PROP_PGROUP):
@@ -343,10 +352,10 @@ def send_message(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Comma
         return _send_half(front, conn, cmd, topic, qid, body, props, born)
     q = core.topics.pick_queue(topic, qid if qid >= 0 else None, "normal")
     fut = core.send([Message(topic, q, TxType.NORMAL, born, props, body)], single=True)
-    addr, port, uniq = conn.store_addr, front.port, props.get(PROP_UNIQ_KEY)
+    addr, port = conn.store_addr, front.port
 
     def reply(row: dict) -> p.Command:
-        return ok(cmd, _send_ext(conn, front, offset_msg_id(addr, port, row["commit_log_offset"]), q, row["queue_offset"], uniq))
+        return ok(cmd, _send_ext(offset_msg_id(addr, port, row["commit_log_offset"]), q, row["queue_offset"]))
 
     return Then(fut, reply)
 
@@ -356,8 +365,8 @@ def _send_half(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Command
     core = front.core
     again = _sent_before(core, topic, props)
     if again is not None:  # the client sent it again (no answer in time): the first one's receipt
-        tx_id, cl, half, q = again
-        return ok(cmd, _send_ext(conn, front, offset_msg_id(conn.store_addr, front.port, cl), q, half, tx_id))
+        _tx_id, cl, half, q = again
+        return ok(cmd, _send_ext(offset_msg_id(conn.store_addr, front.port, cl), q, half))
 
     def send() -> Any:
         return core.tx.send_half(topic, qid if qid >= 0 else None, body, props, born)
@@ -367,8 +376,7 @@ def _send_half(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Command
     def reply(row: dict) -> p.Command:
         # RocketMQ's client ends the transaction with this queueOffset (tranStateTableOffset) and the
         # commit-log offset in this msgId: those of the half message.
-        return ok(cmd, _send_ext(conn, front, offset_msg_id(addr, port, row["commit_log_offset"]), row["queue_id"], row["half_offset"],
-                                 row["tx_id"]))
+        return ok(cmd, _send_ext(offset_msg_id(addr, port, row["commit_log_offset"]), row["queue_id"], row["half_offset"]))
 
     if core.keeper.must_wait():  # right after a start, while the transaction index is built
         return _later(core.keeper.when_ready(send), reply)
@@ -403,6 +411,7 @@ def _send_batch(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Comman
         budget -= len(body)
         if budget < 0:
             raise MessageFormatError(f"the bodies of one batch exceed {core.config.max_frame} bytes (--max-frame)")
+        props[PROP_CLUSTER] = front.cluster_name  # as RocketMQ's broker stores a batch's messages (WAIT kept)
         msgs_in.append((_with_flags(props, flag, 0), body))
     q = core.topics.pick_queue(topic, qid if qid >= 0 else None, "normal")
     fut = core.send([Message(topic, q, TxType.NORMAL, born, props, body) for props, body in msgs_in], single=False)
@@ -410,7 +419,7 @@ def _send_batch(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Comman
     async def reply() -> p.Command:
         rows = (await fut)["results"]
         ids = ",".join(offset_msg_id(conn.store_addr, front.port, r["commit_log_offset"]) for r in rows)
-        return ok(cmd, _send_ext(conn, front, ids, q, rows[0]["queue_offset"], None))
+        return ok(cmd, _send_ext(ids, q, rows[0]["queue_offset"]))
 
     return reply()
 
@@ -716,5 +725,7 @@ def view_message(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Comma
     rec = _read_message(front.core, req_int(cmd.ext, "offset", 0))
     return ok(cmd, body=encode_record(rec, conn.store_addr, front.port))
 
+
+from . import admin  # noqa: E402,F401  the operator's request codes (mqadmin's) register themselves in HANDLERS
 
 __all__ = ["HANDLERS", "error_response", "served_codes", "INNER_PRODUCER"]

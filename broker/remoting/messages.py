@@ -43,6 +43,8 @@ PROP_RECONSUME_TIME = "RECONSUME_TIME"  # deliveries before this one, on a messa
 PROP_RETRY_TOPIC = "RETRY_TOPIC"  # the topic a retried message was first sent to
 PROP_ORIGIN_MESSAGE_ID = "ORIGIN_MESSAGE_ID"  # the offset id of the message a retry copies
 PROP_MAX_RECONSUME_TIMES = "MAX_RECONSUME_TIMES"
+PROP_WAIT = "WAIT"  # the client's "wait for the store" flag: RocketMQ's broker does not store it with a single message
+PROP_CLUSTER = "CLUSTER"  # the cluster a message was stored in, which RocketMQ's broker adds
 PROP_FLAG = "TXMQ_RMQ_FLAG"  # a message's non-zero int32 flag (Message.setFlag), kept for its consumers
 MAX_MESSAGES_IN_BATCH = 10_000
 

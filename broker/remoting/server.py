@@ -22,7 +22,10 @@ within --frame-timeout of its first byte; connections past
 --remoting-max-connections (derived from RLIMIT_NOFILE like the other
 ports' caps: server.connection_limits) or --max-connections-per-ip are
 closed as soon as accepted. A frame that cannot be a command closes its
-connection, and only it. Backpressure: a client that does not read its
+connection, and only it; a JSON body that cannot be read (nested too
+deeply, too large: protocol.load_json_object) is answered
+INVALID_PARAMETER and the connection goes on. Every refusal is counted and
+logged, at most one line per kind every 10 s (broker/refusals.py). Backpressure: a client that does not read its
 responses, or has too many requests or pulled bytes in flight, is not read
 from until it drains. The limits, the batching and the backpressure are
 LimitedConnection's (broker/connlimits.py), shared with the native port.
@@ -46,8 +49,9 @@ from txmq.wire import PUSH, ErrorCode, FrameDecoder, TxmqError, parse_payload
 
 from . import protocol as p
 from .clients import ClientTable
+from .admin import not_supported_remark
 from .handlers import HANDLERS, Then, error_response, served_codes
-from .messages import address_bytes
+from .messages import MessageFormatError, address_bytes
 
 if TYPE_CHECKING:
     from txmq.broker.config import BrokerConfig
@@ -90,7 +94,6 @@ class RemotingFrontend:
         self.broker_name = "txmq"
         self.cluster_name = "txmq"
         self._sweeper: asyncio.Task | None = None
-        self._refusals = LogThrottle(REFUSAL_LOG_EVERY_S)
         self._opaque = itertools.count(1)
         self._oneway_failures = LogThrottle(REFUSAL_LOG_EVERY_S)  # failed oneway requests
 
@@ -164,12 +167,6 @@ class RemotingFrontend:
             self.clients.expire_locks()
 
     # ---- what the connections share ----------------------------------------------------------
-    def note_refusal(self, reason: str, peer: str) -> None:
-        refused = self._refusals.note()
-        if refused:
-            log.warning("event=remoting_connections_refused reason=%s peer=%s refused=%d msg=%s", reason, peer, refused,
-                        "'over a connection limit; counted in remoting_connections_refused*, logged at most every 10s'")
-
     def note_oneway_failure(self, peer: str, cmd: p.Command, resp: p.Command) -> None:
         """Log a failed oneway request (a lost END_TRANSACTION, say): at most one line per REFUSAL_LOG_EVERY_S, with the count."""
         failures = self._oneway_failures.note()
@@ -185,6 +182,7 @@ class RemotingConnection(LimitedConnection):
     """One client connection: a PushTarget (broker/registry.py) for check-backs when it registered a producer group."""
 
     counters = _COUNTERS
+    frontend = "remoting"
     first_request = "correctly signed request"
 
     def __init__(self, front: RemotingFrontend) -> None:
@@ -200,6 +198,7 @@ class RemotingConnection(LimitedConnection):
         self._pulls: set[asyncio.Future] = set()  # its pulls in flight (suspended ones too): cancelled when it closes
         self.client_ids: set[str] = set()  # the client ids that sent heartbeats over this connection
         self.json_requests = True  # the serialize type of the requests it sends: the broker's requests follow it
+        self.client_language, self.client_version = "OTHER", 0  # of its last HEART_BEAT (LanguageCode, MQVersion)
 
     # ---- asyncio.Protocol -----------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -253,7 +252,8 @@ class RemotingConnection(LimitedConnection):
             (length,) = _LEN.unpack_from(buf, pos)
             if length < 4 or length > self.max_frame:
                 what = "--max-preauth-frame, before a correctly signed request" if not self.authed else "--max-frame"
-                self._close_with(f"frame of {length} bytes: a frame holds 4 to {self.max_frame} bytes ({what})", "remoting_malformed_frames")
+                self._close_with(f"frame of {length} bytes: a frame holds 4 to {self.max_frame} bytes ({what})", "remoting_malformed_frames",
+                                 kind="bad_request")
                 return None
             if n - pos - 4 < length:
                 break
@@ -273,9 +273,9 @@ class RemotingConnection(LimitedConnection):
 
     def _close_for(self, counter: str, kind: str, message: str) -> None:
         if kind == "busy":
-            self._close_with(message, counter, code=p.SYSTEM_BUSY)
+            self._close_with(message, counter, kind="busy", code=p.SYSTEM_BUSY)
         else:
-            self._close_with(message, counter)
+            self._close_with(message, counter, kind="timeout")
 
     # ---- dispatch ---------------------------------------------------------------------------
     def _run(self, frames: list[bytes]) -> None:
@@ -286,7 +286,7 @@ class RemotingConnection(LimitedConnection):
             try:
                 cmd = p.decode(frame)
             except p.FrameError as exc:
-                self._close_with(f"malformed frame: {exc}", "remoting_malformed_frames")
+                self._close_with(f"malformed frame: {exc}", "remoting_malformed_frames", kind="bad_request")
                 return
             if cmd.is_response:
                 continue  # a client's answer to a broker request (all of txmq's are oneway): nothing waits for it
@@ -302,9 +302,8 @@ class RemotingConnection(LimitedConnection):
         if token:
             if not signed(cmd, token):
                 core.metrics.inc("remoting_auth_failures")
-                log.warning("event=remoting_auth_failed peer=%s code=%d", self.peer, cmd.code)
                 self._close_with("the request is not signed with the broker's --auth-token (RocketMQ ACL: any AccessKey, "
-                                 "the token as SecretKey)", None, cmd, code=p.NO_PERMISSION)
+                                 "the token as SecretKey)", None, cmd, kind="auth", code=p.NO_PERMISSION)
                 return
             if not self.authed:
                 self.authed = True
@@ -321,12 +320,12 @@ class RemotingConnection(LimitedConnection):
         if handler is None:
             core.metrics.inc("remoting_unsupported_requests")
             self._respond(cmd, p.response(cmd, p.REQUEST_CODE_NOT_SUPPORTED,
-                                          remark=f"request code {cmd.code} is not supported by txmq's remoting front end (docs/remoting.md)"))
+                                          remark=not_supported_remark(cmd.code)))
             return
         try:
             result = handler(self.front, self, cmd)
         except Exception as exc:
-            self._respond(cmd, error_response(self.core, cmd, exc))
+            self._respond(cmd, self._error(cmd, exc))
             return
         if result is None or type(result) is p.Command:
             self._respond(cmd, result)
@@ -343,7 +342,7 @@ class RemotingConnection(LimitedConnection):
         handler = HANDLERS.get(cmd.code)
         if handler is None:
             return p.response(cmd, p.REQUEST_CODE_NOT_SUPPORTED,
-                              remark=f"request code {cmd.code} is not supported by txmq's remoting front end (docs/remoting.md)")
+                              remark=not_supported_remark(cmd.code))
         result = handler(self.front, self, cmd)
         if result is None or isinstance(result, p.Command):
             return result
@@ -365,17 +364,23 @@ class RemotingConnection(LimitedConnection):
         if fut.cancelled():
             self._respond(cmd, p.response(cmd, p.SYSTEM_BUSY, remark="the broker is shutting down"))
         elif fut.exception() is not None:
-            self._respond(cmd, error_response(self.core, cmd, fut.exception()))
+            self._respond(cmd, self._error(cmd, fut.exception()))
         else:
             result = fut.result()
             if then is not None:
                 try:
                     result = then(result)
                 except Exception as exc:
-                    result = error_response(self.core, cmd, exc)
+                    result = self._error(cmd, exc)
             self._respond(cmd, result, now=not self.inflight)
         if self._read_paused:
             self._maybe_resume_reading()
+
+    def _error(self, cmd: p.Command, exc: BaseException) -> p.Command:
+        """The response to a request that failed; a body that cannot be read is a refusal (counted, logged throttled)."""
+        if isinstance(exc, (p.BodyError, MessageFormatError)):
+            self.core.refusals.note("remoting", "bad_request", self.peer, f"request code {cmd.code}: {exc}")
+        return error_response(self.core, cmd, exc)
 
     # ---- output ----------------------------------------------------------------------------
     def _respond(self, cmd: p.Command, resp: p.Command | None, now: bool = False) -> None:
@@ -392,12 +397,15 @@ class RemotingConnection(LimitedConnection):
             data = p.encode(error_response(self.core, cmd, exc))
         self._send(data, now)
 
-    def _close_with(self, reason: str, counter: str | None, cmd: p.Command | None = None, code: int = p.SYSTEM_ERROR) -> None:
-        """One response saying why (to cmd, or unsolicited), then close this connection; the others go on."""
-        metrics = self.core.metrics
+    def _close_with(self, reason: str, counter: str | None, cmd: p.Command | None = None, kind: str = "bad_request",
+                    code: int = p.SYSTEM_ERROR) -> None:
+        """One response saying why (to cmd, or unsolicited), then close this connection; the others go on.
+
+        The refusal is counted (``counter``, and refused_remoting_<kind>) and logged throttled (broker/refusals.py).
+        """
         if counter is not None:
-            metrics.inc(counter)
-        log.info("event=remoting_connection_closed peer=%s reason=%s msg=%r", self.peer, counter or "refused", reason[:200])
+            self.core.metrics.inc(counter)
+        self.core.refusals.note("remoting", kind, self.peer, reason)
         if cmd is not None:
             resp = p.response(cmd, code, remark=reason)
         else:

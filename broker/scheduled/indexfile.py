@@ -15,21 +15,33 @@ Schema (docs/store-format.md, "timers.db"):
 - ``meta(key, value)``: ``version``, ``applied_to`` (every record below it
   is reflected), ``boundary`` ([commit-log offset, CRC] of the last
   scheduled or cancel record below ``applied_to``, read back at start: a log
-  cut below ``applied_to`` and written again does not end in it), ``damaged``
-  (a broker met a damaged row: the next start rebuilds the file).
+  cut below ``applied_to`` and written again does not end in it), ``rows``
+  (how many rows the flush left), ``damaged`` (a broker met a row it could
+  not rebuild from the log: the next start rebuilds the file), and
+  ``meta_crc``, the CRC-32 of the others (``meta_checksum``): a meta value
+  changed on disk (``applied_to`` raised by one bit) makes the file
+  unconfirmed, and a start rebuilds it instead of replaying from the
+  wrong place. A file without ``meta_crc`` (written by an older txmq) is
+  unconfirmed too.
 - ``timer``: ``cl_offset`` (the scheduled record, primary key), ``due_ms``,
   ``topic`` (the real topic), ``msg_id``, ``crc`` (CRC-32 of the msgpack
   array of the other four). Indexed by (due_ms, cl_offset) for the delivery
   window and by msg_id for cancels.
+
+Reads return the rows whose checksum matches and, apart, the stored rows
+whose checksum does not (``Checked``): the service rebuilds those from
+the records they name (service.py, ``_repair``).
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import random
 import sqlite3
 import zlib
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator, NamedTuple
 
 import msgpack
 
@@ -57,6 +69,32 @@ _INSERT = "INSERT OR REPLACE INTO timer (cl_offset, due_ms, topic, msg_id, crc) 
 _INSERT_MANY = "INSERT OR REPLACE INTO timer (cl_offset, due_ms, topic, msg_id, crc) VALUES " + ", ".join(["(?, ?, ?, ?, ?)"] * ROWS_PER_INSERT)
 
 Row = tuple  # (cl_offset, due_ms, topic, msg_id)
+SELECT = "SELECT cl_offset, due_ms, topic, msg_id, crc FROM timer"
+
+
+class Checked(NamedTuple):
+    """Rows read: those whose checksum matches (``Row``), the stored ones whose checksum does not (with it), the last read."""
+
+    rows: list[Row]
+    bad: list[tuple]
+    last: tuple | None  # the last stored row read, checked or not (a page ends there)
+
+
+def meta_checksum(meta: dict[str, Any]) -> int:
+    """CRC-32 of the meta values other than ``meta_crc`` (keys sorted, compact JSON: the same bytes however they were read)."""
+    body = {k: v for k, v in meta.items() if k != "meta_crc"}
+    return zlib.crc32(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+
+
+def meta_problem(meta: dict[str, Any]) -> str | None:
+    """Why the meta values cannot be trusted (None: their checksum matches)."""
+    crc = meta.get("meta_crc")
+    if crc is None:
+        return "timers.db has no meta checksum (written by an older txmq): its applied_to is not confirmed"
+    if crc != meta_checksum(meta):
+        shown = ", ".join(f"{k}={meta.get(k)!r}" for k in ("applied_to", "rows"))
+        return f"timers.db's meta checksum does not match its values ({shown}): they were changed on disk"
+    return None
 
 
 class TimerFileError(Exception):
@@ -66,6 +104,7 @@ class TimerFileError(Exception):
 
 
 damaged = sqlitefile.damaged
+io_error = sqlitefile.io_error
 
 
 def remove_db(data_dir: Path) -> None:
@@ -79,7 +118,7 @@ class TimerDatabase:
         self.path = path
         self.readonly = readonly
         self._pack = msgpack.Packer(use_bin_type=True).pack
-        self.bad_rows = 0  # rows whose checksum did not match, skipped
+        self.bad_rows = 0  # damaged rows that could not be rebuilt from the log (the next start rebuilds the file)
         try:
             self.conn = sqlitefile.connect(path, readonly, _SCHEMA)
             self.meta = sqlitefile.read_meta(self.conn)
@@ -88,12 +127,15 @@ class TimerDatabase:
             err = TimerFileError(f"{path}: {exc}")
             err.io = sqlitefile.io_error(exc)
             raise err from None
+        except ValueError as exc:  # a meta value that is not JSON any more
+            self.close()
+            raise TimerFileError(f"{path}: unreadable meta ({exc})") from None
         if not self.meta:
             if readonly:
                 self.close()
                 raise TimerFileError(f"{path}: empty")
-            self.meta = {"version": VERSION, "applied_to": 0, "boundary": None}
-            self._write_meta(self.meta)
+            self.meta = {"version": VERSION, "applied_to": 0, "boundary": None, "rows": 0}
+            self._write_meta({})
         elif self.meta.get("version") != VERSION:
             version = self.meta.get("version")
             self.close()
@@ -104,37 +146,40 @@ class TimerDatabase:
             sqlitefile.close(self.conn)
             self.conn = None  # type: ignore[assignment]
 
-    def _write_meta(self, meta: dict[str, Any]) -> None:
+    def _write_meta(self, changes: dict[str, Any]) -> None:
+        """Write every meta value with ``changes`` applied, and their checksum (``meta`` is updated by the caller)."""
+        meta = dict(self.meta, **changes)
+        meta["meta_crc"] = meta_checksum(meta)
         sqlitefile.write_meta(self.conn, meta)
 
     # ---- reading -------------------------------------------------------------------
-    def _checked(self, stored: list[tuple]) -> list[Row]:
-        """Rows without their checksum; a row whose checksum does not match is left out and counted (``bad_rows``)."""
+    def _checked(self, stored: list[tuple]) -> Checked:
+        """Rows without their checksum; a row whose checksum does not match is set apart (``Checked.bad``)."""
         pack, crc32 = self._pack, zlib.crc32
-        out = []
-        for r in stored:
-            row = r[:4]
+        rows = [r[:4] for r in stored]
+        if list(map(crc32, map(pack, rows))) == [r[4] for r in stored]:
+            return Checked(rows, [], stored[-1] if stored else None)
+        out, bad = [], []
+        for r, row in zip(stored, rows):
             if crc32(pack(row)) == r[4]:
                 out.append(row)
             else:
-                self.bad_rows += 1
-                log.error("event=timer_row_damaged cl_offset=%r msg=%s", r[0], "'the next start rebuilds timers.db from the log'")
-        return out
+                bad.append(r)
+        return Checked(out, bad, stored[-1])
 
-    def due_rows(self, after: tuple[int, int], before_ms: int, limit: int) -> list[Row]:
+    def due_rows(self, after: tuple[int, int], before_ms: int, limit: int) -> Checked:
         """Rows with (due_ms, cl_offset) >= after and due_ms < before_ms, in due order, at most limit."""
         cur = self.conn.execute(
-            "SELECT cl_offset, due_ms, topic, msg_id, crc FROM timer WHERE (due_ms, cl_offset) >= (?, ?) AND due_ms < ? "
-            "ORDER BY due_ms, cl_offset LIMIT ?", (after[0], after[1], before_ms, limit))
+            f"{SELECT} WHERE (due_ms, cl_offset) >= (?, ?) AND due_ms < ? ORDER BY due_ms, cl_offset LIMIT ?",
+            (after[0], after[1], before_ms, limit))
         return self._checked(cur.fetchall())
 
-    def by_msg_id(self, msg_id: str) -> list[Row]:
-        return self._checked(self.conn.execute("SELECT cl_offset, due_ms, topic, msg_id, crc FROM timer WHERE msg_id = ?",
-                                               (msg_id,)).fetchall())
+    def by_msg_id(self, msg_id: str) -> Checked:
+        return self._checked(self.conn.execute(f"{SELECT} WHERE msg_id = ?", (msg_id,)).fetchall())
 
-    def listing(self, topic: str | None, after: tuple[int, int], limit: int) -> list[Row]:
+    def listing(self, topic: str | None, after: tuple[int, int], limit: int) -> Checked:
         """Rows by due time from ``after`` (exclusive), of one topic or all."""
-        sql = "SELECT cl_offset, due_ms, topic, msg_id, crc FROM timer WHERE (due_ms, cl_offset) > (?, ?)"
+        sql = f"{SELECT} WHERE (due_ms, cl_offset) > (?, ?)"
         args: list[Any] = [after[0], after[1]]
         if topic is not None:
             sql += " AND topic = ?"
@@ -143,25 +188,91 @@ class TimerDatabase:
         args.append(limit)
         return self._checked(self.conn.execute(sql, args).fetchall())
 
+    def rows_after(self, after: int, limit: int) -> Checked:
+        """Rows by scheduled record from ``after`` (exclusive): a walk over every row, a slice at a time."""
+        return self._checked(self.conn.execute(f"{SELECT} WHERE cl_offset > ? ORDER BY cl_offset LIMIT ?", (after, limit)).fetchall())
+
+    def stored_rows(self) -> Iterator[tuple]:
+        """Every row as stored (with its checksum), by scheduled record, unchecked (``txmq store verify``)."""
+        cur = self.conn.execute(f"{SELECT} ORDER BY cl_offset")
+        while True:
+            rows = cur.fetchmany(4096)
+            if not rows:
+                return
+            yield from rows
+
+    def check_rows(self, n: int, all_below: int, first_due: int, newest: int, sampled: int, runs: int = 16) -> tuple[int, list[tuple]]:
+        """What a start checks of the rows' checksums: (rows read, the stored rows whose checksum does not match).
+
+        Every row when there are at most ``all_below`` (``n``: the rows); otherwise the
+        ``first_due`` rows due first (the next deliveries), the ``newest``
+        by scheduled record, and ``sampled`` others in ``runs`` runs from
+        random places: a time that does not grow with the schedule (the
+        walk after the start reads the rest, ``rows_after``).
+        """
+        conn = self.conn
+        if n <= all_below:
+            got = self._checked(conn.execute(SELECT).fetchall())
+            return len(got.rows) + len(got.bad), got.bad
+        read, bad = 0, []
+        parts = [conn.execute(f"{SELECT} ORDER BY due_ms, cl_offset LIMIT ?", (first_due,)).fetchall(),
+                 conn.execute(f"{SELECT} ORDER BY cl_offset DESC LIMIT ?", (newest,)).fetchall()]
+        top = conn.execute("SELECT max(cl_offset) FROM timer").fetchone()[0]
+        if top is not None and sampled > 0:
+            per = max(1, sampled // runs)
+            for _ in range(runs):
+                at = random.randint(0, top)  # noqa: S311 - a sample, not a secret
+                parts.append(conn.execute(f"{SELECT} WHERE cl_offset >= ? ORDER BY cl_offset LIMIT ?", (at, per)).fetchall())
+        seen: set[int] = set()
+        for part in parts:
+            got = self._checked(part)
+            read += len(part)
+            bad += [r for r in got.bad if r[0] not in seen]
+            seen.update(r[0] for r in got.bad)
+        return read, bad
+
+    def counts(self) -> dict[str, int]:
+        """Rows as the table holds them, and as each index leads to them (SQLite keeps them equal unless a page is damaged)."""
+        conn = self.conn
+        return {"table": conn.execute("SELECT count(*) FROM timer NOT INDEXED").fetchone()[0],
+                "timer_due": conn.execute("SELECT count(*) FROM timer INDEXED BY timer_due").fetchone()[0],
+                "timer_id": conn.execute("SELECT count(*) FROM timer INDEXED BY timer_id").fetchone()[0]}
+
+    def present(self, offs: list[int]) -> set[int]:
+        """Which of these scheduled records have a row (whatever its checksum)."""
+        out: set[int] = set()
+        for i in range(0, len(offs), 500):
+            part = offs[i:i + 500]
+            out.update(r[0] for r in self.conn.execute(
+                f"SELECT cl_offset FROM timer WHERE cl_offset IN ({', '.join('?' * len(part))})", part))
+        return out
+
     def summary(self) -> dict[str, tuple[int, int]]:
         """Per topic: (rows, earliest due_ms)."""
         return {t: (n, first) for t, n, first in self.conn.execute("SELECT topic, count(*), min(due_ms) FROM timer GROUP BY topic")}
 
-    def count_and_min(self) -> tuple[int, int | None, int | None]:
-        """(rows, lowest cl_offset, earliest due_ms)."""
-        n, lo = self.conn.execute("SELECT count(*), min(cl_offset) FROM timer").fetchone()
-        first = self.conn.execute("SELECT min(due_ms) FROM timer").fetchone()[0]
-        return n, lo, first
+    def lowest(self) -> int | None:
+        """The lowest scheduled record's commit-log offset (retention keeps the log from there)."""
+        return self.conn.execute("SELECT min(cl_offset) FROM timer").fetchone()[0]
 
     # ---- writing (the broker's worker thread) -----------------------------------
-    def flush(self, added: Iterable[Row], removed: Iterable[int], meta: dict[str, Any]) -> None:
-        """Insert the added rows, delete the removed ones and write meta, as one SQLite transaction."""
+    def flush(self, added: Iterable[Row], removed: Iterable[int], meta: dict[str, Any]) -> tuple[int, int | None]:
+        """Insert the added rows, delete the removed ones and write meta, as one SQLite transaction: (rows, lowest cl_offset).
+
+        ``rows`` (the count the flush leaves) goes into meta with the
+        others, under their checksum: a start compares it with the table.
+        """
         conn = self.conn
         with sqlitefile.write_transaction(conn):
             sqlitefile.insert_rows(conn, added, self._pack, ROWS_PER_INSERT, _INSERT, _INSERT_MANY)
             conn.executemany("DELETE FROM timer WHERE cl_offset = ?", ((o,) for o in removed))
+            # apart: count(*) walks the smallest index, min() is one lookup (together they walk the whole table)
+            n = conn.execute("SELECT count(*) FROM timer").fetchone()[0]
+            lo = conn.execute("SELECT min(cl_offset) FROM timer").fetchone()[0]
+            meta = dict(meta, rows=n)
             self._write_meta(meta)
         self.meta = dict(self.meta, **meta)
+        return n, lo
 
     def checkpoint(self) -> None:
         sqlitefile.checkpoint(self.conn, log, "timers_checkpoint_failed")

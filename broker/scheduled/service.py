@@ -36,7 +36,7 @@ import sqlite3
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
 
 from txmq.constants import (
     PROP_DELAY,
@@ -54,7 +54,8 @@ from txmq.constants import (
     SCHEDULE_TOPIC,
 )
 from txmq.store import AppendResult, Message, Record, Store, TxType
-from txmq.store.codec import H_CRC, H_OFFSET, H_SIZE
+from txmq.store.codec import H_CRC, H_OFFSET
+from txmq.store.consumequeue import first_entry_from
 from txmq.store.damage import Damage
 from txmq.store.files import fsync_dir
 from txmq.txids import TxIds
@@ -62,7 +63,8 @@ from txmq.wire import ErrorCode, TxmqError
 
 from ..metrics import Durations
 from ..records import msg_id
-from .indexfile import DB_FILE, TimerDatabase, TimerFileError, damaged, remove_db
+from .indexcheck import agrees
+from .indexfile import DB_FILE, Checked, Row, TimerDatabase, TimerFileError, damaged, io_error, meta_problem, remove_db
 from .timing import DEFAULT_LEVELS_MS, asks_for_time, due_ms, fmt_delay
 
 if TYPE_CHECKING:
@@ -84,9 +86,41 @@ READ_STEP = 16  # records read at once (a delivery, a listing): at most this man
 TICK_S = 0.05  # the longest the delivery task sleeps (it wakes at the next due time if sooner)
 RETRY_S = 1.0  # after a failed delivery (a full disk, say), the wait before the next attempt
 REPLAY_STEP = 2048  # records replayed between two turns of the loop
+# What a start checks of timers.db beyond its meta (docs/store-format.md, "Reading timers.db at start"), in a fixed
+# amount of work: the checksums of every row of a file of at most START_CHECK_ALL rows, else of the rows due first, the
+# newest and a sample (a walk after the start reads the others, WALK_ROWS at a time, WALK_PAUSE_S apart); and the
+# log's last LOOK_BACK_RECORDS scheduled or cancel records below applied_to, within LOOK_BACK_BYTES of it, against
+# the rows.
+START_CHECK_ALL = 16_384
+START_CHECK_FIRST_DUE = 4096
+START_CHECK_NEWEST = 4096
+START_CHECK_SAMPLED = 4096
+WALK_ROWS = 4096
+WALK_PAUSE_S = 0.05
+LOOK_BACK_RECORDS = 4096
+LOOK_BACK_BYTES = 16 << 20
+LISTED_ROWS = 20  # rows restored or found damaged that are logged one by one; the rest are counted
 # Delivered and cancelled copies drop what asked for the delay: a message sent again (a dead-letter copy)
 # is not delayed a second time.
 _DROPPED_SET = frozenset({PROP_REAL_TOPIC, PROP_REAL_QID, PROP_TIMER_OUT_MS, PROP_DELAY, PROP_TIMER_DELAY_SEC, PROP_TIMER_DELAY_MS})
+
+
+class _Found(NamedTuple):
+    """What ``_open``'s checks found in a file it kept: its table's rows, rows whose checksum was read, damaged rows."""
+
+    rows: int
+    read: int
+    bad: list[tuple]
+    walk: bool  # rows were left unread: the walk after the start reads them
+
+
+def _row_of(rec: Record) -> Row | None:
+    """The row a scheduled record gives (None: it lacks its due time or topic)."""
+    p = rec.properties
+    try:
+        return (rec.commit_log_offset, int(p[PROP_TIMER_OUT_MS]), p[PROP_REAL_TOPIC], p.get(PROP_UNIQ_KEY) or "")
+    except (KeyError, ValueError):
+        return None
 
 
 class ScheduleService:
@@ -130,6 +164,8 @@ class ScheduleService:
         self.parked: set[int] = set()  # rows of cancelling popped from the window meanwhile (back in it if the cancel fails)
         self.count = 0  # rows scheduled and not yet delivered or cancelled
         self.file_min: int | None = None  # the lowest scheduled record's commit-log offset in the file (retention)
+        self.unrepaired: dict[int, int] = {}  # damaged rows no record could rebuild: cl_offset -> due_ms as stored (the lag)
+        self.rewritten: set[int] = set()  # rows of ``added`` rebuilt from the log over a damaged row the file still holds
         self._wake = asyncio.Event()
         self._refill = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
@@ -208,8 +244,10 @@ class ScheduleService:
         del heap[keep:]
 
     def _remove(self, off: int, in_window: bool) -> None:
-        if self.added.pop(off, None) is None:
+        # a row in ``added`` is not in the file, unless it is a damaged one rebuilt there (``rewritten``)
+        if self.added.pop(off, None) is None or off in self.rewritten:
             self.removed.add(off)
+            self.rewritten.discard(off)
         self.count -= 1
         if in_window:
             self.gone.add(off)
@@ -245,9 +283,19 @@ class ScheduleService:
         loop = asyncio.get_running_loop()
         store = self.store
         replayed = 0
+        checked: dict[str, int] = {"rows_checked": 0, "records_checked": 0}
         try:
-            db, start, why = await loop.run_in_executor(self._pool, self._open)
+            db, start, why, found = await loop.run_in_executor(self._pool, self._open)
             self.db = db
+            if why is None:
+                why = await self._check_start(db, start, found, checked)
+                if why is not None:  # the file cannot be made to agree with the log: a new one, rebuilt from it
+                    await loop.run_in_executor(self._pool, db.close)
+                    db = self.db = await loop.run_in_executor(self._pool, self._new_file)
+                    # Sends made meanwhile are in the log below ``end`` (taken right below, with no await in
+                    # between) and the replay adds them again: the state starts empty.
+                    self.added, self.removed, self.rewritten, self.count, self.file_min = {}, set(), set(), 0, None
+                    start = self._first_scheduled()
             if why is not None:
                 (log.warning if start < store.max_offset else log.info)("event=timers_rebuild reason=%r from=%d", why, start)
             end = store.max_offset
@@ -273,36 +321,170 @@ class ScheduleService:
             return
         self.ready.set()
         await self._load_window()
-        log.info("event=timers_ready scheduled=%d window=%d records_read=%d took_s=%.3f", self.count, len(self.heap), replayed,
-                 time.perf_counter() - t0)
+        log.info("event=timers_ready scheduled=%d window=%d records_read=%d rows_checked=%d records_checked=%d took_s=%.3f",
+                 self.count, len(self.heap), replayed, checked["rows_checked"], checked["records_checked"], time.perf_counter() - t0)
         self._tasks.append(loop.create_task(self._deliver_loop(), name="txmq-timers-deliver"))
         self._tasks.append(loop.create_task(self._flush_loop(), name="txmq-timers-flush"))
+        if found is not None and found.walk:
+            self._tasks.append(loop.create_task(self._walk_rows(), name="txmq-timers-walk"))
 
-    def _open(self) -> tuple[TimerDatabase, int, str | None]:
-        """The file and where the replay starts; a new file and the log's first scheduled record if the old one does not fit."""
+    def _open(self) -> tuple[TimerDatabase, int, str | None, _Found | None]:
+        """The file, where the replay starts, why it is rebuilt (None: it is not), and what the start's checks of it found.
+
+        A file is used when its meta values pass their checksum and agree
+        with the log (``_agrees``) and its indexes lead to as many rows as
+        its table holds; the checksums of its rows are checked then (all of
+        them up to START_CHECK_ALL rows, a fixed number beyond). Otherwise a
+        new file, and the log's first scheduled record to rebuild it from.
+        """
         path = self.data_dir / DB_FILE
         why = "no index file"
         if path.exists():
+            db: TimerDatabase | None = None
+            keep = False
             try:
                 db = TimerDatabase(path)
-                why = self._agrees(db.meta)
+                why = meta_problem(db.meta) or self._agrees(db.meta)
                 if why is None:
-                    n, lo, _first = db.count_and_min()
-                    self.count, self.file_min = n, lo
-                    return db, db.meta["applied_to"], None
-                db.close()
+                    counts = db.counts()
+                    if len(set(counts.values())) > 1:
+                        why = f"timers.db's indexes disagree with its table ({counts}): a damaged page"
+                if why is None:
+                    n = counts["table"]
+                    read, bad = db.check_rows(n, START_CHECK_ALL, START_CHECK_FIRST_DUE, START_CHECK_NEWEST, START_CHECK_SAMPLED)
+                    self.count, self.file_min = n, db.lowest()
+                    keep = True
+                    return db, db.meta["applied_to"], None, _Found(n, read, bad, walk=n > START_CHECK_ALL)
             except TimerFileError as exc:
                 if exc.io:
                     raise
                 why = str(exc)
-            except Exception as exc:
-                if not (isinstance(exc, sqlite3.DatabaseError) and damaged(exc)):
+            except sqlite3.DatabaseError as exc:
+                if io_error(exc):  # unreadable now (a full disk, too many open files): not known to be damaged, kept
                     raise
-                why = f"damaged ({exc})"
+                # damaged pages, or a file that does not have this broker's schema (no such index): derived data only
+                why = f"timers.db is {'damaged' if damaged(exc) else 'unusable'} ({exc})"
+            finally:
+                if not keep and db is not None:
+                    db.close()
+        return self._new_file(), self._first_scheduled(), why, None
+
+    def _new_file(self) -> TimerDatabase:
+        """A new, empty timers.db in place of the old one (derived data only: the log has everything it held)."""
         remove_db(self.data_dir)
         fsync_dir(self.data_dir)
-        db = TimerDatabase(path)
-        return db, self._first_scheduled(), why
+        return TimerDatabase(self.data_dir / DB_FILE)
+
+    async def _check_start(self, db: TimerDatabase, applied: int, found: _Found, checked: dict[str, int]) -> str | None:
+        """Make a file whose meta passed ``_open``'s checks agree with the log, or say why it cannot (it is rebuilt then).
+
+        1. Damaged rows the row check found are rebuilt from the scheduled
+           records they name (``_repair``); one that names none makes the
+           file unusable.
+        2. The look-back (``_look_back``): every scheduled record of the
+           last stretch of log below ``applied_to`` must have a row or a
+           delivered copy or cancel record after it; one that has neither
+           gets its row back, from its record (logged, ``timer_row_missing``);
+           a row whose message was delivered or cancelled there is deleted
+           (``timer_row_stale``).
+        3. The rows the table holds, with those, must be the rows the last
+           flush left (``meta.rows``): a row gone further back than the
+           look-back reaches cannot be told from one delivered, so the file
+           is rebuilt from the log.
+        """
+        checked["rows_checked"] = found.read
+        fixed, lost = self._repair(found.bad)
+        if lost:
+            return (f"timers.db: {len(lost)} damaged row(s) name no scheduled record of the log (the first: cl_offset="
+                    f"{lost[0][0]!r} msg_id={lost[0][3]!r})")
+        missing, stale, records = await self._look_back(db, applied)
+        checked["records_checked"] = records
+        rows, expected = found.rows + len(missing) - len(stale), db.meta.get("rows")
+        if rows != expected:
+            return (f"timers.db holds {found.rows} rows and the log's last {records} records account for {rows - found.rows:+d}, "
+                    f"its meta says {expected}: rows were lost or added on disk")
+        for row in fixed:
+            self.added[row[0]] = row  # the next flush writes it again, with its checksum
+            self.rewritten.add(row[0])
+        for n, (off, row) in enumerate(sorted(missing.items())):
+            if n < LISTED_ROWS:
+                log.warning("event=timer_row_missing cl_offset=%d msg_id=%r due_ms=%d topic=%r msg=%s", off, row[3], row[1], row[2],
+                            "'timers.db had no row for this scheduled record, and the log has no delivery or cancel of it: "
+                            "the row is rebuilt from the log'")
+            self.added[off] = row
+            self.count += 1
+        for n, (off, at) in enumerate(sorted(stale.items())):
+            if n < LISTED_ROWS:
+                log.warning("event=timer_row_stale cl_offset=%d delivered_or_cancelled_at=%d msg=%s", off, at,
+                            "'timers.db still had a row for a message the log delivered or cancelled: the row is deleted'")
+            self.removed.add(off)
+            self.count -= 1
+        if len(missing) + len(stale) > LISTED_ROWS:
+            log.warning("event=timer_rows_restored missing=%d stale=%d msg=%s", len(missing), len(stale), "'only the first are listed'")
+        return None
+
+    def _look_back_start(self, applied: int) -> int | None:
+        """Where the look-back starts: the schedule queue's LOOK_BACK_RECORDS-th record before ``applied_to``, within
+        LOOK_BACK_BYTES of log below it (None: no scheduled record there, or the queue's entry leads to no record)."""
+        store = self.store
+        lo = store.queue_min_offset(SCHEDULE_TOPIC, 0)
+        hi = first_entry_from(store, SCHEDULE_TOPIC, 0, applied)
+        q = max(lo, hi - LOOK_BACK_RECORDS)
+        if q >= hi:
+            return None
+        entry = store.cq_entries(SCHEDULE_TOPIC, 0, q, 1)
+        if entry and applied - entry[0][0] > LOOK_BACK_BYTES:
+            q = first_entry_from(store, SCHEDULE_TOPIC, 0, applied - LOOK_BACK_BYTES)
+            entry = store.cq_entries(SCHEDULE_TOPIC, 0, q, 1) if q < hi else []
+        if not entry:
+            return None
+        start = entry[0][0]
+        try:
+            _raw, head = store.read_many([start], raw=True)[0]
+        except Exception:
+            return None
+        return start if head[H_OFFSET] == start and start < applied else None
+
+    async def _look_back(self, db: TimerDatabase, applied: int) -> tuple[dict[int, Row], dict[int, int], int]:
+        """The bounded check of the rows against the log's last stretch below ``applied_to``: (missing, stale, records read).
+
+        ``missing``: scheduled records there with no row and no delivered
+        copy or cancel record after them there (their rows, from the
+        records). ``stale``: rows of messages delivered or cancelled there
+        (the offset of the copy or cancel record). Records from
+        ``applied_to`` on are the replay's.
+        """
+        start = self._look_back_start(applied)
+        if start is None:
+            return {}, {}, 0
+        sched: dict[int, Row] = {}
+        marks: dict[int, int] = {}  # scheduled record -> its delivered copy or cancel record
+        n = 0
+        for rec in self.store.scan(start, applied):
+            n += 1
+            if n % REPLAY_STEP == 0:
+                await asyncio.sleep(0)
+            p = rec.properties
+            if rec.topic == SCHEDULE_TOPIC:
+                target = p.get(PROP_SCHEDULE_CANCEL)
+                if target is None:
+                    row = _row_of(rec)
+                    if row is not None:
+                        sched[rec.commit_log_offset] = row
+                    continue
+            else:
+                target = p.get(PROP_SCHEDULED_FROM)
+                if target is None:
+                    continue
+            try:
+                marks[int(target)] = rec.commit_log_offset
+            except ValueError:
+                continue
+        want = [off for off in sched if off not in marks]
+        have = await asyncio.get_running_loop().run_in_executor(self._pool, db.present, want + list(marks))
+        missing = {off: sched[off] for off in want if off not in have}
+        stale = {off: at for off, at in marks.items() if off in have}
+        return missing, stale, n
 
     def _first_scheduled(self) -> int:
         """Where a rebuild reads from: the first scheduled record still in the log (the log's end if there is none)."""
@@ -312,23 +494,7 @@ class ScheduleService:
         return min(entries[0][0], store.max_offset) if entries else store.max_offset
 
     def _agrees(self, meta: dict[str, Any]) -> str | None:
-        try:
-            if meta.get("damaged"):
-                return "a broker found a damaged row in it"
-            applied = meta["applied_to"]
-            if not 0 <= applied <= self.store.max_offset:
-                return f"it reflects the log up to {applied}, and the log ends at {self.store.max_offset}"
-            boundary = meta.get("boundary")
-            if boundary is not None:
-                try:
-                    _raw, head = self.store.read_many([boundary[0]], raw=True)[0]
-                except Exception:
-                    return f"no record at its boundary offset {boundary[0]}"
-                if head[H_CRC] != boundary[1] or head[H_OFFSET] + head[H_SIZE] > applied:
-                    return f"the record at its boundary offset {boundary[0]} is another one"
-            return None
-        except (KeyError, TypeError, IndexError, ValueError) as exc:
-            return f"unreadable meta ({exc!r})"
+        return agrees(self.store, meta)
 
     def _boundary(self) -> list[int] | None:
         """[commit-log offset, CRC] of the last record of the schedule's queue (on the loop, between appends)."""
@@ -368,6 +534,81 @@ class ScheduleService:
             await asyncio.get_running_loop().run_in_executor(self._pool, db.close)
             self._pool.shutdown(wait=False)
 
+    # ---- damaged rows ----------------------------------------------------------------
+    def _repair(self, bad: list[tuple]) -> tuple[list[Row], list[tuple]]:
+        """Rebuild damaged rows (stored, their checksum does not match) from the scheduled records they name.
+
+        A row is taken back from its record when the record at its
+        ``cl_offset`` is a scheduled record with the row's message id and
+        its due time or topic (one column was damaged, or the checksum);
+        otherwise (its ``cl_offset`` was damaged, or its id) no record is
+        known to be its own. Returns (rows rebuilt, stored rows that
+        could not be).
+        """
+        fixed: list[Row] = []
+        lost: list[tuple] = []
+        for stored in bad:
+            off = stored[0]
+            row = None
+            if type(off) is int and 0 <= off < self.store.max_offset:
+                try:
+                    rec = self.store.read_many([off])[0]
+                except Exception:
+                    rec = None
+                if rec is not None and rec.topic == SCHEDULE_TOPIC and PROP_SCHEDULE_CANCEL not in rec.properties:
+                    row = _row_of(rec)
+            if row is not None and row[3] == stored[3] and (row[1] == stored[1] or row[2] == stored[2]):
+                fixed.append(row)
+            else:
+                lost.append(stored)
+        for n, row in enumerate(fixed):
+            if n < LISTED_ROWS:
+                log.warning("event=timer_row_repaired cl_offset=%d msg_id=%r due_ms=%d topic=%r msg=%s", row[0], row[3], row[1], row[2],
+                            "'a row of timers.db whose checksum did not match is rebuilt from its scheduled record in the log'")
+        return fixed, lost
+
+    def _restore(self, bad: list[tuple], push: bool = True) -> list[Row]:
+        """Damaged rows met while running: rebuilt into ``added`` (and the window, with push) or, if no record
+        rebuilds one, counted as undelivered (``unrepaired``, the lag) until the next start rebuilds timers.db."""
+        if not bad:
+            return []
+        busy = self.removed.union(self.added, self.inflight, self.cancelling, self.unrepaired)
+        bad = [r for r in bad if r[0] not in busy]
+        fixed, lost = self._repair(bad)
+        for row in fixed:
+            self.added[row[0]] = row  # the next flush writes it again, with its checksum
+            self.rewritten.add(row[0])
+            entry = (row[1], row[0])
+            if push and entry < self.bound and not any(o == row[0] for _, o in self.heap):
+                self._back(entry)
+        for stored in lost:
+            self.unrepaired[stored[0]] = stored[1] if type(stored[1]) is int else 0
+            if self.db is not None:
+                self.db.bad_rows += 1  # recorded as ``damaged`` by the next flush: the next start rebuilds the file
+            log.error("event=timer_row_damaged cl_offset=%r msg_id=%r due_ms=%r msg=%s", stored[0], stored[3], stored[1],
+                      "'a row of timers.db whose checksum does not match names no scheduled record of the log: its message is "
+                      "not delivered until the next start rebuilds timers.db from the log'")
+        if fixed or lost:
+            self.metrics.inc("timer_rows_damaged", len(fixed) + len(lost))
+        return fixed
+
+    async def _walk_rows(self) -> None:
+        """After a start that checked only part of the rows: read every other row's checksum, a slice at a time."""
+        after, loop = -1, asyncio.get_running_loop()
+        try:
+            while True:
+                async with self._lock:
+                    got: Checked = await loop.run_in_executor(self._pool, self.db.rows_after, after, WALK_ROWS)
+                    self._restore(got.bad)
+                if got.last is None:
+                    return
+                after = got.last[0]
+                await asyncio.sleep(WALK_PAUSE_S)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a read failing (a full disk, a damaged page): the rows are read as they come due
+            log.warning("event=timers_walk_failed error=%r", exc)
+
     # ---- the file --------------------------------------------------------------------
     async def _flush(self, upto: int | None = None) -> bool:
         async with self._lock:
@@ -380,6 +621,7 @@ class ScheduleService:
             return False
         added, removed = self.added, self.removed
         self.added, self.removed = {}, set()
+        rewritten = self.rewritten & added.keys()
         store = self.store
         meta: dict[str, Any] = {"applied_to": store.max_offset if upto is None else upto}
         meta["boundary"] = self._boundary() if upto is None else None
@@ -390,13 +632,14 @@ class ScheduleService:
             waiter = self.flusher.wait_synced(store.max_offset)
             if waiter is not None:
                 await waiter
-            await loop.run_in_executor(self._pool, db.flush, added.values(), removed, meta)
-            n, lo, _first = await loop.run_in_executor(self._pool, db.count_and_min)
+            n, lo = await loop.run_in_executor(self._pool, db.flush, added.values(), removed, meta)
         except BaseException as exc:
-            # the changes stay for the next flush (a row added then removed meanwhile cancels out)
+            # the changes stay for the next flush (a row added then removed meanwhile cancels out, unless the
+            # file holds a damaged row of it: that one is deleted)
             for off, row in added.items():
                 if off in self.removed:
-                    self.removed.discard(off)
+                    if off not in rewritten:
+                        self.removed.discard(off)
                 else:
                     self.added[off] = row
             self.removed |= removed
@@ -411,8 +654,9 @@ class ScheduleService:
             log.info("event=timers_flush_recovered")
         self._flush_failing = False
         self.disk.ok("timers")
-        # what the file holds, plus what was written since the flush's capture
-        self.count = n + len(self.added) - len(self.removed)
+        self.rewritten -= rewritten  # written again: the file holds them as they are
+        # what the file holds, plus what was written since the flush's capture (rows rebuilt over damaged ones are in it)
+        self.count = n + len(self.added) - len(self.removed) - len(self.rewritten)
         self.file_min = lo
         return True
 
@@ -424,12 +668,17 @@ class ScheduleService:
             horizon = now + int(WINDOW_S * 1000)
             limit = max(1, WINDOW_ROWS - len(self.heap))
             bound = self.bound
-            rows = await asyncio.get_running_loop().run_in_executor(self._pool, self.db.due_rows, bound, horizon, limit)
+            got = await asyncio.get_running_loop().run_in_executor(self._pool, self.db.due_rows, bound, horizon, limit)
             if self.bound != bound:  # sends meanwhile filled the window and lowered its bound (_shrink): it is full
                 return
-            new_bound = (horizon, 0) if len(rows) < limit else (rows[-1][1], rows[-1][0] + 1)
+            rows, last = got.rows, got.last
+            read = len(rows) + len(got.bad)
+            new_bound = (horizon, 0) if read < limit or last is None else (last[1], last[0] + 1)
             if new_bound < bound:
                 new_bound = bound
+            # damaged rows rebuilt from their records: into ``added`` (the next flush writes them again), and into
+            # the window below through it, or at once if they are due before the part loaded now
+            fixed = self._restore(got.bad, push=False)
             removed, heap, busy = self.removed, self.heap, self.inflight | self.parked
             for off, due, _topic, _uniq in rows:
                 if off not in removed and off not in busy:
@@ -437,6 +686,9 @@ class ScheduleService:
             # rows written since the flush, not in the file yet
             for off, due, _topic, _uniq in self.added.values():
                 if bound <= (due, off) < new_bound and off not in busy:
+                    heap.append((due, off))
+            for off, due, _topic, _uniq in fixed:
+                if (due, off) < bound and off not in busy and not any(o == off for _, o in heap):
                     heap.append((due, off))
             heapq.heapify(heap)
             self.bound = new_bound
@@ -455,7 +707,9 @@ class ScheduleService:
                     self._refill.clear()
                     waited = 0.0
                     await self._load_window()
-                elif (self.added or self.removed) and (waited >= FLUSH_S or len(self.added) + len(self.removed) >= FLUSH_ROWS):
+                elif (self.added or self.removed or self._flush_failing) and (waited >= FLUSH_S or len(self.added) + len(self.removed) >= FLUSH_ROWS):
+                    # a failed flush is retried every FLUSH_S even with no row to write: its meta write
+                    # (a window load's, on a full disk) must succeed again before the broker says disk_ok
                     waited = 0.0
                     await self._flush()
             except asyncio.CancelledError:
@@ -602,10 +856,11 @@ class ScheduleService:
         db = await self._when_ready()
         loop = asyncio.get_running_loop()
         async with self._lock:
-            stored = await loop.run_in_executor(self._pool, db.by_msg_id, message_id)
+            got = await loop.run_in_executor(self._pool, db.by_msg_id, message_id)
+            self._restore(got.bad)  # rebuilt from their records: into ``added``, taken from there just below
             # after the lookup's await: a row delivered meanwhile has left ``added`` (and is in ``removed``)
             rows = [r for r in self.added.values() if r[3] == message_id]
-            rows += [r for r in stored if r[0] not in self.removed]
+            rows += [r for r in got.rows if r[0] not in self.removed and r[0] not in self.added]
             if topic is not None:
                 rows = [r for r in rows if r[2] == topic]
             rows = [r for r in rows if r[0] not in self.cancelling]
@@ -652,8 +907,10 @@ class ScheduleService:
         loop = asyncio.get_running_loop()
         async with self._lock:
             await self._flush_locked()
-            rows = await loop.run_in_executor(self._pool, db.listing, topic, after or (-1, -1), limit)
+            got = await loop.run_in_executor(self._pool, db.listing, topic, after or (-1, -1), limit)
             summary = await loop.run_in_executor(self._pool, db.summary)
+        self._restore(got.bad)  # listed from the next page on, once the next flush has written them again
+        rows = got.rows
         out = []
         for i in range(0, len(rows), READ_STEP):  # a few records at a time: a page of large messages is not held whole
             part = rows[i:i + READ_STEP]
@@ -678,9 +935,14 @@ class ScheduleService:
         now = int(self.clock() * 1000)
         heap = self.heap
         try:  # the metrics thread reads it too: the heap may empty meanwhile
-            lag = max(0, now - heap[0][0]) / 1000 if heap and self.ready.is_set() else 0.0
+            first = heap[0][0] if heap and self.ready.is_set() else None
         except IndexError:
-            lag = 0.0
+            first = None
+        # a damaged row no record could rebuild is a message not delivered: it counts from the due time it holds
+        unrepaired = min(list(self.unrepaired.values()), default=None)
+        if unrepaired is not None and (first is None or unrepaired < first):
+            first = unrepaired
+        lag = max(0, now - first) / 1000 if first is not None else 0.0
         return {"scheduled": max(0, self.count), "scheduled_lag_s": round(lag, 3),
                 "scheduled_index": "ready" if self.ready.is_set() and self.error is None else ("failed" if self.error else "building"),
                 **self.lateness.snapshot("scheduled_deliveries_timed", "scheduled_lateness")}

@@ -47,23 +47,39 @@ def without_schedule(props: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in props.items() if k not in SCHEDULE_PROPERTIES}
 
 
-_WHOLE = re.compile(r"-?[0-9]{1,30}")  # ASCII digits, as RocketMQ's Long.parseLong reads them (no "1_000", no "٣")
+# Java's Long.parseLong, which RocketMQ reads these properties with: an optional single "+" or "-", then one or more
+# ASCII digits, nothing else (no spaces, no "1_000", no "1e3"); leading zeros are allowed. Long.parseLong also takes
+# other Unicode decimal digits ("\u0663"); txmq refuses them (docs/scheduled.md, "Timer properties").
+_LONG_TEXT = re.compile(r"[+-]?[0-9]+")
 _LONG = 1 << 63  # Long.parseLong refuses a value outside -2^63 .. 2^63-1: RocketMQ answers such a time as illegal
+_INT = 1 << 31  # DELAY is read with Integer.parseInt: the same text, -2^31 .. 2^31-1
+
+
+def parse_long(text: object, bits: int = 64) -> int:
+    """The value of text as Java's Long.parseLong (``bits=32``: Integer.parseInt) reads it; ValueError if it refuses it."""
+    if type(text) is not str or not _LONG_TEXT.fullmatch(text):
+        raise ValueError("not a whole number")
+    digits = text.lstrip("+-").lstrip("0")
+    if len(digits) > 19:  # past 2^63 whatever the digits (and int() is never asked to read a huge string)
+        raise OverflowError("out of range")
+    value = int(text)
+    limit = _LONG if bits == 64 else _INT
+    if not -limit <= value < limit:
+        raise OverflowError("out of range")
+    return value
 
 
 def _int(props: Mapping[str, str], key: str) -> int:
     text = props[key]
     try:
-        if not _WHOLE.fullmatch(text.strip()):
-            raise ValueError(text)
-        value = int(text.strip())
-    except (ValueError, AttributeError, TypeError):
-        raise TxmqError(f"property {key}={str(text)[:40]!r} is not a whole number (NaN, infinities and fractions are "
-                        "refused)", ErrorCode.INVALID_DELIVERY_TIME, property=key) from None
-    if not -_LONG <= value < _LONG:
-        raise TxmqError(f"property {key}={text.strip()[:40]} is out of range (a 64-bit number)", ErrorCode.INVALID_DELIVERY_TIME,
-                        property=key)
-    return value
+        return parse_long(text, 32 if key == PROP_DELAY else 64)
+    except OverflowError:
+        raise TxmqError(f"property {key}={str(text)[:40]} is out of range (a {32 if key == PROP_DELAY else 64}-bit number)",
+                        ErrorCode.INVALID_DELIVERY_TIME, property=key) from None
+    except ValueError:
+        raise TxmqError(f"property {key}={str(text)[:40]!r} is not a whole number (an optional + or - and ASCII digits, as "
+                        "Long.parseLong reads it: no spaces, fractions, NaN or infinities)", ErrorCode.INVALID_DELIVERY_TIME,
+                        property=key) from None
 
 
 def due_ms(props: Mapping[str, str], now_ms: int, max_delay_ms: int,

@@ -329,7 +329,8 @@ class IndexKeeper:
         while True:
             await asyncio.sleep(INDEX_FLUSH_POLL_S)
             waited += INDEX_FLUSH_POLL_S
-            if index.dirty and (waited >= INDEX_FLUSH_S or len(index.dirty) >= INDEX_FLUSH_ROWS):
+            # a failed flush is retried with nothing dirty too: the broker says disk_ok only once it succeeds
+            if (index.dirty or self._flush_failing) and (waited >= INDEX_FLUSH_S or len(index.dirty) >= INDEX_FLUSH_ROWS):
                 waited = 0.0
                 try:
                     await self.flush()

@@ -128,10 +128,14 @@ def _verify(path: Path) -> dict[str, Any]:
         problems += _queue_file_problems(path, keys)
         index_problems, index_doc = _index_problems(path, reader, lambda off: in_damage(off) is not None)
         problems.extend(index_problems)
+        schedule_problems, schedule_doc = _schedule_problems(path, reader, lambda off: in_damage(off) is not None)
+        problems.extend(schedule_problems)
     finally:
         reader.close()
     problems += _json_file_problems(path)
-    return _verify_doc(path, problems, log, len(keys), index_doc)
+    doc = _verify_doc(path, problems, log, len(keys), index_doc)
+    doc["schedule"] = schedule_doc
+    return doc
 
 
 def _segments(cl_dir: Path) -> list[tuple[int, int]]:
@@ -501,6 +505,16 @@ def _index_problems(path: Path, reader: Any, in_damage: Callable[[int], bool] = 
     return problems, doc
 
 
+def _schedule_problems(path: Path, reader: Any, in_damage: Callable[[int], bool] = lambda _off: False
+                       ) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    """Whether timers.db is sound and agrees with the log, row by row (broker/scheduled/indexcheck.py)."""
+    from txmq.broker.scheduled.indexcheck import check_file
+
+    found, doc = check_file(path, reader, in_damage)
+    fix = "removed (the broker rebuilds it from the log at start)"
+    return [_problem(kind, off, detail, fix) for kind, off, detail in found], doc
+
+
 # ---- output ------------------------------------------------------------------
 def _problem_table(problems: list[dict[str, Any]], with_repair: bool = True) -> None:
     from rich.markup import escape
@@ -549,7 +563,8 @@ def _print_verify(doc: dict[str, Any]) -> None:
 
 Keys: ok, problems (each: kind, offset, length, detail, repair), records, segments, queues,
 log (min_offset, end, valid_end), quarantine (name, bytes), broker_running, index (null without
-txindex.db; version, checksums, integrity, rows, rows_damaged, decisions_checked).
+txindex.db; version, checksums, integrity, rows, rows_damaged, decisions_checked), schedule (null
+without timers.db; integrity, meta_checksum, applied_to, rows, rows_damaged, records_checked).
 Exit 0 when clean, 10 when problems were found, 5 when D is not a data directory.""")
 def verify(data_dir: DataDirOpt, output: OutputOpt = None) -> None:
     """Check a data directory for damage, read-only (safe beside a running broker)."""
@@ -578,6 +593,8 @@ def _plan(problems: list[dict[str, Any]]) -> list[str]:
         plan.append("re-read the whole log and rebuild every consume queue that disagrees with it, then write a new checkpoint")
     if kinds & {"index", "index_row"}:
         plan.append("remove txindex.db (the broker rebuilds it from the log at start)")
+    if kinds & {"schedule_index", "schedule_row"}:
+        plan.append("remove timers.db (the broker rebuilds it from the log at start)")
     if any(p["kind"] == "file" and p["detail"].startswith("txcheck.json") for p in problems):
         plan.append("move txcheck.json aside as txcheck.json.corrupt-<time>")
     if "log_start" in kinds:
@@ -598,8 +615,10 @@ def _confirm(yes: bool) -> None:
         return
     if not (sys.stdin.isatty() and err.is_terminal):
         raise CliError("refusing to repair without a terminal to confirm on: pass --yes (or --dry-run to preview)", exitcodes.USAGE)
-    if not typer.confirm("Repair this data directory?", default=False, err=True):
-        raise CliError("aborted: nothing was changed", exitcodes.ERROR)
+    from ..common import NOT_CONFIRMED, confirm
+
+    if not confirm("Repair this data directory?"):
+        raise CliError(NOT_CONFIRMED, exitcodes.ERROR)
 
 
 def _locked(path: Path) -> CliError:
@@ -613,7 +632,7 @@ def _locked(path: Path) -> CliError:
   txmq store repair -d /var/lib/txmq --yes
 
 Keys: dry_run, problems (as verify), plan, and after a repair: quarantined_bytes, cut_at, reason,
-damaged_ranges, queues_rebuilt, redispatched, cq_entries_dropped, index_removed, moved_aside, remaining
+damaged_ranges, queues_rebuilt, redispatched, cq_entries_dropped, index_removed, timers_removed, moved_aside, remaining
 (the problems verify still finds). Exit 0 when done (or nothing to do), 11 when a broker holds the
 directory, 5 when D is not a data directory.""")
 def repair(
@@ -670,6 +689,12 @@ def _run_repair(path: Path, found: dict[str, Any]) -> dict[str, Any]:
             if bad:
                 remove_db(path)
                 index_removed = True
+        from txmq.broker.scheduled.indexfile import remove_db as remove_timers_db
+
+        with StoreReader(path) as reader:
+            timers_bad, _ = _schedule_problems(path, reader)
+        if timers_bad:
+            remove_timers_db(path)
         moved_aside = []
         if any(p["kind"] == "file" and p["detail"].startswith("txcheck.json") for p in found["problems"]):
             from txmq.broker.transactions.check import CheckProgress
@@ -687,6 +712,7 @@ def _run_repair(path: Path, found: dict[str, Any]) -> dict[str, Any]:
         "redispatched": rep.redispatched,
         "cq_entries_dropped": rep.cq_entries_dropped,
         "index_removed": index_removed,
+        "timers_removed": bool(timers_bad),
         "moved_aside": moved_aside,
         "remaining": after["problems"],
     }
@@ -703,6 +729,8 @@ def _print_repair(doc: dict[str, Any]) -> None:
         lines.append(f"  because {why}")
     if doc["index_removed"]:
         lines.append("txindex.db removed: the broker rebuilds it at start")
+    if doc.get("timers_removed"):
+        lines.append("timers.db removed: the broker rebuilds it at start")
     for name in doc["moved_aside"]:
         lines.append(f"{name} moved aside")
     for line in lines:

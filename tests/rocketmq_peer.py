@@ -1,0 +1,172 @@
+"""A real Apache RocketMQ 4.9.8 beside the tests: the name server and broker, its Java client, and Apache's mqadmin.
+
+The peer is ``../shared/peers/rocketmq-4.9.8`` next to the repository (``TXMQ_ROCKETMQ_PEER`` elsewhere): its
+``setup.sh`` lays out a runnable copy (Debian's Java jars, installed by apt-get as root; `.ci/run` runs it) and
+its ``run.sh`` starts and stops the two JVMs on loopback ports. Tests marked ``rocketmq_peer`` use the
+session's one instance (``rocketmq_peer`` fixture, conftest.py): started once, with small heaps, and stopped
+at the end of the session. Where the folder, Java or the jars are missing, they are skipped, saying which.
+
+``RocketMQPeer.mqadmin(namesrv, ...)`` runs Apache's mqadmin against any name server (the peer's, or a txmq
+broker's --remoting-port); ``RocketMQPeer.driver(namesrv, scenario, ...)`` runs one scenario of
+tests/java/RmqDriver.java through Apache's Java client and returns its outcome.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+def _peer_dir() -> Path:
+    """TXMQ_ROCKETMQ_PEER, else ../shared/peers/rocketmq-4.9.8 beside the repository, else the workplace's /work/shared copy."""
+    if os.environ.get("TXMQ_ROCKETMQ_PEER"):
+        return Path(os.environ["TXMQ_ROCKETMQ_PEER"])
+    beside = REPO.parent / "shared" / "peers" / "rocketmq-4.9.8"
+    fixed = Path("/work/shared/peers/rocketmq-4.9.8")
+    return beside if beside.is_dir() or not fixed.is_dir() else fixed
+
+
+PEER_DIR = _peer_dir()
+DRIVER = Path(__file__).resolve().parent / "java" / "RmqDriver.java"
+# The peer's broker: checks of transactions every 2 s for halves older than 1 s (RocketMQ's defaults: 60 s, 6 s), and
+# delay levels of 1 s but the last, 1 h (a consumer's retries wait levels 3, 4, ...), so that check-back and retry
+# scenarios end in seconds; the JVMs small, on two shared cores. A txmq compared with it runs with the same.
+DELAY_LEVELS = " ".join(["1s"] * 17 + ["1h"])
+BROKER_SETTINGS = ("transactionCheckInterval=2000", "transactionTimeOut=1000", f"messageDelayLevel={DELAY_LEVELS}")
+HEAP = "256m"
+
+
+class PeerUnavailable(Exception):
+    """Why the peer cannot run here (the tests that need it are skipped with this reason)."""
+
+
+class RocketMQPeer:
+    def __init__(self, build_dir: Path, peer_dir: Path = PEER_DIR) -> None:
+        self.peer_dir = peer_dir
+        self.build_dir = Path(build_dir)
+        self.env = {**os.environ, "RMQ_BUILD_DIR": str(self.build_dir)}
+        self.namesrv = ""
+        self.broker = ""
+        self.broker_pid = 0
+        self.started = False
+
+    # ---- set-up ------------------------------------------------------------------------------------
+    def prepare(self) -> None:
+        """Lay out the peer (setup.sh) and compile the scenario driver; PeerUnavailable when it cannot run here."""
+        if not (self.peer_dir / "run.sh").is_file():
+            raise PeerUnavailable(f"no RocketMQ 4.9.8 peer at {self.peer_dir} (set TXMQ_ROCKETMQ_PEER to its folder)")
+        for tool in ("java", "javac"):
+            if shutil.which(tool) is None:
+                raise PeerUnavailable(f"{tool} not found: the RocketMQ 4.9.8 peer needs a JDK")
+        r = self._run([str(self.peer_dir / "setup.sh"), str(self.build_dir)], timeout=600)
+        if r.returncode != 0:
+            raise PeerUnavailable(f"the RocketMQ 4.9.8 peer's setup.sh failed: {_tail(r)}")
+        bench = self.build_dir / "bench"
+        r = self._run(["javac", "-nowarn", "-cp", f"{self.build_dir}/dist/lib/*", "-d", str(bench), str(DRIVER)], timeout=300)
+        if r.returncode != 0:
+            raise PeerUnavailable(f"tests/java/RmqDriver.java does not compile against the peer's jars: {_tail(r)}")
+
+    def start(self) -> None:
+        args = [str(self.peer_dir / "run.sh"), "start", "-n", "auto", "-b", "auto", "-H", HEAP, "--clean"]
+        for kv in BROKER_SETTINGS:
+            args += ["-c", kv]
+        r = self._run(args, timeout=300)
+        text = r.stdout.decode(errors="replace")
+        m = re.search(r"NAMESRV=(\S+)", text)
+        b = re.search(r"BROKER=(\S+) .*broker_pid=(\d+)", text)
+        if r.returncode != 0 or not m or not b:
+            self.stop()
+            raise PeerUnavailable(f"the RocketMQ 4.9.8 peer did not start: {_tail(r)}")
+        self.namesrv, self.broker, self.broker_pid = m.group(1), b.group(1), int(b.group(2))
+        self.started = True
+
+    def stop(self) -> None:
+        self._run([str(self.peer_dir / "run.sh"), "stop"], timeout=120)
+        self.started = False
+
+    # ---- clients -----------------------------------------------------------------------------------
+    def mqadmin(self, namesrv: str, sub: str, *args: str, timeout: float = 180) -> str:
+        """Apache's ``mqadmin SUB -n NAMESRV ARGS``: what it prints (stdout and stderr)."""
+        r = self._run([str(self.peer_dir / "run.sh"), "mqadmin", sub, *args], timeout=timeout, NAMESRV=namesrv)
+        return r.stdout.decode(errors="replace") + r.stderr.decode(errors="replace")
+
+    def java_command(self, namesrv: str, scenario: str, **props: object) -> list[str]:
+        defs = [f"-D{k}={v}" for k, v in {"namesrv": namesrv, **props}.items()]
+        return [str(self.peer_dir / "run.sh"), "java", *defs, "RmqDriver", scenario]
+
+    def driver(self, namesrv: str, scenario: str, timeout: float = 300, **props: object) -> dict:
+        """One scenario of RmqDriver through Apache's Java client: its RESULT."""
+        r = self._run(self.java_command(namesrv, scenario, **props), timeout=timeout, NAMESRV=namesrv)
+        return result_of(r.stdout.decode(errors="replace"), r.stderr.decode(errors="replace"))
+
+    def popen(self, namesrv: str, scenario: str, **props: object) -> subprocess.Popen:
+        """A scenario that runs until its standard input closes (``hold``): the caller closes it and waits."""
+        return subprocess.Popen(self.java_command(namesrv, scenario, **props), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, env={**self.env, "NAMESRV": namesrv})
+
+    def _run(self, args: list[str], timeout: float, **env: str) -> subprocess.CompletedProcess:
+        return subprocess.run(args, capture_output=True, timeout=timeout, env={**self.env, **env}, stdin=subprocess.DEVNULL)
+
+
+def result_of(stdout: str, stderr: str = "") -> dict:
+    for line in reversed(stdout.splitlines()):
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    raise AssertionError(f"the driver printed no RESULT:\n{stdout[-3000:]}\n{stderr[-3000:]}")
+
+
+def _tail(r: subprocess.CompletedProcess) -> str:
+    text = (r.stdout + r.stderr).decode(errors="replace").strip()
+    return text[-600:] or f"exit {r.returncode}"
+
+
+_session: dict[str, object] = {}
+
+
+@pytest.fixture(scope="session")
+def rocketmq_peer():
+    """The session's RocketMQ 4.9.8 (name server + broker), started at its first use and stopped at the end."""
+    if "skip" in _session:
+        pytest.skip(str(_session["skip"]))
+    build = Path(tempfile.mkdtemp(prefix="txmq-rocketmq-peer-"))
+    peer = RocketMQPeer(build)
+    try:
+        peer.prepare()
+        peer.start()
+    except (PeerUnavailable, subprocess.TimeoutExpired) as exc:
+        _session["skip"] = exc
+        shutil.rmtree(build, ignore_errors=True)
+        pytest.skip(str(exc))
+    try:
+        yield peer
+    finally:
+        peer.stop()
+        shutil.rmtree(build, ignore_errors=True)
+
+
+class TxmqRemoting:
+    """A txmq broker (a `txmq broker start` process) serving RocketMQ 4's protocol on --remoting-port: the name
+    server address the same Java clients are pointed at."""
+
+    def __init__(self, data_dir: Path, *args: str) -> None:
+        from brokerproc import BrokerProcess, free_port
+
+        self.remoting_port = free_port()
+        self.proc = BrokerProcess(data_dir, "--remoting-port", str(self.remoting_port), *args)
+        self.namesrv = f"127.0.0.1:{self.remoting_port}"
+        self.address = ""  # the native port, for `txmq` commands
+
+    def __enter__(self) -> "TxmqRemoting":
+        self.proc.start()
+        self.address = self.proc.address
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.proc.stop()
