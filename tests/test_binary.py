@@ -15,6 +15,7 @@ REPO = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.timeout(1500)  # shiv installs and compiles the package: 5 min was not enough at load 10
 def test_zipapp_builds_and_starts_a_broker(tmp_path):
     shiv = Path(sys.executable).parent / "shiv"
     if not shiv.exists():
@@ -22,7 +23,7 @@ def test_zipapp_builds_and_starts_a_broker(tmp_path):
     out = tmp_path / "txmq.pyz"
     r = subprocess.run([str(shiv), "--compressed", "-c", "txmq", "--preamble", str(REPO / "scripts" / "zipapp_preamble.py"),
                         "-o", str(out), str(REPO), "-q"],
-                       capture_output=True, text=True, timeout=600, env={**os.environ, "SHIV_ROOT": str(tmp_path / "shivroot")})
+                       capture_output=True, text=True, timeout=1200, env={**os.environ, "SHIV_ROOT": str(tmp_path / "shivroot")})
     assert r.returncode == 0, r.stderr[-3000:]
     port = free_port()
     # a clean interpreter: no site-packages, no PYTHONPATH, only the zipapp
