@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Callable, Sequence
 
-from txmq.store import AppendResult, Message, RawCopy, RecordTooLargeError, Store
+from txmq.store import AppendResult, Message, RawCopy, RecordTooLargeError, Store, StoreFullError
 from txmq.wire import ErrorCode, TxmqError
 
 from .flush import Flusher
@@ -68,17 +68,8 @@ class Appender:
         try:
             results = store.append(batch)
         except Exception as exc:  # one bad batch must not kill the loop
-            if len(subs) > 1 and isinstance(exc, RecordTooLargeError):
-                # Retry each submission alone so only the offender fails.
-                for sub in subs:
-                    fut, start, count = sub[0], sub[1], sub[2]
-                    try:
-                        res = store.append(batch[start : start + count])
-                    except Exception as exc2:
-                        fut.set_exception(self.to_error(exc2))
-                    else:
-                        self._settle_written(sub, res)
-                        self.notify(batch[start : start + count])
+            if len(subs) > 1 and isinstance(exc, (RecordTooLargeError, StoreFullError)):
+                self._one_by_one(batch, subs, full_stops=isinstance(exc, StoreFullError))
                 return
             err = self.to_error(exc)
             for sub in subs:
@@ -102,6 +93,39 @@ class Appender:
                         fut.set_result(value)
             else:
                 waiter.add_done_callback(lambda w: _settle_durable(wait, w))
+
+    def _one_by_one(self, batch: list[Message], subs: list, full_stops: bool) -> None:
+        """A batch refused whole, written again one submission at a time, in order.
+
+        Too large a record fails only its own submission. A full disk: the
+        batch may be far more than the space left (a pipe of large lines, a
+        burst of producers), so the submissions that fit are written, in
+        order, until the first that does not; it and every later one get the
+        full disk's error (order kept: nothing after a refused one is stored).
+        """
+        store = self.store
+        m = self.metrics.counters
+        full: BaseException | None = None
+        for sub in subs:
+            fut, start, count = sub[0], sub[1], sub[2]
+            if full is not None:
+                if not fut.done():
+                    fut.set_exception(self.to_error(full))
+                continue
+            part = batch[start : start + count]
+            before = store.max_offset
+            try:
+                res = store.append(part)
+            except Exception as exc:
+                if full_stops and isinstance(exc, StoreFullError):
+                    full = exc
+                if not fut.done():
+                    fut.set_exception(self.to_error(exc))
+            else:
+                m["records_appended"] += len(res)
+                m["bytes_appended"] += store.max_offset - before
+                self._settle_written(sub, res)
+                self.notify(part)
 
     def _settle_written(self, sub, results: list[AppendResult], wait: list | None = None) -> None:
         """Shape the results; resolve the future now, or put it in wait (durable, sync flush)."""

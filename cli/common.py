@@ -30,6 +30,15 @@ OutputOpt = Annotated[
 ]
 
 
+def one_of(value: Any, alias_value: Any, name: str, alias: str) -> Any:
+    """An option's value, given under its name or (hidden) its older one; both, with different values, is a usage error."""
+    if alias_value is None:
+        return value
+    if value is not None and value != alias_value:
+        raise CliError(f"{name} and {alias} are the same option: give it once", exitcodes.USAGE)
+    return alias_value
+
+
 class CliError(Exception):
     """A failure the CLI reports as one line on stderr with an exit code."""
 
@@ -93,6 +102,49 @@ def check_choice(value: str, allowed: Sequence[str], label: str) -> str:
     if value not in allowed:
         raise CliError(invalid_choice(value, allowed, label), exitcodes.USAGE)
     return value
+
+
+NOT_CONFIRMED = "not confirmed: nothing was changed"
+
+
+def confirm(question: str) -> bool:
+    """Ask `question [y/N]` on stderr and read the answer from stdin (a terminal): y or yes is True.
+
+    Ctrl-C at the prompt raises KeyboardInterrupt, so the command exits 130
+    as every Ctrl-C does (click's prompt turned it into "aborted", exit 1);
+    the end of the input (Ctrl-D) and an empty answer are no. Anything else
+    asks again.
+    """
+    import signal
+    import sys
+    import threading
+
+    from rich.markup import escape
+
+    from .console import err
+
+    # Ctrl-C is KeyboardInterrupt here even in a process started with SIGINT ignored (a background job of a script).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler) if threading.current_thread() is threading.main_thread() else None
+    try:
+        while True:
+            err.print(escape(f"{question} [y/N]: "), end="")
+            try:
+                line = sys.stdin.readline()
+            except KeyboardInterrupt:
+                err.print()  # the shell's prompt on a line of its own
+                raise
+            if not line:  # end of input
+                err.print()
+                return False
+            answer = line.strip().lower()
+            if answer in ("y", "yes"):
+                return True
+            if answer in ("", "n", "no"):
+                return False
+            err.print("[warn]answer y or n[/warn]")
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
 
 
 def parse_duration(text: str) -> float:

@@ -233,10 +233,19 @@ def new_table(title: str | None = None):
 
 
 def print_table(table: Any) -> None:
-    """On a terminal as rich draws it; in a pipe as plain aligned text, never wrapped."""
+    """On a terminal as rich draws it; in a pipe as plain aligned text, never wrapped.
+
+    A table too wide for the terminal even with its free-text columns folded
+    (ids, offsets and times are never cut) is printed as in a pipe, its long
+    lines left to the terminal to wrap: rich would cut the ids and drop whole
+    columns to make it fit.
+    """
     if out.is_terminal:
-        out.print(table)
-        return
+        from rich.measure import Measurement
+
+        if Measurement.get(out, out.options.update_width(1 << 16), table).minimum <= out.width:
+            out.print(table)
+            return
     plain = Console(width=1 << 16, no_color=True, color_system=None, highlight=False, soft_wrap=True,
                     force_terminal=False, theme=THEME)
     with plain.capture() as cap:

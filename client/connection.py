@@ -153,7 +153,85 @@ def describe_foreign(head: bytes) -> str:
         return f"it speaks {'HTTP' if head.startswith(b'HTTP/') else 'SSH'} ({first!r})"
     if head[:1] in (b"\x15", b"\x16") and head[1:2] == b"\x03":
         return "it speaks TLS"
+    if len(head) >= 9 and head[4] == 0 and head[8:9] == b"{" and int.from_bytes(head[5:8], "big") <= int.from_bytes(head[:4], "big") - 4:
+        return REMOTING_SEEN  # a remoting frame with a JSON header: RocketMQ's reply to what it could not read
     return f"its first bytes are no txmq reply: {bytes(head[:_SHOWN_BYTES])!r}" + ("..." if len(head) > _SHOWN_BYTES else "")
+
+
+# RocketMQ's remoting protocol (its 4.x clients, name servers and brokers: 10911 is a RocketMQ broker's default
+# port as well as txmq's). Sent a txmq frame, RocketMQ closes the connection without a byte, so it is asked
+# something it answers: GET_BROKER_CLUSTER_INFO, read-only everywhere (a name server answers it, a broker
+# answers REQUEST_CODE_NOT_SUPPORTED, a txmq broker's --remoting-port answers it as a name server).
+REMOTING_PROBE_CODE = 106
+REMOTING_PROBE_OPAQUE = 0x7478  # "tx"
+REMOTING_PROBE_TIMEOUT_S = 3.0
+_REMOTING_MAX_FRAME = 16 << 20
+_REMOTING_MAX_HEADER = 64 << 10  # a reply's header is a few hundred bytes: more is not RocketMQ
+REMOTING_WHAT = "it speaks RocketMQ's remoting protocol (a RocketMQ name server or broker, or a txmq broker's --remoting-port)"
+REMOTING_SEEN = REMOTING_WHAT + "; RocketMQ's brokers listen on 10911, txmq's default port too: point --broker at the txmq broker's port"
+
+
+def remoting_probe_frame() -> bytes:
+    """A RocketMQ remoting request (JSON header, no body): GET_BROKER_CLUSTER_INFO."""
+    import json
+
+    header = json.dumps({"code": REMOTING_PROBE_CODE, "language": "JAVA", "version": 0, "opaque": REMOTING_PROBE_OPAQUE,
+                         "flag": 0, "extFields": {}}, separators=(",", ":")).encode()
+    return (4 + len(header)).to_bytes(4, "big") + len(header).to_bytes(4, "big") + header
+
+
+def is_remoting_reply(head: bytes) -> bool | None:
+    """Whether `head` starts RocketMQ's reply to `remoting_probe_frame` (None while too few bytes arrived).
+
+    A frame is a u32 length, a u32 whose high byte is the header's
+    serialization (0 JSON, 1 RocketMQ's binary) and low 24 bits its length,
+    then the header: a response (flag bit 0) to the probe's opaque.
+    """
+    if len(head) < 8:
+        return None
+    total = int.from_bytes(head[:4], "big")
+    kind, header_len = head[4], int.from_bytes(head[5:8], "big")
+    if not 4 <= total <= _REMOTING_MAX_FRAME or kind not in (0, 1) or header_len > min(total - 4, _REMOTING_MAX_HEADER):
+        return False
+    if len(head) < 8 + header_len:
+        return None
+    header = bytes(head[8:8 + header_len])
+    if kind == 1:  # code u16, language u8, version u16, opaque i32, flag i32, ...
+        if header_len < 13:
+            return False
+        opaque, flag = int.from_bytes(header[5:9], "big", signed=True), int.from_bytes(header[9:13], "big", signed=True)
+    else:
+        import json
+
+        try:
+            doc = json.loads(header)
+        except ValueError:
+            return False
+        if not isinstance(doc, dict) or not isinstance(doc.get("code"), int):
+            return False
+        opaque, flag = doc.get("opaque"), doc.get("flag", 0)
+    return opaque == REMOTING_PROBE_OPAQUE and isinstance(flag, int) and bool(flag & 1)
+
+
+async def probe_remoting(host: str, port: int, timeout: float = REMOTING_PROBE_TIMEOUT_S) -> bool:
+    """Whether the service at host:port answers RocketMQ's remoting protocol (one request on a new connection)."""
+    writer = None
+    try:
+        async with asyncio.timeout(timeout):
+            reader, writer = await asyncio.open_connection(host, port)
+            writer.write(remoting_probe_frame())
+            head = b""
+            while (seen := is_remoting_reply(head)) is None:
+                more = await reader.read(64 << 10)
+                if not more:
+                    return False
+                head += more
+            return seen
+    except (OSError, TimeoutError, ValueError):
+        return False
+    finally:
+        if writer is not None:
+            writer.close()
 
 
 _HOST = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9.\-_]*[A-Za-z0-9])?")
@@ -302,8 +380,12 @@ class Connection(asyncio.Protocol):
             hello["consumer_groups"] = groups
         try:
             conn.hello = await conn.request("hello", hello, timeout)
-        except BaseException:
+        except BaseException as exc:
             conn.close()
+            if isinstance(exc, ConnectionLost) and not isinstance(exc, NotATxmqBroker) and conn._head == b"":
+                # Closed without a byte: a txmq broker always answers hello, RocketMQ closes on a frame it cannot read.
+                if await probe_remoting(host, port, min(timeout or REMOTING_PROBE_TIMEOUT_S, REMOTING_PROBE_TIMEOUT_S)):
+                    raise NotATxmqBroker(conn.peer if conn.peer != "?" else f"{host}:{port}", REMOTING_SEEN) from exc
             raise
         return conn
 

@@ -20,6 +20,14 @@ from .connection import DEFAULT_ADDRESS, Client
 from .message import Body, Delay, Keys, Message, SendResult, When, build_properties, now_ms, schedule_properties, to_bytes
 
 
+def message_only(message: Message, body: Any, **given: Any) -> None:
+    """A `Message` given to ``send`` carries everything but the queue and the timeout: anything else beside it is refused."""
+    extra = (["body"] if body is not None else []) + [k for k, v in given.items() if v is not None]
+    if extra:
+        raise TypeError(f"send(Message(...)) takes {', '.join(extra)} in the Message, not beside it "
+                        "(only queue_id and timeout go beside it)")
+
+
 class Producer:
     """``async with Producer("127.0.0.1:10911") as p: await p.send("orders", b"...")``."""
 
@@ -45,8 +53,8 @@ class Producer:
 
     async def send(
         self,
-        topic: str,
-        body: Body,
+        topic: str | Message,
+        body: Body | None = None,
         *,
         tags: str | None = None,
         keys: Keys | None = None,
@@ -56,7 +64,17 @@ class Producer:
         deliver_at: When | None = None,
         delay: Delay | None = None,
     ) -> SendResult:
-        """Send one message; with ``deliver_at`` or ``delay`` the broker delivers it then (``SendResult.deliver_at_ms``)."""
+        """Send one message: ``send(Message(...))``, as ``send_in_transaction`` takes it, or ``send(topic, body, ...)``.
+
+        With ``deliver_at`` or ``delay`` the broker delivers it then (``SendResult.deliver_at_ms``).
+        A `Message` carries its own tags, keys, properties and times; only
+        ``queue_id`` and ``timeout`` go beside it.
+        """
+        if isinstance(topic, Message):
+            message_only(topic, body, tags=tags, keys=keys, properties=properties, deliver_at=deliver_at, delay=delay)
+            return await self.send_message(topic, queue_id=queue_id, timeout=timeout)
+        if body is None:
+            raise TypeError("send() needs a body after the topic, or a Message: send(Message(topic, body, ...))")
         fields: dict[str, Any] = {"topic": topic, "body": to_bytes(body), "born_ts": now_ms()}
         props = build_properties(tags, keys, properties, schedule_properties(deliver_at, delay))
         if props is not None:

@@ -111,8 +111,8 @@ class SyncProducer(_SyncBase):
 
     def send(
         self,
-        topic: str,
-        body: Body,
+        topic: str | Message,
+        body: Body | None = None,
         *,
         tags: str | None = None,
         keys: Keys | None = None,
@@ -122,6 +122,7 @@ class SyncProducer(_SyncBase):
         deliver_at: Any = None,
         delay: Any = None,
     ) -> SendResult:
+        """As `Producer.send`: ``send(Message(...))``, as ``send_in_transaction`` takes it, or ``send(topic, body, ...)``."""
         return self._call(
             self._async.send(topic, body, tags=tags, keys=keys, properties=properties, queue_id=queue_id, timeout=timeout,
                              deliver_at=deliver_at, delay=delay)

@@ -135,12 +135,25 @@ class CommitLog(LogView):
         A failure (a full disk, a file system without fallocate) is not an
         error: the write goes on without preallocation, and preallocation is
         tried again only after another ``preallocate`` bytes of data.
+
+        What a failed fallocate did allocate is given back at once: ext4
+        keeps the blocks it found before it ran out (and grows the file over
+        them), which on a nearly full disk is every free block, leaving none
+        for the consume queues, the checkpoint or the index; the write then
+        extends the file by its own bytes only, until the disk is really full.
         """
         target = min(need + self.preallocate, max(self.segment_size, need))
         if target <= seg.alloc or (seg.start, need) < self._no_prealloc_below:
             return
+        try:  # the file's size now: writes without preallocation may have grown it past alloc
+            had = max(seg.alloc, os.fstat(seg.fd).st_size)
+        except OSError:
+            return  # the write says what is wrong with the file
+        if target <= had:
+            seg.alloc = had
+            return
         try:
-            os.posix_fallocate(seg.fd, seg.alloc, target - seg.alloc)
+            os.posix_fallocate(seg.fd, had, target - had)
             seg.alloc = target
             self._prealloc_failing = False
         except OSError as exc:
@@ -149,10 +162,16 @@ class CommitLog(LogView):
                              "'writing without preallocated space (fdatasync is slower); tried again every preallocate bytes'")
             self._prealloc_failing = True
             self._no_prealloc_below = (seg.start, need + self.preallocate)
-            try:  # part of it may have been allocated (zeros all the same)
-                seg.alloc = max(seg.alloc, os.fstat(seg.fd).st_size)
-            except OSError:
-                pass
+            # Back to the size it had: frees the blocks the failed call kept (past the old size, and on
+            # file systems that keep them past the end without growing the file, XFS's, those too).
+            seg.alloc = had
+            try:
+                os.ftruncate(seg.fd, had)
+            except OSError:  # kept, then: zeros all the same, cut when the segment is sealed or closed
+                try:
+                    seg.alloc = max(had, os.fstat(seg.fd).st_size)
+                except OSError:
+                    pass
 
     def _cut_back_to_data(self, seg: Segment, length: int) -> None:
         """Cut seg's preallocated zeros after length off (it is about to be sealed, or the store closes)."""

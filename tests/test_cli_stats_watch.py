@@ -153,3 +153,104 @@ def test_stats_watch_in_a_120_by_35_terminal_keeps_its_title_on_screen_and_out_o
     assert len(screen.history.top) == 0  # nothing was pushed into the scrollback
     assert screen.display[0].startswith("txmq stats @ "), screen.display
     assert "transactions" in screen.display[1]
+
+
+class Terminal:
+    """A terminal as far as the live view needs one: printing with autowrap (a line that fills the width leaves
+    the cursor past its last column until the next character wraps it), CR, LF (scrolling into the scrollback
+    at the bottom; LF returns to column 0, as a tty's ONLCR makes it), cursor up, erase line."""
+
+    def __init__(self, columns: int, rows: int) -> None:
+        self.columns, self.rows = columns, rows
+        self.screen = [[" "] * columns for _ in range(rows)]
+        self.history: list[str] = []
+        self.y = self.x = 0
+        self.pending_wrap = False
+
+    def _linefeed(self) -> None:
+        self.x, self.pending_wrap = 0, False
+        if self.y == self.rows - 1:
+            self.history.append("".join(self.screen.pop(0)).rstrip())
+            self.screen.append([" "] * self.columns)
+        else:
+            self.y += 1
+
+    def feed(self, text: str) -> None:
+        import re
+
+        for token in re.split(r"(\x1b\[[0-9;?]*[A-Za-z])", text):
+            if token.startswith("\x1b["):
+                arg, op = token[2:-1], token[-1]
+                if op == "A":
+                    self.y, self.pending_wrap = max(0, self.y - int(arg or 1)), False
+                elif op == "K" and arg == "2":
+                    self.screen[self.y] = [" "] * self.columns
+                continue
+            for ch in token:
+                if ch == "\r":
+                    self.x, self.pending_wrap = 0, False
+                elif ch == "\n":
+                    self._linefeed()
+                elif ch >= " ":
+                    if self.pending_wrap:
+                        self._linefeed()
+                    self.screen[self.y][self.x] = ch
+                    if self.x == self.columns - 1:
+                        self.pending_wrap = True
+                    else:
+                        self.x += 1
+
+    def lines(self) -> list[str]:
+        return self.history + ["".join(row).rstrip() for row in self.screen]
+
+
+@pytest.mark.parametrize("rows", [12, 30])
+def test_ctrl_c_at_a_live_stats_view_leaves_its_last_frame_once_whatever_the_width(rows):
+    """The terminal echoes ^C where the cursor waits; a frame whose last line filled the width had it wrap and
+    scroll, and the view, redrawn as it stops, left its top lines (the title) on screen twice."""
+    import io
+
+    from rich.console import Console
+
+    from txmq.cli.commands.stats import LiveView
+
+    doc = _busy_broker_stats(90)
+    prev = {"counters": {k: v - 5 if isinstance(v, int) else v for k, v in doc["counters"].items()}, "gauges": {}}
+    for columns in range(60, 131):
+        buf = io.StringIO()
+        console = Console(file=buf, force_terminal=True, width=columns, height=rows, color_system=None, legacy_windows=False)
+        term = Terminal(columns, rows)
+        term.feed("".join(f"earlier output {i}\n" for i in range(rows + 5)) + "$ txmq stats --watch\n")
+        view = LiveView(console)
+        for i in range(2):
+            view.show(doc, prev if i else None, 1.0, f"txmq stats @ 127.0.0.1:10911, every 1s, frame {i}  (Ctrl-C to stop)")
+        term.feed(buf.getvalue())
+        buf.seek(0), buf.truncate()
+        term.feed("^C")  # the tty's echo of Ctrl-C, at the cursor
+        view.stop()
+        term.feed(buf.getvalue() + "$ ")
+        shown = term.lines()
+        titles = [i for i, line in enumerate(shown) if line.startswith("txmq stats @")]
+        assert len(titles) == 1, (columns, shown[-rows - 3:])
+        assert shown[titles[0]].startswith("txmq stats @ 127.0.0.1:10911, every 1s, frame 1"), (columns, shown[titles[0]])
+        assert "^C" not in "\n".join(shown[titles[0]:]), (columns, shown[-rows:])  # erased by the last redraw
+        assert shown[-1] == "$" and shown[-2] != "", (columns, shown[-rows:])  # the prompt right under the last frame
+
+
+def test_a_count_beside_its_places_is_shown_under_its_maps_name():
+    """gauges.damaged is {"damaged": N, "places": [...]}: the count is shown as `damaged`, not `damaged.damaged`."""
+    from txmq.cli.commands.stats import _rows, _select, _table
+
+    doc = {"counters": {"messages_sent": 1}, "gauges": {"damaged": {"damaged": 2, "places": []}, "recovery": {"damaged": 0}}}
+    names = [r[1] for r in _rows(doc, None, 0.0)]
+    assert "damaged" in names and "damaged.damaged" not in names and "recovery.damaged" in names, names
+    assert _select(doc, ("damaged",))["gauges"] == {"damaged": {"damaged": 2, "places": []}, "recovery": {"damaged": 0}}
+    assert _select(doc, ("damaged.damaged",))["gauges"] == {"damaged": {"damaged": 2}}  # the wire's dotted name still filters
+    from rich.console import Console
+
+    from txmq.cli.console import THEME
+
+    console = Console(width=120, color_system=None, theme=THEME)
+    with console.capture() as cap:
+        console.print(_table(doc, None, 0.0))
+    assert "damaged.damaged" not in cap.get() and " damaged " in cap.get()

@@ -147,3 +147,15 @@ def test_tables_in_a_pipe_have_no_box_drawing(broker):
     header = next(line for line in text.splitlines() if line.startswith("OPERATION"))
     assert header.split() == ["OPERATION", "COUNT", "P50", "MS", "P90", "MS", "P99", "MS", "P99.9", "MS", "MAX", "MS"], text
     assert re.search(r"^send\s+50\s", text, re.M), text
+
+
+def test_a_table_wider_than_the_terminal_keeps_every_column_and_whole_ids(broker):
+    """At 80 columns a listing with ids and times does not fit even with its free text folded: rich would cut the
+    ids and drop whole columns; it is printed whole instead, its lines left to the terminal to wrap."""
+    sent = lines(ok(txmq("send", "narrow-terminal-topic", "x", "--delay", "1h", "--tag", "t1", broker=broker.address)))[0]
+    screen = run_in_pty(["inspect", "scheduled", "--topic", "narrow-terminal-topic"], cli_env(broker.address), columns=80)
+    flat = screen.replace("\n", "")  # the terminal wraps long lines
+    assert sent["msg_id"] in flat, screen
+    for column in ("MSG ID", "TOPIC", "DUE", "TAG", "KEYS", "STORED"):
+        assert column in flat, (column, screen)
+    assert "narrow-terminal-topic" in flat and "t1" in flat, screen

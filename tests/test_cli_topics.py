@@ -76,8 +76,8 @@ def test_topics_listing_keeps_its_keys_and_adds_the_message_types(broker):
 @pytest.mark.parametrize("args,says", [
     (["create", "tp-bad", "--message-types", "normal,urgent"], "unknown message type 'urgent'"),
     (["create", "tp-bad", "--message-types", ","], "no message type given"),
-    (["create", "tp-bad", "--queues", "0"], "'--queues' / '-q': must be at least 1"),
-    (["create", "tp-bad", "--queues", "1025"], "'--queues' / '-q': must be at most 1024"),
+    (["create", "tp-bad", "--queues", "0"], "'--queues': must be at least 1"),
+    (["create", "tp-bad", "--queues", "1025"], "'--queues': must be at most 1024"),
     (["create", "bad topic!"], "invalid topic name"),
     (["create", "RMQ_SYS_TRANS_HALF_TOPIC"], "system topic"),
     (["update", "tp-bad"], "nothing to change"),

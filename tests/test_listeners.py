@@ -4,14 +4,16 @@ The native port, `--rocketmq-port` (gRPC) and `--metrics-port` (Prometheus):
 each is logged at start with its address (`event=listening`,
 `event=rocketmq_listening`, `event=metrics_listening`), `broker status`
 shows them under `listeners`, and a port another process holds ends the
-start with exit 1 and one `error:` line naming the address, the option and
-the system's reason, with nothing else but the structured log lines (no
+start with exit 1 and one `error:` line naming the address, the option,
+the system's reason, the process holding the port and a free port to choose
+instead, with nothing else but the structured log lines (no
 line of gRPC's C core, no hint about GRPC_VERBOSITY, no traceback).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -61,7 +63,8 @@ def test_a_port_in_use_ends_the_start_with_one_line(tmp_path, option):
     assert r.returncode == 1, stderr
     others = [ln for ln in stderr.splitlines() if not ln.startswith("ts=")]
     named = "" if option == "--port" else f" ({option})"
-    assert others == [f"error: cannot listen on 127.0.0.1:{busy}{named}: Address already in use"], stderr
+    assert len(others) == 1 and others[0].startswith(f"error: cannot listen on 127.0.0.1:{busy}{named}: Address already in use; "), stderr
+    assert f"held by pid {os.getpid()}" in others[0] and f"choose another port with {option} " in others[0], stderr  # who, and what to do
     assert "GRPC_VERBOSITY" not in stderr and "Traceback" not in stderr
 
 

@@ -24,10 +24,8 @@ import re
 import sys
 from typing import Any, Callable, Iterator, Sequence
 
-import typer
-
 from .. import exitcodes
-from ..common import MAX_REF_CHARS, MAX_REF_LINE, WIRE_INT_MAX, CliError, digits_are_offset
+from ..common import MAX_REF_CHARS, MAX_REF_LINE, NOT_CONFIRMED, WIRE_INT_MAX, CliError, digits_are_offset
 from ..console import Output, emit_json, emit_line, err, interactive, out, render
 
 STATUS_EXIT = {"not_found": exitcodes.NOT_FOUND, "conflict": exitcodes.CONFLICT}
@@ -198,8 +196,10 @@ def confirm(n: int, what: str, yes: bool, dry_run: bool, always: bool = False) -
     if not (sys.stdin.isatty() and err.is_terminal):
         raise CliError(f"refusing to {what} {n} transaction{'s' if n != 1 else ''} without a terminal to confirm on: pass --yes (or --dry-run to preview)",
                        exitcodes.USAGE)
-    if not typer.confirm(f"{what.capitalize()} {n} transaction{'s' if n != 1 else ''}?", default=False, err=True):
-        raise CliError("aborted: nothing was changed", exitcodes.ERROR)
+    from ..common import confirm as ask
+
+    if not ask(f"{what.capitalize()} {n} transaction{'s' if n != 1 else ''}?"):
+        raise CliError(NOT_CONFIRMED, exitcodes.ERROR)
 
 
 class Tally:

@@ -20,7 +20,7 @@ class Position(NamedTuple):
 
 
 def parse_position(text: str, now: float | None = None) -> Position:
-    """earliest, latest, an offset (ASCII digits), a duration ago (10m, 1h30m) or an ISO-8601 time (UTC without a zone)."""
+    """earliest, latest, an offset (ASCII digits), a duration ago (10m, 1h30m) or an ISO-8601 time (local time without a zone)."""
     t = (text or "").strip()
     if t in ("earliest", "latest"):
         return Position(t)
@@ -34,15 +34,15 @@ def parse_position(text: str, now: float | None = None) -> Position:
     now = time.time() if now is None else now
     if _HAS_UNIT.fullmatch(t):
         return Position("time", time_ms=max(0, int((now - parse_duration(t)) * 1000)))  # before 1970: from the start
-    from datetime import datetime, timezone
+    from datetime import datetime
 
     try:
         dt = datetime.fromisoformat(t.replace("Z", "+00:00") if t.endswith("Z") else t)
     except ValueError:
         raise CliError(f"bad position {t!r}: use earliest, latest, an offset (e.g. 42), a duration ago (e.g. 10m, 2h) "
                        "or an ISO-8601 time (e.g. 2026-01-31T12:00:00Z)", exitcodes.USAGE) from None
-    if dt.tzinfo is None:
-        dt = dt.replace(tzinfo=timezone.utc)
+    if dt.tzinfo is None:  # local time, as --deliver-at and spark-export --since read one (TZ=UTC for UTC)
+        dt = dt.astimezone()
     ms = int(dt.timestamp() * 1000)
     if ms < 0:
         raise CliError(f"time {t!r} is before 1970", exitcodes.USAGE)

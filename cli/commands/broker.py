@@ -13,7 +13,7 @@ from txmq.constants import DEFAULT_HOST, DEFAULT_PORT, MESSAGE_DELAY_LEVEL
 
 from .. import exitcodes
 from ..common import DEFAULT_BROKER, BrokerOpt, CliError, check_choice, choices, OutputOpt, TokenOpt, parse_duration
-from ..console import default_output, kv_table, warn
+from ..console import Output, default_output, kv_table, warn
 
 if TYPE_CHECKING:
     from txmq.broker.config import BrokerConfig, CheckSettings
@@ -195,7 +195,9 @@ def _run_broker(config: BrokerConfig) -> None:
     except MissingDependency as e:  # --rocketmq-port without the rocketmq extra
         raise CliError(str(e), exitcodes.MISSING_DEPENDENCY) from None
     except StartError as e:  # cannot listen, the data directory in use, a damaged file of it
-        raise CliError(str(e)) from None
+        from ._ports import explain_in_use
+
+        raise CliError(explain_in_use(str(e)) or str(e)) from None
 
 
 def _listeners(listeners: dict | None) -> str:
@@ -248,7 +250,15 @@ def status(broker: BrokerOpt = DEFAULT_BROKER, token: TokenOpt = None, output: O
         "rtt_ms": round(rtt_ms, 2),
         "messages_sent": counters.get("messages_sent", 0), "half_stored": counters.get("half_stored", 0),
     }
-    kv_table(row, output, title=f"txmq broker at {broker}", formatters={"listeners": _listeners})
+    if output is Output.table:  # durations as they are typed (1m, 72h), the uptime as an age; -o json keeps seconds
+        from ..console import fmt_age, fmt_duration
+
+        shown = {k.removesuffix("_s") if k.endswith("_s") else k: v for k, v in row.items()}
+        kv_table(shown, output, title=f"txmq broker at {broker}",
+                 formatters={"listeners": _listeners, "uptime": fmt_age,
+                             **{k: fmt_duration for k in ("check_interval", "transaction_timeout", "retention")}})
+    else:
+        kv_table(row, output, title=f"txmq broker at {broker}", formatters={"listeners": _listeners})
     if row["log_sync_error"]:
         warn(f"the last fsync of the commit log failed ({row['log_sync_error']}); nothing past durable_offset "
              "is acknowledged until one succeeds (docs/reliability.md, \"A failed fsync\")")

@@ -9,7 +9,8 @@ from .. import exitcodes
 from ..common import DEFAULT_BROKER, BrokerOpt, CliError, choices, did_you_mean, OutputOpt, TokenOpt, parse_duration
 from ..console import emit_document, fmt_duration, fmt_ts, fmt_when, new_table, out, print_table, resolve_output
 
-app = typer.Typer(help="Read and change the check settings of a running broker.", no_args_is_help=True)
+app = typer.Typer(help="Read and change the check settings of a running broker (without a command: show them).",
+                  no_args_is_help=False, invoke_without_command=True)
 
 # CLI name -> wire key; durations are seconds on the wire.
 KEYS: dict[str, str] = {
@@ -51,6 +52,17 @@ def human(key: str, value: Any) -> str:
 _SETTABLE = ("check-interval", "transaction-timeout", "max-checks", "retention")
 _complete_key = choices(*_SETTABLE, "outcomes-known-since")  # get: every key; set: outcomes-known-since is read-only
 _complete_settable = choices(*_SETTABLE)
+
+
+@app.callback(epilog="""Examples:
+
+  txmq config                 # the same as txmq config get
+
+  txmq config -o json""")
+def config(ctx: typer.Context, broker: BrokerOpt = DEFAULT_BROKER, token: TokenOpt = None, output: OutputOpt = None) -> None:
+    """Read and change the check settings of a running broker (without a command: show them)."""
+    if ctx.invoked_subcommand is None:
+        get(None, broker, token, output)
 
 
 @app.command(epilog="""Examples:
@@ -166,15 +178,20 @@ def _effect(wk: str, r: dict[str, Any]) -> str:
 
 
 def _preview_then_set(broker: str, token: str | None, wk: str, number: float | int, yes: bool, dry_run: bool) -> dict[str, Any]:
-    """Preview the change (config_set dry_run); confirm when it discards pending transactions; apply it."""
-    import asyncio
+    """Preview the change (config_set dry_run); confirm when it discards pending transactions; apply it.
+
+    The question is asked with no connection open and no event loop running
+    (a Ctrl-C there exits 130 at once); the change goes on a connection of
+    its own.
+    """
     import sys
 
     from ..client_ops import connect
-    from ..common import run
+    from ..common import NOT_CONFIRMED, confirm, run
     from ..console import err
 
-    async def go() -> dict[str, Any]:
+    async def preview() -> tuple[dict[str, Any], bool]:
+        """(the preview, or the reply of a change an older broker applied at once; whether that was the change)."""
         async with connect(broker, token) as c:
             features = c.hello.get("features") or []
             if "config_set_dry_run" not in features:  # an older broker would apply a dry_run request
@@ -183,19 +200,23 @@ def _preview_then_set(broker: str, token: str | None, wk: str, number: float | i
                                    exitcodes.ERROR)
                 if wk in ("max_checks", "retention_s"):
                     err.print("[warn]warning: the broker runs an older txmq and cannot say what this change discards[/warn]")
-                return await c.request("config_set", {"key": wk, "value": number})
-            preview = await c.request("config_set", {"key": wk, "value": number, "dry_run": True})
-            if dry_run:
-                return preview
-            n = preview.get("would_discard") or 0
-            if n and not yes:
-                effect = _effect(wk, preview)
-                if not (sys.stdin.isatty() and err.is_terminal):
-                    raise CliError(f"refusing to set {CLI_NAME.get(wk, wk)}: {effect}; no terminal to confirm on: pass --yes"
-                                   " (or --dry-run to preview)", exitcodes.USAGE)
-                err.print(f"[warn]{CLI_NAME.get(wk, wk)} {human(wk, preview.get('old'))} -> {human(wk, preview.get('new'))}: {effect}[/warn]")
-                if not await asyncio.to_thread(typer.confirm, "Apply it?", default=False, err=True):
-                    raise CliError("aborted: nothing was changed", exitcodes.ERROR)
+                return await c.request("config_set", {"key": wk, "value": number}), True
+            return await c.request("config_set", {"key": wk, "value": number, "dry_run": True}), False
+
+    async def apply() -> dict[str, Any]:
+        async with connect(broker, token) as c:
             return await c.request("config_set", {"key": wk, "value": number})
 
-    return run(go())
+    first, applied = run(preview())
+    if applied or dry_run:
+        return first
+    n = first.get("would_discard") or 0
+    if n and not yes:
+        effect = _effect(wk, first)
+        if not (sys.stdin.isatty() and err.is_terminal):
+            raise CliError(f"refusing to set {CLI_NAME.get(wk, wk)}: {effect}; no terminal to confirm on: pass --yes"
+                           " (or --dry-run to preview)", exitcodes.USAGE)
+        err.print(f"[warn]{CLI_NAME.get(wk, wk)} {human(wk, first.get('old'))} -> {human(wk, first.get('new'))}: {effect}[/warn]")
+        if not confirm("Apply it?"):
+            raise CliError(NOT_CONFIRMED, exitcodes.ERROR)
+    return run(apply())

@@ -12,8 +12,9 @@ from ..console import Output, emit_json, emit_line, note, out, render, resolve_o
 from ..globalopts import state
 
 app = typer.Typer(
-    help="Named broker profiles (address, token), chosen with --context NAME or TXMQ_CONTEXT.",
-    no_args_is_help=True,
+    help="Named broker profiles (address, token), chosen with --context NAME or TXMQ_CONTEXT (without a command: list them).",
+    no_args_is_help=False,
+    invoke_without_command=True,
     epilog="""Examples:
 
   txmq context add prod --broker 10.0.0.5:10911 --token s3cret --use
@@ -48,6 +49,13 @@ def _row(name: str, ctx: dict, current: str | None, show_token: bool = False) ->
             "current": name == current}
 
 
+@app.callback()
+def context(ctx: typer.Context, output: OutputOpt = None) -> None:
+    """Named broker profiles (address, token), chosen with --context NAME or TXMQ_CONTEXT (without a command: list them)."""
+    if ctx.invoked_subcommand is None:
+        list_(output)
+
+
 @app.command(epilog="Examples:\n\n  txmq context add prod --broker 10.0.0.5:10911 --token s3cret\n\n"
              "  txmq context add local --broker 127.0.0.1:10911 --use")
 def add(
@@ -55,10 +63,13 @@ def add(
     broker: Annotated[str, typer.Option("--broker", "-b", help="Broker address HOST:PORT.", show_default=False)],
     token: Annotated[Optional[str], typer.Option("--token", help="Auth token for this broker.", show_default=False)] = None,
     use: Annotated[bool, typer.Option("--use", help="Make it the current context.")] = False,
-    force: Annotated[bool, typer.Option("--force", "-f", help="Replace a context of that name.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Replace a context of that name.")] = False,
+    force_short: Annotated[bool, typer.Option("-f", hidden=True)] = False,  # --force's older short name (-f is --follow elsewhere)
 ) -> None:
     """Add (or with --force replace) a named context."""
     from .. import contexts
+
+    force = force or force_short
 
     contexts.check_name(name)
     parse_address(broker)

@@ -11,7 +11,8 @@ from ..common import DEFAULT_BROKER, BrokerOpt, CliError, OutputOpt, TokenOpt
 from ..console import emit_json, fmt_when, note, render, resolve_output
 from . import _bulk
 
-app = typer.Typer(help="List and replay discarded transactions (checked too often, or past retention).", no_args_is_help=True)
+app = typer.Typer(help="List and replay discarded transactions (checked too often, or past retention); without a command: list them.",
+                  no_args_is_help=False, invoke_without_command=True)
 
 DISCARD_KEYS = ("tx_id", "topic", "group", "checks", "discarded_at", "discard_offset", "reason", "commit_log_offset")
 
@@ -19,6 +20,23 @@ DISCARD_KEYS = ("tx_id", "topic", "group", "checks", "discarded_at", "discard_of
 class ReplayTo(str, Enum):
     half = "half"
     commit = "commit"
+
+
+@app.callback(epilog="""Examples:
+
+  txmq discard                # the same as txmq discard list
+
+  txmq discard -o jsonl | txmq discard replay - --yes""")
+def discard(
+    ctx: typer.Context,
+    limit: Annotated[Optional[int], typer.Option("--limit", "-l", help="At most this many rows [default: all; a table on a terminal: 1000]. A cut listing is said on stderr.", min=1, max=10_000_000, show_default=False)] = None,
+    broker: BrokerOpt = DEFAULT_BROKER,
+    token: TokenOpt = None,
+    output: OutputOpt = None,
+) -> None:
+    """List and replay discarded transactions (without a command: list them)."""
+    if ctx.invoked_subcommand is None:
+        list_(limit, broker, token, output)
 
 
 @app.command("list", epilog="""Examples:

@@ -6,12 +6,24 @@ from typing import Annotated, Optional
 import typer
 
 from .. import exitcodes
-from ..common import DEFAULT_BROKER, BrokerOpt, CliError, OutputOpt, TokenOpt
+from ..common import DEFAULT_BROKER, NOT_CONFIRMED, BrokerOpt, CliError, OutputOpt, TokenOpt, confirm
 from ..console import Output, err, note, render, resolve_output
 
-app = typer.Typer(help="Consumer groups: committed offsets, lag, resetting them, FIFO.", no_args_is_help=True)
+app = typer.Typer(help="Consumer groups: committed offsets, lag, resetting them, FIFO (without a command: list them).",
+                  no_args_is_help=False, invoke_without_command=True)
 
 QUEUE_COLUMNS = [("topic", "TOPIC"), ("queue_id", "QUEUE"), ("committed", "COMMITTED"), ("max_offset", "MAX"), ("lag", "LAG")]
+
+
+@app.callback(epilog="""Examples:
+
+  txmq groups                 # the same as txmq groups list
+
+  txmq groups -o json""")
+def groups(ctx: typer.Context, broker: BrokerOpt = DEFAULT_BROKER, token: TokenOpt = None, output: OutputOpt = None) -> None:
+    """Consumer groups: committed offsets, lag, resetting them, FIFO (without a command: list them)."""
+    if ctx.invoked_subcommand is None:
+        list_(broker, token, output)
 
 
 @app.command("list", epilog="""Examples:
@@ -104,7 +116,7 @@ def update(
   txmq groups reset audit --topic orders --to 2026-01-31T12:00:00Z --queue 0 --yes
 
 --to: earliest, latest, an offset (kept within each queue's min and max), a duration ago (10m, 2h) or an ISO-8601
-time (UTC without a zone): per queue, the first message stored at or after it (the queue's end when none).
+time (local time without a zone): per queue, the first message stored at or after it (the queue's end when none).
 A group with live consumers is refused (exit 6): they commit their own positions every second and would overwrite
 the reset; stop them, or --force it. Keys: topic, queue_id, old, new, min_offset, max_offset, lag.""")
 def reset(
@@ -143,8 +155,8 @@ def reset(
         if plan["consumers"] and not force:
             raise CliError(f"group {group!r} has {plan['consumers']} live consumer connection(s): stop them first, or --force",
                            exitcodes.CONFLICT)
-        if not typer.confirm(f"Reset group {group} on {topic} ({len(plan['queues'])} queue(s))?", default=False, err=True):
-            raise CliError("not confirmed: nothing changed", exitcodes.ERROR)
+        if not confirm(f"Reset group {group} on {topic} ({len(plan['queues'])} queue(s))?"):
+            raise CliError(NOT_CONFIRMED, exitcodes.ERROR)
     done = call(broker, token, "reset_offsets", {**fields, "dry_run": False})
     if out_fmt is Output.table and not dry_run and not yes:
         note(f"reset {len(done['queues'])} queue(s)")

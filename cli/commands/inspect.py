@@ -385,10 +385,11 @@ def scheduled(
         render(sink.kept, out_fmt,
                columns=[("msg_id", "MSG ID"), ("topic", "TOPIC"), ("queue_id", "Q"), ("deliver_at", "DUE"), ("tags", "TAG"),
                         ("keys", "KEYS"), ("stored_at", "STORED")],
-               formatters={"deliver_at": lambda v: f"{fmt_ts(v)} ({fmt_when(v, now_ms)})", "stored_at": fmt_ts,
+               formatters={"deliver_at": lambda v: f"{fmt_ts(v)} ({fmt_when(v, now_ms)})", "stored_at": lambda v: fmt_when(v, now_ms),
                            "tags": lambda v: "-" if v is None else str(v), "keys": lambda v: "-" if v is None else str(v)},
                empty="no scheduled messages" + (f" for topic {topic}" if topic else ""))
-    if out_fmt is Output.table or total:
-        note(f"{total if total is not None else sink.count} scheduled message(s)" + (f" for topic {topic}" if topic else ""))
+    # One line on stderr: how many, or the cut (which says how many), or (a table) that there are none.
     if more:
-        note(cut_note(sink.count, total, "scheduled messages", asked=limit is not None))
+        note(cut_note(sink.count, total, "scheduled messages" + (f" for topic {topic}" if topic else ""), asked=limit is not None))
+    elif sink.count:
+        note(f"{total if total is not None else sink.count} scheduled message(s)" + (f" for topic {topic}" if topic else ""))

@@ -5,21 +5,21 @@ from typing import Annotated, Any, Optional
 import typer
 
 from .. import exitcodes
-from ..common import DEFAULT_BROKER, BrokerOpt, CliError, OutputOpt, TokenOpt, run, stop_event
+from ..common import DEFAULT_BROKER, BrokerOpt, CliError, OutputOpt, TokenOpt, one_of, run, stop_event
 from ..console import Output, RowSink, note, out, resolve_output
 
 EPILOG = """Examples:
 
   txmq read orders                          # everything, then exit
 
-  txmq read orders --from 10m --count 20    # the first 20 messages stored in the last 10 minutes
+  txmq read orders --from 10m --limit 20    # the first 20 messages stored in the last 10 minutes
 
   txmq read orders --queue 2 --from 1500 -o jsonl | jq -r .body
 
   txmq read orders --from latest --follow   # new messages until Ctrl-C
 
 --from: earliest (default), latest, an offset (in each queue read), a duration ago (10m) or an ISO-8601 time
-(UTC without a zone): per queue, the first message stored at or after it. No group, no offset is committed.
+(local time without a zone): per queue, the first message stored at or after it. No group, no offset is committed.
 Keys: as for consume."""
 
 
@@ -31,17 +31,19 @@ def read(
     topic: Annotated[str, typer.Argument(metavar="TOPIC", help="Topic to read.", show_default=False)],
     queue: Annotated[Optional[list[int]], typer.Option("--queue", "-q", help="Only this queue id (0 to 1023); repeatable.", show_default=False, min=0, max=1023)] = None,
     from_: Annotated[str, typer.Option("--from", help="earliest | latest | OFFSET | TIME (10m ago, or ISO-8601).")] = "earliest",
-    count: Annotated[Optional[int], typer.Option("--count", "-c", help="Stop after this many messages.", show_default=False, min=1)] = None,
+    limit: Annotated[Optional[int], typer.Option("--limit", "-l", help="Stop after this many messages.", show_default=False, min=1)] = None,
     follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep waiting for new messages (until Ctrl-C).")] = False,
     broker: BrokerOpt = DEFAULT_BROKER,
     token: TokenOpt = None,
     output: OutputOpt = None,
+    count: Annotated[Optional[int], typer.Option("--count", "-c", hidden=True, show_default=False, min=1)] = None,  # --limit's older name
 ) -> None:
     """Print messages without a consumer group; without --follow, exit at the end."""
     from ._positions import parse_position
 
     pos = parse_position(from_)
-    run(_read(broker, token, topic, queue, pos, count, follow, resolve_output(output)))
+    limit = one_of(limit, count, "--limit", "--count")
+    run(_read(broker, token, topic, queue, pos, limit, follow, resolve_output(output)))
 
 
 async def _read(broker: str, token: str | None, topic: str, queues: list[int] | None, pos: Any, count: int | None,

@@ -23,6 +23,8 @@ EPILOG = """Examples:
 
   txmq resolve --rollback --group shop --older-than 10m --yes   # decided by the broker, in batches
 
+  txmq resolve --commit --all --yes                             # every pending transaction, of every group
+
 Per REF: ref, tx_id, status (ok | already | conflict | not_found), message.
 Exit codes: 0 all ok or already; 5 not found / 6 conflict when the only REF failed;
 7 when some of several REFs failed."""
@@ -39,9 +41,10 @@ def resolve(
     commit_log_offset: Annotated[bool, typer.Option("--commit-log-offset", help="Bare integers are commit-log offsets, not half offsets.")] = False,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation (required for several REFs without a terminal).")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", "-n", help="Show what would happen; change nothing.")] = False,
+    all_: Annotated[bool, typer.Option("--all", help="Instead of REFs: every pending transaction (of every group, unless --group), in batches.")] = False,
     group: Annotated[Optional[str], typer.Option("--group", "-g", help="Instead of REFs: every pending transaction of this producer group, decided by the broker in batches.", show_default=False)] = None,
-    topic: Annotated[Optional[str], typer.Option("--topic", "-t", help="With --group: only this (real) topic.", show_default=False)] = None,
-    older_than: Annotated[Optional[str], typer.Option("--older-than", help="With --group: only transactions stored longer ago than this (10m, 72h), by the broker's clock.", show_default=False)] = None,
+    topic: Annotated[Optional[str], typer.Option("--topic", "-t", help="With --all or --group: only this (real) topic.", show_default=False)] = None,
+    older_than: Annotated[Optional[str], typer.Option("--older-than", help="With --all or --group: only transactions stored longer ago than this (10m, 72h), by the broker's clock.", show_default=False)] = None,
     broker: BrokerOpt = DEFAULT_BROKER,
     token: TokenOpt = None,
     output: OutputOpt = None,
@@ -56,11 +59,11 @@ def resolve(
     """
     if commit == rollback:
         raise CliError("give exactly one of --commit or --rollback", exitcodes.USAGE)
-    if group is not None or topic is not None or older_than is not None:
+    if all_ or group is not None or topic is not None or older_than is not None:
         if refs:
-            raise CliError("give REFs or --group (not both)", exitcodes.USAGE)
-        if group is None:
-            raise CliError("--topic and --older-than select with --group: name the producer group", exitcodes.USAGE)
+            raise CliError("give REFs or --all/--group (not both)", exitcodes.USAGE)
+        if group is None and not all_:
+            raise CliError("--topic and --older-than select with --all (every group) or --group G", exitcodes.USAGE)
         min_age_ms = int(parse_duration(older_than) * 1000) if older_than is not None else 0
         _resolve_where(commit, group, topic, min_age_ms, yes, dry_run, broker, token, resolve_output(output))
         return
@@ -103,28 +106,57 @@ def _nothing_on_stdin(out_fmt: Output) -> None:
         emit_json([])
 
 
-def _resolve_where(commit: bool, group: str, topic: str | None, min_age_ms: int, yes: bool, dry_run: bool,
+def _resolve_where(commit: bool, group: str | None, topic: str | None, min_age_ms: int, yes: bool, dry_run: bool,
                    broker: str, token: str | None, out_fmt: Output) -> None:
-    """The broker picks and decides the group's pending transactions, a batch per request (tx_resolve_where)."""
+    """Every pending transaction matching, in batches: with a group, the broker picks and decides each batch
+    (tx_resolve_where); for every group (--all), a page of the listing is decided by id at a time (tx_resolve)."""
     from txmq.wire import ErrorCode, TxmqError
 
     from ..client_ops import call, connect
 
-    sel: dict[str, Any] = {"group": group, "min_age_ms": min_age_ms}
+    sel: dict[str, Any] = {"min_age_ms": min_age_ms}
+    if group is not None:
+        sel["group"] = group
     if topic:
         sel["topic"] = topic
     listing = call(broker, token, "tx_pending", {**sel, "limit": 1})
     total = listing.get("total", len(listing["transactions"]))
-    what = f"transactions of group {group}" + (f" on topic {topic}" if topic else "")
+    what = (f"transactions of group {group}" if group is not None else "transactions") + (f" on topic {topic}" if topic else "")
     if not total:
         note(f"no pending {what}" + (" matching" if min_age_ms else "") + ": nothing to resolve")
         if out_fmt is Output.json:
             emit_json([])
         return
     _bulk.confirm(total, "commit" if commit else "roll back", yes, dry_run, always=True)
+    action = "commit" if commit else "rollback"
     verb = ("would be " if dry_run else "") + ("committed" if commit else "rolled back")
     tally = _bulk.Tally(None, verb, "run the same command again (what is decided is no longer pending)")
     label = ("committing" if commit else "rolling back") + (" (dry run)" if dry_run else "")
+
+    async def batch_by_group(client: Any, after: int) -> tuple[list[dict[str, Any]], Any]:
+        try:
+            reply = await client.request("tx_resolve_where", {**sel, "action": action, "limit": BATCH, "after_half_offset": after,
+                                                              "dry_run": dry_run})
+        except TxmqError as e:
+            if e.code == ErrorCode.UNKNOWN_OPERATION:
+                raise CliError(f"the broker at {broker} does not decide transactions by group (an older version): "
+                               f"use `txmq inspect half --group {group} -o jsonl | txmq resolve --{action} - --yes`",
+                               exitcodes.ERROR) from None
+            raise
+        return reply["results"], reply.get("cursor")
+
+    async def batch_of_listing(client: Any, after: int) -> tuple[list[dict[str, Any]], Any]:
+        page = await client.request("tx_pending", {**sel, "limit": BATCH, "after_half_offset": after})
+        if "cursor" not in page:
+            raise CliError(f"the broker at {broker} does not page its pending transactions (an older version): "
+                           f"use `txmq inspect half -o jsonl | txmq resolve --{action} - --yes`", exitcodes.ERROR)
+        if not page["transactions"]:
+            return [], None
+        refs = [{"tx_id": t["tx_id"]} for t in page["transactions"]]
+        results = (await client.request("tx_resolve", {"action": action, "refs": refs, "dry_run": dry_run}))["results"]
+        return [dict(r, ref=r.get("tx_id") or r.get("ref")) for r in results], page["cursor"]
+
+    batch = batch_by_group if group is not None else batch_of_listing
 
     async def go() -> None:
         progress = None
@@ -142,27 +174,20 @@ def _resolve_where(commit: bool, group: str, topic: str | None, min_age_ms: int,
                 while True:
                     tally.inflight = BATCH
                     try:
-                        reply = await client.request("tx_resolve_where", {**sel, "action": "commit" if commit else "rollback",
-                                                                          "limit": BATCH, "after_half_offset": after, "dry_run": dry_run})
-                    except TxmqError as e:
+                        results, cursor = await batch(client, after)
+                    finally:
                         tally.inflight = 0
-                        if e.code == ErrorCode.UNKNOWN_OPERATION:
-                            raise CliError(f"the broker at {broker} does not decide transactions by group (an older version): "
-                                           f"use `txmq inspect half --group {group} -o jsonl | txmq resolve "
-                                           f"--{'commit' if commit else 'rollback'} - --yes`", exitcodes.ERROR) from None
-                        raise
-                    tally.inflight = 0
-                    for r in reply["results"]:
+                    for r in results:
                         row = {"ref": r.get("ref") or r.get("tx_id"), "tx_id": r.get("tx_id"), "status": r.get("status", "error"),
                                "message": r.get("message", "")}
                         tally.add(row, keep=out_fmt is not Output.jsonl)
                         if out_fmt is Output.jsonl:
                             emit_line(row)
                     if progress:
-                        progress.advance(task, len(reply["results"]))
-                    if reply.get("cursor") is None:
+                        progress.advance(task, len(results))
+                    if cursor is None:
                         return
-                    after = reply["cursor"]
+                    after = cursor
             finally:
                 if progress:
                     progress.stop()

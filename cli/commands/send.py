@@ -13,8 +13,8 @@ import typer
 from txmq.constants import PROP_SHARDING_KEY, TOPIC_RE, is_system_topic
 
 from .. import exitcodes
-from ..common import DEFAULT_BROKER, INTERRUPT_GRACE_S, BrokerOpt, CliError, OutputOpt, TokenOpt, parse_duration, run, run_interruptible
-from ..console import RowSink, err, esc, kv_table, out, resolve_output
+from ..common import DEFAULT_BROKER, INTERRUPT_GRACE_S, BrokerOpt, CliError, OutputOpt, TokenOpt, one_of, parse_duration, run, run_interruptible
+from ..console import Output, RowSink, err, esc, fmt_ts, kv_table, out, resolve_output
 
 if TYPE_CHECKING:
     import asyncio
@@ -38,7 +38,8 @@ EPILOG = """Examples:
   txmq send reports go --deliver-at 2026-01-31T08:00:00Z
 
 Output keys: msg_id, topic, queue_id, commit_log_offset, and queue_offset (plain;
--1 for a delayed message, with deliver_at_ms: its due time)
+-1 for a delayed message, with deliver_at and deliver_at_ms: its due time, ms since the epoch;
+a table shows the time and leaves out the queue offset)
 or tx_id, half_offset, state (--tx); with stdin lines also line (1-based)."""
 
 
@@ -61,7 +62,7 @@ def register(app: typer.Typer) -> None:
 def send(
     topic: Annotated[str, typer.Argument(metavar="TOPIC", help="Topic to send to.", show_default=False)],
     body: Annotated[Optional[str], typer.Argument(metavar="BODY", help="Message body; '-' (or none with stdin piped) sends one message per stdin line.", show_default=False)] = None,
-    tag: Annotated[Optional[str], typer.Option("--tag", "-t", help="The message's tag (TAGS).", show_default=False)] = None,
+    tag: Annotated[Optional[str], typer.Option("--tag", help="The message's tag (TAGS).", show_default=False)] = None,
     key: Annotated[Optional[list[str]], typer.Option("--key", "-k", help="A key (KEYS); repeatable.", show_default=False)] = None,
     prop: Annotated[Optional[list[str]], typer.Option("--prop", "-p", help="A user property K=V; repeatable.", show_default=False)] = None,
     queue: Annotated[Optional[int], typer.Option("--queue", "-q", help="Queue id, 0 to 1023 [default: round robin].", show_default=False, min=0, max=1023)] = None,
@@ -81,6 +82,7 @@ def send(
     broker: BrokerOpt = DEFAULT_BROKER,
     token: TokenOpt = None,
     output: OutputOpt = None,
+    tag_short: Annotated[Optional[str], typer.Option("-t", hidden=True, show_default=False)] = None,  # --tag's older short name
 ) -> None:
     """Send a message, or one message per line of stdin.
 
@@ -88,6 +90,7 @@ def send(
     acknowledges it, so if the broker goes away the output is an exact record
     of what was stored.
     """
+    tag = one_of(tag, tag_short, "--tag", "-t")
     if not TOPIC_RE.match(topic):
         raise CliError(f"invalid topic name {topic!r}: letters, digits, %, |, _ and - only, at most 127", exitcodes.USAGE)
     if is_system_topic(topic):
@@ -153,7 +156,24 @@ def send(
         except BaseException:
             _name_unended(unended, spec, broker)
             raise
-        kv_table(row, out_fmt)
+        if out_fmt is Output.table:
+            kv_table(human_row(row), out_fmt, formatters={"deliver_at": _due})
+        else:
+            kv_table(row, out_fmt)
+
+
+def human_row(row: dict[str, Any]) -> dict[str, Any]:
+    """A send's row as a table shows it: a scheduled message's due time as a time, without the queue offset it
+    does not have yet (-1: it enters its queue when due) nor the due time in epoch milliseconds."""
+    if row.get("deliver_at_ms") is None:
+        return row
+    return {k: v for k, v in row.items() if k not in ("queue_offset", "deliver_at_ms")}
+
+
+def _due(ms: Any) -> str:
+    from ..console import fmt_when
+
+    return f"{fmt_ts(ms)} ({fmt_when(ms)})"
 
 
 def _check_message_group(message_group: str | None, tx: bool, queue: int | None) -> bool:
@@ -225,7 +245,7 @@ def _print_sent(row: dict[str, Any]) -> None:
     extra = (f"tx_id={esc(row['tx_id'])} half_offset={row['half_offset']} state={row['state']}"
              if "tx_id" in row else f"queue_offset={row['queue_offset']}")
     if row.get("deliver_at_ms") is not None:
-        extra = f"deliver_at_ms={row['deliver_at_ms']}"
+        extra = f"deliver_at={fmt_ts(row['deliver_at_ms'])}"
 
     out.print(f"[ok]sent[/ok] line {row['line']}: msg_id={esc(row['msg_id'])} queue_id={row['queue_id']} {extra}")
 
@@ -331,6 +351,7 @@ async def _send_and_end(client: Any, spec: _Spec, body: bytes, started: _Unended
                "queue_offset": r["queue_offset"], "commit_log_offset": r["commit_log_offset"]}
         if "deliver_at_ms" in r:
             row["deliver_at_ms"] = r["deliver_at_ms"]
+            row["deliver_at"] = r["deliver_at_ms"]  # as inspect scheduled names it (ms since the epoch, as every *_at)
         return row
     if started is not None:
         started.half_offset = r["half_offset"]

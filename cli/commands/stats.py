@@ -6,7 +6,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from .. import exitcodes
-from ..common import DEFAULT_BROKER, BrokerOpt, CliError, OutputOpt, TokenOpt, parse_duration, run, stop_event
+from ..common import DEFAULT_BROKER, BrokerOpt, CliError, OutputOpt, TokenOpt, one_of, parse_duration, run, stop_event
 from ..console import Output, emit_json, emit_line, esc, fmt_ts, interactive, new_table, note, out, print_table, resolve_output
 
 EPILOG = """Examples:
@@ -33,13 +33,17 @@ def register(app: typer.Typer) -> None:
 def stats(
     watch: Annotated[bool, typer.Option("--watch", "-w", help="Refresh until Ctrl-C.")] = False,
     interval: Annotated[str, typer.Option("--interval", "-i", help="Refresh interval with --watch.")] = "1s",
-    count: Annotated[Optional[int], typer.Option("--count", "-c", help="With --watch: stop after this many refreshes.", show_default=False, min=1)] = None,
-    filter_: Annotated[Optional[list[str]], typer.Option("--filter", "-f", metavar="PATTERN", help="Only counters and gauges whose name matches: a glob (check*, *_errors) or any part of it (pending); repeatable.", show_default=False)] = None,
+    limit: Annotated[Optional[int], typer.Option("--limit", "-l", help="With --watch: stop after this many refreshes.", show_default=False, min=1)] = None,
+    filter_: Annotated[Optional[list[str]], typer.Option("--filter", metavar="PATTERN", help="Only counters and gauges whose name matches: a glob (check*, *_errors) or any part of it (pending); repeatable.", show_default=False)] = None,
     broker: BrokerOpt = DEFAULT_BROKER,
     token: TokenOpt = None,
     output: OutputOpt = None,
+    count: Annotated[Optional[int], typer.Option("--count", "-c", hidden=True, show_default=False, min=1)] = None,  # --limit's older name
+    filter_short: Annotated[Optional[list[str]], typer.Option("-f", hidden=True, show_default=False)] = None,  # --filter's older short name
 ) -> None:
     """Show the broker's counters (messages, transactions, checks) and gauges (pending, offsets)."""
+    count = one_of(limit, count, "--limit", "--count")
+    filter_ = [*(filter_ or ()), *(filter_short or ())] or None
     every = parse_duration(interval)
     if every <= 0:
         raise CliError("--interval must be more than 0", exitcodes.USAGE)
@@ -87,7 +91,7 @@ def _select(reply: dict[str, Any], patterns: tuple[str, ...]) -> dict[str, Any]:
                 inner = keep(v, f"{prefix}{k}.")
                 if inner or (not v and matches(f"{prefix}{k}", patterns)):
                     kept[k] = inner
-            elif matches(f"{prefix}{k}", patterns):
+            elif matches(shown_name(prefix, k), patterns) or matches(f"{prefix}{k}", patterns):
                 kept[k] = v
         return kept
 
@@ -101,18 +105,13 @@ async def _watch(broker: str, token: str | None, every: float, count: int | None
     from ..client_ops import connect
 
     stop = stop_event()
-    live = None
+    live: LiveView | None = None
     prev: dict[str, Any] | None = None
     prev_t = 0.0
     n = 0
     async with connect(broker, token, reconnect=True) as c:
         if out_fmt is Output.table and interactive():
-            from rich.live import Live
-
-            # Each frame is cut to the terminal's size (watch_frame), and Live crops anything past its
-            # height: a refresh redraws the same lines, never pushing the last frame into the scrollback.
-            live = Live(console=out, auto_refresh=False, transient=False, vertical_overflow="crop")
-            live.start()
+            live = LiveView(out)
         try:
             while not stop.is_set():
                 doc = _select(await c.request("stats", {}), patterns)
@@ -120,10 +119,9 @@ async def _watch(broker: str, token: str | None, every: float, count: int | None
                 if out_fmt is not Output.table:
                     emit_line({"time_ms": int(time.time() * 1000), **doc})
                 elif live is not None:
-                    width, height = out.size
                     title = (f"txmq stats @ {broker}, every {every:g}s, {fmt_ts(int(time.time() * 1000))}"
                              + (f", {_said(patterns)}" if patterns else "") + "  (Ctrl-C to stop)")
-                    live.update(watch_frame(doc, prev, now - prev_t, title, width, height), refresh=True)
+                    live.show(doc, prev, now - prev_t, title)
                 else:
                     print_table(_table(doc, prev, now - prev_t))
                     out.print()
@@ -140,13 +138,48 @@ async def _watch(broker: str, token: str | None, every: float, count: int | None
                 live.stop()
 
 
+class LiveView:
+    """The live view on a terminal: each frame fitted to the console's size and redrawn in place.
+
+    Each frame is cut to the terminal's size (watch_frame), and Live crops
+    anything past its height: a refresh redraws the same lines, never
+    pushing the last frame into the scrollback. Between refreshes the
+    cursor waits on an empty line under the frame (an echoed ``^C`` lands
+    there); the last frame stays on screen without it.
+    """
+
+    def __init__(self, console: Any) -> None:
+        from rich.live import Live
+
+        self.console = console
+        self.last: tuple[Any, ...] | None = None  # what the last frame was made of
+        self.live = Live(console=console, auto_refresh=False, transient=False, vertical_overflow="crop")
+        self.live.start()
+
+    def show(self, doc: dict[str, Any], prev: dict[str, Any] | None, dt: float, title: str) -> None:
+        width, height = self.console.size
+        self.last = (doc, prev, dt, title, width, height)
+        self.live.update(watch_frame(*self.last, cursor_line=True), refresh=True)
+
+    def stop(self) -> None:
+        if self.last is not None:
+            self.live.update(watch_frame(*self.last), refresh=False)
+        self.live.stop()
+
+
+def shown_name(prefix: str, key: str) -> str:
+    """A nested counter's or gauge's name as shown: dotted (last_check_pass.at), except a key that repeats its
+    map's name, which is the map's own figure (gauges.damaged.damaged, the count beside its places: damaged)."""
+    return prefix[:-1] if prefix and prefix[:-1].rpartition(".")[2] == key else f"{prefix}{key}"
+
+
 def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     flat: dict[str, Any] = {}
     for k, v in d.items():
         if isinstance(v, dict):
             flat.update(_flat(v, f"{prefix}{k}."))
         else:
-            flat[f"{prefix}{k}"] = v
+            flat[shown_name(prefix, k)] = v
     return flat
 
 
@@ -250,19 +283,28 @@ def _rows(doc: dict[str, Any], prev: dict[str, Any] | None, dt: float) -> list[t
     return rows
 
 
-def watch_frame(doc: dict[str, Any], prev: dict[str, Any] | None, dt: float, title: str, width: int, height: int) -> Any:
+def watch_frame(doc: dict[str, Any], prev: dict[str, Any] | None, dt: float, title: str, width: int, height: int,
+                cursor_line: bool = False) -> Any:
     """One frame of `stats --watch`: a title line, then the counters and gauges by group, in as many columns
     as the width takes, never taller than ``height`` - 1 lines (the last line stays free, so the terminal never
-    scrolls); what does not fit is counted on the last line ("... N more: narrow with --filter")."""
+    scrolls); what does not fit is counted on the last line ("... N more: narrow with --filter").
+
+    ``cursor_line``: the frame ends with an empty line, where the cursor waits between refreshes. A frame
+    whose last line fills the width leaves the cursor past the last column, and the ``^C`` the terminal
+    echoes there wraps onto a new line and scrolls: the live view, redrawn once more as it stops, would then
+    start a line too low and leave the frame's top lines above it a second time.
+    """
     from rich.console import Group
     from rich.table import Table
     from rich.text import Text
 
     head = Text(title, style="bold", no_wrap=True, overflow="ellipsis")
+    tail = (Text(""),) if cursor_line else ()
     rows = _rows(doc, prev, dt)
     if not rows:
-        return Group(head, Text("no counter or gauge matches the filter" if "--filter" in title else "no counters yet", style="dim"))
-    room = max(2, height - 2)  # lines under the title
+        return Group(head, Text("no counter or gauge matches the filter" if "--filter" in title else "no counters yet", style="dim"),
+                     *tail)
+    room = max(2, height - 3)  # lines under the title (and above the cursor's)
     for ncols in range(max(1, (width + _GAP) // (12 + _GAP)), 0, -1):
         columns, more = _flow(rows, ncols, room)
         widths = [_width(col) for col in columns]
@@ -273,7 +315,7 @@ def watch_frame(doc: dict[str, Any], prev: dict[str, Any] | None, dt: float, tit
     for w in widths:
         grid.add_column(width=w, no_wrap=True, overflow="crop")
     grid.add_row(*[Group(*_lines(col, w)) for col, w in zip(columns, widths)])
-    return Group(head, grid)
+    return Group(head, grid, *tail)
 
 
 def _flow(rows: list[tuple[str, str, str, str]], ncols: int, room: int) -> tuple[list[list[tuple[str, ...]]], int]:

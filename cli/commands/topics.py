@@ -7,7 +7,7 @@ import typer
 from txmq.constants import MESSAGE_TYPES
 
 from .. import exitcodes
-from ..common import DEFAULT_BROKER, BrokerOpt, CliError, OutputOpt, TokenOpt, choices
+from ..common import DEFAULT_BROKER, BrokerOpt, CliError, OutputOpt, TokenOpt, choices, one_of
 from ..console import Output, kv_table, note, render, resolve_output
 
 EPILOG = """Examples:
@@ -32,8 +32,10 @@ TypesOpt = Annotated[
                  help=f"Message types the topic accepts: {', '.join(MESSAGE_TYPES)}, comma-separated or repeated "
                  "(RocketMQ clients are refused other types) [default for a new topic: normal,transaction]."),
 ]
-QueuesOpt = Annotated[Optional[int], typer.Option("--queues", "-q", min=1, max=1024, show_default=False,
+QueuesOpt = Annotated[Optional[int], typer.Option("--queues", min=1, max=1024, show_default=False,
                                                   help="Number of queues (1 to 1024).")]
+# --queues' older short name: -q is a queue id everywhere else (send, consume, read, groups reset)
+QueuesShortOpt = Annotated[Optional[int], typer.Option("-q", hidden=True, min=1, max=1024, show_default=False)]
 TopicArg = Annotated[str, typer.Argument(metavar="TOPIC", help="Topic name.", show_default=False)]
 
 ROW_COLUMNS = [("topic", "TOPIC"), ("queues", "QUEUES"), ("messages", "MESSAGES"), ("system", "SYSTEM"), ("message_types", "TYPES")]
@@ -113,9 +115,10 @@ def create(
     broker: BrokerOpt = DEFAULT_BROKER,
     token: TokenOpt = None,
     output: OutputOpt = None,
+    queues_short: QueuesShortOpt = None,
 ) -> None:
     """Create a topic with its queues and the message types it accepts."""
-    fields = _topic_fields(topic, queues, message_types)
+    fields = _topic_fields(topic, one_of(queues, queues_short, "--queues", "-q"), message_types)
     r = _call_with_types(broker, token, "create_topic", fields)
     if not r.get("created"):
         have = f"{r.get('queues')} queues, message types {_types_text(r.get('message_types'))}"
@@ -152,9 +155,10 @@ def update(
     broker: BrokerOpt = DEFAULT_BROKER,
     token: TokenOpt = None,
     output: OutputOpt = None,
+    queues_short: QueuesShortOpt = None,
 ) -> None:
     """Change a topic's queue count or the message types it accepts."""
-    fields = _topic_fields(topic, queues, message_types)
+    fields = _topic_fields(topic, one_of(queues, queues_short, "--queues", "-q"), message_types)
     if len(fields) == 1:
         raise CliError("nothing to change: give --queues, --message-types or both", exitcodes.USAGE)
     r = _call_with_types(broker, token, "update_topic", fields)
