@@ -27,9 +27,11 @@
 #   txmq inspect tx
 #   txmq message find
 #   txmq message get
+#   txmq migrate
 #   txmq read
 #   txmq resolve
 #   txmq scheduled cancel
+#   txmq scheduled list
 #   txmq send
 #   txmq spark-export
 #   txmq stats

@@ -23,7 +23,7 @@ import pytest
 from conftest import arun
 from remotingwire import GET_ROUTEINFO_BY_TOPIC, HEART_BEAT, LOCK_BATCH_MQ, UNLOCK_BATCH_MQ, RemotingClient, decode
 from txmq import wire
-from txmq.broker.remoting import protocol as p
+from txmq import remoting_codec as p  # the remoting front end's codec (broker/remoting/protocol.py re-exports it)
 from txmq.broker.testing import running_broker
 from txmq.wire import ErrorCode
 from wireclient import RawClient

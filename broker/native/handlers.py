@@ -34,7 +34,9 @@ if TYPE_CHECKING:
 # and cancel_scheduled and list_scheduled exist (an older broker would deliver such a send at once).
 # "queue_offsets": the queue_offsets request (every queue's offsets, system topics too; what Spark plans reads with);
 # "pull_raw": pull takes raw and may answer with the records as stored (what Spark's executors decode).
-FEATURES = ["config_set_dry_run", "topic_message_types", "message_group", "scheduled_messages", "queue_offsets", "pull_raw"]
+# "scheduled_bodies": list_scheduled takes bodies and then gives each message's properties and body (txmq migrate).
+FEATURES = ["config_set_dry_run", "topic_message_types", "message_group", "scheduled_messages", "queue_offsets", "pull_raw",
+            "scheduled_bodies"]
 
 
 # ---- session ---------------------------------------------------------------
@@ -383,8 +385,9 @@ def list_scheduled(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
     after = f.get("after")
     if after is not None and not (isinstance(after, list) and len(after) == 2 and all(type(x) is int for x in after)):
         raise _bad("field 'after' must be [deliver_at_ms, commit_log_offset], as a listing's 'cursor' gives it")
+    bodies = opt_bool(f, "bodies")
     return core.scheduled.listing(canonical_topic(topic) if topic else None, tuple(after) if after else None,
-                                  opt_int(f, "limit", 1000, 1, 100_000))
+                                  opt_int(f, "limit", 100 if bodies else 1000, 1, 1000 if bodies else 100_000), bodies)
 
 
 def _needs_index(handler: Handler) -> Handler:

@@ -24,6 +24,7 @@ import zlib
 from typing import Iterable
 
 from txmq.constants import PROP_UNIQ_KEY
+from txmq.remoting_codec import NAME_VALUE_SEPARATOR, PROPERTY_SEPARATOR, decode_properties, encode_properties  # noqa: F401
 from txmq.store import Record, TxType
 
 from .protocol import (
@@ -35,8 +36,6 @@ from .protocol import (
     TRANSACTION_PREPARED_TYPE,
 )
 
-NAME_VALUE_SEPARATOR = "\x01"
-PROPERTY_SEPARATOR = "\x02"
 MESSAGE_MAGIC_CODE = -626843481  # daa320a7: stored messages, topic length in one byte
 # RocketMQ's own property names that the remoting front end reads or writes.
 PROP_RECONSUME_TIME = "RECONSUME_TIME"  # deliveries before this one, on a message sent back for retry
@@ -51,26 +50,6 @@ MAX_MESSAGES_IN_BATCH = 10_000
 
 class MessageFormatError(ValueError):
     """A message the client sent cannot be read; the request is refused (MESSAGE_ILLEGAL)."""
-
-
-def decode_properties(text: str) -> dict[str, str]:
-    props: dict[str, str] = {}
-    if not text:
-        return props
-    for item in text.split(PROPERTY_SEPARATOR):
-        if not item:
-            continue
-        k, sep, v = item.partition(NAME_VALUE_SEPARATOR)
-        if not sep or not k:
-            continue  # as RocketMQ's string2messageProperties: an item without a separator is skipped
-        props[k] = v
-    return props
-
-
-def encode_properties(props: dict[str, str]) -> str:
-    return "".join(f"{k}{NAME_VALUE_SEPARATOR}{v}{PROPERTY_SEPARATOR}" for k, v in props.items()
-                   if NAME_VALUE_SEPARATOR not in k and PROPERTY_SEPARATOR not in k
-                   and NAME_VALUE_SEPARATOR not in v and PROPERTY_SEPARATOR not in v)
 
 
 # ---- addresses and ids ---------------------------------------------------------------------

@@ -901,8 +901,9 @@ class ScheduleService:
                         self._back((next(r[1] for r in rows if r[0] == off), off))
             raise
 
-    async def listing(self, topic: str | None, after: tuple[int, int] | None, limit: int) -> dict[str, Any]:
-        """Scheduled messages by due time (a page from ``after``), counts per topic, and the totals."""
+    async def listing(self, topic: str | None, after: tuple[int, int] | None, limit: int, bodies: bool = False) -> dict[str, Any]:
+        """Scheduled messages by due time (a page from ``after``), counts per topic, and the totals; with ``bodies``
+        each message's properties and body too (what a migration sends on)."""
         db = await self._when_ready()
         loop = asyncio.get_running_loop()
         async with self._lock:
@@ -923,6 +924,9 @@ class ScheduleService:
                 out.append({"msg_id": uniq, "topic": t, "deliver_at_ms": due, "commit_log_offset": off, "queue_id": qid,
                             "tags": p.get("TAGS"), "keys": p.get("KEYS"), "born_ts": rec.born_ts if rec is not None else None,
                             "store_ts": rec.store_ts if rec is not None else None, "size": rec.size if rec is not None else None})
+                if bodies:
+                    out[-1]["properties"] = dict(p)
+                    out[-1]["body"] = rec.body if rec is not None else None
         by_topic = {t: {"scheduled": n, "first_due_ms": first} for t, (n, first) in sorted(summary.items())}
         total = sum(v["scheduled"] for t, v in by_topic.items() if topic is None or t == topic)
         # cursor: where the next page starts (``after``), None after the last one

@@ -11,7 +11,7 @@ from __future__ import annotations
 import typer
 
 from . import bench, broker, checker, completion, config, consume, context, discard, groups, inspect, message, read, resolve, send, spark
-from . import scheduled, stats, store, topics
+from . import migrate, scheduled, stats, store, topics
 
 
 def register_all(app: typer.Typer) -> None:
@@ -34,6 +34,7 @@ def register_all(app: typer.Typer) -> None:
         stats.register(app)
         bench.register(app)  # txmq bench
         store.register(app)  # txmq store verify|repair (offline)
+        migrate.register(app)  # txmq migrate --to NAMESRV (onto RocketMQ 4)
     with _panel(app, "Analysis"):
         spark.register(app)  # txmq spark-export (cli/commands/spark.py)
     with _panel(app, "Shell"):

@@ -23,6 +23,10 @@
  *             an orderly push consumer subscribed to -Dexpression="TagA || TagC": what each order received, in order
  *   retry     an "ok" and a "fail" message; a push consumer (-DmaxReconsumeTimes=2) fails "fail" every time: its
  *             deliveries (reconsumeTimes of each), then how many messages reached %DLQ%<group>
+ *   drain     a consumer of -Dgroup on the topic that starts where the group's committed offsets say (a queue without one:
+ *             its end, CONSUME_FROM_LAST_OFFSET): -Dmode=push (an orderly push consumer) or -Dmode=pull
+ *             (DefaultMQPullConsumer from fetchConsumeOffset); until -Dexpect messages came and none for -Didle ms
+ *             (or -Dtimeout s): every message received, in the order received, and the offsets it started at
  *   hold      a push consumer of -Dgroup on the topic, consuming from the first offset; prints "GOT <body>" for each
  *             message, "READY" once it has -Dexpect of them, then runs until its standard input closes; its RESULT
  *             lists the bodies received
@@ -87,6 +91,7 @@ public class RmqDriver {
             case "tx-old": out = tx(true); break;
             case "query": out = query(); break;
             case "hold": out = hold(); break;
+            case "drain": out = drain(); break;
             case "errors": out = errors(); break;
             case "orderly": out = orderly(); break;
             case "retry": out = retry(); break;
@@ -499,6 +504,58 @@ public class RmqDriver {
         } finally {
             p.shutdown();
         }
+        return o;
+    }
+
+    static Map<String, Object> drain() throws Exception {
+        List<Map<String, Object>> got = Collections.synchronizedList(new ArrayList<>());
+        Map<String, Object> o = new LinkedHashMap<>();
+        long expect = num("expect", 0), idle = num("idle", 3000);
+        long deadline = System.currentTimeMillis() + num("timeout", 60) * 1000;
+        if (str("mode", "push").equals("pull")) {
+            DefaultMQPullConsumer c = new DefaultMQPullConsumer(GROUP);
+            c.setNamesrvAddr(NAMESRV);
+            c.setInstanceName("drain-" + STAMP);
+            c.start();
+            try {
+                List<MessageQueue> mqs = new ArrayList<>(c.fetchSubscribeMessageQueues(TOPIC));
+                Collections.sort(mqs);
+                Map<String, Object> starts = new TreeMap<>();
+                for (MessageQueue mq : mqs) {
+                    long offset = c.fetchConsumeOffset(mq, true);
+                    starts.put(Integer.toString(mq.getQueueId()), offset);
+                    if (offset < 0) offset = c.maxOffset(mq);
+                    while (true) {
+                        PullResult r = c.pull(mq, "*", offset, 32);
+                        if (r.getPullStatus() != PullStatus.FOUND) break;
+                        for (MessageExt m : r.getMsgFoundList()) got.add(view(m));
+                        offset = r.getNextBeginOffset();
+                    }
+                }
+                o.put("starts", starts);
+            } finally {
+                c.shutdown();
+            }
+        } else {
+            DefaultMQPushConsumer c = new DefaultMQPushConsumer(GROUP);
+            c.setNamesrvAddr(NAMESRV);
+            c.setInstanceName("drain-" + STAMP);
+            c.setConsumeFromWhere(ConsumeFromWhere.CONSUME_FROM_LAST_OFFSET);
+            c.subscribe(TOPIC, "*");
+            final long[] last = {System.currentTimeMillis()};
+            c.registerMessageListener((org.apache.rocketmq.client.consumer.listener.MessageListenerOrderly) (msgs, ctx) -> {
+                for (MessageExt m : msgs) got.add(view(m));
+                last[0] = System.currentTimeMillis();
+                return org.apache.rocketmq.client.consumer.listener.ConsumeOrderlyStatus.SUCCESS;
+            });
+            c.start();
+            while (System.currentTimeMillis() < deadline) {
+                if (got.size() >= expect && System.currentTimeMillis() - last[0] >= idle) break;
+                Thread.sleep(100);
+            }
+            c.shutdown();
+        }
+        o.put("received", new ArrayList<>(got));
         return o;
     }
 
