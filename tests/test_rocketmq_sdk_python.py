@@ -7,6 +7,8 @@ Skipped only when the SDK cannot be installed; an installed SDK that misbehaves 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from clihelpers import lines, ok, txmq
@@ -136,6 +138,11 @@ def test_python_sdk_signs_with_the_auth_token_as_secret_key_and_a_wrong_one_is_r
                               "--access-key", "app", "--secret-key", "wrong", "--deadline", "60", allow_errors=True)
         assert bad["errors"] and "sent" not in bad, bad
         assert "40100" in bad["_sdk_log"], "the SDK was not refused with UNAUTHORIZED"
+        # the broker says so too: a line with the SDK's address and the reason (throttled), and a count
+        refused = [ln for ln in b.log.read_text(errors="replace").splitlines() if "event=refused frontend=rocketmq kind=auth " in ln]
+        assert refused and "peer=ipv4:127.0.0.1:" in refused[0] and "the request is not signed with the broker's --auth-token" in refused[0]
+        stats = json.loads(ok(txmq("stats", "-o", "json", "-f", "refused_*", broker=b.address, env={"TXMQ_AUTH_TOKEN": token})).stdout)
+        assert stats["counters"]["refused_rocketmq_auth"] >= 1, stats
         r = python_scenario(sdk_python, "send", tmp_path / "home", "--endpoint", endpoint, "--topic", topic, "--count", "2",
                             "--access-key", "app", "--secret-key", token)
         stored = lines(ok(txmq("read", topic, "-o", "jsonl", broker=b.address, env={"TXMQ_AUTH_TOKEN": token})))

@@ -12,7 +12,8 @@ Modules: ``pb`` (generated from the .proto files beside it at build time),
 ``convert`` (stored records <-> RocketMQ ``Message``), ``status`` (txmq
 errors -> RocketMQ status codes), ``clients`` (SDK clients, their settings
 and Telemetry streams; a stream is a check-back target), ``producer``
-(send and end transaction), ``service`` (every RPC), ``server`` (the
+(send and end transaction), ``service`` (every RPC), ``limits`` (what one
+client may hold open: long polls, Telemetry streams), ``server`` (the
 grpc.aio server on the broker's event loop).
 
 This package needs the ``rocketmq`` extra (grpcio, protobuf): nothing here

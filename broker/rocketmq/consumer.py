@@ -15,7 +15,8 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
-from . import convert, routes
+from . import convert, limits, routes
+from .limits import Holds, peer_of
 from .pb import definition_pb2 as d
 from .pb import service_pb2 as s
 from .pop import Delivery, PopConfig, PopError, PopService, check_group, parse_tags
@@ -72,17 +73,24 @@ class ReceiveFrontend:
     (settings.py: its ``clients`` and ``consumer_max_attempts``); None works
     too (Java's digest form, no renewal). ``max_attempts(group)``: a group's
     deliveries before the dead-letter topic (None: the settings', else 16).
+    ``long_polls``: the receives waiting, bounded per client, per connection
+    and in all (limits.py; the settings', else the default bounds).
     """
 
     def __init__(self, core: BrokerCore, clients: Any = None, config: PopConfig | None = None, *,
-                 max_attempts: Callable[[str], int | None] | None = None) -> None:
+                 max_attempts: Callable[[str], int | None] | None = None, long_polls: Holds | None = None) -> None:
         self.core = core
+        settings = None
         if clients is not None and hasattr(clients, "clients") and hasattr(clients, "consumer_max_attempts"):
             settings, clients = clients, clients.clients
             if max_attempts is None:
                 def max_attempts(group: str) -> int:
                     return settings.consumer_max_attempts
         self.clients = clients
+        # Receives waiting for a message, bounded per client, per connection and in all (limits.py).
+        if long_polls is None:
+            long_polls = settings.long_polls if settings is not None else limits.default_long_polls()
+        self.long_polls: Holds = long_polls
         self.pop = PopService(core, config, max_attempts=max_attempts,
                               client_alive=self._alive if clients is not None else None, fifo=self._fifo)
 
@@ -107,58 +115,78 @@ class ReceiveFrontend:
     async def receive(self, request: s.ReceiveMessageRequest, context: Any) -> AsyncIterator[s.ReceiveMessageResponse]:
         """Stream: status, the messages, delivery_timestamp; or only a status (MESSAGE_NOT_FOUND or the refusal)."""
         client_id = _client_id(context)
+        peer = ""
+        held = False  # counted in long_polls: given back when the stream ends
         try:
-            group, topic, queue_id, tags, batch, invisible, poll = self._receive_args(request, context)
-            routes.check_receive(self.core, topic)  # an unknown topic: TOPIC_NOT_FOUND, as RocketMQ's proxy answers it
-            got = await self.pop.receive(group, topic, queue_id, tags, batch, invisible, poll,
-                                         auto_renew=request.auto_renew, client_id=client_id or None)
-        except PopError as exc:
-            yield s.ReceiveMessageResponse(status=d.Status(code=_code(exc.code), message=exc.message))
-            return
-        except RmqError as exc:
-            yield s.ReceiveMessageResponse(status=d.Status(code=exc.code, message=exc.message))
-            return
-        except Exception as exc:  # never a broken stream for the SDK: a status it can read
-            log.exception("event=rmq_receive_failed error=%r", exc)
-            yield s.ReceiveMessageResponse(status=of_error(exc))
-            return
-        if not got:
-            yield s.ReceiveMessageResponse(status=d.Status(code=Code.MESSAGE_NOT_FOUND, message="no new message"))
-            return
-        self.core.metrics.inc("rmq_messages_received", len(got))
-        sent = 0
-        # FIFO: the queues with a message that could not be sent; the rest of each in this batch is held back (ready again)
-        stopped: set[int] = set()
-        held_back: list[Delivery] = []
-        try:
-            yield s.ReceiveMessageResponse(status=d.Status(code=Code.OK, message="OK"))
-            language = self._language(client_id)
-            for m in got:
-                if stopped and m.record.queue_id in stopped:
-                    held_back.append(m)
-                    sent += 1
-                    continue
-                try:
-                    msg = convert.record_to_message(m.record, language=language, delivery_attempt=m.attempt,
-                                                    receipt_handle=m.receipt_handle,
-                                                    invisible_duration_ms=int(m.invisible_s * 1000))
-                except Exception as exc:  # in flight, not renewed: received again later, after max attempts dead-lettered
-                    log.error("event=rmq_message_unconvertible topic=%s queue_id=%d queue_offset=%d error=%r",
-                              m.record.topic, m.record.queue_id, m.record.queue_offset, exc)
-                    self.pop.release(group, topic, [m], unsent=False)
-                    if self.pop.fifo(group):  # the later messages of its queue must not go out ahead of it
-                        stopped.add(m.record.queue_id)
-                    sent += 1
-                    continue
-                sent += 1  # handed out once taken from the generator, even if the stream ends at this yield
-                yield s.ReceiveMessageResponse(message=msg)
+            try:
+                group, topic, queue_id, tags, batch, invisible, poll = self._receive_args(request, context)
+                routes.check_receive(self.core, topic)  # an unknown topic: TOPIC_NOT_FOUND, as RocketMQ's proxy answers it
+                busy = None
+                if poll > 0:
+                    peer = peer_of(context)
+                    busy = self.long_polls.take(client_id, peer)
+                    if busy is None:
+                        held = True
+                    else:  # as RocketMQ's broker: what is there is taken at once; only a receive that would wait is refused
+                        poll = 0.0
+                got = await self.pop.receive(group, topic, queue_id, tags, batch, invisible, poll,
+                                             auto_renew=request.auto_renew, client_id=client_id or None)
+            except PopError as exc:
+                yield s.ReceiveMessageResponse(status=d.Status(code=_code(exc.code), message=exc.message))
+                return
+            except RmqError as exc:
+                yield s.ReceiveMessageResponse(status=d.Status(code=exc.code, message=exc.message))
+                return
+            except Exception as exc:  # never a broken stream for the SDK: a status it can read
+                self.core.refusals.internal("rocketmq.ReceiveMessage", exc)
+                yield s.ReceiveMessageResponse(status=of_error(exc))
+                return
+            if not got and busy is not None:
+                # RocketMQ's answer when the broker holds too many waiting receives: the SDKs receive again later.
+                reason = f"polling full: {busy}"
+                self.core.refusals.note("rocketmq", "busy", peer, reason)
+                yield s.ReceiveMessageResponse(status=d.Status(code=Code.TOO_MANY_REQUESTS, message=reason))
+                return
+            if not got:
+                yield s.ReceiveMessageResponse(status=d.Status(code=Code.MESSAGE_NOT_FOUND, message="no new message"))
+                return
+            self.core.metrics.inc("rmq_messages_received", len(got))
+            sent = 0
+            # FIFO: the queues with a message that could not be sent; the rest of each in this batch is held back (ready again)
+            stopped: set[int] = set()
+            held_back: list[Delivery] = []
+            try:
+                yield s.ReceiveMessageResponse(status=d.Status(code=Code.OK, message="OK"))
+                language = self._language(client_id)
+                for m in got:
+                    if stopped and m.record.queue_id in stopped:
+                        held_back.append(m)
+                        sent += 1
+                        continue
+                    try:
+                        msg = convert.record_to_message(m.record, language=language, delivery_attempt=m.attempt,
+                                                        receipt_handle=m.receipt_handle,
+                                                        invisible_duration_ms=int(m.invisible_s * 1000))
+                    except Exception as exc:  # in flight, not renewed: received again later, after max attempts dead-lettered
+                        log.error("event=rmq_message_unconvertible topic=%s queue_id=%d queue_offset=%d error=%r",
+                                  m.record.topic, m.record.queue_id, m.record.queue_offset, exc)
+                        self.pop.release(group, topic, [m], unsent=False)
+                        if self.pop.fifo(group):  # the later messages of its queue must not go out ahead of it
+                            stopped.add(m.record.queue_id)
+                        sent += 1
+                        continue
+                    sent += 1  # handed out once taken from the generator, even if the stream ends at this yield
+                    yield s.ReceiveMessageResponse(message=msg)
+            finally:
+                unsent = held_back + got[sent:]  # in the batch's order (release puts each queue's back in front, in order)
+                if unsent:  # the stream ended first (cancelled, deadline, connection lost), or held back: ready again
+                    self.pop.release(group, topic, unsent, unsent=True)
+            ts = s.ReceiveMessageResponse()
+            ts.delivery_timestamp.FromMilliseconds(int(time.time() * 1000))
+            yield ts
         finally:
-            unsent = held_back + got[sent:]  # in the batch's order (release puts each queue's back in front, in order)
-            if unsent:  # the stream ended first (cancelled, deadline, connection lost), or held back: ready again
-                self.pop.release(group, topic, unsent, unsent=True)
-        ts = s.ReceiveMessageResponse()
-        ts.delivery_timestamp.FromMilliseconds(int(time.time() * 1000))
-        yield ts
+            if held:  # the receive's place among the long polls, until its stream ends (a client that does not read holds it)
+                self.long_polls.give(client_id, peer)
 
     def _receive_args(self, request: s.ReceiveMessageRequest, context: Any):
         group = _group(request.group)

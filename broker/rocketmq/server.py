@@ -12,9 +12,18 @@ answer with RocketMQ's BAD_REQUEST in the response's ``status``, not a
 transport error; any error while serving becomes the response's status
 (status.py). Limits: the largest gRPC message is --max-body +
 --max-properties + 4 KiB (``grpc.max_receive_message_length``); RPCs at
-once are bounded (``MAX_CONCURRENT_RPCS``); a Telemetry stream's outbound
-queue is bounded (clients.py). Keepalive pings find dead clients, whose
-Telemetry streams then leave the producer registry.
+once are bounded (``MAX_CONCURRENT_RPCS``), and long polls and Telemetry
+streams per client, per connection and in all, below it (limits.py): past
+a bound a call is answered at once with TOO_MANY_REQUESTS; streams per
+connection are bounded (``MAX_STREAMS_PER_CONNECTION``) and calls not yet
+taken up wait in gRPC core up to the RPC bound (server_options); a Telemetry
+stream's outbound queue is bounded (clients.py). Keepalive pings find dead
+clients, whose Telemetry streams then leave the producer registry.
+
+Every refused request (a bad signature, a malformed request, a bound) is
+counted and logged, throttled, with its peer and reason
+(``core.refusals``, broker/refusals.py: ``refused_rocketmq_<kind>``,
+``event=refused frontend=rocketmq``).
 
 Connections, before any authentication, are held by gRPC core itself:
 at most --rocketmq-max-connections open (``grpc.max_allowed_incoming_connections``:
@@ -44,6 +53,8 @@ from txmq.store import StoreError
 from txmq.wire import TxmqError
 
 from .clients import TelemetryStream, write_command
+from .limits import peer_of
+from .pb import definition_pb2 as d
 from .pb import service_pb2 as s
 from .service import MessagingService, client_id_of, metadata
 from .settings import FrontendSettings
@@ -56,7 +67,16 @@ if TYPE_CHECKING:
 log = logging.getLogger("txmq.rocketmq")
 
 SERVICE = "apache.rocketmq.v2.MessagingService"
-MAX_CONCURRENT_RPCS = 16384  # open RPCs (Telemetry streams and long polls included); more get RESOURCE_EXHAUSTED
+# RPCs open at once (Telemetry streams and long polls included): past it a request is answered at once with
+# TOO_MANY_REQUESTS ("flow limit", as RocketMQ's proxy answers when its thread pools' queues are full), logged and
+# counted. Long polls and Telemetry streams have bounds of their own, per client and per connection, well below it
+# (limits.py), so that one client cannot fill it. gRPC's own bound (GRPC_MARGIN above it) is the last resort.
+MAX_CONCURRENT_RPCS = 16384
+GRPC_MARGIN = 1024
+# Streams one connection may have open at once (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS): a client's further calls
+# wait on its own side, not in the broker. Room for a connection's long polls and Telemetry streams (limits.py) and more.
+MAX_STREAMS_PER_CONNECTION = 4096
+REFUSAL_READ_S = 1.0  # a refused Telemetry stream is answered after the client's first command, or this long
 # A connection with no RPC open this long is closed (a GOAWAY): one that finished the handshake and never
 # sends a request does not hold its descriptor and its place under the cap for good. SDK clients never
 # get there (a Telemetry stream stays open, a heartbeat every 10 s); a client that does reconnects.
@@ -82,6 +102,7 @@ class RocketMQServer:
         self.max_connections: int = config.rocketmq_max_connections
         self.ready = asyncio.Event()  # set once the broker serves: requests that come earlier wait for it
         self.stopping = False
+        self.open_rpcs = 0  # RPCs being served (at most MAX_CONCURRENT_RPCS)
 
     async def bind(self) -> int:
         """Create the server and bind its port (0 picks a free one); returns the port."""
@@ -90,7 +111,7 @@ class RocketMQServer:
         host = cfg.host
         address = f"[{host}]:{cfg.rocketmq_port}" if ":" in host else f"{host}:{cfg.rocketmq_port}"
         check_port_free(host, cfg.rocketmq_port or 0, address)
-        self.server = aio.server(options=options, maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS)
+        self.server = aio.server(options=options, maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS + GRPC_MARGIN)
         try:
             if self.tls:
                 creds = grpc.ssl_server_credentials([(_read(cfg.rocketmq_tls_key, "--rocketmq-tls-key"),
@@ -120,9 +141,11 @@ class RocketMQServer:
         assert self.server is not None, "bind() first"
         self.ready.set()
         cfg = self.config
-        log.info("event=rocketmq_listening host=%s port=%d tls=%s max_message=%d max_connections=%d handshake_timeout_s=%g idle_timeout_s=%g",
+        polls = self.settings.long_polls
+        log.info("event=rocketmq_listening host=%s port=%d tls=%s max_message=%d max_connections=%d handshake_timeout_s=%g idle_timeout_s=%g "
+                 "max_rpcs=%d long_polls_per_client=%d long_polls_per_connection=%d long_polls=%d",
                  cfg.host, self.port, "on" if self.tls else "off", self.settings.max_receive_message, self.max_connections,
-                 cfg.auth_timeout_s or 120, IDLE_TIMEOUT_S)
+                 cfg.auth_timeout_s or 120, IDLE_TIMEOUT_S, MAX_CONCURRENT_RPCS, polls.per_client, polls.per_connection, polls.total)
 
     async def stop(self) -> None:
         """Stop serving (at shutdown, or when the start failed after bind); once."""
@@ -169,36 +192,66 @@ class RocketMQServer:
         md = metadata(context)
         token = self.settings.auth_token
         if token and not signed(md, token):
-            return RmqError(Code.UNAUTHORIZED, "the request is not signed with the broker's --auth-token "
-                                               "(RocketMQ credentials: any access key, the token as secret key)")
+            why = ("the request is not signed with the broker's --auth-token "
+                   "(RocketMQ credentials: any access key, the token as secret key)")
+            self.refused("auth", context, why)
+            return RmqError(Code.UNAUTHORIZED, why)
         cid = md.get("x-mq-client-id")
         if cid:
             self.settings.clients.seen(cid[:256], md.get("x-mq-language", ""))
         return None
+
+    def refused(self, kind: str, context: Any, reason: str) -> None:
+        """A request turned away: counted (refused_rocketmq_<kind>) and logged, one line per kind at most every 10 s."""
+        self.core.refusals.note("rocketmq", kind, peer_of(context), reason)
+
+    def _admit(self, context: Any) -> str | None:
+        """Count one more RPC open, or say why not (MAX_CONCURRENT_RPCS open: the refusal is logged and counted)."""
+        if self.open_rpcs >= MAX_CONCURRENT_RPCS:
+            why = f"flow limit: {self.open_rpcs} requests open on the broker, its limit; try again later"
+            self.refused("busy", context, why)
+            return why
+        self.open_rpcs += 1
+        return None
+
+    def _malformed(self, context: Any, what: str) -> d.Status:
+        self.core.metrics.inc("rmq_malformed_requests")
+        why = f"malformed request: not a valid {what}"
+        self.refused("bad_request", context, why)
+        return status(Code.BAD_REQUEST, why)
+
+    def _internal(self, name: str, exc: BaseException) -> None:
+        """An error nothing expected: counted, its traceback logged the first time, then throttled lines (refusals.py)."""
+        self.core.metrics.inc("rmq_internal_errors")
+        self.core.refusals.internal(f"rocketmq.{name}", exc)
 
     def _unary(self, name: str, impl: Callable, req_cls: Any, resp_cls: Any) -> Callable:
         metrics = self.core.metrics
 
         async def call(raw: bytes, context: Any) -> Any:
             metrics.inc("rmq_requests")
+            busy = self._admit(context)
+            if busy is not None:
+                return resp_cls(status=status(Code.TOO_MANY_REQUESTS, busy))
             try:
-                req = req_cls.FromString(raw)
-            except Exception:
-                metrics.inc("rmq_malformed_requests")
-                return resp_cls(status=status(Code.BAD_REQUEST, f"malformed request: not a valid {req_cls.DESCRIPTOR.full_name}"))
-            refusal = await self._refusal(context)
-            if refusal is not None:
-                return resp_cls(status=of_error(refusal))
-            try:
-                return await impl(req, context)
-            except (RmqError, TxmqError) as exc:
-                return resp_cls(status=of_error(exc))
-            except (OSError, StoreError) as exc:  # as on the native port: a full disk or no descriptor left is logged once
-                return resp_cls(status=of_error(self.core.store_error(exc)))
-            except Exception as exc:
-                log.exception("event=rmq_internal_error rpc=%s", name)
-                metrics.inc("rmq_internal_errors")
-                return resp_cls(status=of_error(exc))
+                try:
+                    req = req_cls.FromString(raw)
+                except Exception:
+                    return resp_cls(status=self._malformed(context, req_cls.DESCRIPTOR.full_name))
+                refusal = await self._refusal(context)
+                if refusal is not None:
+                    return resp_cls(status=of_error(refusal))
+                try:
+                    return await impl(req, context)
+                except (RmqError, TxmqError) as exc:
+                    return resp_cls(status=of_error(exc))
+                except (OSError, StoreError) as exc:  # as on the native port: a full disk or no descriptor left is logged once
+                    return resp_cls(status=of_error(self.core.store_error(exc)))
+                except Exception as exc:
+                    self._internal(name, exc)
+                    return resp_cls(status=of_error(exc))
+            finally:
+                self.open_rpcs -= 1
 
         call.__name__ = name
         return call
@@ -208,27 +261,32 @@ class RocketMQServer:
 
         async def call(raw: bytes, context: Any) -> AsyncIterator[Any]:
             metrics.inc("rmq_requests")
-            try:
-                req = req_cls.FromString(raw)
-            except Exception:
-                metrics.inc("rmq_malformed_requests")
-                yield resp_cls(status=status(Code.BAD_REQUEST, f"malformed request: not a valid {req_cls.DESCRIPTOR.full_name}"))
-                return
-            refusal = await self._refusal(context)
-            if refusal is not None:
-                yield resp_cls(status=of_error(refusal))
+            busy = self._admit(context)
+            if busy is not None:
+                yield resp_cls(status=status(Code.TOO_MANY_REQUESTS, busy))
                 return
             try:
-                async for resp in impl(req, context):
-                    yield resp
-            except (RmqError, TxmqError) as exc:
-                yield resp_cls(status=of_error(exc))
-            except (OSError, StoreError) as exc:
-                yield resp_cls(status=of_error(self.core.store_error(exc)))
-            except Exception as exc:
-                log.exception("event=rmq_internal_error rpc=%s", name)
-                metrics.inc("rmq_internal_errors")
-                yield resp_cls(status=of_error(exc))
+                try:
+                    req = req_cls.FromString(raw)
+                except Exception:
+                    yield resp_cls(status=self._malformed(context, req_cls.DESCRIPTOR.full_name))
+                    return
+                refusal = await self._refusal(context)
+                if refusal is not None:
+                    yield resp_cls(status=of_error(refusal))
+                    return
+                try:
+                    async for resp in impl(req, context):
+                        yield resp
+                except (RmqError, TxmqError) as exc:
+                    yield resp_cls(status=of_error(exc))
+                except (OSError, StoreError) as exc:
+                    yield resp_cls(status=of_error(self.core.store_error(exc)))
+                except Exception as exc:
+                    self._internal(name, exc)
+                    yield resp_cls(status=of_error(exc))
+            finally:
+                self.open_rpcs -= 1
 
         call.__name__ = name
         return call
@@ -240,16 +298,53 @@ class RocketMQServer:
         ends: the client closes it, it goes away (keepalive), the broker
         stops, or it does not read what is written (clients.py).
         """
+        self.core.metrics.inc("rmq_requests")
+        busy = self._admit(context)
+        if busy is not None:
+            await self._refuse_stream(requests, context, status(Code.TOO_MANY_REQUESTS, busy))
+            return
+        try:
+            refusal = await self._refusal(context)
+            cid = client_id_of(context)
+            if refusal is None and not cid:
+                refusal = RmqError(Code.CLIENT_ID_REQUIRED, "the x-mq-client-id header is missing")
+                self.refused("bad_request", context, refusal.message)
+            if refusal is not None:
+                await self._refuse_stream(requests, context, of_error(refusal))
+                return
+            # Bounded per client, per connection and in all (limits.py): the excess is told to try later, and ends.
+            peer = peer_of(context)
+            streams = self.settings.telemetry_streams
+            busy = streams.take(cid, peer)
+            if busy is not None:
+                self.refused("busy", context, busy)
+                await self._refuse_stream(requests, context, status(Code.TOO_MANY_REQUESTS, f"{busy}; try again later"))
+                return
+            try:
+                await self._serve_telemetry(requests, context, cid)
+            finally:
+                streams.give(cid, peer)
+        finally:
+            self.open_rpcs -= 1
+
+    async def _refuse_stream(self, requests: AsyncIterator[bytes], context: Any, why: d.Status) -> None:
+        """Answer a refused Telemetry stream with a status, then end it.
+
+        The answer follows the client's first command (SDKs send their
+        settings as soon as they open the stream; at most REFUSAL_READ_S is
+        waited for it): a stream ended before the client's first write
+        makes that write fail, and the client would see a transport error
+        instead of the reason.
+        """
+        try:
+            await asyncio.wait_for(requests.__aiter__().__anext__(), REFUSAL_READ_S)
+        except Exception:  # nothing came in time, the client closed its side, or it went away: answer all the same
+            pass
+        await context.write(s.TelemetryCommand(status=why))
+
+    async def _serve_telemetry(self, requests: AsyncIterator[bytes], context: Any, cid: str) -> None:
         svc = self.service
         metrics = self.core.metrics
-        metrics.inc("rmq_requests")
-        refusal = await self._refusal(context)
-        cid = client_id_of(context)
-        if refusal is None and not cid:
-            refusal = RmqError(Code.CLIENT_ID_REQUIRED, "the x-mq-client-id header is missing")
-        if refusal is not None:
-            await context.write(s.TelemetryCommand(status=of_error(refusal)))
-            return
         client = svc.clients.touch(cid)
         stream = TelemetryStream(self.core, client, context.peer() or "", self.settings.max_receive_message)
         metrics.inc("rmq_telemetry_streams")
@@ -261,8 +356,7 @@ class RocketMQServer:
                     try:
                         cmd = s.TelemetryCommand.FromString(raw)
                     except Exception:
-                        metrics.inc("rmq_malformed_requests")
-                        stream.offer(s.TelemetryCommand(status=status(Code.BAD_REQUEST, "malformed TelemetryCommand")))
+                        stream.offer(s.TelemetryCommand(status=self._malformed(context, "TelemetryCommand")))
                         continue
                     try:
                         await svc.on_telemetry_command(stream, cmd, client, stream.peer)
@@ -315,6 +409,12 @@ def server_options(max_receive: int, max_connections: int, handshake_timeout_s: 
         ("grpc.http2.max_pings_without_data", 0),
         ("grpc.max_allowed_incoming_connections", max_connections),
         ("grpc.max_connection_idle_ms", int(IDLE_TIMEOUT_S * 1000)),
+        ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),
+        # Calls gRPC core has accepted and the front end not yet taken up: past its default bounds (1,000, then
+        # 3,000) gRPC cancels them, whoever sent them, and nobody is told why; a burst of one client's calls then
+        # cancelled other clients' requests. Up to the RPC bound they wait their turn, and are answered.
+        ("grpc.server.max_pending_requests", MAX_CONCURRENT_RPCS + GRPC_MARGIN),
+        ("grpc.server.max_pending_requests_hard_limit", MAX_CONCURRENT_RPCS + GRPC_MARGIN),
     ]
     if handshake_timeout_s:  # else gRPC's own: 2 minutes
         options.append(("grpc.server_handshake_timeout_ms", max(1, int(handshake_timeout_s * 1000))))

@@ -73,7 +73,7 @@ class MessagingService:
                 raise
             ReceiveFrontend = None  # noqa: N806
         if ReceiveFrontend is not None:
-            self.receive = ReceiveFrontend(core, settings.clients)
+            self.receive = ReceiveFrontend(core, settings.clients, long_polls=settings.long_polls)
 
     async def close(self) -> None:
         self.clients.close_all("")

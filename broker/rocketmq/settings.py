@@ -10,7 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from . import limits
 from .clients import ClientTable
+from .limits import Holds
 
 if TYPE_CHECKING:
     from txmq.broker.config import BrokerConfig
@@ -28,6 +30,9 @@ class FrontendSettings:
     max_receive_message: int  # largest gRPC message accepted (grpc.max_receive_message_length)
     auth_token: str | None = None  # --auth-token: the secret RocketMQ's request signature must be made with
     clients: ClientTable = field(default_factory=ClientTable)
+    # What clients hold open (limits.py): receives waiting for a message, and Telemetry streams.
+    long_polls: Holds = field(default_factory=limits.default_long_polls)
+    telemetry_streams: Holds = field(default_factory=limits.default_telemetry_streams)
     # What the settings answer tells clients (RocketMQ's proxy defaults; clients.py uses them).
     producer_max_attempts: int = 3
     producer_backoff_s: tuple[float, float, float] = (0.01, 1.0, 2.0)  # exponential: initial, max, multiplier

@@ -18,6 +18,7 @@ tests assert on it. Every scenario has a deadline and exits (os._exit) even if a
     python python_scenario.py fifo-receive --endpoint ... --topic T --group G --expect N [--invisible S]
         [--skip-first BODY] [--crash-after N] [--already BODY,...]
     python python_scenario.py lite --endpoint ... --topic T --group G
+    python python_scenario.py flood --endpoint ... --topic T --group G --count N --expect-refused K [--until-file F]
 """
 
 from __future__ import annotations
@@ -291,6 +292,37 @@ def scenario_receive(args) -> None:
     RESULT["shutdown"] = True
 
 
+def scenario_flood(args) -> None:
+    """Apache's Java SDK example AsyncSimpleConsumerExample, with this SDK: receive_async --count times without
+    waiting for any (long polls of --await-duration), then wait until --expect-refused of them have ended (or
+    --seconds pass) and say how each ended: the exception's type, "received", or "pending". The process then stays,
+    its long polls open, until --until-file exists (or --seconds pass again)."""
+    t = args.topic
+    consumer = SimpleConsumer(config(args), args.group, {t: FilterExpression()}, await_duration=args.await_duration, tls_enable=args.tls)
+    consumer.startup()
+    t0 = time.monotonic()
+    futures = [consumer.receive_async(16, 15) for _ in range(args.count)]
+    RESULT["issued_s"] = round(time.monotonic() - t0, 2)
+    wait_until(lambda: sum(f.done() for f in futures) >= args.expect_refused, args.seconds)
+    RESULT["answered_s"] = round(time.monotonic() - t0, 2)
+    outcomes: dict[str, int] = {}
+    examples: dict[str, str] = {}
+    for f in futures:
+        if not f.done():
+            key = "pending"
+        elif f.exception() is not None:
+            key = type(f.exception()).__name__
+            examples.setdefault(key, str(f.exception())[:400])
+        else:
+            key = "received"
+        outcomes[key] = outcomes.get(key, 0) + 1
+    RESULT["outcomes"] = outcomes
+    RESULT["examples"] = examples
+    if args.until_file:
+        wait_until(lambda: os.path.exists(args.until_file), args.seconds)
+    RESULT["pending_at_end"] = sum(not f.done() for f in futures)
+
+
 class RecordingListener(MessageListener):
     """A PushConsumer listener that fails the first delivery of --fail-first and succeeds everything else."""
 
@@ -506,7 +538,7 @@ def scenario_lite(args) -> None:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("scenario", choices=["transactions", "half", "checker", "send", "unsupported", "receive", "push", "invisible",
-                                        "idle", "unknown", "delay", "fifo-send", "fifo-receive", "lite"])
+                                        "idle", "unknown", "delay", "fifo-send", "fifo-receive", "lite", "flood"])
     p.add_argument("--endpoint", required=True)
     p.add_argument("--topic", required=True)
     p.add_argument("--group", default="sdk-consumers")
@@ -535,6 +567,8 @@ def main() -> None:
     p.add_argument("--already", help="fifo-receive: bodies an earlier consumer processed, comma-separated")
     p.add_argument("--batch", type=int, default=16, help="fifo-receive: messages per receive")
     p.add_argument("--slow", type=float, default=0.0, help="push: seconds each consume takes")
+    p.add_argument("--expect-refused", type=int, default=1, help="flood: how many receives must end before it reports")
+    p.add_argument("--until-file", help="flood: keep the long polls open until this file exists")
     args = p.parse_args()
     RESULT["scenario"] = args.scenario
     watchdog(args.deadline)
@@ -543,7 +577,7 @@ def main() -> None:
          "unsupported": scenario_unsupported,
          "receive": scenario_receive, "push": scenario_push, "invisible": scenario_invisible, "idle": scenario_idle,
          "unknown": scenario_unknown, "delay": scenario_delay, "fifo-send": scenario_fifo_send,
-         "fifo-receive": scenario_fifo_receive, "lite": scenario_lite}[args.scenario](args)
+         "fifo-receive": scenario_fifo_receive, "lite": scenario_lite, "flood": scenario_flood}[args.scenario](args)
     except BaseException as e:  # noqa: BLE001 - reported to the test, which fails on it
         RESULT["errors"].append(f"{type(e).__name__}: {e}")
         RESULT["traceback"] = traceback.format_exc()
