@@ -48,10 +48,12 @@ class PeerUnavailable(Exception):
 
 
 class RocketMQPeer:
-    def __init__(self, build_dir: Path, peer_dir: Path = PEER_DIR) -> None:
+    def __init__(self, build_dir: Path, peer_dir: Path = PEER_DIR, run_dir: Path | None = None) -> None:
         self.peer_dir = peer_dir
         self.build_dir = Path(build_dir)
         self.env = {**os.environ, "RMQ_BUILD_DIR": str(self.build_dir)}
+        if run_dir is not None:  # a second instance from the same build (run.sh: one instance per run dir)
+            self.env["RMQ_RUN_DIR"] = str(run_dir)
         self.namesrv = ""
         self.broker = ""
         self.broker_pid = 0
@@ -73,9 +75,10 @@ class RocketMQPeer:
         if r.returncode != 0:
             raise PeerUnavailable(f"tests/java/RmqDriver.java does not compile against the peer's jars: {_tail(r)}")
 
-    def start(self) -> None:
+    def start(self, *settings: str) -> None:
+        """Boots the name server and broker with BROKER_SETTINGS and then ``settings`` (broker.conf lines; the last wins)."""
         args = [str(self.peer_dir / "run.sh"), "start", "-n", "auto", "-b", "auto", "-H", HEAP, "--clean"]
-        for kv in BROKER_SETTINGS:
+        for kv in (*BROKER_SETTINGS, *settings):
             args += ["-c", kv]
         r = self._run(args, timeout=300)
         text = r.stdout.decode(errors="replace")

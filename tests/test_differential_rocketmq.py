@@ -150,3 +150,114 @@ def test_refused_and_delayed_sends_end_as_on_rocketmq(rocketmq_peer, broker):
     # Deliberate: 5 MiB of zeros, which the client compresses (bodies over 4 KiB) to a few KiB. RocketMQ checks and
     # stores the compressed body; txmq stores bodies inflated (every front end reads them) and holds the inflated
     # size to --max-body (docs/remoting.md, "Differences from RocketMQ 4").
+
+
+# ---- consumers: message models, lite pull, restarts ----------------------------------------------------
+@pytest.mark.parametrize("model", ["CLUSTERING", "BROADCASTING"])
+def test_two_push_consumers_share_or_each_get_the_messages_by_their_model_as_on_rocketmq(rocketmq_peer, broker, model):
+    """Two consumers of one group (two client instances), 4 queues: clustering splits the queues 2 and 2 and delivers
+    each message once; broadcasting gives every consumer every queue and every message."""
+    theirs, ours = both(rocketmq_peer, broker, "models", topic=f"Diff-{model}", group=f"diff-{model}", model=model, n=8)
+    assert ours == theirs
+    every = [f"model-{i}" for i in range(8)]
+    if model == "CLUSTERING":
+        assert ours["queuesHeld"] == [2, 2] and ours["all"] == every and ours["queuesReadByBoth"] == 0 and ours["bothReceived"]
+    else:
+        assert ours["queuesHeld"] == [4, 4] and ours["all"] == sorted(every * 2) and ours["eachReceivedAll"]
+
+
+def test_a_lite_pull_consumer_subscribes_commits_assigns_and_seeks_as_on_rocketmq(rocketmq_peer, broker):
+    theirs, ours = both(rocketmq_peer, broker, "litepull", topic="Diff-litepull", group="diff-litepull", n=6)
+    assert ours == theirs == {
+        "subscribed": ["lite-0", "lite-2", "lite-4"],  # TagA only
+        "subscribedAgainAfterCommit": [],  # the group's committed offsets hold after its consumer is gone
+        "assignedFromBegin": [f"lite-{i}" for i in range(6)],
+        "committedAfterCommit": {"sum": 6},
+        "afterSeekTo1": "1 of the queue's 2",
+        "afterSeekToEnd": []}
+
+
+def test_a_restarted_push_consumer_resumes_from_its_groups_offsets_as_on_rocketmq(rocketmq_peer, broker):
+    theirs, ours = both(rocketmq_peer, broker, "restart", topic="Diff-restart", group="diff-restart", n=3)
+    assert ours == theirs == {"firstRun": ["before-0", "before-1", "before-2"], "secondRun": ["after-0", "after-1", "after-2"]}
+
+
+# ---- delay levels -------------------------------------------------------------------------------------
+# what each server's scheduler adds to a delivered copy: RocketMQ 4 keeps the level and the real topic and queue it
+# moved the message from (SCHEDULE_TOPIC_XXXX); txmq's scheduler (RocketMQ 5's timer) its times and its record
+THEIR_SCHEDULE_PROPS = {"DELAY", "REAL_QID", "REAL_TOPIC", "WAIT"}
+OUR_SCHEDULE_PROPS = {"TIMER_DELIVER_MS", "TIMER_DEQUEUE_MS", "TIMER_ENQUEUE_MS", "TXMQ_SCHEDULED_FROM"}
+
+
+def test_every_delay_level_is_delivered_not_before_its_due_time_as_on_rocketmq(rocketmq_peer, broker):
+    """Levels 1-18 of the peer's table (17 of 1 s, then 1 h): 1-17 are delivered, none before its time since it was
+    sent; 18 is held, its offset id showing the scheduled message due an hour after it was stored."""
+    levels = list(range(1, 19))
+    theirs, ours = both(rocketmq_peer, broker, "delays", topic="Diff-delays", group="diff-delays",
+                        levels=",".join(map(str, levels)), delayTable=DELAY_LEVELS, waitBelowMs=60_000)
+    for outcome in (theirs, ours):
+        assert outcome["allAwaitedReceived"] and outcome["early"] == [], outcome["early"]
+        assert sorted(outcome["received"]) == sorted(f"level-{n}" for n in range(1, 18))
+
+    def delivered(outcome: dict, scheduler: set[str]) -> dict:
+        out = {}
+        for body, m in outcome["received"].items():
+            m = message(m)
+            assert scheduler <= set(m["properties"]), m
+            m["properties"] = {k: v for k, v in m["properties"].items() if k not in scheduler | {"CONSUME_START_TIME"}}
+            out[body] = m
+        return out
+
+    assert delivered(ours, OUR_SCHEDULE_PROPS) == delivered(theirs, THEIR_SCHEDULE_PROPS)
+    # RocketMQ keeps the level on the delivered copy; txmq's copies carry no delay (sent again, they are not delayed again)
+    assert theirs["received"]["level-3"]["properties"]["DELAY"] == "3" and "DELAY" not in ours["received"]["level-3"]["properties"]
+
+    # level 18 (1 h), viewed by its send's offset id: the scheduled message, in each server's schedule topic
+    mine, peer = ours["pending"]["level-18"], theirs["pending"]["level-18"]
+    for view, schedule_topic in ((peer, "SCHEDULE_TOPIC_XXXX"), (mine, "RMQ_SYS_TXMQ_TIMER")):
+        assert view["topic"] == schedule_topic and view["body"] == "level-18" and view["keys"] == "L18"
+        assert view["properties"]["DELAY"] == "18" and view["properties"]["REAL_TOPIC"] == "Diff-delays"
+    assert peer["queueId"] == 17  # RocketMQ: a queue per level, due at its store time + the level's delay
+    # txmq: due (TIMER_OUT_MS) an hour after the send reached the broker: between its born and its store time + 1 h
+    due = int(mine["properties"]["TIMER_OUT_MS"])
+    assert mine["bornTimestamp"] + 3_600_000 <= due <= mine["storeTimestamp"] + 3_600_000
+
+
+# ---- errors applications meet -------------------------------------------------------------------------
+def test_an_unknown_request_code_is_refused_by_the_broker_as_on_rocketmq(rocketmq_peer, broker):
+    theirs, ours = both(rocketmq_peer, broker, "unknown-code", topic="Diff-unknown", group="diff-unknown", code=9999)
+    # the broker: REQUEST_CODE_NOT_SUPPORTED (3) naming the code ("request type 9999 not supported" on RocketMQ), and the
+    # connection goes on
+    for outcome in (theirs, ours):
+        assert outcome["broker"]["code"] == 3 and outcome["broker"]["remarkNamesCode"], outcome
+        assert outcome["warmup"] == outcome["sendAfterwards"] == "SEND_OK"
+    # Deliberate: RocketMQ's name server does not answer a code it does not know (the call times out); txmq's one port
+    # answers as the broker does (docs/remoting.md, "Differences from RocketMQ 4").
+    assert theirs["nameServer"] == {"error": "RemotingTimeoutException"}
+    assert ours["nameServer"] == ours["broker"]
+
+
+@pytest.fixture(scope="module")
+def without_auto_creation(rocketmq_peer, tmp_path_factory):
+    """A second RocketMQ (the session's build, its own run dir) and a txmq, both with topics created only on purpose."""
+    from rocketmq_peer import PeerUnavailable, RocketMQPeer
+
+    peer = RocketMQPeer(rocketmq_peer.build_dir, run_dir=tmp_path_factory.mktemp("rocketmq-no-auto-create"))
+    try:
+        peer.start("autoCreateTopicEnable=false")
+    except PeerUnavailable as exc:
+        pytest.skip(str(exc))
+    try:
+        with TxmqRemoting(tmp_path_factory.mktemp("no-auto-create") / "data", "--no-auto-create-topics") as b:
+            yield peer, b
+    finally:
+        peer.stop()
+
+
+def test_a_topic_that_does_not_exist_is_refused_without_auto_creation_as_on_rocketmq(rocketmq_peer, without_auto_creation):
+    peer, txmq_broker = without_auto_creation
+    theirs = rocketmq_peer.driver(peer.namesrv, "no-topic", topic="Diff-nowhere", group="diff-nowhere")
+    ours = rocketmq_peer.driver(txmq_broker.namesrv, "no-topic", topic="Diff-nowhere", group="diff-nowhere")
+    # the send: the client finds no route (NOT_FOUND_TOPIC_EXCEPTION, 10005), neither for the topic nor TBW102; a pull
+    # consumer's queue lookup fails in the client; a push consumer starts and waits for the topic
+    assert ours == theirs == {"send": "client 10005", "pullQueues": "client -1", "pushStart": "started"}

@@ -185,6 +185,29 @@ def test_sends_give_offset_message_ids_that_view_message_by_id_reads_back_and_ho
     with_broker(tmp_path, test)
 
 
+def test_a_delayed_messages_offset_id_views_its_scheduled_record_with_its_due_time(tmp_path):
+    """As RocketMQ shows a delayed message in SCHEDULE_TOPIC_XXXX by its send's offset id (mqadmin queryMsgById, the
+    client's viewMessage): txmq's scheduled record, its real topic and due time; other system records stay refused."""
+    async def test(b):
+        c = await RemotingClient.connect(b.remoting_address)
+        r = await c.send("Later", b"in an hour", props={"UNIQ_KEY": "U-later", "KEYS": "k", "DELAY": "18"}, queue_id=1)
+        assert r.code == 0, r
+        v = await c.request(VIEW_MESSAGE_BY_ID, {"offset": offset_of(r.ext["msgId"])})
+        assert v.code == 0, v
+        [m] = decode_messages(v.body)
+        props = m["properties"]
+        assert m["topic"] == "RMQ_SYS_TXMQ_TIMER" and m["body"] == b"in an hour"
+        assert props["REAL_TOPIC"] == "Later" and props["REAL_QID"] == "1" and props["DELAY"] == "18"
+        assert m["born_ts"] + 7_200_000 <= int(props["TIMER_OUT_MS"]) <= m["store_ts"] + 7_200_000  # level 18: 2 h by default
+        # a half message's record is not a message to view
+        h = await c.send("Later", b"half", props={"UNIQ_KEY": "U-half", "TRAN_MSG": "true", "PGROUP": "g"})
+        assert h.code == 0, h
+        v = await c.request(VIEW_MESSAGE_BY_ID, {"offset": offset_of(h.ext["msgId"])})
+        assert v.code == 1 and "system topic" in v.remark, v
+        await c.close()
+    with_broker(tmp_path, test)
+
+
 def test_a_batch_is_stored_as_its_messages_in_one_queue(tmp_path):
     async def test(b):
         c = await RemotingClient.connect(b.remoting_address)

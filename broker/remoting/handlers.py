@@ -28,6 +28,7 @@ from txmq.store import Message, TxType
 from txmq.wire import ErrorCode, TxmqError
 
 from txmq.broker.groups import offset_for_time
+from txmq.broker.scheduled.service import is_scheduled_message
 from txmq.broker.scheduled.timing import without_schedule
 from txmq.broker.topics import MAX_QUEUES, check_topic_name
 
@@ -665,7 +666,8 @@ def send_msg_back(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Comm
     return reply()
 
 
-def _read_message(core: BrokerCore, cl: int) -> Any:
+def _read_message(core: BrokerCore, cl: int, scheduled: bool = False) -> Any:
+    """The message stored at commit-log offset ``cl``; with ``scheduled``, a delayed message's scheduled record too."""
     store = core.store
     if not store.min_offset <= cl < store.max_offset:
         raise TxmqError(f"no message at commit-log offset {cl} (the log holds {store.min_offset} to {store.max_offset})",
@@ -674,7 +676,7 @@ def _read_message(core: BrokerCore, cl: int) -> Any:
         rec = store.read_record(cl)
     except Exception:
         raise TxmqError(f"no message starts at commit-log offset {cl}", ErrorCode.NO_SUCH_MESSAGE) from None
-    if is_system_topic(rec.topic):
+    if is_system_topic(rec.topic) and not (scheduled and is_scheduled_message(rec)):
         raise TxmqError(f"commit-log offset {cl} holds a record of system topic {rec.topic}, not a message", ErrorCode.NO_SUCH_MESSAGE)
     return rec
 
@@ -722,7 +724,9 @@ def search_offset(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Comm
 
 @handles(p.VIEW_MESSAGE_BY_ID)
 def view_message(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Command) -> p.Command:
-    rec = _read_message(front.core, req_int(cmd.ext, "offset", 0))
+    # a delayed message's offset id (its send's receipt) names its scheduled record: shown with its REAL_TOPIC and due
+    # time (TIMER_OUT_MS), as RocketMQ shows it in SCHEDULE_TOPIC_XXXX
+    rec = _read_message(front.core, req_int(cmd.ext, "offset", 0), scheduled=True)
     return ok(cmd, body=encode_record(rec, conn.store_addr, front.port))
 
 

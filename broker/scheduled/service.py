@@ -123,6 +123,12 @@ def _row_of(rec: Record) -> Row | None:
         return None
 
 
+def is_scheduled_message(rec: Record) -> bool:
+    """A scheduled record (a message waiting for, or already past, its due time), not a cancel or another system record:
+    what a lookup by commit-log offset shows, as RocketMQ shows a delayed message in SCHEDULE_TOPIC_XXXX."""
+    return rec.topic == SCHEDULE_TOPIC and _row_of(rec) is not None
+
+
 class ScheduleService:
     """Scheduled messages: the send path, the index and its file, the delivery task, cancels and listings."""
 

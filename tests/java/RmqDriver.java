@@ -27,6 +27,17 @@
  *             its end, CONSUME_FROM_LAST_OFFSET): -Dmode=push (an orderly push consumer) or -Dmode=pull
  *             (DefaultMQPullConsumer from fetchConsumeOffset); until -Dexpect messages came and none for -Didle ms
  *             (or -Dtimeout s): every message received, in the order received, and the offsets it started at
+ *   models    -Dmodel=CLUSTERING|BROADCASTING: the topic created empty (4 queues), two push consumers of -Dgroup (two
+ *             client instances); once each holds its queues, -Dn=8 sends: what each consumer received, from which queues
+ *   litepull  -Dn=6 sends, tags TagA/TagB in turn; DefaultLitePullConsumer subscribed to TagA (commitSync, then a second
+ *             one of the group finds nothing left), then one assigned every queue: seekToBegin, seek, committed, seekToEnd
+ *   restart   -Dn=3 sends, a push consumer of -Dgroup takes them and shuts down; -Dn more sends; the consumer started
+ *             again (a new client instance, the same group): what each run received
+ *   delays    a message per level -Dlevels=1,2,... (-DdelayTable: the broker's messageDelayLevel); a push consumer: each
+ *             level received and whether before its due time; levels over -DwaitBelowMs are not awaited, but viewed
+ *   unknown-code  request code -Dcode=9999 to the name server and to the broker through the client's own connection:
+ *             each answer's code and remark, then whether a send on the same connection still works
+ *   no-topic  a send, a pull consumer's queue lookup and a push consumer's start for a topic that does not exist
  *   hold      a push consumer of -Dgroup on the topic, consuming from the first offset; prints "GOT <body>" for each
  *             message, "READY" once it has -Dexpect of them, then runs until its standard input closes; its RESULT
  *             lists the bodies received
@@ -95,6 +106,12 @@ public class RmqDriver {
             case "errors": out = errors(); break;
             case "orderly": out = orderly(); break;
             case "retry": out = retry(); break;
+            case "models": out = models(); break;
+            case "litepull": out = litepull(); break;
+            case "restart": out = restart(); break;
+            case "delays": out = delays(); break;
+            case "unknown-code": out = unknownCode(); break;
+            case "no-topic": out = noTopic(); break;
             default: throw new IllegalArgumentException("unknown scenario " + scenario);
         }
         System.out.println("RESULT " + json(out));
@@ -598,6 +615,344 @@ public class RmqDriver {
         return o;
     }
 
+    // ---- consumers: models, lite pull, restarts -----------------------------------------------------
+    static DefaultMQPushConsumer pushConsumer(String instance, List<Map<String, Object>> got) throws MQClientException {
+        DefaultMQPushConsumer c = new DefaultMQPushConsumer(GROUP);
+        c.setNamesrvAddr(NAMESRV);
+        c.setInstanceName(instance + "-" + STAMP);
+        c.setConsumeFromWhere(ConsumeFromWhere.CONSUME_FROM_FIRST_OFFSET);
+        c.setPersistConsumerOffsetInterval(500);
+        c.subscribe(TOPIC, str("expression", "*"));
+        c.registerMessageListener((MessageListenerConcurrently) (msgs, ctx) -> {
+            for (MessageExt m : msgs) {
+                Map<String, Object> v = view(m);
+                v.put("receivedAt", System.currentTimeMillis());
+                v.put("bornTimestamp", m.getBornTimestamp());
+                got.add(v);
+            }
+            return ConsumeConcurrentlyStatus.CONSUME_SUCCESS;
+        });
+        return c;
+    }
+
+    static List<String> bodies(List<Map<String, Object>> got) {
+        List<String> out = new ArrayList<>();
+        synchronized (got) {
+            for (Map<String, Object> m : got) out.add((String) m.get("body"));
+        }
+        Collections.sort(out);
+        return out;
+    }
+
+    static boolean waitFor(java.util.function.BooleanSupplier done, long timeoutMs) throws InterruptedException {
+        long deadline = System.currentTimeMillis() + timeoutMs;
+        while (!done.getAsBoolean()) {
+            if (System.currentTimeMillis() > deadline) return false;
+            Thread.sleep(100);
+        }
+        return true;
+    }
+
+    static int held(DefaultMQPushConsumer c) {
+        int n = 0;  // queues of the topic (a clustering consumer also holds its group's %RETRY% queue)
+        for (MessageQueue mq : c.getDefaultMQPushConsumerImpl().getRebalanceImpl().getProcessQueueTable().keySet()) {
+            if (mq.getTopic().equals(TOPIC)) n++;
+        }
+        return n;
+    }
+
+    static Map<String, Object> models() throws Exception {
+        String model = str("model", "CLUSTERING");
+        int n = (int) num("n", 8);
+        DefaultMQProducer p = producer();
+        Map<String, Object> o = new LinkedHashMap<>();
+        try {
+            p.createTopic("TBW102", TOPIC, 4);  // the topic exists, empty, before the consumers ask its route
+            final int[] found = {0};
+            waitFor(() -> {
+                try {
+                    found[0] = p.fetchPublishMessageQueues(TOPIC).size();
+                } catch (MQClientException e) {
+                    found[0] = 0;
+                }
+                return found[0] > 0;
+            }, 30_000);
+            int queues = found[0];
+            List<Map<String, Object>> got1 = Collections.synchronizedList(new ArrayList<>());
+            List<Map<String, Object>> got2 = Collections.synchronizedList(new ArrayList<>());
+            DefaultMQPushConsumer c1 = pushConsumer("model1", got1), c2 = pushConsumer("model2", got2);
+            org.apache.rocketmq.common.protocol.heartbeat.MessageModel mm =
+                org.apache.rocketmq.common.protocol.heartbeat.MessageModel.valueOf(model);
+            c1.setMessageModel(mm);
+            c2.setMessageModel(mm);
+            c1.start();
+            c2.start();
+            boolean broadcasting = model.equals("BROADCASTING");
+            // clustering: settled once each holds half the queues (the one that held them all has let half go)
+            boolean balanced = waitFor(() -> broadcasting ? held(c1) == queues && held(c2) == queues
+                                                          : held(c1) == queues / 2 && held(c2) == queues - queues / 2, 90_000);
+            List<Integer> split = new ArrayList<>(List.of(held(c1), held(c2)));
+            Collections.sort(split);
+            for (int i = 0; i < n; i++) p.send(message("m" + i, "TagM", "model-" + i));
+            waitFor(() -> broadcasting ? got1.size() >= n && got2.size() >= n : got1.size() + got2.size() >= n, 60_000);
+            Thread.sleep(num("settle", 2000));  // nothing more arrives
+            c1.shutdown();
+            c2.shutdown();
+            o.put("queues", queues);
+            o.put("balanced", balanced);
+            o.put("queuesHeld", split);
+            List<String> all = new ArrayList<>(bodies(got1));
+            all.addAll(bodies(got2));
+            Collections.sort(all);
+            o.put("all", all);  // every delivery, both consumers
+            Set<Integer> q1 = new TreeSet<>(), q2 = new TreeSet<>();
+            for (Map<String, Object> m : new ArrayList<>(got1)) q1.add((Integer) m.get("queueId"));
+            for (Map<String, Object> m : new ArrayList<>(got2)) q2.add((Integer) m.get("queueId"));
+            Set<Integer> both = new TreeSet<>(q1);
+            both.retainAll(q2);
+            o.put("bothReceived", !got1.isEmpty() && !got2.isEmpty());
+            o.put("queuesReadByBoth", both.size());
+            o.put("eachReceivedAll", bodies(got1).equals(bodies(got2)) && got1.size() == n);
+        } finally {
+            p.shutdown();
+        }
+        return o;
+    }
+
+    static org.apache.rocketmq.client.consumer.DefaultLitePullConsumer litePull(String group, String instance) {
+        org.apache.rocketmq.client.consumer.DefaultLitePullConsumer c = new org.apache.rocketmq.client.consumer.DefaultLitePullConsumer(group);
+        c.setNamesrvAddr(NAMESRV);
+        c.setInstanceName(instance + "-" + STAMP);
+        c.setAutoCommit(false);
+        c.setPollTimeoutMillis(1000);
+        return c;
+    }
+
+    /** poll() until -expect messages came (or none more for 2 s past that / the timeout): their bodies, sorted. */
+    static List<String> pollBodies(org.apache.rocketmq.client.consumer.DefaultLitePullConsumer c, int expect) {
+        List<String> out = new ArrayList<>();
+        long deadline = System.currentTimeMillis() + 30_000;
+        long quietUntil = 0;
+        while (System.currentTimeMillis() < deadline) {
+            List<MessageExt> got = c.poll(500);
+            for (MessageExt m : got) out.add(new String(m.getBody(), StandardCharsets.UTF_8));
+            if (out.size() >= expect) {
+                if (quietUntil == 0) quietUntil = System.currentTimeMillis() + 2000;
+                if (!got.isEmpty()) quietUntil = System.currentTimeMillis() + 2000;
+                if (System.currentTimeMillis() >= quietUntil) break;
+            }
+        }
+        Collections.sort(out);
+        return out;
+    }
+
+    static Map<String, Object> litepull() throws Exception {
+        int n = (int) num("n", 6);
+        DefaultMQProducer p = producer();
+        Map<String, Object> o = new LinkedHashMap<>();
+        try {
+            for (int i = 0; i < n; i++) p.send(message("l" + i, i % 2 == 0 ? "TagA" : "TagB", "lite-" + i));
+        } finally {
+            p.shutdown();
+        }
+        org.apache.rocketmq.client.consumer.DefaultLitePullConsumer s = litePull(GROUP, "lite1");
+        s.subscribe(TOPIC, "TagA");
+        s.start();
+        o.put("subscribed", pollBodies(s, (n + 1) / 2));
+        s.commitSync();
+        s.shutdown();
+        org.apache.rocketmq.client.consumer.DefaultLitePullConsumer again = litePull(GROUP, "lite2");
+        again.subscribe(TOPIC, "TagA");
+        again.start();
+        o.put("subscribedAgainAfterCommit", pollBodies(again, 0));
+        again.shutdown();
+
+        org.apache.rocketmq.client.consumer.DefaultLitePullConsumer a = litePull(GROUP + "-assign", "lite3");
+        a.start();
+        try {
+            List<MessageQueue> mqs = new ArrayList<>(a.fetchMessageQueues(TOPIC));
+            Collections.sort(mqs);
+            a.assign(mqs);
+            for (MessageQueue mq : mqs) a.seekToBegin(mq);
+            o.put("assignedFromBegin", pollBodies(a, n));
+            a.commitSync();
+            Map<String, Object> committed = new TreeMap<>();
+            long total = 0;
+            for (MessageQueue mq : mqs) total += a.committed(mq);
+            committed.put("sum", total);  // every queue's committed offset: its end
+            o.put("committedAfterCommit", committed);
+            MessageQueue first = null;
+            for (MessageQueue mq : mqs) if (first == null && a.committed(mq) >= 2) first = mq;
+            if (first != null) {
+                a.seek(first, 1);
+                List<String> reread = pollBodies(a, (int) (a.committed(first) - 1));
+                o.put("afterSeekTo1", reread.size() + " of the queue's " + a.committed(first));
+            }
+            for (MessageQueue mq : mqs) a.seekToEnd(mq);
+            o.put("afterSeekToEnd", pollBodies(a, 0));
+        } finally {
+            a.shutdown();
+        }
+        return o;
+    }
+
+    static Map<String, Object> restart() throws Exception {
+        int n = (int) num("n", 3);
+        DefaultMQProducer p = producer();
+        Map<String, Object> o = new LinkedHashMap<>();
+        try {
+            for (int i = 0; i < n; i++) p.send(message("r" + i, "TagR", "before-" + i));
+            List<Map<String, Object>> got1 = Collections.synchronizedList(new ArrayList<>());
+            DefaultMQPushConsumer c1 = pushConsumer("restart1", got1);
+            c1.start();
+            waitFor(() -> got1.size() >= n, 60_000);
+            Thread.sleep(num("settle", 1500));
+            c1.shutdown();  // persists its offsets
+            for (int i = 0; i < n; i++) p.send(message("r" + (n + i), "TagR", "after-" + i));
+            List<Map<String, Object>> got2 = Collections.synchronizedList(new ArrayList<>());
+            DefaultMQPushConsumer c2 = pushConsumer("restart2", got2);
+            c2.start();
+            waitFor(() -> got2.size() >= n, 60_000);
+            Thread.sleep(num("settle", 1500));
+            c2.shutdown();
+            o.put("firstRun", bodies(got1));
+            o.put("secondRun", bodies(got2));
+        } finally {
+            p.shutdown();
+        }
+        return o;
+    }
+
+    static Map<String, Object> delays() throws Exception {
+        String[] table = str("delayTable", "1s 5s 10s 30s 1m 2m 3m 4m 5m 6m 7m 8m 9m 10m 20m 30m 1h 2h").trim().split("\\s+");
+        long waitBelow = num("waitBelowMs", 60_000);
+        List<Integer> levels = new ArrayList<>();
+        for (String l : str("levels", "1,2,3").split(",")) levels.add(Integer.parseInt(l.trim()));
+        DefaultMQProducer p = producer();
+        Map<String, Object> o = new LinkedHashMap<>();
+        try {
+            p.send(message("w", "TagD", "warmup"));
+            List<Map<String, Object>> got = Collections.synchronizedList(new ArrayList<>());
+            DefaultMQPushConsumer c = pushConsumer("delays", got);
+            c.start();
+            waitFor(() -> got.size() >= 1, 60_000);
+            Map<Integer, String> offsetIds = new TreeMap<>();
+            Set<String> awaited = new TreeSet<>();
+            for (int level : levels) {
+                Message m = message("L" + level, "TagD", "level-" + level);
+                m.setDelayTimeLevel(level);
+                offsetIds.put(level, p.send(m).getOffsetMsgId());
+                if (delayMs(table[level - 1]) < waitBelow) awaited.add("level-" + level);
+            }
+            boolean all = waitFor(() -> bodies(got).containsAll(awaited), 60_000 + waitBelow);
+            Thread.sleep(num("settle", 1500));
+            c.shutdown();
+            Map<String, Object> received = new TreeMap<>();
+            List<String> early = new ArrayList<>();
+            for (Map<String, Object> m : new ArrayList<>(got)) {
+                String body = (String) m.get("body");
+                if (!body.startsWith("level-")) continue;
+                int level = Integer.parseInt(body.substring(6));
+                long waited = (Long) m.get("receivedAt") - (Long) m.get("bornTimestamp");
+                if (waited < delayMs(table[level - 1])) early.add(body + " after " + waited + " ms");
+                Map<String, Object> v = new LinkedHashMap<>(m);
+                v.remove("receivedAt");
+                v.remove("bornTimestamp");
+                received.put(body, v);
+            }
+            o.put("allAwaitedReceived", all);
+            o.put("received", received);
+            o.put("early", early);
+            Map<String, Object> pending = new TreeMap<>();
+            for (int level : levels) {
+                if (delayMs(table[level - 1]) < waitBelow) continue;
+                MessageExt v = p.viewMessage(offsetIds.get(level));
+                Map<String, Object> pv = view(v);
+                pv.put("storeTimestamp", v.getStoreTimestamp());
+                pv.put("bornTimestamp", v.getBornTimestamp());
+                pv.put("offsetMsgId", offsetIds.get(level));
+                pending.put("level-" + level, pv);
+            }
+            o.put("pending", pending);  // not due within the run: as stored
+        } finally {
+            p.shutdown();
+        }
+        return o;
+    }
+
+    static long delayMs(String d) {
+        long unit = d.endsWith("ms") ? 1 : d.endsWith("s") ? 1000 : d.endsWith("m") ? 60_000 : d.endsWith("h") ? 3_600_000 : 86_400_000;
+        return Long.parseLong(d.replaceAll("[a-z]+$", "")) * unit;
+    }
+
+    // ---- errors -------------------------------------------------------------------------------------
+    static Map<String, Object> unknownCode() throws Exception {
+        int code = (int) num("code", 9999);
+        DefaultMQProducer p = producer();
+        Map<String, Object> o = new LinkedHashMap<>();
+        try {
+            o.put("warmup", attempt(p, message("u", "TagU", "before")));
+            org.apache.rocketmq.client.impl.factory.MQClientInstance f = p.getDefaultMQProducerImpl().getMqClientFactory();
+            org.apache.rocketmq.remoting.RemotingClient rc = f.getMQClientAPIImpl().getRemotingClient();
+            String broker = f.findBrokerAddressInPublish(p.fetchPublishMessageQueues(TOPIC).get(0).getBrokerName());
+            for (String[] target : new String[][] {{"nameServer", NAMESRV}, {"broker", broker}}) {
+                org.apache.rocketmq.remoting.protocol.RemotingCommand req =
+                    org.apache.rocketmq.remoting.protocol.RemotingCommand.createRequestCommand(code, null);
+                Map<String, Object> a = new LinkedHashMap<>();
+                try {
+                    org.apache.rocketmq.remoting.protocol.RemotingCommand r = rc.invokeSync(target[1], req, num("callTimeout", 3000));
+                    a.put("code", r.getCode());
+                    a.put("remarkNamesCode", r.getRemark() != null && r.getRemark().contains(Integer.toString(code)));
+                    a.put("remark", r.getRemark());
+                } catch (Exception e) {  // no answer
+                    a.put("error", e.getClass().getSimpleName());
+                }
+                o.put(target[0], a);
+            }
+            o.put("sendAfterwards", attempt(p, message("u2", "TagU", "after")));
+        } finally {
+            p.shutdown();
+        }
+        return o;
+    }
+
+    static Map<String, Object> noTopic() throws Exception {
+        DefaultMQProducer p = producer();
+        p.setRetryTimesWhenSendFailed(0);
+        Map<String, Object> o = new LinkedHashMap<>();
+        try {
+            o.put("send", attempt(p, message("x", "TagX", "to-nowhere")));
+        } finally {
+            p.shutdown();
+        }
+        DefaultMQPullConsumer pull = new DefaultMQPullConsumer(GROUP + "-pull");
+        pull.setNamesrvAddr(NAMESRV);
+        pull.setInstanceName("notopic-" + STAMP);
+        pull.start();
+        try {
+            pull.fetchSubscribeMessageQueues(TOPIC);
+            o.put("pullQueues", "found");
+        } catch (MQClientException e) {
+            o.put("pullQueues", "client " + e.getResponseCode());
+        } finally {
+            pull.shutdown();
+        }
+        DefaultMQPushConsumer c = new DefaultMQPushConsumer(GROUP);
+        c.setNamesrvAddr(NAMESRV);
+        c.setInstanceName("notopic-push-" + STAMP);
+        c.subscribe(TOPIC, "*");
+        c.registerMessageListener((MessageListenerConcurrently) (msgs, ctx) -> ConsumeConcurrentlyStatus.CONSUME_SUCCESS);
+        try {
+            c.start();
+            o.put("pushStart", "started");
+        } catch (MQClientException e) {
+            o.put("pushStart", "client " + e.getResponseCode());
+        } finally {
+            c.shutdown();
+        }
+        return o;
+    }
+
     // ---- output ---------------------------------------------------------------------------------
     static String json(Object v) {
         if (v == null) return "null";
@@ -626,7 +981,7 @@ public class RmqDriver {
         StringBuilder b = new StringBuilder("\"");
         for (char ch : s.toCharArray()) {
             if (ch == '"' || ch == '\\') b.append('\\').append(ch);
-            else if (ch < 0x20) b.append(String.format("\\u%04x", (int) ch));
+            else if (ch < 0x20 || ch > 0x7e) b.append(String.format("\\u%04x", (int) ch));  // ASCII out, whatever the locale
             else b.append(ch);
         }
         return b.append('"').toString();
