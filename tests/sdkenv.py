@@ -41,6 +41,11 @@ NODE_SDK = ("rocketmq-client-nodejs", "1.0.8")
 # JavaScript remoting client.
 REMOTING_PYTHON_CLIENT = ("rocketmq", "0.4.4")
 REMOTING_NODE_CLIENT = ("ali-ons", "3.12.0")
+# RocketMQ 4's TransactionMQProducer from Python: PyPI's `rocketmq-client-python` (the binding, no library) with the
+# librocketmq.so that PyPI's `rocketmq-python-cvs` ships in its source archive, copied next to the binding's ffi.py.
+# (Installing both packages would put two versions of the same `rocketmq` modules in one directory.)
+REMOTING_TX_PYTHON_CLIENT = ("rocketmq-client-python", "2.0.0")
+REMOTING_TX_PYTHON_LIBRARY = ("rocketmq-python-cvs", "2.1.0.3")
 _MARKER = ".complete"
 
 
@@ -160,6 +165,48 @@ def build_remoting_python() -> Path:
     name, version = REMOTING_PYTHON_CLIENT
     return _python_env(name, version, ("--only-binary", ":all:"), "import rocketmq.client",
                        "offline, or no wheel for this platform?", "does not load librocketmq")
+
+
+def remoting_tx_python() -> Path:
+    """The interpreter of a virtual environment holding rocketmq-client-python 2.0.0 with rocketmq-python-cvs's
+    librocketmq.so (RocketMQ 4's TransactionMQProducer), built on first use; skips when it cannot be installed."""
+    return _skip_unless_built("remoting-tx-python", build_remoting_tx_python)
+
+
+def build_remoting_tx_python() -> Path:
+    name, version = REMOTING_TX_PYTHON_CLIENT
+    lib_name, lib_version = REMOTING_TX_PYTHON_LIBRARY
+    python = _python_env(name, version, (), "import importlib.util; assert importlib.util.find_spec('rocketmq.ffi')",
+                         "offline?", "is not the binding")
+    env_dir = python.parent.parent
+    with _locked(env_dir.name):
+        lib_marker = env_dir / f".{lib_name}-{lib_version}"
+        if not lib_marker.exists():
+            import tarfile
+            import tempfile
+
+            with tempfile.TemporaryDirectory() as tmp:
+                pip_env = {**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+                pip_env.pop("PYTHONPATH", None)
+                r = subprocess.run([str(python), "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:", "-d", tmp,
+                                    f"{lib_name}=={lib_version}"], capture_output=True, timeout=900, env=pip_env)
+                if r.returncode != 0:
+                    raise SdkUnavailable(f"cannot download {lib_name}=={lib_version} (offline?): {_errors(r.stderr)}")
+                [archive] = Path(tmp).glob("*.tar.gz")
+                member = f"{archive.name[:-len('.tar.gz')]}/rocketmq/librocketmq.so"
+                r = subprocess.run([str(python), "-c", "import importlib.util, os; "
+                                    "print(os.path.dirname(importlib.util.find_spec('rocketmq').origin))"],
+                                   capture_output=True, timeout=60, check=True)
+                target = Path(r.stdout.decode().strip()) / "librocketmq.so"
+                with tarfile.open(archive) as tar:
+                    src = tar.extractfile(member)
+                    assert src is not None, f"{archive.name} holds no {member}"
+                    with src, open(target, "wb") as dst:
+                        shutil.copyfileobj(src, dst)
+            r = subprocess.run([str(python), "-c", "from rocketmq.client import TransactionMQProducer"], capture_output=True, timeout=120)
+            assert r.returncode == 0, f"{name}=={version} with {lib_name}'s library does not load: {_tail(r.stderr)}"
+            lib_marker.write_text(f"{lib_name}=={lib_version}\n")
+    return python
 
 
 def remoting_python_scenario(python: Path, scenario: str, home: Path, *args: str, timeout: float = 150) -> dict:
