@@ -26,7 +26,7 @@ def run_cli(args: list[str], prelude: str = "", env: dict | None = None) -> subp
         "from txmq.cli.main import main\n"
         "main()\n"
     )
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240, env=env)  # an upper bound: Spark starts in seconds, a loaded machine took over 60
 
 
 def data_dir(tmp_path):
