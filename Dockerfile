@@ -6,7 +6,8 @@
 #   docker run -p 10911:10911 -p 8081:8081 -v txmq-data:/var/lib/txmq txmq
 #
 # The base must have (or be able to apt-get install) a Python of the wheel's minor version (cp311: Debian
-# bookworm's python3, or python:3.11-slim).
+# bookworm's python3, or python:3.11-slim). `make image` checks it is here or can be pulled before building
+# anything; without a registry, `make image-base` builds one with debootstrap: make image BASE=txmq-base.
 ARG BASE=debian:bookworm-slim
 
 FROM ${BASE} AS runtime
@@ -25,7 +26,9 @@ RUN python3 -m venv /opt/txmq \
 
 FROM runtime
 COPY --from=install /opt/txmq /opt/txmq
-RUN useradd --system --uid 10001 --user-group --home-dir /var/lib/txmq --no-create-home txmq \
+# A fixed uid outside the system range (a bind-mounted data directory is chowned to it), so an ordinary account:
+# useradd --system warns about a uid above SYS_UID_MAX.
+RUN useradd --uid 10001 --user-group --no-log-init --home-dir /var/lib/txmq --no-create-home --shell /usr/sbin/nologin txmq \
     && mkdir -p /var/lib/txmq && chown txmq:txmq /var/lib/txmq
 ENV PATH=/opt/txmq/bin:$PATH \
     PYTHONUNBUFFERED=1 \

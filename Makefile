@@ -7,7 +7,7 @@ PY      = $(VENV)/bin/python
 PIP     = $(VENV)/bin/pip
 ARGS   ?=
 
-.PHONY: help run test test-fast lint format fault-long binary dist wheelhouse image bench completions clean
+.PHONY: help run test test-fast lint format fault-long binary dist wheelhouse image image-base bench completions clean
 .DEFAULT_GOAL := help
 
 # The compiled speed-ups (setup.py) are rebuilt when their sources change.
@@ -24,6 +24,17 @@ $(VENV)/.installed: pyproject.toml $(SPEEDUPS_SRC) $(PROTO_SRC)
 
 $(VENV)/.installed-test: $(VENV)/.installed pyproject.toml $(SPEEDUPS_SRC) $(PROTO_SRC)
 	$(PIP) install -q -e '.[test,spark,rocketmq]'
+	touch $@
+
+# `make binary` builds in an environment of its own, with only the broker's dependencies (the rocketmq extra)
+# and the two build tools, at the test extra's pins (read from pyproject.toml): not the test and spark extras.
+BINARY_VENV ?= .venv-binary
+BINARY_TOOLS = $(shell $(PYTHON) -c 'import shlex, tomllib; t = tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["test"]; \
+	print(" ".join(shlex.quote(r) for r in t if r.startswith(("pyinstaller", "shiv"))))')
+$(BINARY_VENV)/.installed: pyproject.toml $(SPEEDUPS_SRC) $(PROTO_SRC)
+	$(PYTHON) -m venv $(BINARY_VENV)
+	$(BINARY_VENV)/bin/pip install -q --upgrade pip
+	$(BINARY_VENV)/bin/pip install -q -e '.[rocketmq]' $(BINARY_TOOLS)
 	touch $@
 
 # `make dist` needs only PyPA's build (the test extra has it too, with the same pin).
@@ -63,11 +74,11 @@ fault-long: $(VENV)/.installed-test
 	TXMQ_FAULT_LONG=1 TXMQ_FAULT_REPORT=$(or $(TXMQ_FAULT_REPORT),fault-report.jsonl) $(PY) -m pytest -q -s -m fault $(ARGS)
 
 ## binary: dist/txmq-linux-<arch>, one executable that needs no Python (docs/binary.md), and dist/txmq.pyz, a zipapp for this Python minor
-binary: $(VENV)/.installed-test
+binary: $(BINARY_VENV)/.installed
 	rm -rf build/shiv && mkdir -p dist
-	$(VENV)/bin/shiv --compressed -c txmq --preamble scripts/zipapp_preamble.py -o dist/txmq.pyz --reproducible '.[rocketmq]' -q
+	$(BINARY_VENV)/bin/shiv --compressed -c txmq --preamble scripts/zipapp_preamble.py -o dist/txmq.pyz --reproducible '.[rocketmq]' -q
 	@echo "built dist/txmq.pyz"
-	$(PY) scripts/binary/build.py
+	$(BINARY_VENV)/bin/python scripts/binary/build.py
 
 ## dist: an sdist and a wheel in dist/ to install elsewhere: pip install 'dist/txmq-<version>-<tag>.whl[rocketmq]' (README "Install")
 # The sdist is built first and the wheel from it (PyPA's build, in isolated environments that fetch
@@ -84,10 +95,21 @@ wheelhouse: dist
 	$(PIP) wheel -q --wheel-dir dist/wheelhouse "$$(ls dist/txmq-*.whl)[rocketmq]"
 
 ## image: the container image (Dockerfile, docs/container.md) from the wheelhouse: make image [BASE=debian:bookworm-slim] [IMAGE=txmq:latest]
+# The base is checked first (here, or pulled), so a missing one stops the build before the wheels are built.
 BASE  ?= debian:bookworm-slim
 IMAGE ?= txmq:latest
-image: wheelhouse
+IMAGE_BASE ?= txmq-base
+image:
+	@docker info >/dev/null 2>&1 || { echo "make image: no Docker daemon answers \`docker info\`: start it (systemctl start docker, or dockerd &) and run make image again" >&2; exit 1; }
+	@docker image inspect $(BASE) >/dev/null 2>&1 || err=$$(docker pull -q $(BASE) 2>&1 >/dev/null) || { \
+		echo "make image: the base image $(BASE) is not here and cannot be pulled ($$(echo "$$err" | tail -n 1)): without a registry, build a Debian base with \`make image-base\` (debootstrap, as root, 1-2 min), then run \`make image BASE=$(IMAGE_BASE)\`" >&2; exit 1; }
+	$(MAKE) --no-print-directory wheelhouse
 	docker build --build-arg BASE=$(BASE) -t $(IMAGE) .
+	@echo "built $(IMAGE) (base $(BASE)): $$(docker image inspect --format '{{.Size}}' $(IMAGE) | awk '{ printf "%.0f MB", $$1 / 1e6 }')"
+
+## image-base: a Debian bookworm base with Python 3.11 for `make image BASE=txmq-base`, built with debootstrap, no registry needed (as root): make image-base [IMAGE_BASE=txmq-base]
+image-base:
+	scripts/image-base.sh $(IMAGE_BASE)
 
 ## bench: the side-by-side comparison (machine limits, txmq, RabbitMQ if installed) into docs/benchmarks.md
 bench: $(VENV)/.installed-test
@@ -97,8 +119,8 @@ bench: $(VENV)/.installed-test
 completions: $(VENV)/.installed
 	PYTHON=$(PY) sh scripts/gen-completions.sh
 
-## clean: remove build output, compiled speed-ups and the install stamps (keeps .venv)
+## clean: remove build output, compiled speed-ups and the install stamps (keeps .venv and .venv-binary)
 clean:
 	rm -rf build dist *.egg-info .pytest_cache store/_speedups.c broker/_speedups.c store/_speedups.*.so broker/_speedups.*.so \
 		broker/rocketmq/pb/*_pb2.py broker/rocketmq/pb/*_pb2_grpc.py \
-		$(VENV)/.installed $(VENV)/.installed-test $(VENV)/.installed-dist
+		$(VENV)/.installed $(VENV)/.installed-test $(VENV)/.installed-dist $(BINARY_VENV)/.installed
