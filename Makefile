@@ -55,10 +55,10 @@ test: $(VENV)/.installed-test
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q $(ARGS)
 
-## test-fast: lint and run the suite without the Spark and slow tests
+## test-fast: lint and run the suite without the Spark, slow and real-RocketMQ tests
 test-fast: $(VENV)/.installed-test
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q -m "not spark and not slow" $(ARGS)
+	$(PY) -m pytest -q -m "not spark and not slow and not rocketmq_peer" $(ARGS)
 
 ## lint: ruff check (rules in pyproject.toml); `make lint ARGS=--fix` applies the safe fixes
 lint: $(VENV)/.installed-test
