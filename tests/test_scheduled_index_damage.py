@@ -7,7 +7,6 @@ PYTHONPATH): a message is due exactly when the test moves that clock, whatever t
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import os
@@ -19,7 +18,7 @@ from typing import Iterator
 
 import pytest
 from brokerproc import BrokerProcess
-from conftest import arun
+from conftest import arun, eventually
 
 from txmq.broker.clock import ManualClock
 from txmq.broker.scheduled import service as sched_service
@@ -260,16 +259,8 @@ async def _all(core, topic: str = TOPIC) -> list[bytes]:
 
 
 async def _until(what: str, cond, timeout: float = 30.0):
-    """Await until cond() (a coroutine function or a plain one) gives a true value; the timeout is only an upper bound."""
-    deadline = time.monotonic() + timeout
-    while True:
-        got = cond()
-        if asyncio.iscoroutine(got):
-            got = await got
-        if got:
-            return got
-        assert time.monotonic() < deadline, f"gave up waiting for {what}"
-        await asyncio.sleep(0.01)
+    """conftest.eventually, named what is awaited first."""
+    return await eventually(cond, timeout=timeout, what=what, every=0.01)
 
 
 async def _delivered(core, clock: ManualClock, seconds: float, n: int) -> list[bytes]:

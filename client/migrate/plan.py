@@ -37,33 +37,26 @@ async def read_source(client: Client) -> dict[str, Any]:
             if getattr(exc, "code", None) == 41:
                 continue
             raise
-    scheduled = []
-    after = None
-    while True:
-        fields: dict[str, Any] = {"limit": PAGE}
-        if after is not None:
-            fields["after"] = after
-        page = await client.request("list_scheduled", fields)
-        scheduled += page["messages"]
-        after = page.get("cursor")
-        if after is None:
-            break
+    scheduled = await _all_pages(client, "list_scheduled", "after", "messages")
     pending = await read_pending(client)
     return {"info": info, "topics": topics, "queues": queues, "groups": groups, "scheduled": scheduled, "pending": pending}
 
 
 async def read_pending(client: Client) -> list[dict[str, Any]]:
+    return await _all_pages(client, "tx_pending", "after_half_offset", "transactions")
+
+
+async def _all_pages(client: Client, op: str, after_field: str, rows_field: str) -> list[dict[str, Any]]:
+    """Every row of a paged native listing: PAGE at a time, each request after the last page's cursor."""
     out: list[dict[str, Any]] = []
-    after = None
+    fields: dict[str, Any] = {"limit": PAGE}
     while True:
-        fields: dict[str, Any] = {"limit": PAGE}
-        if after is not None:
-            fields["after_half_offset"] = after
-        page = await client.request("tx_pending", fields)
-        out += page["transactions"]
-        after = page.get("cursor")
-        if after is None:
+        page = await client.request(op, fields)
+        out += page[rows_field]
+        cursor = page.get("cursor")
+        if cursor is None:
             return out
+        fields = {"limit": PAGE, after_field: cursor}
 
 
 async def read_target(target: RocketMQ4, topics: list[str], broker_name: str | None) -> dict[str, Any]:
