@@ -50,6 +50,7 @@ from .clock import Clock
 from .config import FRAME_OVERHEAD, BrokerConfig, CheckSettings
 from .flush import DescriptorState, DiskState, Flusher
 from .groupconfig import GROUPS_FILE, GroupConfigTable
+from .messaging import Messaging
 from .metrics import Metrics
 from .records import msg_id, record_to_map
 from .refusals import Refusals
@@ -135,6 +136,7 @@ class BrokerCore:
         self.admin: TransactionAdmin  # the operator's transaction operations
         self.keeper: IndexKeeper  # the index file, and the gate transactional requests wait at until it is built
         self.scheduled: ScheduleService  # delayed and timed messages: their index (timers.db) and their delivery
+        self.messaging: Messaging  # what the front ends call: every send, transaction and consuming rule, once
 
     # ---- lifecycle -------------------------------------------------------
     def open(self, stored: dict[str, Any] | None = None) -> None:
@@ -183,6 +185,7 @@ class BrokerCore:
         self.scheduled = ScheduleService(self.appender, self.store, self.topics, self.flusher, self.disk, self.metrics, self.clock,
                                          self.data_dir, self.config.max_delay_s,
                                          self.config.message_delay_levels_ms)
+        self.messaging = Messaging(self.topics, self.tx, self.keeper, self.clock, self.send, self.pull)
 
     def _settings(self, stored: dict) -> CheckSettings:
         """Defaults < config.json (what `txmq config set` stored) < explicit start options.

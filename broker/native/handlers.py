@@ -11,12 +11,10 @@ import time
 from typing import TYPE_CHECKING, Any, Callable
 
 from txmq import __version__
-from txmq.constants import DEFAULT_MESSAGE_TYPES, PROP_TRAN_MSG, canonical_topic, is_system_topic
-from txmq.store import Message, TxType
+from txmq.constants import PROP_TRAN_MSG, canonical_topic, is_system_topic
 from txmq.wire import PROTOCOL_VERSION, ErrorCode, TxmqError
 
-from ..fifo import message_group_of, pick_group_queue
-from ..scheduled.timing import asks_for_time
+from ..messaging import NATIVE_RULES, EndOutcome, Outgoing, SendReceipt, then
 from ..topics import MAX_QUEUES, message_types_of
 from .operations import HANDLERS, Handler, Reply, _bad, body_of, opt_bool, opt_int, opt_str, props_of, refs_of, req_int, req_str, user_topic
 
@@ -70,42 +68,40 @@ def send(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
     body = body_of(f, core.config.max_body)
     props = props_of(f, core.config.max_properties)
     qid = opt_int(f, "queue_id", None, -1, 1023)
-    born = opt_int(f, "born_ts", None) or int(core.clock() * 1000)
-    if core.topics.queues(topic) is None:  # rare: the reply says this send created the topic
-        return _created_topic(_send(core, topic, qid, body, props, born))
-    return _send(core, topic, qid, body, props, born)
+    messaging = core.messaging
+    born = opt_int(f, "born_ts", None) or messaging.now_ms()
+    created = messaging.topic_queues(topic) is None  # rare: the reply says this send created the topic
+    return then(messaging.send(topic, [Outgoing(body, props, born)], qid, NATIVE_RULES),
+                _created_row if created else _first_row)
 
 
-def _send(core: BrokerCore, topic: str, qid: int | None, body: bytes, props: dict[str, str], born: int) -> Reply:
-    group = message_group_of(props)  # FIFO: the group's queue (a transactional message with one is refused)
-    if group is not None:
-        qid = pick_group_queue(core.topics, topic, group, qid)
-        return core.send([Message(topic, qid, TxType.NORMAL, born, props, body)], single=True)
-    if props.get(PROP_TRAN_MSG) == "true":
-        if core.keeper.must_wait():
-            return core.keeper.when_ready(lambda: core.tx.send_half(topic, qid, body, props, born))
-        return core.tx.send_half(topic, qid, body, props, born)
-    qid = core.topics.pick_queue(topic, qid, _kind(core, topic, props))
-    return core.send([Message(topic, qid, TxType.NORMAL, born, props, body)], single=True)
+def receipt_row(r: SendReceipt) -> dict[str, Any]:
+    """A send's receipt as the native protocol answers it (docs/protocol.md, "send")."""
+    if r.transactional:
+        return {"msg_id": r.msg_id, "tx_id": r.msg_id, "topic": r.topic, "queue_id": r.queue_id, "half_offset": r.half_offset,
+                "commit_log_offset": r.commit_log_offset}
+    row = {"msg_id": r.msg_id, "topic": r.topic, "queue_id": r.queue_id, "queue_offset": r.queue_offset,
+           "commit_log_offset": r.commit_log_offset}
+    if r.deliver_at_ms is not None:
+        row["deliver_at_ms"] = r.deliver_at_ms
+    return row
 
 
-def _kind(core: BrokerCore, topic: str, props: dict[str, str]) -> str:
-    """The message type a plain send is checked against: delay when its properties ask for a later delivery.
-
-    A topic the send creates (auto-creation) accepts delayed messages too
-    when the send that creates it is one.
-    """
-    if not asks_for_time(props):
-        return "normal"
-    if core.topics.auto_create and core.topics.queues(topic) is None:
-        core.topics.ensure(topic, None, (*DEFAULT_MESSAGE_TYPES, "delay"))
-    return "delay"
+def _first_row(receipts: list[SendReceipt]) -> dict[str, Any]:
+    return receipt_row(receipts[0])
 
 
-async def _created_topic(reply: Reply) -> dict[str, Any]:
+def _created_row(receipts: list[SendReceipt]) -> dict[str, Any]:
     """The reply of a send that created its topic, with ``topic_created``: an operator may not have meant to."""
-    result = reply if isinstance(reply, dict) else await reply
-    return {**result, "topic_created": True}
+    return {**receipt_row(receipts[0]), "topic_created": True}
+
+
+def _batch_rows(receipts: list[SendReceipt]) -> dict[str, Any]:
+    return {"results": [receipt_row(r) for r in receipts]}
+
+
+def _created_batch_rows(receipts: list[SendReceipt]) -> dict[str, Any]:
+    return {**_batch_rows(receipts), "topic_created": True}
 
 
 def send_batch(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
@@ -113,38 +109,38 @@ def send_batch(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
     items = f.get("messages")
     if not isinstance(items, list) or not items or len(items) > 10_000:
         raise _bad("field 'messages' must be a non-empty list of at most 10000 messages")
-    created = core.topics.queues(topic) is None
+    messaging = core.messaging
+    created = messaging.topic_queues(topic) is None
     asked = opt_int(f, "queue_id", None, -1, 1023)
-    now = int(core.clock() * 1000)
-    parts = []
-    kinds = set()
+    now = messaging.now_ms()
+    out = []
     for m in items:
         if not isinstance(m, dict):
             raise _bad("each message must be a map")
         props = props_of(m, core.config.max_properties)
         if props.get(PROP_TRAN_MSG) == "true":
             raise _bad("transactional messages cannot be sent in a batch")
-        born, body = opt_int(m, "born_ts", None) or now, body_of(m, core.config.max_body)
-        group = message_group_of(props)  # FIFO: each message to its group's queue (never with a delivery time)
-        if group is not None:
-            parts.append((pick_group_queue(core.topics, topic, group, asked), born, props, body))
-        else:
-            kinds.add(_kind(core, topic, props))
-            parts.append((None, born, props, body))
-    for kind in kinds - {"normal"}:  # every type in the batch must be one the topic accepts
-        core.topics.pick_queue(topic, 0, kind)
-    qid = core.topics.pick_queue(topic, asked, "normal" if "normal" in kinds else "delay") if kinds else 0
-    msgs = [Message(topic, qid if q is None else q, TxType.NORMAL, born, props, body) for q, born, props, body in parts]
-    return _created_topic(core.send(msgs, single=False)) if created else core.send(msgs, single=False)
+        out.append(Outgoing(body_of(m, core.config.max_body), props, opt_int(m, "born_ts", None) or now))
+    return then(messaging.send(topic, out, asked, NATIVE_RULES), _created_batch_rows if created else _batch_rows)
 
 
 # ---- transactions ----------------------------------------------------------
 def end_transaction(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
     state = req_str(f, "state")  # commit, rollback or unknown: the service checks it
     source = "check" if opt_bool(f, "from_check") else "producer"
-    return core.tx.end_transaction(
-        req_str(f, "group"), req_str(f, "tx_id"), req_int(f, "commit_log_offset"), req_int(f, "half_offset"), state, source
-    )
+    return then(core.messaging.end_transaction(req_str(f, "group"), req_str(f, "tx_id"), req_int(f, "commit_log_offset"),
+                                               req_int(f, "half_offset"), state, source), end_row)
+
+
+def end_row(o: EndOutcome) -> dict[str, Any]:
+    """An end of a transaction's outcome as the native protocol answers it (docs/protocol.md, "end_transaction")."""
+    row: dict[str, Any] = {"status": o.status.value, "outcome": o.outcome}
+    if o.decided_by is not None:
+        row["decided_by"] = o.decided_by
+    c = o.committed
+    if c is not None:
+        row.update(commit_log_offset=c.commit_log_offset, queue_offset=c.queue_offset, topic=c.topic, queue_id=c.queue_id)
+    return row
 
 
 # ---- consuming -------------------------------------------------------------
@@ -406,7 +402,7 @@ HANDLERS.update({
     "broker_info": broker_info,
     "send": send,
     "send_batch": send_batch,
-    "end_transaction": _needs_index(end_transaction),
+    "end_transaction": end_transaction,  # the messaging service waits at the index gate
     "pull": pull,
     "queue_offsets": queue_offsets,
     "commit_offset": commit_offset,

@@ -20,7 +20,6 @@ from txmq.constants import (
     PROP_PGROUP,
     PROP_TIMER_DELAY_MS,
     PROP_TRAN_MSG,
-    PROP_UNIQ_KEY,
     canonical_topic,
     is_system_topic,
 )
@@ -33,6 +32,8 @@ from txmq.broker.scheduled.timing import without_schedule
 from txmq.broker.topics import MAX_QUEUES, check_topic_name
 
 from . import protocol as p
+from txmq.broker.messaging import ROCKETMQ4_RULES, Outgoing, SendReceipt
+
 from .clients import DLQ_PREFIX, INNER_PRODUCER, RETRY_PREFIX, check_group, dlq_topic, retry_topic
 from .messages import (
     PROP_CLUSTER,
@@ -193,10 +194,6 @@ def parse_json_body(cmd: p.Command, what: str) -> dict:
     return p.load_json_object(cmd.body, what)
 
 
-async def _await(result: Any) -> Any:
-    return result if isinstance(result, dict) else await result
-
-
 # ---- the name server ------------------------------------------------------------------------
 @handles(p.GET_ROUTEINFO_BY_TOPIC)
 def get_route(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Command) -> p.Command:
@@ -350,52 +347,16 @@ def send_message(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Comma
         props[PROP_TRAN_MSG] = "true"
         if not props.get(PROP_PGROUP):
             props[PROP_PGROUP] = group
-        return _send_half(front, conn, cmd, topic, qid, body, props, born)
-    q = core.topics.pick_queue(topic, qid if qid >= 0 else None, "normal")
-    fut = core.send([Message(topic, q, TxType.NORMAL, born, props, body)], single=True)
+    fut = core.messaging.send(topic, [Outgoing(body, props, born)], qid, ROCKETMQ4_RULES)
     addr, port = conn.store_addr, front.port
 
-    def reply(row: dict) -> p.Command:
-        return ok(cmd, _send_ext(offset_msg_id(addr, port, row["commit_log_offset"]), q, row["queue_offset"]))
+    def reply(receipts: list[SendReceipt]) -> p.Command:
+        # a half message's queueOffset is its half offset (tranStateTableOffset) and its msgId names the half's
+        # commit-log offset: RocketMQ's client ends the transaction with those two
+        r = receipts[0]
+        return ok(cmd, _send_ext(offset_msg_id(addr, port, r.commit_log_offset), r.queue_id, r.queue_offset))
 
     return Then(fut, reply)
-
-
-def _send_half(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Command, topic: str, qid: int, body: bytes,
-               props: dict[str, str], born: int) -> Result:
-    core = front.core
-    again = _sent_before(core, topic, props)
-    if again is not None:  # the client sent it again (no answer in time): the first one's receipt
-        _tx_id, cl, half, q = again
-        return ok(cmd, _send_ext(offset_msg_id(conn.store_addr, front.port, cl), q, half))
-
-    def send() -> Any:
-        return core.tx.send_half(topic, qid if qid >= 0 else None, body, props, born)
-
-    addr, port = conn.store_addr, front.port
-
-    def reply(row: dict) -> p.Command:
-        # RocketMQ's client ends the transaction with this queueOffset (tranStateTableOffset) and the
-        # commit-log offset in this msgId: those of the half message.
-        return ok(cmd, _send_ext(offset_msg_id(addr, port, row["commit_log_offset"]), row["queue_id"], row["half_offset"]))
-
-    if core.keeper.must_wait():  # right after a start, while the transaction index is built
-        return _later(core.keeper.when_ready(send), reply)
-    return Then(send(), reply)
-
-
-async def _later(result: Any, fn: Callable[[Any], p.Command]) -> p.Command:
-    return fn(await _await(result))
-
-
-def _sent_before(core: BrokerCore, topic: str, props: dict[str, str]) -> tuple[str, int, int, int] | None:
-    tx_id = props.get(PROP_UNIQ_KEY)
-    if not tx_id or not core.keeper.ready.is_set() or core.keeper.error is not None:
-        return None
-    pend = core.tx.index.pending.get(tx_id)
-    if pend is None or pend.topic != topic or pend.group != props.get(PROP_PGROUP):
-        return None
-    return tx_id, pend.cl_offset, pend.half_offset, pend.queue_id
 
 
 def _send_batch(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Command, topic: str, qid: int, born: int,
@@ -414,15 +375,14 @@ def _send_batch(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Comman
             raise MessageFormatError(f"the bodies of one batch exceed {core.config.max_frame} bytes (--max-frame)")
         props[PROP_CLUSTER] = front.cluster_name  # as RocketMQ's broker stores a batch's messages (WAIT kept)
         msgs_in.append((_with_flags(props, flag, 0), body))
-    q = core.topics.pick_queue(topic, qid if qid >= 0 else None, "normal")
-    fut = core.send([Message(topic, q, TxType.NORMAL, born, props, body) for props, body in msgs_in], single=False)
+    fut = core.messaging.send(topic, [Outgoing(body, props, born) for props, body in msgs_in], qid, ROCKETMQ4_RULES)
+    addr, port = conn.store_addr, front.port
 
-    async def reply() -> p.Command:
-        rows = (await fut)["results"]
-        ids = ",".join(offset_msg_id(conn.store_addr, front.port, r["commit_log_offset"]) for r in rows)
-        return ok(cmd, _send_ext(ids, q, rows[0]["queue_offset"]))
+    def reply(receipts: list[SendReceipt]) -> p.Command:
+        ids = ",".join(offset_msg_id(addr, port, r.commit_log_offset) for r in receipts)
+        return ok(cmd, _send_ext(ids, receipts[0].queue_id, receipts[0].queue_offset))
 
-    return reply()
+    return Then(fut, reply)
 
 
 # ---- transactions ---------------------------------------------------------------------------
@@ -446,23 +406,8 @@ def end_transaction(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Co
         raise _bad("the transaction is not named: transactionId (or msgId) must be 1 to 255 characters")
     source = "check" if opt_bool(ext, "fromTransactionCheck") else "producer"
 
-    def end() -> Any:
-        return core.tx.end_transaction(group, tx_id, cl, half, state, source)
-
-    def reply(r: dict) -> p.Command:
-        status = r.get("status")
-        if status == "already":
-            remark = f"transaction {tx_id} was already {r.get('outcome')} (by {r.get('decided_by')})"
-        elif status == "noop":
-            remark = f"transaction {tx_id} stays {r.get('outcome', 'pending')}"
-        else:
-            remark = f"transaction {tx_id} {r.get('outcome', 'decided')}"
-        return ok(cmd, remark=remark)
-
-    if core.keeper.must_wait():
-        return _later(core.keeper.when_ready(end), reply)
-    result = end()
-    return reply(result) if isinstance(result, dict) else Then(result, reply)
+    fut = core.messaging.end_transaction(group, tx_id, cl, half, state, source)
+    return Then(fut, lambda outcome: ok(cmd, remark=outcome.remark()))
 
 
 # ---- consuming ------------------------------------------------------------------------------

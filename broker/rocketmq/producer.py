@@ -24,15 +24,13 @@ Ids (docs/rocketmq.md, "Ids"), as RocketMQ's proxy and broker give them:
 from __future__ import annotations
 
 import base64
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from txmq.constants import PROP_PGROUP, PROP_TRAN_MSG, is_system_topic
-from txmq.store import Message, TxType
 from txmq.wire import ErrorCode, TxmqError
 
-from txmq.broker.fifo import queue_of_group
+from txmq.broker.messaging import ROCKETMQ5_RULES, Outgoing
 from txmq.broker.topics import check_topic_name
-from txmq.broker.transactions.ids import known, split_with_offsets
 from txmq.broker.transactions.service import MAX_NAME
 
 from . import convert, routes
@@ -59,19 +57,6 @@ def topic_of(resource: d.Resource, what: str = "topic") -> str:
     if is_system_topic(topic):
         raise RmqError(Code.ILLEGAL_TOPIC, f"topic {topic} is a system topic and cannot be used by clients")
     return topic
-
-
-async def _reply(result: Any) -> dict[str, Any]:
-    return result if isinstance(result, dict) else await result
-
-
-async def _index_ready(core: BrokerCore) -> None:
-    """Right after a start the transaction index is being built: transactional calls wait for it."""
-    keeper = core.keeper
-    if keeper.must_wait():  # raises the build's error, if it failed
-        await keeper.ready.wait()
-        if keeper.error is not None:
-            raise keeper.error
 
 
 async def send_message(core: BrokerCore, req: s.SendMessageRequest) -> s.SendMessageResponse:
@@ -103,34 +88,20 @@ async def send_message(core: BrokerCore, req: s.SendMessageRequest) -> s.SendMes
     transactional = any(o.transactional for o in out)
     if transactional and len(out) > 1:
         raise RmqError(Code.BAD_REQUEST, "transactional messages cannot be sent in a batch")
+    now = core.messaging.now_ms()
+    items = []
+    for o in out:
+        props = o.properties
+        if o.transactional:  # RocketMQ 5 producers have no group: the topic is it (as RocketMQ's proxy does)
+            props = {**props, PROP_TRAN_MSG: "true", PROP_PGROUP: topic}
+        items.append(Outgoing(o.body, props, o.born_ts or now))
+    receipts = await core.messaging.send(topic, items, None, ROCKETMQ5_RULES)
     resp = s.SendMessageResponse()
-    if len(out) == 1 and out[0].transactional and out[0].message_id:
-        again = _sent_before(core, topic, out[0].message_id)
-        if again is not None:
-            resp.entries.append(again)
-            resp.status.CopyFrom(OK_STATUS)
-            return resp
-    now = int(core.clock() * 1000)
-    if transactional:
-        o = out[0]
-        # RocketMQ 5 producers have no group: the topic is it (as RocketMQ's proxy does)
-        props = {**o.properties, PROP_TRAN_MSG: "true", PROP_PGROUP: topic}
-        await _index_ready(core)
-        rows = [await core.tx.send_half(topic, None, o.body, props, o.born_ts or now)]
-    else:
-        # every message's type is one the topic accepts (routes.check_send): the queue is picked for the first one's;
-        # FIFO: each message with a group goes to its group's queue, as RocketMQ's proxy chooses it
-        qid = core.topics.pick_queue(topic, None, routes.message_type(msgs[0]))
-        n = core.topics.queues(topic) or 1
-        rows = (await core.send([Message(topic, qid if o.message_group is None else queue_of_group(o.message_group, n),
-                                         TxType.NORMAL, o.born_ts or now, o.properties, o.body) for o in out], False))["results"]
-    for o, row in zip(out, rows):
-        msg_id = row["msg_id"]
+    for r in receipts:
         # RocketMQ: transaction_id is the message's UNIQ_KEY, whatever its type (for a half, its tx_id)
-        e = resp.entries.add(status=OK_STATUS, message_id=msg_id, transaction_id=msg_id,
-                             offset=row["half_offset"] if o.transactional else row["queue_offset"])
-        if "deliver_at_ms" in row:  # scheduled: RecallMessage takes this back to cancel it
-            e.recall_handle = recall_handle(topic, row["deliver_at_ms"], msg_id)
+        e = resp.entries.add(status=OK_STATUS, message_id=r.msg_id, transaction_id=r.msg_id, offset=r.queue_offset)
+        if r.scheduled:  # RecallMessage takes this back to cancel it
+            e.recall_handle = recall_handle(topic, r.deliver_at_ms, r.msg_id)
     resp.status.CopyFrom(OK_STATUS)
     return resp
 
@@ -163,23 +134,6 @@ async def recall_message(core: BrokerCore, req: s.RecallMessageRequest) -> s.Rec
     return s.RecallMessageResponse(status=ok(), message_id=message_id)
 
 
-def _sent_before(core: BrokerCore, topic: str, message_id: str) -> s.SendResultEntry | None:
-    """The receipt of a half message this client already stored under message_id, if it is still pending.
-
-    RocketMQ's SDKs send a half message again, with the same message id,
-    when its answer did not come in time; the first may have been stored.
-    Its transaction is then pending under that id in the same topic: the
-    second send gets the first's receipt instead of a refusal (an id in use
-    otherwise is refused, as for native producers).
-    """
-    if not core.keeper.ready.is_set() or core.keeper.error is not None:
-        return None
-    p = core.tx.index.pending.get(message_id)
-    if p is None or p.topic != topic or p.group != topic:
-        return None
-    return s.SendResultEntry(status=OK_STATUS, message_id=message_id, transaction_id=message_id, offset=p.half_offset)
-
-
 def send_failed(req: s.SendMessageRequest, exc: BaseException) -> s.SendMessageResponse:
     """The answer when a send failed: the status in the response and in one entry per message."""
     st = of_error(exc)
@@ -198,15 +152,22 @@ async def end_transaction(core: BrokerCore, req: s.EndTransactionRequest) -> s.E
     topic = topic_of(req.topic)
     state = _STATES.get(req.resolution, "unknown")  # RocketMQ: anything but COMMIT / ROLLBACK leaves it pending
     source = "check" if req.source == d.SOURCE_SERVER_CHECK else "producer"
-    await _index_ready(core)
-    tx_id, cl_offset, half_offset = _reference(core, req.transaction_id, req.message_id)
+    text = req.transaction_id or req.message_id
+    if not text:
+        raise RmqError(Code.INVALID_TRANSACTION_ID, "transaction_id is empty")
+    if len(text) > MAX_NAME + 40:  # an id of at most MAX_NAME characters and two offsets of at most 19 digits
+        raise RmqError(Code.INVALID_TRANSACTION_ID, f"transaction_id is longer than {MAX_NAME + 40} characters")
+    ref = await core.messaging.transaction_ref(text)
+    if ref is None:
+        raise RmqError(Code.INVALID_TRANSACTION_ID, f"no transaction {text!r} is known to the broker")
+    tx_id = ref.tx_id
     if len(tx_id) > MAX_NAME:  # no transaction has a longer id
         raise RmqError(Code.BAD_REQUEST, f"field 'tx_id' is longer than {MAX_NAME} characters")
     if req.message_id and req.message_id != tx_id:
         raise RmqError(Code.INVALID_TRANSACTION_ID,
                        f"message_id {req.message_id!r} is not the message of transaction_id {req.transaction_id!r}")
     try:
-        reply = await _reply(core.tx.end_transaction(topic, tx_id, cl_offset, half_offset, state, source))
+        outcome = await core.messaging.end_transaction(topic, tx_id, ref.commit_log_offset, ref.half_offset, state, source)
     except TxmqError as exc:
         if exc.code == ErrorCode.TX_GROUP_MISMATCH:
             raise RmqError(Code.INVALID_TRANSACTION_ID, f"transaction {tx_id} was not sent to topic {topic} by a RocketMQ "
@@ -214,50 +175,4 @@ async def end_transaction(core: BrokerCore, req: s.EndTransactionRequest) -> s.E
         if exc.code == ErrorCode.TX_CONFLICT:
             raise RmqError(Code.INVALID_TRANSACTION_ID, exc.message) from None
         raise
-    status = reply.get("status")
-    if status == "noop":
-        msg = f"transaction {tx_id} stays {reply.get('outcome', 'pending')}: the resolution is neither COMMIT nor ROLLBACK"
-    elif status == "already":
-        msg = f"transaction {tx_id} was already {reply.get('outcome')} (by {reply.get('decided_by')})"
-    else:
-        msg = f"transaction {tx_id} {reply.get('outcome', 'decided')}"
-    return s.EndTransactionResponse(status=ok(msg))
-
-
-def _reference(core: BrokerCore, transaction_id: str, message_id: str) -> tuple[str, int, int]:
-    """(tx_id, commit-log offset, half offset) of the half copy an EndTransaction names.
-
-    RocketMQ's form, the transaction id alone (the message id), is looked
-    up in the index: a pending transaction's latest copy, a decided one's
-    first (its end then answers with the outcome on record). The form txmq
-    gave before, ``<tx_id>:<commit-log offset>:<half offset>``, names the
-    copy itself; it is taken apart only when no transaction has the whole
-    text as its id (a native producer may choose ids with colons).
-    """
-    text = transaction_id or message_id
-    if not text:
-        raise RmqError(Code.INVALID_TRANSACTION_ID, "transaction_id is empty")
-    if len(text) > MAX_NAME + 40:  # an id of at most MAX_NAME characters and two offsets of at most 19 digits
-        raise RmqError(Code.INVALID_TRANSACTION_ID, f"transaction_id is longer than {MAX_NAME + 40} characters")
-    index = core.tx.index
-    p = index.pending.get(text)
-    if p is not None:
-        return text, p.cl_offset, p.half_offset
-    with_offsets = split_with_offsets(text)
-    if with_offsets is not None and not known(index, text):
-        return with_offsets
-    return _decided(core, text)
-
-
-def _decided(core: BrokerCore, tx_id: str) -> tuple[str, int, int]:
-    """The first half copy of a decided transaction named by its id, or INVALID_TRANSACTION_ID."""
-    if len(tx_id) <= MAX_NAME:
-        dec = core.tx.index.lookup(tx_id)
-        if dec is not None and dec.origin >= 0:
-            try:
-                rec = core.tx.read_half(dec.origin)
-            except TxmqError:
-                rec = None
-            if rec is not None:
-                return tx_id, rec.commit_log_offset, rec.queue_offset
-    raise RmqError(Code.INVALID_TRANSACTION_ID, f"no transaction {tx_id!r} is known to the broker")
+    return s.EndTransactionResponse(status=ok(outcome.remark()))
