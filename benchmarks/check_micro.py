@@ -40,6 +40,7 @@ class DroppingProducer:
     """A producer connection of the group that takes every push and drops it."""
 
     conn_id = -1
+    takes_frames = True  # as a native producer's connection: the check pass's spliced frames
 
     def __init__(self) -> None:
         self.frames = 0

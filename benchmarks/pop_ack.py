@@ -7,7 +7,7 @@ stubs, as RocketMQ's SDKs call the service) each loop: ReceiveMessage (batch 32)
 messages, which is what acks.json keeps) or in order (--order inorder). Reported: acks/s over the run,
 AckMessage latency percentiles, and the broker process's CPU seconds per 1,000 acks.
 
-With --micro the same receive/ack loop calls the POP service (broker/rocketmq/pop.py) of an in-process broker
+With --micro the same receive/ack loop calls the consumption service (broker/messaging/consumption.py) of an in-process broker
 directly, without gRPC, and reports the event loop thread's CPU time per acknowledgement over the whole loop
 (receives, acks, and what the loop does for them meanwhile: handing settled ranges to the consumer offsets):
 the figure another process's load disturbs least.
@@ -96,13 +96,12 @@ async def consume(rocketmq: str, n: int, consumers: int, order: str) -> tuple[fl
 
 
 async def micro(data: Path, n: int, consumers: int, order: str, skip: float) -> tuple[float, float, int]:
-    """(loop thread CPU seconds, wall seconds, acks) of receive/ack loops on PopService in-process."""
-    from txmq.broker.rocketmq.pop import PopService
+    """(loop thread CPU seconds, wall seconds, acks) of receive/ack loops on the consumption service in-process."""
     from txmq.broker.testing import running_broker
 
     async with running_broker(data) as b:
         await load(b.address, n)
-        pop = PopService(b.core)
+        pop = b.core.consumption
         rng = random.Random(1)
         acked = 0
 

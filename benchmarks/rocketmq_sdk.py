@@ -46,7 +46,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
 
 import report  # noqa: E402
-from benchlib import BrokerProc, command_line, cpu_seconds, data_disk_dir, free_port, machine_info, percentiles_ms, save_result, txmq_bench, wait_port  # noqa: E402
+from benchlib import TXMQ, BrokerProc, command_line, cpu_seconds, data_disk_dir, free_port, machine_info, percentiles_ms, save_result, txmq_bench, wait_port  # noqa: E402
 
 SIZE = 256
 CONCURRENCY = (1, 32)
@@ -202,6 +202,9 @@ def run(mode: str = "quick", procs: int | None = None) -> dict[str, Any]:
                 if f"native_{c}" not in runs or r["throughput"] > runs[f"native_{c}"]["throughput"]:
                     runs[f"native_{c}"] = r
                 say(f"  Python SDK over gRPC, {c} producer(s), round {rnd + 1}")
+                # RocketMQ 5's clients need the topic to exist (the gRPC front end never creates one)
+                subprocess.run([*TXMQ, "topics", "create", f"bench_sdk_{c}_{rnd}", "--broker", broker.address], check=True,
+                               capture_output=True, timeout=60)
                 r = sdk_run(python, broker, endpoint, c, plan.seconds, f"bench_sdk_{c}_{rnd}", plan.procs, home)
                 say(f"    -> {r['throughput']:,.0f} tx/s, broker {r['broker_us_per_tx']} us/tx, SDK CPU {r['client_cpu_s']} s"
                     + (f"  errors {r['errors']}" if r["errors"] else ""))

@@ -138,8 +138,9 @@ class BrokerConfig:
     max_body: int = defaults.MAX_BODY
     max_inflight_per_conn: int = 1024
     default_queues: int = DEFAULT_QUEUES
-    # A send (native or gRPC), a gRPC route or receive naming an unknown topic creates it; False: refused
-    # (NO_SUCH_TOPIC natively, TOPIC_NOT_FOUND over gRPC) until the topic is created (`txmq topics create`).
+    # A native or RocketMQ 4 (remoting) send or route naming an unknown topic creates it; False: refused
+    # (NO_SUCH_TOPIC natively) until the topic is created (`txmq topics create`). The RocketMQ 5 gRPC front end
+    # never creates a topic (TOPIC_NOT_FOUND, as RocketMQ 5 answers), whatever this says.
     auto_create_topics: bool = defaults.AUTO_CREATE_TOPICS
     # A delayed or timed message due further ahead than this is refused (docs/scheduled.md).
     max_delay_s: float = defaults.MAX_DELAY_S
@@ -178,7 +179,7 @@ class BrokerConfig:
     # Also serve remoting on remoting_port - 2: the "VIP channel" Java clients before 4.5.1 send to by default.
     remoting_vip_channel: bool = False
     # RocketMQ's messageDelayLevel: the delay (ms) of each delay level, 1 first (parse_delay_levels). A 4.x
-    # consumer's retry (CONSUMER_SEND_MSG_BACK) waits level 3 + its reconsume times (remoting.handlers.retry_delay_ms).
+    # consumer's retry (CONSUMER_SEND_MSG_BACK) waits level 3 + its reconsume times (messaging/naming.py, retry_delay_ms).
     message_delay_levels_ms: tuple[int, ...] = parse_delay_levels(MESSAGE_DELAY_LEVEL)
     # Seconds one CPU keeps spinning (lowest priority) after a lone client's request or reply; 0 = off
     # (broker/busypoll.py; docs/architecture.md, "Busy polling").

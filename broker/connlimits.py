@@ -93,7 +93,7 @@ class LimitedConnection(asyncio.Protocol):
     first_request = "request"  # what --auth-timeout waits for when a token is configured
 
     def __init__(self, core: Any, shared: Any) -> None:
-        self.core = core
+        self.core = core  # the messaging service (broker/messaging/): config, metrics, refusals, forget_client, busy_poll_arm
         self.shared = shared
         self.transport: asyncio.Transport | None = None
         self.peer = ""
@@ -166,8 +166,7 @@ class LimitedConnection(asyncio.Protocol):
             shared.by_ip[self.ip] = n
         else:
             shared.by_ip.pop(self.ip, None)
-        self.core.registry.unregister_all(self)
-        self.core.consumer_registry.unregister_all(self)
+        self.core.forget_client(self)  # out of every producer and consumer group
         self._forget()
 
     def _forget(self) -> None:
@@ -270,7 +269,7 @@ class LimitedConnection(asyncio.Protocol):
                 self.transport.writelines(out)
             else:
                 self.transport.write(b"".join(out))
-            arm = self.core.busy_poll.arm
+            arm = self.core.busy_poll_arm
             if arm is not None and self.shared.busy <= 1:
                 arm()  # a lone client's next request: keep a CPU awake through its fsync (broker/busypoll.py)
         else:

@@ -17,22 +17,19 @@ import asyncio
 import logging
 import os
 import time
-from collections import defaultdict
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 from txmq import __version__
 from txmq.constants import is_system_topic
 from txmq.store import (
-    HEADER_SIZE,
     AppendResult,
     ConsumerOffsets,
     GetResult,
     GetStatus,
     Message,
-    RawCopy,
     RecordTooLargeError,
     RecoveryReport,
     Store,
@@ -40,7 +37,6 @@ from txmq.store import (
     StoreError,
     StoreFullError,
 )
-from txmq.store.codec import H_QUEUE_ID, H_TOPIC_LEN, HEADER
 from txmq.store.errors import FULL_ERRNOS
 from txmq.wire import ErrorCode, TxmqError
 
@@ -50,7 +46,9 @@ from .clock import Clock
 from .config import FRAME_OVERHEAD, BrokerConfig, CheckSettings
 from .flush import DescriptorState, DiskState, Flusher
 from .groupconfig import GROUPS_FILE, GroupConfigTable
-from .messaging import Messaging
+from .longpoll import LongPolls
+from .messaging import Messaging, Operations
+from .messaging.consumption import ConsumptionService, PopConfig
 from .metrics import Metrics
 from .records import msg_id, record_to_map
 from .refusals import Refusals
@@ -112,7 +110,7 @@ class BrokerCore:
         self.broker_id: str = f"txmq-{os.getpid()}"
         self.started_at: float = time.time()
         self.recovery: RecoveryReport | None = None
-        self._pollers: dict[tuple[str, int], list[asyncio.Future]] = defaultdict(list)
+        self.polls: LongPolls = LongPolls()  # the pulls and receives waiting for a message, woken by the appends
         self.busy_poll: BusyPoll = BusyPoll(0)  # the spinner, started in start()
         # The native front end's connections, as info, stats and Prometheus show them (native.server.ServerState.gauges).
         self.connection_gauges: Callable[[], dict[str, int]] = lambda: {"connections": 0, "partial_frame_bytes": 0}
@@ -125,6 +123,10 @@ class BrokerCore:
         self.shutting_down: bool = False  # refuse appends
         self.disk: DiskState = DiskState()  # a full disk, logged once per change of state
         self.fds: DescriptorState = DescriptorState()  # no descriptor left for a request, logged once per change of state
+        # What the front ends call (broker/messaging/): every send, transaction and consuming rule, once; and the
+        # operator's calls (txmq's commands, mqadmin). Built now, so that front ends can be built before open().
+        self.messaging: Messaging = Messaging(self)
+        self.operations: Operations = Operations(self)
         # Built by open() (they read the data directory):
         self.topics: TopicTable  # topics.json: queue counts and message types
         self.offsets: ConsumerOffsets  # offsets.json: consumer groups' offsets
@@ -136,7 +138,7 @@ class BrokerCore:
         self.admin: TransactionAdmin  # the operator's transaction operations
         self.keeper: IndexKeeper  # the index file, and the gate transactional requests wait at until it is built
         self.scheduled: ScheduleService  # delayed and timed messages: their index (timers.db) and their delivery
-        self.messaging: Messaging  # what the front ends call: every send, transaction and consuming rule, once
+        self.consumption: ConsumptionService  # receives with invisible durations, acks, retries, dead letters (POP)
 
     # ---- lifecycle -------------------------------------------------------
     def open(self, stored: dict[str, Any] | None = None) -> None:
@@ -174,7 +176,7 @@ class BrokerCore:
             disk=self.disk,
             count_error=partial(self.metrics.inc, "flush_errors"),
         )
-        self.appender = Appender(self.store, self.flusher, self.metrics, self.notify_appended, self.store_error)
+        self.appender = Appender(self.store, self.flusher, self.metrics, self.polls.notify, self.store_error)
         self.tx = TransactionService(self.appender, self.store, self.topics, self.flusher, self.metrics, self.clock)
         self.check = CheckService(self.tx, self.appender, self.store, self.flusher, self.metrics, self.clock, self.registry, self.disk,
                                   CheckProgress(self.data_dir / "txcheck.json", repair=True), self.data_dir / "config.json", settings,
@@ -185,7 +187,15 @@ class BrokerCore:
         self.scheduled = ScheduleService(self.appender, self.store, self.topics, self.flusher, self.disk, self.metrics, self.clock,
                                          self.data_dir, self.config.max_delay_s,
                                          self.config.message_delay_levels_ms)
-        self.messaging = Messaging(self.topics, self.tx, self.keeper, self.clock, self.send, self.pull)
+        self.consumption = self.consumption_service()
+
+    def consumption_service(self, config: PopConfig | None = None, **kw: Any) -> ConsumptionService:
+        """A consumption service on this broker's queues, offsets, topics, appends and long polls (``open`` builds
+        ``consumption``, the one the front ends use). ``kw``: ConsumptionService's (now, max_attempts, client_alive, fifo)."""
+        kw.setdefault("fifo", self.group_config.fifo)
+        return ConsumptionService(self.store, self.offsets, self.topics, self.appender, self.polls, config,
+                                  draining=lambda: self.draining, shutting_down=lambda: self.shutting_down,
+                                  persist=self.flusher.wait_persisted, flush_interval_s=self.config.flush_interval_s, **kw)
 
     def _settings(self, stored: dict) -> CheckSettings:
         """Defaults < config.json (what `txmq config set` stored) < explicit start options.
@@ -272,34 +282,9 @@ class BrokerCore:
         return self.appender.submit(msgs, shape)
 
     # ---- long polls ------------------------------------------------------
-    def notify_appended(self, msgs: Sequence[Message | RawCopy]) -> None:
-        """Wake the long polls waiting on the queues these messages went to.
-
-        A batch can hold check copies (RawCopy: the queue is its source
-        record's), written together with sends to the queues being polled.
-        """
-        pollers = self._pollers
-        if not pollers:
-            return
-        keys = set()
-        for m in msgs:
-            if type(m) is RawCopy:
-                h = m.header or HEADER.unpack_from(m.source)
-                keys.add((str(m.source[HEADER_SIZE : HEADER_SIZE + h[H_TOPIC_LEN]], "utf-8"), h[H_QUEUE_ID]))
-            else:
-                keys.add((m.topic, m.queue_id))
-        for key in keys:
-            for fut in pollers.pop(key, ()):
-                if not fut.done():
-                    fut.set_result(None)
-
     def wake_all_pollers(self) -> None:
         """Answer every long poll now (shutdown)."""
-        pollers, self._pollers = self._pollers, defaultdict(list)
-        for waiters in pollers.values():
-            for fut in waiters:
-                if not fut.done():
-                    fut.set_result(None)
+        self.polls.wake_all()
 
     # ---- consuming -------------------------------------------------------
     async def pull(self, topic: str, queue_id: int, offset: int, max_count: int, max_bytes: int, wait_ms: int) -> dict[str, Any]:
@@ -325,22 +310,7 @@ class BrokerCore:
             # loop would spin (re-reading the queue) until the clock ticks.
             if remaining < 0.001:
                 break
-            fut = loop.create_future()
-            key = (topic, queue_id)
-            self._pollers[key].append(fut)
-            try:
-                await asyncio.wait_for(fut, remaining)
-            except asyncio.TimeoutError:
-                pass
-            finally:  # a poll that timed out (or was cancelled) leaves nothing behind on a queue nobody sends to
-                waiters = self._pollers.get(key)
-                if waiters:
-                    try:
-                        waiters.remove(fut)
-                    except ValueError:  # woken: the list it was on is gone already
-                        pass
-                    if not waiters:
-                        del self._pollers[key]
+            await self.polls.wait(topic, queue_id, remaining)
         self.metrics.inc("messages_pulled", len(res.records))
         return {
             "status": res.status.name.lower(),
@@ -443,6 +413,15 @@ class BrokerCore:
         return {"topic": topic, "queues": n, "message_types": list(self.topics.message_types(topic)),
                 "messages": sum(r["messages"] for r in rows), "pending_transactions": sum(pending.values()),
                 "per_queue": rows}
+
+    def forget_client(self, target: Any) -> None:
+        """A connection closed: out of every producer and consumer group."""
+        self.registry.unregister_all(target)
+        self.consumer_registry.unregister_all(target)
+
+    @property
+    def busy_poll_arm(self) -> Callable[[], None] | None:
+        return self.busy_poll.arm
 
     def listening(self, name: str, host: str, port: int, **extra: Any) -> None:
         assert name in LISTENER_NAMES, name

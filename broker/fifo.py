@@ -8,7 +8,7 @@ sent it. Its queue is chosen as RocketMQ 5's proxy chooses it
 ``String.hashCode``. So a group keeps its queue while the topic's queue
 count stays, and a topic moved between txmq and RocketMQ places a group in
 the same queue id. Consumers of a FIFO group then receive each queue in
-order (broker/rocketmq/pop.py; docs/rocketmq.md, "FIFO messages").
+order (broker/messaging/consumption.py; docs/rocketmq.md, "FIFO messages").
 """
 
 from __future__ import annotations

@@ -123,10 +123,6 @@ class DescriptorState:
         self.errors = 0  # failures in this spell
         self._probe: asyncio.TimerHandle | None = None
 
-    @property
-    def exhausted(self) -> bool:
-        return self.since is not None
-
     def failed(self, where: str, exc: BaseException) -> bool:
         """Note exc if it is a lack of descriptors (True); anything else is the caller's to report (False)."""
         if not is_out_of_descriptors(exc):
@@ -219,7 +215,7 @@ def native_fsyncer() -> Any:
     if os.environ.get("TXMQ_PURE_PYTHON"):
         return None
     try:
-        from txmq.broker._fsyncer import Fsyncer
+        from ._fsyncer import Fsyncer
     except ImportError:
         return None
     try:

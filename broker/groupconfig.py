@@ -21,7 +21,7 @@ A group given a setting must have a name every consumer front end takes
 (``GROUP_NAME_RE``): RocketMQ's rule for a group (TopicValidator.validateGroup,
 which its broker applies when a subscription group is created or updated:
 at most 120 characters of %|a-zA-Z0-9_-), without ``|``, which txmq's gRPC
-consumers refuse (broker/rocketmq/pop.py). An older broker took any name of
+consumers refuse (broker/messaging/naming.py). An older broker took any name of
 1 to 255 characters: such an entry of groups.json still loads and can still
 be changed (to take a FIFO mark off), but no new one is added.
 """

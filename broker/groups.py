@@ -144,7 +144,7 @@ def update_group(core, group: str, fifo: bool | None) -> dict[str, Any]:
     """Change a consumer group's settings (groups.json, written before the answer); a group need not exist yet.
 
     ``fifo``: its consumers receive each queue in order, one batch in flight
-    per queue (RocketMQ's consumeMessageOrderly; broker/rocketmq/pop.py).
+    per queue (RocketMQ's consumeMessageOrderly; broker/messaging/consumption.py).
     """
     reply = core.group_config.update(group, fifo=fifo)
     if reply["changed"]:

@@ -28,6 +28,7 @@ from txmq.store import StoreLockedError
 from txmq.store.errors import DataFileError
 
 from .config import BrokerConfig
+from .frontends import FrontendBindError, bind_frontends
 from .logs import loop_exception_handler
 from .server import Broker, bind, install_uvloop, raise_fd_limit
 
@@ -122,23 +123,10 @@ async def _serve(config: BrokerConfig, sock, loop_name: str) -> None:
     shutdown = _stop_event()
     broker = Broker(config)
     log.info("event=starting loop=%s data_dir=%s", loop_name, config.data_dir)
-    if config.rocketmq_port is not None:  # RocketMQ 5's gRPC service (docs/rocketmq.md): bound now, served once the broker is
-        from .rocketmq.server import BindError, attach
-
-        try:
-            await attach(broker, config)
-        except BindError as e:
-            raise ListenError(str(e)) from None
-    if config.remoting_port is not None:  # RocketMQ 4's remoting protocol (docs/remoting.md): bound now, served once the broker is
-        from .remoting.server import BindError as RemotingBindError
-        from .remoting.server import attach as attach_remoting
-
-        try:
-            await attach_remoting(broker, config)
-        except RemotingBindError as e:
-            for frontend in broker.frontends:
-                await frontend.stop()
-            raise ListenError(str(e)) from None
+    try:  # RocketMQ 5's gRPC service and RocketMQ 4's remoting protocol, if asked for: bound now, served once the broker is
+        await bind_frontends(broker)
+    except FrontendBindError as e:
+        raise ListenError(str(e)) from None
     metrics = None
     if config.metrics_port is not None:  # Prometheus's /metrics (README, "Metrics"); empty until the store is open
         from .prom import METRICS_PATH, serve_metrics

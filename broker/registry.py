@@ -2,17 +2,60 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
+from txmq.constants import PROP_REAL_QID, PROP_REAL_TOPIC
 from txmq.wire import ErrorCode, TxmqError
 
 
+@dataclass(frozen=True, slots=True)
+class CheckBack:
+    """One check-back: the producer group holding the transaction is asked for its outcome (docs/transactions.md).
+
+    The fields are those of the check copy the check service just wrote
+    (its offsets are the ones an end of the transaction names); the
+    properties hold the real topic and queue (``REAL_TOPIC``, ``REAL_QID``)
+    the message goes to when committed.
+    """
+
+    group: str
+    tx_id: str
+    commit_log_offset: int
+    half_offset: int
+    born_ts: int
+    store_ts: int
+    prepared_offset: int
+    properties: dict[str, str]
+    body: bytes
+
+    @property
+    def topic(self) -> str:
+        return self.properties.get(PROP_REAL_TOPIC, "")
+
+    @property
+    def queue_id(self) -> int:
+        try:
+            return int(self.properties.get(PROP_REAL_QID) or 0)
+        except ValueError:
+            return 0
+
+
 class PushTarget(Protocol):
+    """A producer's connection check-backs go to, whatever its protocol.
+
+    ``takes_frames``: the native protocol's connections take the check
+    service's pushes as encoded frames (``send_frame``: the check pass
+    splices them from the stored bytes, its fast path); every other target
+    takes ``CheckBack`` records and words them in its own protocol.
+    """
+
     conn_id: int
+    takes_frames: bool
 
     def writable(self) -> bool: ...
 
-    def push(self, op: str, fields: dict) -> None: ...
+    def check_back(self, cb: CheckBack) -> None: ...
 
     def send_frame(self, frame: bytes) -> None: ...
 

@@ -114,6 +114,7 @@ class Frontend(Protocol):
     async def start(self) -> None: ...  # the broker serves: requests go through
     async def stop(self) -> None: ...  # first at shutdown: no new requests, those in flight finish; once
     async def close(self) -> None: ...  # last, once the core stopped: what is still open is closed
+    def gauges(self) -> dict[str, int]: ...  # its connections, as `txmq broker status`, `txmq stats` and Prometheus show them
 
 
 class Broker:
@@ -135,7 +136,14 @@ class Broker:
         self.native: NativeFrontend | None = None  # built by serve() with its socket
         self.ready = asyncio.Event()
         self._janitor: asyncio.Task | None = None
-        self.frontends: list[Frontend] = []  # RocketMQ's gRPC service and RocketMQ 4's remoting when attached (main, testing), then the native one (serve)
+        # The front ends this broker owns: RocketMQ's gRPC service and RocketMQ 4's remoting when the configuration asks
+        # for them (broker/frontends.py builds and binds them before serve), then the native one (serve).
+        self.frontends: list[Frontend] = []
+
+    def own(self, frontend: Frontend) -> None:
+        """A front end built for this broker: started and stopped with it, its connections counted in its figures."""
+        self.frontends.append(frontend)
+        self.core.frontend_gauges.append(frontend.gauges)
 
     async def start(self) -> None:
         core = self.core
@@ -152,7 +160,10 @@ class Broker:
     async def serve(self, sock: socket.socket, shutdown: asyncio.Event | None = None) -> None:
         """Start, accept on sock until shutdown is set, then stop."""
         await self.start()
-        self.native = NativeFrontend(self.core, sock)
+        core = self.core
+        self.native = NativeFrontend(core.messaging, core.operations, sock)
+        core.connection_gauges = self.native.gauges  # the native port's own: its partial_frame_bytes too
+        core.flusher.lone_client = self.native.lone_client
         self.frontends.append(self.native)
         for frontend in self.frontends:
             await frontend.start()

@@ -10,6 +10,8 @@ from typing import AsyncIterator
 
 from .clock import Clock
 from .config import BrokerConfig, CheckSettings
+from .core import BrokerCore
+from .frontends import bind_frontends
 from .server import Broker, bind
 
 
@@ -31,6 +33,34 @@ class RunningBroker:
         self.remoting_address = f"{host}:{self.remoting_port}" if rem is not None else None
 
 
+def config_for_tests(data_dir: str | Path, **overrides) -> BrokerConfig:
+    """A broker's configuration on ``data_dir`` (127.0.0.1), with check settings passed as keyword arguments too."""
+    check_keys = [k for k in ("check_interval_s", "transaction_timeout_s", "max_checks", "retention_s") if k in overrides]
+    check = CheckSettings()
+    for k in check_keys:
+        check = check.with_value(k, overrides.pop(k))
+    config = BrokerConfig(data_dir=Path(data_dir), host="127.0.0.1", port=0, check=check, check_overrides=tuple(check_keys))
+    return replace(config, **overrides)
+
+
+@contextlib.asynccontextmanager
+async def running_services(data_dir: str | Path, clock: Clock | None = None, **overrides) -> AsyncIterator[BrokerCore]:
+    """The broker's services on a real store, started and stopped as a broker does it, with no port open.
+
+    For tests of the messaging service and the subsystems under it: the
+    core (``core.messaging``, ``core.operations``, ``core.tx``, ...) is
+    yielded once the transaction and schedule indexes are ready.
+    """
+    broker = Broker(config_for_tests(data_dir, **overrides), clock)
+    await broker.start()
+    try:
+        await broker.core.keeper.ready.wait()
+        await broker.core.scheduled.ready.wait()
+        yield broker.core
+    finally:
+        await broker.stop()
+
+
 @contextlib.asynccontextmanager
 async def running_broker(data_dir: str | Path, clock: Clock | None = None, **overrides) -> AsyncIterator[RunningBroker]:
     """Start a broker on a pre-bound 127.0.0.1 port; stop it cleanly on exit.
@@ -40,24 +70,12 @@ async def running_broker(data_dir: str | Path, clock: Clock | None = None, **ove
     ``rocketmq_port=0`` serves RocketMQ's gRPC service on a free port too
     (``RunningBroker.rocketmq_address``).
     """
-    check_keys = [k for k in ("check_interval_s", "transaction_timeout_s", "max_checks", "retention_s") if k in overrides]
-    check = CheckSettings()
-    for k in check_keys:
-        check = check.with_value(k, overrides.pop(k))
-    config = BrokerConfig(data_dir=Path(data_dir), host="127.0.0.1", port=0, check=check, check_overrides=tuple(check_keys))
-    config = replace(config, **overrides)
+    config = config_for_tests(data_dir, **overrides)
     sock = bind("127.0.0.1", 0)
     port = sock.getsockname()[1]
     config = replace(config, port=port)
     broker = Broker(config, clock)
-    if config.rocketmq_port is not None:
-        from .rocketmq.server import attach  # needs the rocketmq extra
-
-        await attach(broker, config)
-    if config.remoting_port is not None:
-        from .remoting.server import attach as attach_remoting
-
-        await attach_remoting(broker, config)
+    await bind_frontends(broker)  # the RocketMQ ports asked for (rocketmq_port=0, remoting_port=0: free ones)
     shutdown = asyncio.Event()
     task = asyncio.create_task(broker.serve(sock, shutdown))
     ready = asyncio.create_task(broker.ready.wait())

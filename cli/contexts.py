@@ -1,7 +1,8 @@
 """Named broker profiles ("contexts"): an address and a token under a name.
 
 Stored in $XDG_CONFIG_HOME/txmq/contexts.json (~/.config/txmq/contexts.json),
-mode 0600 because it holds tokens:
+mode 0600 because it holds tokens; read with ``txmq.contextfile``, which the
+Spark source (option ``context``) uses too:
 
     {"current": "prod", "contexts": {"prod": {"broker": "10.0.0.5:10911", "token": "..."}}}
 
@@ -18,6 +19,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from txmq import contextfile
+
 from . import exitcodes
 from .common import CliError
 
@@ -25,8 +28,7 @@ NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._\-]{0,63}")
 
 
 def path() -> Path:
-    base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
-    return Path(base) / "txmq" / "contexts.json"
+    return contextfile.path()
 
 
 def check_name(name: str) -> str:
@@ -37,24 +39,10 @@ def check_name(name: str) -> str:
 
 
 def load() -> dict[str, Any]:
-    p = path()
     try:
-        text = p.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        return {"current": None, "contexts": {}}
-    except OSError as e:
-        raise CliError(f"cannot read {p}: {e.strerror or e}") from None
-    try:
-        doc = json.loads(text)
-        ok = isinstance(doc, dict) and isinstance(doc.get("contexts", {}), dict) and all(
-            isinstance(v, dict) for v in doc.get("contexts", {}).values())
-    except ValueError:
-        ok = False
-    if not ok:
-        raise CliError(f"{p} is damaged (not a JSON object of contexts): fix it, or move it away and add the contexts again")
-    doc.setdefault("contexts", {})
-    doc.setdefault("current", None)
-    return doc
+        return contextfile.load(path())
+    except contextfile.ContextFileError as e:
+        raise CliError(str(e)) from None
 
 
 def save(doc: dict[str, Any]) -> None:

@@ -290,7 +290,7 @@ class Bench:
         return g
 
     async def _prepare_consume(self) -> None:
-        from txmq.client.connection import Client
+        from .connection import Client
 
         async with Client(self.cfg.address, token=self.cfg.token, reconnect=False) as c:
             topics = {t["topic"]: t for t in (await c.request("list_topics", {}))["topics"]}
@@ -307,7 +307,7 @@ class Bench:
 
     async def _start_checker(self) -> None:
         """A producer of the bench group that answers check-backs of unknowns with commit."""
-        from txmq.client.connection import Client
+        from .connection import Client
 
         holder: dict[str, Any] = {}
 
@@ -360,7 +360,7 @@ class Bench:
 
     async def _roll_back_unknown(self) -> None:
         """Transactions the mix ended `unknown` would stay pending on the broker: roll back those still pending."""
-        from txmq.client.connection import Client
+        from .connection import Client
         from txmq.wire import TxmqError
 
         async def one(c: Any, tx_id: str, clo: int, ho: int) -> bool:

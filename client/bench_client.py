@@ -38,7 +38,7 @@ class ClientBench:
         self._weights = [cfg.mix[s] for s in self._states]
 
     async def run(self) -> dict[str, Any]:
-        from txmq.client import LocalTransactionState, Message, TransactionProducer
+        from . import LocalTransactionState, Message, TransactionProducer
 
         cfg, st = self.cfg, self.stats
         states = {"commit": LocalTransactionState.COMMIT_MESSAGE, "rollback": LocalTransactionState.ROLLBACK_MESSAGE,

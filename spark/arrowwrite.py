@@ -25,12 +25,16 @@ import os
 import shutil
 import uuid
 
+from .formats import EXPORT_FORMATS, export_format
 from .source import TxmqDataSource
 
 # Spark's spark.sql.parquet.compression.codec names -> pyarrow's (None: no compression)
 CODECS = {"snappy": "snappy", "gzip": "gzip", "zstd": "zstd", "brotli": "brotli", "lz4_raw": "lz4",
           "none": None, "uncompressed": None}
 _SUFFIX = {"snappy": ".snappy", "gzip": ".gz", "zstd": ".zstd", "brotli": ".br", "lz4": ".lz4raw", None: ""}
+_PARQUET = export_format("parquet")
+# pyarrow's Parquet writer writes Parquet only: the one format that says this writer may write it
+assert [f for f in EXPORT_FORMATS if f.arrow_writer] == [_PARQUET]
 
 
 CODEC_CONF = "spark.sql.parquet.compression.codec"
@@ -63,9 +67,11 @@ def local_folder(out: str) -> str | None:
 
 
 def applies(fmt: str, partition_by, out: str, codec_name: str | None = None) -> bool:
-    """Whether a table can be written this way: Parquet, not partitioned, into a folder this process can see, with a
-    codec (spark.sql.parquet.compression.codec; None: Spark's default) pyarrow writes (Spark's lz4 is Hadoop's framing)."""
-    return fmt == "parquet" and not partition_by and local_folder(out) is not None and _codec_name(codec_name) in CODECS
+    """Whether a table can be written this way: a format this writes (Parquet: formats' arrow_writer), not partitioned,
+    into a folder this process can see, with a codec (spark.sql.parquet.compression.codec; None: Spark's default)
+    pyarrow writes (Spark's lz4 is Hadoop's framing)."""
+    return (export_format(fmt).arrow_writer and not partition_by and local_folder(out) is not None
+            and _codec_name(codec_name) in CODECS)
 
 
 def _write_partition(reader, arrow_schema, tmp: str, job: str, compression, no_dictionary: tuple[str, ...]):
@@ -75,7 +81,7 @@ def _write_partition(reader, arrow_schema, tmp: str, job: str, compression, no_d
         import pyarrow.parquet as pq
 
         for index, part in items:
-            name = f"part-{index:05d}-{job}-c000{_SUFFIX[compression]}.parquet"
+            name = f"part-{index:05d}-{job}-c000{_SUFFIX[compression]}{_PARQUET.extension}"
             path = os.path.join(tmp, f"{name}.{uuid.uuid4().hex}")  # an attempt's own file: retries never collide
             rows = 0
             writer = None
@@ -131,7 +137,7 @@ def write(spark, options: dict[str, str], schema, path: str, no_dictionary: tupl
                     f"and the driver share, or use Spark's writer (--parquet-writer spark)"
                 ) from None
         if not done:  # an empty table still has its schema, as Spark writes it: one file without rows
-            name = f"part-00000-{job}-c000{_SUFFIX[compression]}.parquet"
+            name = f"part-00000-{job}-c000{_SUFFIX[compression]}{_PARQUET.extension}"
             pq.write_table(pa.Table.from_batches([], arrow_schema), os.path.join(local, name), compression=compression)
         with open(os.path.join(local, "_SUCCESS"), "wb"):
             pass

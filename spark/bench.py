@@ -61,8 +61,8 @@ def write_log(data_dir: str, records: int, body_size: int = 256) -> float:
 
 
 def python_scan(data_dir: str) -> dict:
-    from txmq.spark.schema import messages_schema
-    from txmq.spark.source import ReadOptions, TxmqReader
+    from .schema import messages_schema
+    from .source import ReadOptions, TxmqReader
     from txmq.store import StoreReader
 
     t0 = time.perf_counter()
@@ -80,8 +80,8 @@ def python_scan(data_dir: str) -> dict:
 
 
 def spark_count(data_dir: str, master: str, repeat: int) -> dict:
-    from txmq.spark import session as sess
-    from txmq.spark.source import TxmqDataSource
+    from . import session as sess
+    from .source import TxmqDataSource
 
     s = sess.start(master)
     try:
@@ -123,7 +123,7 @@ def start_broker(data_dir: str) -> tuple[subprocess.Popen, str]:
                 break
         except OSError:
             time.sleep(0.1)
-    from txmq.spark.broker import BrokerOptions, WireClient, plan_batch
+    from .broker import BrokerOptions, WireClient, plan_batch
 
     while time.monotonic() < deadline:  # the index is built: offsets answer
         try:
@@ -138,9 +138,9 @@ def start_broker(data_dir: str) -> tuple[subprocess.Popen, str]:
 def broker_read(address: str, pid: int) -> dict:
     """One process reading every queue through the broker into Arrow batches (raw pulls, then message maps), with the
     broker's CPU per row."""
-    from txmq.spark.broker import BrokerOptions, plan_batch
-    from txmq.spark.brokersource import QueuePartition, read_partition
-    from txmq.spark.schema import messages_schema
+    from .broker import BrokerOptions, plan_batch
+    from .brokersource import QueuePartition, read_partition
+    from .schema import messages_schema
 
     out = {}
     for mode, raw in (("raw", "true"), ("maps", "false")):
@@ -155,8 +155,8 @@ def broker_read(address: str, pid: int) -> dict:
 
 
 def broker_spark_count(address: str, pid: int, master: str, repeat: int, partitions: int = 8) -> dict:
-    from txmq.spark import session as sess
-    from txmq.spark.source import TxmqDataSource
+    from . import session as sess
+    from .source import TxmqDataSource
 
     s = sess.start(master)
     try:
@@ -182,8 +182,8 @@ def stream_latency(address: str, master: str, seconds: float = 20.0, rate: int =
     import threading
 
     from txmq.client import SyncProducer
-    from txmq.spark import session as sess
-    from txmq.spark.source import TxmqDataSource
+    from . import session as sess
+    from .source import TxmqDataSource
 
     s = sess.start(master)
     out = tempfile.mkdtemp(prefix="txmq-latency-")

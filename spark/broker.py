@@ -32,6 +32,8 @@ from typing import Any
 from txmq.constants import DISCARD_TOPIC, HALF_TOPIC, OP_TOPIC, canonical_topic, is_system_topic
 from txmq.wire import ErrorCode, TxmqError, parse_payload, request
 
+from .options import parse_time_ms
+
 TX_TOPICS = (HALF_TOPIC, OP_TOPIC, DISCARD_TOPIC)
 DEFAULT_PORT = 10911
 PULL_COUNT = 10_000  # the most one pull returns
@@ -190,8 +192,6 @@ class BrokerOptions:
 
     @classmethod
     def from_options(cls, options, streaming: bool = False) -> "BrokerOptions":
-        from .source import parse_time_ms  # pyspark-free helpers live there too
-
         o = {str(k).lower(): v for k, v in dict(options).items() if v is not None}
         address, token = str(o.get("broker", "")).strip(), o.get("token") or None
         if o.get("context"):
@@ -256,9 +256,9 @@ class BrokerOptions:
 
 def _from_context(name: str, address: str, token: str | None) -> tuple[str, str | None]:
     """A `txmq context`'s broker and token (the CLI's saved connections); explicit options win."""
-    from txmq.cli import contexts
+    from txmq import contextfile
 
-    doc = contexts.load()
+    doc = contextfile.load()
     ctx = doc.get("contexts", {}).get(name)
     if ctx is None:
         raise ValueError(f"no txmq context named {name!r} (txmq context list)")

@@ -34,8 +34,7 @@ from .broker import (
     split_ranges,
 )
 from . import fastrows
-from .rows import map_filter, maps_to_batch, records_to_batch, tx_events_batch
-from .source import BATCH_BYTES
+from .rows import BATCH_BYTES, map_filter, maps_to_batch, records_to_batch, tx_events_batch
 
 try:  # pyspark 4.2+: read limits (maxOffsetsPerTrigger) and Trigger.AvailableNow
     from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadMaxRows, SupportsTriggerAvailableNow

@@ -24,19 +24,18 @@ from txmq.constants import canonical_topic
 from txmq.store import StoreReader
 
 from .arrowwrite import CODEC_CONF
+from .formats import DEFAULT_FORMAT, export_format
 from .schema import MESSAGE_FIELDS, TRANSACTION_FIELDS, TX_KINDS
 from .source import DEFAULT_PARTITION_BYTES, TxmqDataSource, has_commit_log, plan_partitions, read_damage_reports
 from .transactions import transactions
 
 TABLES = ("messages", "transactions")
-FORMATS = ("parquet", "json", "csv")
 MODES = {"error": "errorifexists", "overwrite": "overwrite", "append": "append"}
 # --partition-by names that mean a different column in each table
 _ALIASES = {
     "messages": {"date": "date", "topic": "topic"},
     "transactions": {"date": "date", "topic": "real_topic"},
 }
-CSV_OPTIONS = {"header": "true", "escape": '"'}  # RFC 4180 quoting: a quote inside a field is doubled
 _TIME_COLUMN = {"messages": "stored_at", "transactions": "first_half_at"}
 _FIELDS = {"messages": MESSAGE_FIELDS, "transactions": TRANSACTION_FIELDS}
 
@@ -45,7 +44,7 @@ _FIELDS = {"messages": MESSAGE_FIELDS, "transactions": TRANSACTION_FIELDS}
 class ExportOptions:
     data_dir: str
     out: str
-    fmt: str = "parquet"
+    fmt: str = DEFAULT_FORMAT  # a name in formats.EXPORT_FORMATS
     tables: tuple[str, ...] = TABLES
     since_ms: int | None = None  # store time, inclusive
     until_ms: int | None = None  # store time, exclusive
@@ -104,8 +103,7 @@ def partition_columns(table: str, names: tuple[str, ...]) -> list[str]:
 
 def check_options(opts: ExportOptions) -> None:
     """Raise ValueError / FileNotFoundError / FileExistsError before any Spark work."""
-    if opts.fmt not in FORMATS:
-        raise ValueError(f"--format must be one of {', '.join(FORMATS)}")
+    export_format(opts.fmt)
     if opts.mode not in MODES:
         raise ValueError(f"--mode must be one of {', '.join(MODES)}")
     if not opts.tables or not set(opts.tables) <= set(TABLES):
@@ -128,8 +126,9 @@ def check_options(opts: ExportOptions) -> None:
 
 
 def _for_format(df, fmt: str):
-    """CSV holds neither maps nor binary: properties as a JSON object string, body as base64."""
-    if fmt != "csv":
+    """df as the format holds it: for one with text columns only (CSV: neither maps nor binary), properties as a
+    JSON object string, body as base64."""
+    if not export_format(fmt).text_columns:
         return df
     from pyspark.sql import functions as F
 
@@ -152,15 +151,15 @@ def _write(df, table: str, opts: ExportOptions) -> tuple[str, int]:
     if "date" in cols:
         df = df.withColumn("date", F.to_date(F.col(_TIME_COLUMN[table])))
     obs = Observation(f"txmq_{table}")
-    df = _for_format(df, opts.fmt).observe(obs, F.count(F.lit(1)).alias("rows"))
-    w = df.write.format(opts.fmt).mode(MODES[opts.mode])
+    fmt = export_format(opts.fmt)
+    df = _for_format(df, fmt.name).observe(obs, F.count(F.lit(1)).alias("rows"))
+    w = df.write.format(fmt.name).mode(MODES[opts.mode])
     if cols:
         w = w.partitionBy(*cols)
-    if opts.fmt == "csv":
-        w = w.options(**CSV_OPTIONS)
-    if opts.fmt == "parquet" and table == "messages":
-        # bodies rarely repeat: trying to dictionary-encode them costs a third of the write
-        w = w.option("parquet.enable.dictionary#body", "false")
+    if fmt.options:
+        w = w.options(**fmt.options)
+    if fmt.table_options.get(table):
+        w = w.options(**fmt.table_options[table])
     path = table_path(opts.out, table)
     w.save(path)
     return path, int(obs.get["rows"])
@@ -441,7 +440,8 @@ def follow(spark, opts: ExportOptions, checkpoint: str, interval_s: float = 1.0,
     check_options(opts)
     if opts.broker is None:
         raise ValueError("--follow reads through a broker: give --broker")
-    if "transactions" in opts.tables and opts.fmt != "parquet":
+    fmt = export_format(opts.fmt)
+    if "transactions" in opts.tables and not fmt.follow_transactions:
         raise ValueError("--follow keeps the transactions table in parquet: use --format parquet or --table messages")
     spark.dataSource.register(TxmqDataSource)
     t0 = time.perf_counter()
@@ -463,12 +463,12 @@ def follow(spark, opts: ExportOptions, checkpoint: str, interval_s: float = 1.0,
                 from pyspark.sql import functions as F
 
                 df = df.withColumn("date", F.to_date(F.col("stored_at")))
-            w = (_for_format(df, opts.fmt).writeStream.format(opts.fmt).option("path", table_path(opts.out, "messages"))
+            w = (_for_format(df, fmt.name).writeStream.format(fmt.name).option("path", table_path(opts.out, "messages"))
                  .option("checkpointLocation", os.path.join(checkpoint, "messages")).trigger(processingTime=f"{interval_s} seconds"))
             if cols:
                 w = w.partitionBy(*cols)
-            if opts.fmt == "csv":
-                w = w.options(**CSV_OPTIONS)
+            if fmt.options:
+                w = w.options(**fmt.options)
             queries.append(("messages", w.start()))
         if "transactions" in opts.tables:
             ev = spark.readStream.format("txmq").options(**base).option("table", "transaction_events").load()

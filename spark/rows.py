@@ -33,7 +33,7 @@ from txmq.store import Record
 
 from .schema import _TX_ROLLBACK, DISCARD, HALF, NORMAL, record_kind
 
-
+BATCH_BYTES = 64 << 20  # a batch's record bytes, far below Arrow's 2 GiB binary limit
 _INT32 = range(-(1 << 31), 1 << 31)
 # Spark's timestamps run from year 1 to year 9999; born_ts is whatever a producer said
 _TS_MS = range(-62_135_596_800_000, 253_402_300_800_000)

@@ -32,7 +32,6 @@ import os
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
-from datetime import datetime, timezone
 
 from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 
@@ -41,38 +40,12 @@ from txmq.store import Record, StoreReader
 from txmq.store.consumequeue import all_queues
 
 from . import fastrows
-from .rows import record_filter, records_to_batch
+from .options import parse_size, parse_time_ms
+from .rows import BATCH_BYTES, record_filter, records_to_batch
 from .schema import KINDS, messages_schema
 
 DEFAULT_PARTITION_BYTES = 64 << 20
 DEFAULT_BATCH_ROWS = 32768
-BATCH_BYTES = 64 << 20  # a batch's record bytes, far below Arrow's 2 GiB binary limit
-_SIZE = re.compile(r"^\s*(\d+)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
-
-
-def parse_size(text: str | int) -> int:
-    """Bytes from 67108864, '64m', '64MiB', '1g' (binary units)."""
-    if isinstance(text, int):
-        return text
-    m = _SIZE.match(str(text))
-    if not m:
-        raise ValueError(f"bad size {text!r}: use bytes or e.g. 64MiB")
-    return int(m.group(1)) << (10 * " kmgt".index((m.group(2) or " ").lower()))
-
-
-def parse_time_ms(text: str | int | None) -> int | None:
-    """ms since the epoch from an integer (ms) or an ISO 8601 date/time (naive means UTC)."""
-    if text is None or text == "":
-        return None
-    if isinstance(text, int) or str(text).strip().lstrip("-").isdigit():
-        return int(text)
-    s = str(text).strip()
-    if s.endswith(("Z", "z")):
-        s = s[:-1] + "+00:00"
-    dt = datetime.fromisoformat(s)
-    if dt.tzinfo is None:
-        dt = dt.replace(tzinfo=timezone.utc)
-    return int(dt.timestamp() * 1000)
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,15 +29,12 @@ import time
 from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from .codec import HEADER, HEADER_SIZE, MAGIC, TAGS_PROPERTY, Record, TxType, decode, tag_hash
 from .consumequeue import ConsumeQueue, Entry
 from .errors import CorruptRecordError
 from .segments import LogView
-
-if TYPE_CHECKING:
-    from .store import Store
 
 _log = logging.getLogger("txmq.store")
 STEP_BYTES = 4 << 20  # of the log read per read that meets damage
@@ -62,6 +59,18 @@ class _Walk:
     began: float = field(default_factory=time.perf_counter)
 
 
+class StoreAccess(Protocol):
+    """What a rebuild uses of the store (``txmq.store.store.Store``, which passes itself to ``meet``)."""
+
+    def _open_log(self) -> LogView: ...
+
+    def cq_entries(self, topic: str, queue_id: int, start: int, max_count: int) -> list[Entry]: ...
+
+    def queue_min_offset(self, topic: str, queue_id: int) -> int: ...
+
+    def _rewrite_entries(self, cq: ConsumeQueue, changes: list[tuple[int, Entry]]) -> set[int]: ...
+
+
 class QueueRepairs:
     """The walks under way (one per queue at most) and the queue offsets known lost, for one open store."""
 
@@ -77,7 +86,7 @@ class QueueRepairs:
         i = bisect_right(ranges, (q, 1 << 62)) - 1
         return i >= 0 and q <= ranges[i][1]
 
-    def meet(self, store: Store, cq: ConsumeQueue, first_q: int, entries: Sequence[tuple[int, int]],
+    def meet(self, store: StoreAccess, cq: ConsumeQueue, first_q: int, entries: Sequence[tuple[int, int]],
              bad: list[tuple[int, int, str]]) -> tuple[int, int | None]:
         """A read of entries [first_q, ...) met ``bad``: rebuild what one step can.
 
@@ -108,7 +117,7 @@ class QueueRepairs:
                     break
         return rewritten, None
 
-    def _in_place(self, store: Store, log: LogView, cq: ConsumeQueue, todo: list[tuple[int, int]],
+    def _in_place(self, store: StoreAccess, log: LogView, cq: ConsumeQueue, todo: list[tuple[int, int]],
                   walk: _Walk | None) -> tuple[int, list[tuple[int, int]]]:
         """Entries whose record is where they point (their size is what changed): rewritten at once, no walk."""
         fixes: dict[int, Entry] = {}
@@ -132,7 +141,7 @@ class QueueRepairs:
                          len(lost), fixes[a][0], fixes[b][0] + fixes[b][1])
         return len(written), [(q, o) for q, o in todo if q not in fixes]
 
-    def _begin(self, store: Store, log: LogView, cq: ConsumeQueue, a: int, b: int, first_q: int,
+    def _begin(self, store: StoreAccess, log: LogView, cq: ConsumeQueue, a: int, b: int, first_q: int,
                entries: Sequence[tuple[int, int]], skipped: set[int]) -> _Walk:
         """The walk for damaged queue offsets [a, b]: out to the nearest good entries on both sides.
 
@@ -177,7 +186,7 @@ class QueueRepairs:
             g = min(b + step, hi - 1)
         return _Walk(first, last, start, stop, start, first)
 
-    def _step(self, store: Store, log: LogView, cq: ConsumeQueue, walk: _Walk, budget: list[int]) -> bool:
+    def _step(self, store: StoreAccess, log: LogView, cq: ConsumeQueue, walk: _Walk, budget: list[int]) -> bool:
         """Walk on within budget (bytes, headers), writing the entries found; True once the walk is over."""
         topic_b = cq.topic.encode()
         tlen, qid, first, last, stop = len(topic_b), cq.queue_id, walk.first, walk.last, walk.stop
@@ -233,7 +242,7 @@ class QueueRepairs:
         nxt = log.next_valid(off + 1, limit)
         return nxt if nxt is not None else limit  # limit: a place to search on from at the next step
 
-    def _apply(self, store: Store, cq: ConsumeQueue, walk: _Walk, found: list[tuple[int, Entry]]) -> None:
+    def _apply(self, store: StoreAccess, cq: ConsumeQueue, walk: _Walk, found: list[tuple[int, Entry]]) -> None:
         """Write the found entries that differ from the queue's; queue offsets passed over are lost."""
         if not found:
             return

@@ -40,3 +40,14 @@ def data_dir(tmp_path):
     d = tmp_path / "data"
     d.mkdir()
     return d
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (`make test` runs the suite on several workers, `--dist loadgroup`), the tests beside one
+    heavy shared thing run on one worker: the session's RocketMQ peer (two JVMs) and Spark (its JVM, the class-data
+    archive) start once, not once per worker."""
+    for item in items:
+        if item.get_closest_marker("rocketmq_peer") is not None:
+            item.add_marker(pytest.mark.xdist_group("rocketmq_peer"))
+        elif item.get_closest_marker("spark") is not None:
+            item.add_marker(pytest.mark.xdist_group("spark"))

@@ -352,6 +352,15 @@ def start_rocketmq_broker(root: Path, *args: str, name: str = "broker"):
     return broker, f"127.0.0.1:{grpc_port}"
 
 
+def create_topics(broker, *topics: str, message_types: str | None = None) -> None:
+    """Create topics on a broker process (`txmq topics create`), as an operator does before RocketMQ 5's clients use
+    them: like RocketMQ 5, txmq answers a route, assignment or send of a topic it does not know TOPIC_NOT_FOUND."""
+    from clihelpers import ok, txmq
+
+    for t in topics:
+        ok(txmq("topics", "create", t, *(("--message-types", message_types) if message_types else ()), broker=broker.address))
+
+
 def self_signed_cert(directory: Path) -> tuple[Path, Path]:
     """A certificate for 127.0.0.1 and its key (openssl), for --rocketmq-tls-cert/--rocketmq-tls-key; the SDKs
     trust it through GRPC_DEFAULT_SSL_ROOTS_FILE_PATH (Python) or NODE_EXTRA_CA_CERTS (Node.js)."""

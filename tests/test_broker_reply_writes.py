@@ -62,11 +62,11 @@ def waiting_op(monkeypatch):
 
 
 def make_connection() -> tuple[BrokerConnection, RecordingTransport]:
-    core = SimpleNamespace(
+    messaging = SimpleNamespace(
         config=BrokerConfig(), draining=False,
-        metrics=SimpleNamespace(inc=lambda *a, **k: None), busy_poll=SimpleNamespace(arm=None),
+        metrics=SimpleNamespace(inc=lambda *a, **k: None), busy_poll_arm=None,
     )
-    conn = BrokerConnection(core, ServerState())
+    conn = BrokerConnection(SimpleNamespace(messaging=messaging, config=messaging.config), ServerState())
     t = RecordingTransport()
     conn.connection_made(t)
     return conn, t

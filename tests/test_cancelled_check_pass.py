@@ -36,7 +36,7 @@ def test_a_cancelled_pass_still_enters_its_discard_in_the_index(tmp_path):
                 pass
             await asyncio.sleep(0.05)
             live = core.tx.index.outcome(h["tx_id"])
-            rebuilt = rebuild(core.store, core.check.progress.half, core.check.progress.op).outcome(h["tx_id"])
+            rebuilt = rebuild(core.store).outcome(h["tx_id"])
             await c.close()
             return live, rebuilt
 

@@ -122,6 +122,8 @@ def test_two_checks_of_one_transaction_in_flight_keep_the_index_equal_to_the_log
     class Dropping:
         conn_id = -1
 
+        takes_frames = True
+
         def writable(self) -> bool:
             return True
 

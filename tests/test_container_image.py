@@ -145,6 +145,7 @@ def test_image_serves_the_sdk_transactions_stops_on_sigterm_and_keeps_the_log_on
         assert "txmq" in docker("exec", name, "cat", "/proc/1/cmdline").stdout
 
         topic, group = "ContainerTx", "container-consumers"
+        ok(txmq("topics", "create", topic, broker=broker))  # RocketMQ 5's clients need the topic to exist
         r = python_scenario(sdk_python, "transactions", tmp_path / "home", "--endpoint", f"127.0.0.1:{grpc}", "--topic", topic,
                             "--group", group)
         print("SDK scenario:", json.dumps({k: v for k, v in r.items() if k != "_sdk_log"}, sort_keys=True))

@@ -99,7 +99,7 @@ def test_sigkill_under_sync_load_loses_nothing_acknowledged(tmp_path, cycle):
     assert not missing, f"{len(missing)} acknowledged messages lost"
     committed = _bodies(reader, "crashtx")
     assert len(committed) == len(set(committed)), "a committed message appears twice"
-    idx = rebuild(reader, 0, 0)
+    idx = rebuild(reader)
     cset = set(committed)
     for tx_id, (state, body) in tx_acked.items():
         out = idx.outcome(tx_id)

@@ -43,7 +43,7 @@ def test_commit_racing_a_discard_agrees_with_a_rebuild(tmp_path):
             assert reply["status"] == "ok" and reply["outcome"] == "committed"
             assert r["discarded"] == 0  # the pass leaves a transaction alone while its outcome is being written
             live = core.tx.index.outcome(h["tx_id"])
-            rebuilt = rebuild(core.store, core.check.progress.half, core.check.progress.op).outcome(h["tx_id"])
+            rebuilt = rebuild(core.store).outcome(h["tx_id"])
             assert len(await pull_all(c)) == 1
             await c.close()
             return h, live, rebuilt

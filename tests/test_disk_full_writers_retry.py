@@ -31,10 +31,10 @@ def test_a_schedule_flush_that_failed_with_nothing_to_write_is_retried_until_it_
 
     async def go():
         async with running_broker(tmp_path / "d") as b:
-            sched = b.core.scheduled
+            sched = b.core.scheduled.keeper
             await asyncio.wait_for(sched.ready.wait(), 30)
             assert not sched.added and not sched.removed
-            await _full_then_freed(b.core, sched.db, sched._flush, "timers")
+            await _full_then_freed(b.core, sched.db, sched.flush, "timers")
 
     arun(go())
 

@@ -1,6 +1,6 @@
 """FIFO messages natively: message groups choose the queue, FIFO consumer groups receive each queue in order.
 
-The receive side is PopService (broker/rocketmq/pop.py) over a real broker core and store, without gRPC;
+The receive side is the consumption service (broker/messaging/consumption.py) over a real broker core and store, without gRPC;
 tests/test_rocketmq_fifo.py covers the gRPC front end, tests/test_rocketmq_sdk_*.py the official SDKs.
 """
 
@@ -14,7 +14,7 @@ import pytest
 from conftest import arun
 from txmq.broker.fifo import consistent_hash, group_problem, java_string_hash, queue_of_group
 from txmq.broker.groupconfig import GroupConfigTable
-from txmq.broker.rocketmq.pop import PopError, PopService
+from txmq.broker.messaging.consumption import ConsumptionService, PopError
 from txmq.broker.testing import running_broker
 from txmq.client import Message, Producer
 from txmq.store.errors import DataFileError
@@ -32,9 +32,9 @@ class FakeTime:
         return self.t
 
 
-def fifo_pop(core, now=None, **kw) -> PopService:
+def fifo_pop(core, now=None, **kw) -> ConsumptionService:
     core.group_config.update(G, fifo=True)
-    return PopService(core, now=now or FakeTime(), fifo=core.group_config.fifo, **kw)
+    return core.consumption_service(now=now or FakeTime(), fifo=core.group_config.fifo, **kw)
 
 
 async def send_groups(c: RawClient, items: list[tuple[str, str]], topic: str = T) -> list[dict]:
@@ -177,7 +177,7 @@ def test_a_fifo_group_gets_one_batch_per_queue_in_flight_and_the_next_only_after
             nxt = await pop.receive(G, T, -1, None, 2, 30, 0)
             assert bodies(nxt) == ["a2", "a3"]
             # a group that is not FIFO takes the rest at once
-            other = await PopService(b.core).receive("plain-group", T, -1, None, 32, 30, 0)
+            other = await b.core.consumption_service().receive("plain-group", T, -1, None, 32, 30, 0)
             assert bodies(other) == [f"a{i}" for i in range(6)]
             await c.close()
 
@@ -266,7 +266,7 @@ def test_after_a_restart_a_fifo_group_gets_the_unacknowledged_messages_again_in_
             await pop.close()
         async with running_broker(tmp_path / "d") as b:
             assert b.core.group_config.fifo(G)  # kept in groups.json
-            pop = PopService(b.core, fifo=b.core.group_config.fifo)
+            pop = b.core.consumption_service(fifo=b.core.group_config.fifo)
             again = await pop.receive(G, T, -1, None, 3, 30, 0)
             assert bodies(again) == ["a1", "a3", "a4"]  # a2 stays acknowledged
             assert await pop.receive(G, T, -1, None, 3, 30, 0) == []
@@ -355,7 +355,7 @@ def test_a_group_marked_fifo_while_messages_are_in_flight_waits_for_them(tmp_pat
             c = await RawClient.open(b.address)
             await send_groups(c, [("a", f"a{i}") for i in range(3)])
             clock = FakeTime()
-            pop = PopService(b.core, now=clock, fifo=b.core.group_config.fifo)
+            pop = b.core.consumption_service(now=clock, fifo=b.core.group_config.fifo)
             got = await pop.receive(G, T, -1, None, 1, 10, 0)  # received concurrently, before the group is FIFO
             assert bodies(got) == ["a0"]
             b.core.group_config.update(G, fifo=True)

@@ -351,7 +351,7 @@ def test_fuzz_a_live_broker_while_a_good_client_works(tmp_path):
             end += rec.size
             n += 1
         assert end == reader.max_offset and n > 0
-        rebuild(reader, 0, 0)
+        rebuild(reader)
         stored = {r.body: (q, r.queue_offset) for q in range(2) for r in queue_records(reader, GOOD, q)}
         assert all(stored.get(k) == v for k, v in good.acked.items())
     finally:

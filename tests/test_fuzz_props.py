@@ -352,7 +352,7 @@ class LiveCore:
 
     async def exchange(self, data: bytes, expect: set[int], wait: float = 2.0) -> tuple[list[wire.Frame], bool]:
         """Feed data to a fresh connection; wait for replies to the ids in expect (or a close)."""
-        conn = BrokerConnection(self.core, self.rb.broker.native.state)
+        conn = BrokerConnection(self.rb.broker.native, self.rb.broker.native.state)
         t = FakeTransport()
         conn.connection_made(t)
         try:

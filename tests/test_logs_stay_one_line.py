@@ -25,7 +25,7 @@ import pytest
 
 from brokerproc import BrokerProcess, free_port
 from conftest import arun
-from sdkenv import wait_for_port
+from sdkenv import create_topics, wait_for_port
 from txmq.broker import logs
 
 KV_LINE = r"^ts=\S+ level=\w+ logger=\S+ "
@@ -101,6 +101,7 @@ def test_telemetry_streams_gone_with_check_backs_being_written_leave_no_tracebac
 
     with broker:
         wait_for_port(rport)  # the native port listens from before the start, the gRPC port once the broker serves
+        create_topics(broker, "orders")
         received = arun(go())
     assert received == 12  # each stream was sent check-backs
     text = broker.log.read_text()

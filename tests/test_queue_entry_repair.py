@@ -17,7 +17,6 @@ import shutil
 import pytest
 
 from conftest import arun
-from txmq.broker.rocketmq.pop import PopService
 from txmq.broker.testing import running_broker
 from txmq.client import Client, Consumer, LocalTransactionState, Message as ClientMessage, TransactionListener, TransactionProducer
 from txmq.store import Message, Store, StoreConfig, TxType, tag_hash
@@ -288,7 +287,7 @@ def test_committed_messages_behind_a_damaged_queue_entry_reach_a_pop_consumer_ex
 
     async def main():
         async with running_broker(data) as b:
-            pop = PopService(b.core)
+            pop = b.core.consumption_service()
             bodies = []
             while got := await pop.receive("sdk", "pays", -1, None, 32, 30, 0):
                 bodies += [x.record.body for x in got]

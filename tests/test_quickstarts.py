@@ -94,6 +94,7 @@ def test_ali_ons_quick_start_sends_consumes_and_delays_by_level(tmp_path):
     sdk = remoting_node_dir()
     b, namesrv = start_remoting_broker(tmp_path / "b")
     try:
+        run_txmq_block("rocketmq.md", "rocketmq5-topic", b)  # RocketMQ 5's clients need the topic to exist
         (tmp_path / "node_modules").symlink_to(sdk / "node_modules")
         (tmp_path / "quickstart_ali_ons.js").write_text(with_address(quickstart("remoting.md", "remoting-node"), "127.0.0.1:9876", namesrv))
         stdout, _ = run([shutil.which("node") or "node", "quickstart_ali_ons.js"], tmp_path)
@@ -103,14 +104,19 @@ def test_ali_ons_quick_start_sends_consumes_and_delays_by_level(tmp_path):
         b.stop()
 
 
+def run_txmq_block(doc: str, name: str, broker) -> None:
+    """Each line of a quick start's shell block, a `txmq` command, against ``broker``."""
+    for line in quickstart(doc, name).splitlines():
+        argv = shlex.split(line)
+        assert argv[0] == "txmq", line
+        ok(txmq(*argv[1:], broker=broker.address))
+
+
 def test_rocketmq5_python_quick_start_creates_typed_topics_then_delays_and_keeps_fifo_order(tmp_path):
     python = python_sdk_python()
     b, endpoint = start_rocketmq_broker(tmp_path / "b")
     try:
-        for line in quickstart("rocketmq.md", "rocketmq5-typed-topics").splitlines():
-            argv = shlex.split(line)
-            assert argv[0] == "txmq", line
-            ok(txmq(*argv[1:], broker=b.address))
+        run_txmq_block("rocketmq.md", "rocketmq5-typed-topics", b)
         (tmp_path / "delay_fifo.py").write_text(
             with_address(quickstart("rocketmq.md", "rocketmq5-python-delay-fifo"), "127.0.0.1:8081", endpoint))
         stdout, _ = run([str(python), "delay_fifo.py"], tmp_path)
@@ -126,6 +132,7 @@ def test_rocketmq5_node_quick_start_runs_to_its_end(tmp_path):
     sdk = node_sdk_dir()
     b, endpoint = start_rocketmq_broker(tmp_path / "b")
     try:
+        run_txmq_block("rocketmq.md", "rocketmq5-topic", b)  # RocketMQ 5's clients need the topic to exist
         (tmp_path / "node_modules").symlink_to(sdk / "node_modules")
         (tmp_path / "quickstart.js").write_text(with_address(quickstart("rocketmq.md", "rocketmq5-node"), "127.0.0.1:8081", endpoint))
         stdout, took = run([shutil.which("node") or "node", "quickstart.js"], tmp_path, timeout=180)

@@ -563,18 +563,18 @@ def test_suspended_pulls_end_with_their_connection_instead_of_waiting_out_their_
         assert (await c.request(GET_ROUTEINFO_BY_TOPIC, {"topic": "Quiet"})).code == 0
         pulls = [asyncio.ensure_future(c.pull("qg", "Quiet", q, 0, suspend_ms=25_000)) for q in range(4)]
         for _ in range(100):
-            if sum(len(w) for w in b.core._pollers.values()) == 4:
+            if b.core.polls.waiting() == 4:
                 break
             await asyncio.sleep(0.02)
-        assert sum(len(w) for w in b.core._pollers.values()) == 4
+        assert b.core.polls.waiting() == 4
         await c.close()
         for p in pulls:
             p.cancel()
         for _ in range(100):
-            if not any(b.core._pollers.values()) and not b.remoting.inflight:
+            if not b.core.polls.waiting() and not b.remoting.inflight:
                 break
             await asyncio.sleep(0.02)
-        assert not any(b.core._pollers.values()) and not b.remoting.inflight  # not 25 s later
+        assert not b.core.polls.waiting() and not b.remoting.inflight  # not 25 s later
     with_broker(tmp_path, test)
 
 
@@ -623,7 +623,7 @@ def test_a_heartbeat_subscribing_a_topic_name_or_expression_past_their_lengths_i
 
 def test_a_retry_waits_the_delay_of_level_3_plus_its_reconsume_times_from_the_one_level_table():
     from txmq.broker.config import BrokerConfig, parse_delay_levels
-    from txmq.broker.remoting.handlers import retry_delay_ms
+    from txmq.broker.messaging.naming import retry_delay_ms
     from txmq.constants import MESSAGE_DELAY_LEVEL
 
     levels = parse_delay_levels(MESSAGE_DELAY_LEVEL)

@@ -37,7 +37,7 @@ def test_a_stale_check_copy_of_a_replayed_tx_does_not_reopen_it_on_rebuild(tmp_p
             r, _ = await asyncio.gather(t_pass, t_now)
             assert r["discarded"] == 1
             live = core.tx.index.outcome(tx)
-            rebuilt = rebuild(core.store, core.check.progress.half, core.check.progress.op).outcome(tx)
+            rebuilt = rebuild(core.store).outcome(tx)
             await c.close()
             return live, rebuilt
 

@@ -30,6 +30,7 @@ if missing_dependency():
 
 from brokerproc import BrokerProcess, free_port  # noqa: E402
 from clihelpers import refused_start  # noqa: E402
+from sdkenv import create_topics  # noqa: E402
 from txmq.broker.prom import BrokerCollector  # noqa: E402
 from txmq.broker.rocketmq.pb import definition_pb2 as d  # noqa: E402
 from txmq.broker.rocketmq.pb import service_pb2 as s  # noqa: E402
@@ -165,6 +166,7 @@ def test_a_flood_on_the_native_port_leaves_the_grpc_port_serving(tmp_path):
     rport = free_port()
     with BrokerProcess(tmp_path / "data", "--rocketmq-port", str(rport), preexec=_limit_fds(fds)) as b:
         native_cap, _ = connection_limits(fds, rocketmq=True)
+        create_topics(b, "orders")  # before the native port is flooded
         socks = stalled(b.port, 2 * fds, b"")
         try:
             time.sleep(0.5)

@@ -20,8 +20,10 @@ from test_rocketmq_frontend import MD, OK, Telemetry, message, with_frontend  # 
 from test_rocketmq_topics import native, receive, receive_request  # noqa: E402
 
 from txmq.broker.fifo import queue_of_group  # noqa: E402
+from txmq.broker.rocketmq import convert  # noqa: E402
 from txmq.broker.rocketmq.pb import definition_pb2 as d  # noqa: E402
 from txmq.broker.rocketmq.pb import service_pb2 as s  # noqa: E402
+from txmq.store import Record, TxType  # noqa: E402
 
 T = "fifo-orders"
 G = "fifo-consumers"
@@ -59,8 +61,34 @@ def test_fifo_sends_go_to_the_groups_queue_and_are_delivered_with_their_group_an
             mine = [m for m in got if m.system_properties.message_group == group]
             assert [m.body.decode() for m in mine] == [f"{group}:{i}" for i in range(6) if f"order-{i % 2}" == group]
             assert all(m.system_properties.message_type == d.FIFO and m.system_properties.queue_id == q for m in mine)
+            assert [dict(m.user_properties) for m in mine] == [{"__SHARDINGKEY": group}] * len(mine)  # as RocketMQ 5
 
     with_frontend(tmp_path, body)
+
+
+def test_a_delivered_message_carries_the_properties_rocketmqs_proxy_delivers_as_user_properties():
+    """RocketMQ's proxy leaves only its broker's system properties (MessageConst.STRING_HASH_SET) out of a delivered
+    message's user_properties: a FIFO message's __SHARDINGKEY is in them as well as in message_group, and so are a
+    transactional message's CHECK_IMMUNITY_TIME_IN_SECONDS and TRANSACTION_CHECK_TIMES; txmq's own TXMQ_ ones are not."""
+    props = {"shop": "7", "__SHARDINGKEY": "order-1", "TAGS": "t", "KEYS": "k1 k2", "UNIQ_KEY": "ID1", "PGROUP": "pg",
+             "TIMER_DELIVER_MS": "1700000000000", "__BORNHOST": "10.0.0.1:1", "TXMQ_SCHEDULED_FROM": "12"}
+    rec = Record(4096, 0, T, 2, 5, TxType.NORMAL, 1_700_000_000_000, 1_700_000_000_001, -1, props, b"x")
+    m = convert.record_to_message(rec)
+    assert dict(m.user_properties) == {"shop": "7", "__SHARDINGKEY": "order-1"}
+    assert (m.system_properties.message_group, m.system_properties.tag, list(m.system_properties.keys)) == ("order-1", "t",
+                                                                                                            ["k1", "k2"])
+    tx = {"TRAN_MSG": "true", "UNIQ_KEY": "TX1", "PGROUP": T, "CHECK_IMMUNITY_TIME_IN_SECONDS": "30",
+          "TRANSACTION_CHECK_TIMES": "2", "TRAN_PREPARED_QUEUE_OFFSET": "9", "REAL_TOPIC": T, "REAL_QID": "1"}
+    m = convert.record_to_message(Record(8192, 0, T, 1, 0, TxType.NORMAL, 1, 2, 9, tx, b"y"))
+    assert m.system_properties.message_type == d.TRANSACTION
+    assert dict(m.user_properties) == {"CHECK_IMMUNITY_TIME_IN_SECONDS": "30", "TRANSACTION_CHECK_TIMES": "2",
+                                       "__transactionId__": "TX1"}
+    assert convert.user_properties(props) == {"shop": "7", "__SHARDINGKEY": "order-1"}
+    # a send still may not set them: the message group and the transaction's settings have their own fields
+    for name in ("__SHARDINGKEY", "CHECK_IMMUNITY_TIME_IN_SECONDS", "TRANSACTION_CHECK_TIMES"):
+        with pytest.raises(convert.RmqError) as e:
+            convert.from_message(message(T, b"z", "ID2", props={name: "v"}), 1024, 1024)
+        assert e.value.code == d.ILLEGAL_MESSAGE_PROPERTY_KEY
 
 
 @pytest.mark.parametrize("group, kind, code", [

@@ -93,9 +93,13 @@ class Telemetry:
         self.call.cancel()
 
 
-def with_frontend(tmp_path, body, **overrides):
+def with_frontend(tmp_path, body, topics=(), **overrides):
+    """Run ``body(broker, stub, channel)`` against an in-process broker with its gRPC port; ``topics`` are created
+    first, as an operator would (RocketMQ 5's clients get TOPIC_NOT_FOUND for a topic the broker does not know)."""
     async def go():
         async with running_broker(tmp_path / "data", rocketmq_port=0, **overrides) as b:
+            for t in topics:
+                b.core.create_topic(t, None, None)
             async with grpc.aio.insecure_channel(b.rocketmq_address) as ch:
                 await body(b, g.MessagingServiceStub(ch), ch)
 
@@ -142,7 +146,7 @@ def test_route_names_this_endpoint_with_queues_accepting_normal_and_transaction(
         h = await stub.Heartbeat(s.HeartbeatRequest(client_type=d.PRODUCER), metadata=MD)
         assert h.status.code == OK
 
-    with_frontend(tmp_path, body)
+    with_frontend(tmp_path, body, topics=("orders",))
 
 
 def test_settings_handshake_answers_as_rocketmq_does_and_registers_the_producer_under_its_topics(tmp_path):
@@ -199,7 +203,7 @@ def test_a_normal_send_is_read_by_the_native_consumer_with_its_id_tag_keys_and_p
         assert samples["txmq_rmq_messages_sent_total"] == 1 and samples["txmq_rmq_requests_total"] >= 1
         assert samples["txmq_rmq_malformed_requests_total"] == 0
 
-    with_frontend(tmp_path, body)
+    with_frontend(tmp_path, body, topics=("orders",))
 
 
 def test_a_batch_goes_to_one_queue_and_mixed_topics_or_transactions_in_it_are_refused(tmp_path):
@@ -216,7 +220,7 @@ def test_a_batch_goes_to_one_queue_and_mixed_topics_or_transactions_in_it_are_re
         r = await stub.SendMessage(s.SendMessageRequest(messages=tx), metadata=MD)
         assert r.status.code == d.BAD_REQUEST
 
-    with_frontend(tmp_path, body)
+    with_frontend(tmp_path, body, topics=("orders",))
 
 
 def test_a_batch_of_gzip_bodies_is_held_to_the_frame_limit_once_inflated(tmp_path):
@@ -234,7 +238,7 @@ def test_a_batch_of_gzip_bodies_is_held_to_the_frame_limit_once_inflated(tmp_pat
         r = await stub.SendMessage(s.SendMessageRequest(messages=[gz(i) for i in range(4)]), metadata=MD)
         assert r.status.code == OK  # 4 MiB inflated: under the 8 MiB frame
 
-    with_frontend(tmp_path, body)
+    with_frontend(tmp_path, body, topics=("bombs",))
 
 
 def test_an_unknown_client_type_and_an_invalid_born_time_get_a_status_not_an_internal_error(tmp_path):
@@ -251,7 +255,7 @@ def test_an_unknown_client_type_and_an_invalid_born_time_get_a_status_not_an_int
         assert r.status.code == d.BAD_REQUEST and "born_timestamp" in r.status.message, r.status
         assert b.core.metrics.counters.get("rmq_internal_errors", 0) == 0
 
-    with_frontend(tmp_path, body)
+    with_frontend(tmp_path, body, topics=("orders",))
 
 
 def test_limits_and_reserved_properties_get_rocketmqs_codes(tmp_path):
@@ -269,7 +273,7 @@ def test_limits_and_reserved_properties_get_rocketmqs_codes(tmp_path):
         assert await code(message("RMQ_SYS_TRANS_OP_HALF_TOPIC", b"x", "A8")) == d.ILLEGAL_TOPIC
         assert await code(message("orders", b"x" * 2048, "A9")) == OK
 
-    with_frontend(tmp_path, body, max_body=2048, max_properties=1024)
+    with_frontend(tmp_path, body, topics=("orders",), max_body=2048, max_properties=1024)
 
 
 def test_unsupported_features_and_rpcs_answer_the_unsupported_code(tmp_path):
@@ -287,7 +291,7 @@ def test_unsupported_features_and_rpcs_answer_the_unsupported_code(tmp_path):
         assert [x.status.code for x in got] == [d.UNSUPPORTED]
         assert (await native_read(b, "orders", 1, timeout=0.5)) == []
 
-    with_frontend(tmp_path, body)
+    with_frontend(tmp_path, body, topics=("orders",))
 
 
 def test_malformed_input_gets_an_error_status_and_the_broker_keeps_serving(tmp_path):
@@ -327,7 +331,7 @@ def test_malformed_input_gets_an_error_status_and_the_broker_keeps_serving(tmp_p
         r = await stub.SendMessage(s.SendMessageRequest(messages=[message("orders", b"still", "S1")]), metadata=MD)
         assert r.status.code == OK
 
-    with_frontend(tmp_path, body, max_body=4096, max_properties=1024)
+    with_frontend(tmp_path, body, topics=("orders",), max_body=4096, max_properties=1024)
 
 
 # ---- transactions ----------------------------------------------------------------------------
@@ -371,7 +375,7 @@ def test_a_transactional_send_is_pending_under_its_topic_as_group_then_committed
         bogus = s.SendResultEntry(message_id="NOPE", transaction_id="NOPE")
         assert (await end(stub, "orders", bogus, d.COMMIT)).status.code == d.INVALID_TRANSACTION_ID
 
-    with_frontend(tmp_path, body)
+    with_frontend(tmp_path, body, topics=("orders",))
 
 
 def test_a_half_message_sent_again_with_its_id_gets_the_first_receipt_until_it_is_decided(tmp_path):
@@ -385,7 +389,7 @@ def test_a_half_message_sent_again_with_its_id_gets_the_first_receipt_until_it_i
         assert r.status.code == d.BAD_REQUEST and "already in use" in r.status.message
         assert [m.body for m in await native_read(b, "orders", 2, timeout=1.0)] == [b"once"]
 
-    with_frontend(tmp_path, body)
+    with_frontend(tmp_path, body, topics=("orders",))
 
 
 def test_an_operator_resolves_an_sdk_transaction_and_the_sdk_end_then_agrees_or_is_refused(tmp_path):
@@ -404,7 +408,7 @@ def test_an_operator_resolves_an_sdk_transaction_and_the_sdk_end_then_agrees_or_
         assert (await end(stub, "orders", e2, d.COMMIT)).status.code == OK
         assert [m.body for m in await native_read(b, "orders", 1)] == [b"by id"]
 
-    with_frontend(tmp_path, body)
+    with_frontend(tmp_path, body, topics=("orders",))
 
 
 def legacy_id(core, tx_id: str) -> str:
@@ -445,7 +449,7 @@ def test_end_transaction_takes_the_message_id_as_transaction_id_and_the_older_fo
         assert (await end(stub, "orders", old, d.COMMIT)).status.code == OK
         assert sorted(m.body for m in await native_read(b, "orders", 3)) == [b"colons", b"colons, older form", b"new form"]
 
-    with_frontend(tmp_path, body)
+    with_frontend(tmp_path, body, topics=("orders",))
 
 
 def test_check_back_goes_over_telemetry_and_a_server_check_answer_decides_it(tmp_path):
@@ -483,7 +487,7 @@ def test_check_back_goes_over_telemetry_and_a_server_check_answer_decides_it(tmp
         assert (await end(stub, "orders", e, d.ROLLBACK)).status.code == d.INVALID_TRANSACTION_ID
         await t.close()
 
-    with_frontend(tmp_path, body, check_interval_s=0.05, transaction_timeout_s=0)
+    with_frontend(tmp_path, body, topics=("orders",), check_interval_s=0.05, transaction_timeout_s=0)
 
 
 def test_a_producer_that_sends_a_half_to_a_topic_not_in_its_settings_gets_its_check_backs(tmp_path):
@@ -497,7 +501,7 @@ def test_a_producer_that_sends_a_half_to_a_topic_not_in_its_settings_gets_its_ch
         assert cmd.recover_orphaned_transaction_command.message.topic.name == "audit"
         await t.close()
 
-    with_frontend(tmp_path, body, check_interval_s=0.05, transaction_timeout_s=0)
+    with_frontend(tmp_path, body, topics=("orders", "audit"), check_interval_s=0.05, transaction_timeout_s=0)
 
 
 def test_without_an_open_stream_no_check_is_spent_and_max_checks_discards_for_replay(tmp_path):
@@ -518,7 +522,7 @@ def test_without_an_open_stream_no_check_is_spent_and_max_checks_discards_for_re
         assert res[0]["status"] == "ok" and "TX0000NP" in core.tx.index.pending
         await t.close()
 
-    with_frontend(tmp_path, body, check_interval_s=0.05, transaction_timeout_s=0, max_checks=2)
+    with_frontend(tmp_path, body, topics=("orders",), check_interval_s=0.05, transaction_timeout_s=0, max_checks=2)
 
 
 def test_settings_sent_just_before_the_client_half_closes_are_still_answered(tmp_path):
@@ -540,7 +544,7 @@ def test_a_telemetry_stream_that_does_not_read_is_closed_and_leaves_the_registry
         fe = b.broker.frontends[0]
         client = fe.service.clients.touch("slow@1")
         client.topics = ("orders",)
-        stream = rmq_clients.TelemetryStream(core, client, "test")
+        stream = rmq_clients.TelemetryStream(core.messaging, client, "test")
         stream.register()
         assert core.registry.online("orders") == 1
         big = s.TelemetryCommand(status=d.Status(code=OK, message="x" * 1500))
@@ -569,7 +573,7 @@ def test_auth_token_requires_rocketmqs_signature_made_with_it(tmp_path):
         bad = MD + (("x-mq-date-time", when), ("authorization", "MQv2-HMAC-SHA1 Credential=any, SignedHeaders=x-mq-date-time, Signature=00"))
         assert (await stub.QueryRoute(s.QueryRouteRequest(topic=d.Resource(name="orders")), metadata=bad)).status.code == d.UNAUTHORIZED
 
-    with_frontend(tmp_path, body, auth_token="s3cret")
+    with_frontend(tmp_path, body, topics=("orders",), auth_token="s3cret")
 
 
 # ---- start-up --------------------------------------------------------------------------------
@@ -612,6 +616,7 @@ def test_tls_serves_with_the_given_certificate(tmp_path):
 
     async def go():
         async with running_broker(tmp_path / "data", rocketmq_port=0, rocketmq_tls_cert=cert, rocketmq_tls_key=key) as b:
+            b.core.create_topic("orders", None, None)
             creds = grpc.ssl_channel_credentials(root_certificates=cert.read_bytes())
             async with grpc.aio.secure_channel(b.rocketmq_address, creds) as ch:
                 r = await g.MessagingServiceStub(ch).QueryRoute(s.QueryRouteRequest(topic=d.Resource(name="orders")), metadata=MD)
@@ -662,7 +667,7 @@ def test_keys_and_message_ids_with_any_white_space_or_nul_are_refused(tmp_path):
         assert await code(message("orders", b"x", "0A1B-c_d:e.f", keys=["order-1", "user_2"])) == OK
         assert (await native_read(b, "orders", 1))[0].keys == "order-1 user_2"
 
-    with_frontend(tmp_path, body)
+    with_frontend(tmp_path, body, topics=("orders",))
 
 
 def test_a_requests_headers_are_parsed_once_per_rpc_and_never_seen_by_another():

@@ -14,7 +14,7 @@ import zlib
 import pytest
 
 from clihelpers import lines, ok, txmq, wait_for
-from sdkenv import python_scenario, python_sdk_python, start_rocketmq_broker
+from sdkenv import create_topics, python_scenario, python_sdk_python, start_rocketmq_broker
 
 LOW_CRC_BODY = "low-crc-3"  # zlib.crc32 = 0x0da7074e
 assert zlib.crc32(LOW_CRC_BODY.encode()) < 0x10000000
@@ -41,6 +41,7 @@ def _pending(b, topic: str) -> list[dict]:
 def test_sdk_transaction_left_unknown_is_resolved_with_txmq_resolve(sdk_python, broker, tmp_path):
     b, endpoint = broker
     topic = "MixedResolve"
+    create_topics(b, topic)
     r = python_scenario(sdk_python, "half", tmp_path / "home", "--endpoint", endpoint, "--topic", topic)
     body = r["body"]
     # the producer shut down without ending it: pending, visible to txmq's tools
@@ -74,6 +75,7 @@ def test_sdk_transaction_discarded_after_max_checks_is_replayed_with_txmq_discar
     b, endpoint = start_rocketmq_broker(tmp_path / "broker", "--max-checks", "2")
     try:
         topic = "MixedDiscard"
+        create_topics(b, topic)
         # the producer stays online answering UNKNOWN until it was asked twice
         r = python_scenario(sdk_python, "half", tmp_path / "home", "--endpoint", endpoint, "--topic", topic, "--wait-checks", "2")
         assert r["checked_enough"], f"the broker did not ask the SDK producer twice: {r['checks']}"
@@ -98,6 +100,7 @@ def test_sdk_transaction_discarded_after_max_checks_is_replayed_with_txmq_discar
 def test_sdk_sent_messages_are_read_with_txmq_read_and_consume(sdk_python, broker, tmp_path):
     b, endpoint = broker
     topic = "MixedSdkToNative"
+    create_topics(b, topic)
     r = python_scenario(sdk_python, "send", tmp_path / "home", "--endpoint", endpoint, "--topic", topic, "--count", "3",
                         "--body", "py")
     bodies = [s["body"] for s in r["sent"]]
@@ -136,6 +139,7 @@ def test_native_client_messages_reach_the_sdk_simple_consumer(sdk_python, broker
 def test_orphan_of_a_crashed_sdk_producer_is_resolved_by_another_producer_of_its_topic(sdk_python, broker, tmp_path):
     b, endpoint = broker
     topic = "MixedCrashedProducer"
+    create_topics(b, topic)
     body = f"orphan-of-crash-{topic}"
     r = python_scenario(sdk_python, "half", tmp_path / "home", "--endpoint", endpoint, "--topic", topic, "--body", body, "--crash")
     (row,) = wait_for(lambda: _pending(b, topic), what="the crashed producer's half message in `txmq inspect half`")

@@ -151,6 +151,7 @@ def test_native_producer_to_receive_and_ack_with_every_field(tmp_path):
 def test_sdk_send_is_received_by_a_native_consumer_and_by_receive(tmp_path):
     async def go():
         async with running(tmp_path) as b:
+            b.core.create_topic(T, None, None)  # RocketMQ 5's clients send only to a topic the broker knows
             r = Rmq(b)
             req = s.SendMessageRequest()
             m = req.messages.add(body=b"from-sdk")
@@ -179,6 +180,7 @@ def test_sdk_send_is_received_by_a_native_consumer_and_by_receive(tmp_path):
 def test_a_committed_sdk_transaction_is_received_with_its_transaction_id_property_and_a_normal_message_without(tmp_path):
     async def go():
         async with running(tmp_path) as b:
+            b.core.create_topic(T, None, None)  # RocketMQ 5's clients send only to a topic the broker knows
             r = Rmq(b)
 
             async def send(body: bytes, message_id: str, kind: int) -> s.SendResultEntry:
@@ -300,7 +302,7 @@ def test_max_delivery_attempts_moves_the_message_to_the_dead_letter_topic(tmp_pa
             c = await RawClient.open(b.address)
             sent = await native_send(c, 1)
             r = Rmq(b)
-            r.pop._max_attempts = lambda group: 2
+            r.pop.attach(max_attempts=lambda group: 2)
             for attempt in (1, 2):
                 _, (m,), _ = await r.receive()
                 assert m.system_properties.delivery_attempt == attempt
@@ -524,10 +526,10 @@ def test_a_cancelled_long_poll_leaves_no_waiter_behind(tmp_path):
                 with pytest.raises(asyncio.CancelledError):
                     await task
             for _ in range(100):
-                if not any(b.core._pollers.values()) and not any(sub.waiters for sub in r.pop.subs.values()):
+                if not b.core.polls.waiting() and not any(sub.waiters for sub in r.pop.subs.values()):
                     break
                 await asyncio.sleep(0.02)
-            assert not any(b.core._pollers.values())
+            assert not b.core.polls.waiting()
             assert not any(sub.waiters for sub in r.pop.subs.values())
             # and the group still receives
             await native_send(c, 1)

@@ -61,6 +61,7 @@ def signed(md, token: str):
 def run(tmp_path, caplog, body, **overrides):
     async def go():
         async with running_broker(tmp_path / "data", rocketmq_port=0, **overrides) as b:
+            b.core.create_topic("orders", None, None)  # ROUTE's topic: RocketMQ 5 routes only a topic the broker knows
             clock = Clock()
             b.core.refusals = Refusals(b.core.metrics, clock=clock)
             async with grpc.aio.insecure_channel(b.rocketmq_address) as ch:

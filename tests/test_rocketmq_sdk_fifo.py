@@ -164,10 +164,25 @@ def test_node_sdk_fifo_producer_and_push_consumer_keep_each_groups_order_across_
         "--expect", str(len(bodies)), "--slow", "150", "--receive-wait", "90000", "--deadline", "150000", timeout=200))
 
 
+def test_python_sdk_receives_fifo_messages_with_their_group_in_the_sharding_key_property_too(sdk_python, broker, tmp_path):
+    """As RocketMQ 5 delivers a FIFO message: its group in system_properties.message_group and, since RocketMQ's proxy
+    delivers every property not among its broker's system properties, in the user property __SHARDINGKEY."""
+    topic, group = "PySdkFifoProps", "py-fifo-props"
+    fifo_setup(broker, topic, group)
+    sent = python_scenario(sdk_python, "fifo-send", tmp_path / "p", "--endpoint", broker.endpoint, "--topic", topic,
+                           "--groups", "2", "--count", "2")["sent"]
+    groups = {x["body"]: x["group"] for x in sent}
+    got = python_scenario(sdk_python, "receive", tmp_path / "c", "--endpoint", broker.endpoint, "--topic", topic,
+                          "--group", group, "--expect", str(len(sent)))["received"]
+    assert sorted(m["body"] for m in got) == sorted(groups)
+    assert [m["properties"] for m in got] == [{"__SHARDINGKEY": groups[m["body"]]} for m in got]
+
+
 def test_python_sdk_lite_subscription_is_refused_by_the_broker_as_unsupported_not_by_a_zero_length_limit(sdk_python, broker, tmp_path):
     """Without the lite limits in the settings answer the SDK read them as 0 and refused every lite topic itself
     ("length exceeded max length 0"); with them it asks, and the broker answers UNSUPPORTED, saying lite topics are
     not supported. Lite-topic and priority messages are refused before sending: no route accepts those types."""
+    ok(txmq("topics", "create", "PySdkLite", broker=broker.address))
     r = python_scenario(sdk_python, "lite", tmp_path / "home", "--endpoint", broker.endpoint, "--topic", "PySdkLite",
                         "--group", "py-lite")
     sub = r["subscribe_lite"]

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from conftest import arun
-from sdkenv import python_scenario, python_sdk_python, start_rocketmq_broker
+from sdkenv import create_topics, python_scenario, python_sdk_python, start_rocketmq_broker
 from wireclient import RawClient
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # the first test may build the SDK environment
@@ -39,6 +39,7 @@ def test_python_sdk_receiving_without_bound_is_told_to_try_later_and_another_cli
     release = tmp_path / "release"
     excess = FLOOD - PER_CLIENT
     try:
+        create_topics(b, "PySdkFlood", "PySdkOther")
         with ThreadPoolExecutor(1) as pool:
             flood = pool.submit(python_scenario, sdk_python, "flood", tmp_path / "home-flood", "--endpoint", endpoint,
                                 "--topic", "PySdkFlood", "--group", "py-flood", "--count", str(FLOOD),

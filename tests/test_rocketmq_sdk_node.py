@@ -12,7 +12,7 @@ import time
 import pytest
 
 from clihelpers import lines, ok, txmq
-from sdkenv import node_scenario, node_sdk_dir, self_signed_cert, start_rocketmq_broker
+from sdkenv import create_topics, node_scenario, node_sdk_dir, self_signed_cert, start_rocketmq_broker
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # the first test may build the SDK environment
 
@@ -32,6 +32,7 @@ def broker(sdk_node, tmp_path_factory):
 def test_node_sdk_commit_rollback_and_check_back_deliver_exactly_the_committed_messages(sdk_node, broker, tmp_path):
     b, endpoint = broker
     topic, group = "NodeSdkTx", "node-sdk-consumers"
+    create_topics(b, topic)
     r = node_scenario(sdk_node, "transactions", tmp_path / "home", "--endpoint", endpoint, "--topic", topic, "--group", group)
     sent = r["sent"]
     commit, orphan = f"commit-{topic}", f"orphan-{topic}"
@@ -68,6 +69,7 @@ def test_node_sdk_commit_rollback_and_check_back_deliver_exactly_the_committed_m
 def test_node_sdk_messages_and_native_messages_cross_over(sdk_node, broker, tmp_path):
     b, endpoint = broker
     topic = "NodeCrossOver"
+    create_topics(b, topic)
     r = node_scenario(sdk_node, "send", tmp_path / "home", "--endpoint", endpoint, "--topic", topic, "--count", "2", "--body", "node")
     bodies = sorted(s["body"] for s in r["sent"])
     assert all(s["transaction_id"] == s["message_id"] for s in r["sent"]), r["sent"]  # a normal send's receipt too
@@ -113,6 +115,7 @@ def test_node_sdk_sends_and_receives_over_tls(sdk_node, tmp_path):
     b, endpoint = start_rocketmq_broker(tmp_path / "broker", "--rocketmq-tls-cert", str(cert), "--rocketmq-tls-key", str(key))
     try:
         topic, roots = "NodeSdkTls", {"NODE_EXTRA_CA_CERTS": str(cert), "GRPC_DEFAULT_SSL_ROOTS_FILE_PATH": str(cert)}
+        create_topics(b, topic)
         r = node_scenario(sdk_node, "send", tmp_path / "home", "--endpoint", endpoint, "--topic", topic, "--count", "2",
                           "--tls", "true", env=roots)
         bodies = sorted(x["body"] for x in r["sent"])
@@ -129,6 +132,7 @@ def test_node_sdk_signs_with_the_auth_token_as_secret_key_and_a_wrong_one_is_ref
     b, endpoint = start_rocketmq_broker(tmp_path / "broker", "--auth-token", token)
     try:
         topic = "NodeSdkAuth"
+        ok(txmq("topics", "create", topic, broker=b.address, env={"TXMQ_AUTH_TOKEN": token}))
         bad = node_scenario(sdk_node, "send", tmp_path / "home0", "--endpoint", endpoint, "--topic", topic, "--count", "1",
                             "--access-key", "app", "--secret-key", "wrong", "--deadline", "60000", allow_errors=True)
         assert bad["errors"] and "sent" not in bad, bad

@@ -1,4 +1,4 @@
-"""Topics as RocketMQ's gRPC clients see them: unknown topics, routes and auto-creation, message types, long polls.
+"""Topics as RocketMQ's gRPC clients see them: unknown topics (never auto-created here), routes, message types, long polls.
 
 A plain grpc.aio client with txmq's generated stubs (the helpers of tests/test_rocketmq_frontend.py) talks to
 an in-process broker; topics are created and inspected with native requests.
@@ -19,6 +19,7 @@ if missing_dependency():
     pytest.skip(missing_dependency(), allow_module_level=True)
 
 from test_rocketmq_frontend import MD, OK, message, native_read, with_frontend  # noqa: E402
+from remotingwire import RemotingClient  # noqa: E402
 from wireclient import RawClient  # noqa: E402
 
 from txmq.broker.rocketmq.pb import definition_pb2 as d  # noqa: E402
@@ -32,6 +33,12 @@ def not_found_text(topic: str) -> str:
     """What RocketMQ's proxy answers for a topic without a route (TopicRouteService, MQClientException, FAQUrl)."""
     return (f"CODE: 17  DESC: No topic route info in name server for the topic: {topic}\n"
             "For more information, please visit the url, https://rocketmq.apache.org/docs/bestPractice/06FAQ")
+
+
+def unknown_topic_send_text(actual: str) -> str:
+    """What RocketMQ 5's proxy answers a SendMessage to a topic it does not know: it checks the message's type against
+    the topic's first (enableTopicMessageTypeCheck, on by default), and an unknown topic's type is UNSPECIFIED."""
+    return f"TopicMessageType validate failed, the expected type is UNSPECIFIED, but actual type is {actual}"
 
 
 def receive_request(topic: str, group: str = "g", poll_s: float = 1.0, queue_id: int = -1) -> s.ReceiveMessageRequest:
@@ -58,7 +65,7 @@ async def native(b, op: str, fields: dict) -> tuple[int, dict]:
 
 
 # ---- unknown topics ------------------------------------------------------------------------
-def test_without_auto_creation_route_send_and_receive_of_an_unknown_topic_answer_topic_not_found(tmp_path):
+def test_without_auto_creation_route_send_and_receive_of_an_unknown_topic_are_refused_as_rocketmq_5_refuses_them(tmp_path):
     async def body(b, stub, ch):
         r = await stub.QueryRoute(s.QueryRouteRequest(topic=d.Resource(name="nowhere")), metadata=MD)
         assert (r.status.code, r.status.message) == (TOPIC_NOT_FOUND, not_found_text("nowhere"))
@@ -67,11 +74,11 @@ def test_without_auto_creation_route_send_and_receive_of_an_unknown_topic_answer
                                        metadata=MD)
         assert (a.status.code, a.status.message) == (TOPIC_NOT_FOUND, not_found_text("nowhere"))
         r = await stub.SendMessage(s.SendMessageRequest(messages=[message("nowhere", b"x", "N1")]), metadata=MD)
-        assert (r.status.code, r.status.message) == (TOPIC_NOT_FOUND, not_found_text("nowhere"))
-        assert [e.status.code for e in r.entries] == [TOPIC_NOT_FOUND]
+        assert (r.status.code, r.status.message) == (CONFLICT_WITH_TYPE, unknown_topic_send_text("NORMAL"))
+        assert [e.status.code for e in r.entries] == [CONFLICT_WITH_TYPE]
         tx = message("nowhere", b"x", "N2", d.TRANSACTION)
         r = await stub.SendMessage(s.SendMessageRequest(messages=[tx]), metadata=MD)
-        assert r.status.code == TOPIC_NOT_FOUND
+        assert (r.status.code, r.status.message) == (CONFLICT_WITH_TYPE, unknown_topic_send_text("TRANSACTION"))
         got = await receive(stub, receive_request("nowhere"))
         assert [(x.status.code, x.status.message) for x in got] == [(TOPIC_NOT_FOUND, not_found_text("nowhere"))]
         code, listed = await native(b, "list_topics", {})
@@ -100,7 +107,43 @@ def test_a_deleted_topic_has_no_route_without_auto_creation(tmp_path):
     with_frontend(tmp_path, body, auto_create_topics=False)
 
 
-def test_with_auto_creation_a_route_creates_the_topic_and_a_receive_then_long_polls(tmp_path):
+def test_with_auto_creation_a_route_assignment_or_send_of_an_unknown_topic_is_refused_and_creates_nothing(tmp_path):
+    """RocketMQ 5 answers a topic without a route NotFound (40402) whatever its broker's autoCreateTopicEnable says, so a
+    5.x producer's start fails, and a send to it MESSAGE_PROPERTY_CONFLICT_WITH_TYPE (40014); the native and RocketMQ 4
+    (remoting) front ends still create a topic on its first send."""
+    async def body(b, stub, ch):
+        r = await stub.QueryRoute(s.QueryRouteRequest(topic=d.Resource(name="fresh")), metadata=MD)
+        assert (r.status.code, r.status.message) == (TOPIC_NOT_FOUND, not_found_text("fresh"))
+        assert list(r.message_queues) == []
+        a = await stub.QueryAssignment(s.QueryAssignmentRequest(topic=d.Resource(name="fresh"), group=d.Resource(name="g")),
+                                       metadata=MD)
+        assert (a.status.code, a.status.message) == (TOPIC_NOT_FOUND, not_found_text("fresh"))
+        r = await stub.SendMessage(s.SendMessageRequest(messages=[message("fresh", b"x", "F1")]), metadata=MD)
+        assert (r.status.code, r.status.message) == (CONFLICT_WITH_TYPE, unknown_topic_send_text("NORMAL"))
+        fifo = message("fresh", b"x", "F2", d.FIFO)
+        fifo.system_properties.message_group = "g1"
+        r = await stub.SendMessage(s.SendMessageRequest(messages=[fifo]), metadata=MD)
+        assert (r.status.code, r.status.message) == (CONFLICT_WITH_TYPE, unknown_topic_send_text("FIFO"))
+        code, listed = await native(b, "list_topics", {})
+        assert code == 0 and listed["topics"] == []
+        assert b.core.store.max_offset == 0  # nothing was written either
+        # the other front ends create a topic on its first send, as before
+        code, _ = await native(b, "send", {"topic": "by-native", "body": b"n"})
+        assert code == 0 and b.core.topics.queues("by-native") == 4
+        rc = await RemotingClient.connect(b.remoting_address)
+        try:
+            assert (await rc.send("by-remoting", b"r")).code == 0
+        finally:
+            await rc.close()
+        assert b.core.topics.queues("by-remoting") == 4
+        for topic in ("by-native", "by-remoting"):  # and then gRPC clients find them
+            r = await stub.QueryRoute(s.QueryRouteRequest(topic=d.Resource(name=topic)), metadata=MD)
+            assert r.status.code == OK and [q.id for q in r.message_queues] == [0, 1, 2, 3]
+
+    with_frontend(tmp_path, body, remoting_port=0)
+
+
+def test_a_created_topic_without_messages_has_a_route_and_a_receive_long_polls(tmp_path):
     async def body(b, stub, ch):
         r = await stub.QueryRoute(s.QueryRouteRequest(topic=d.Resource(name="fresh")), metadata=MD)
         assert r.status.code == OK and [q.id for q in r.message_queues] == [0, 1, 2, 3]
@@ -112,7 +155,7 @@ def test_with_auto_creation_a_route_creates_the_topic_and_a_receive_then_long_po
         assert [x.status.code for x in got] == [d.MESSAGE_NOT_FOUND]
         assert took >= 0.9, f"answered after {took:.3f}s: no long poll"
 
-    with_frontend(tmp_path, body)
+    with_frontend(tmp_path, body, topics=("fresh",))
 
 
 def test_a_receive_on_a_topic_with_no_message_yet_long_polls_instead_of_failing(tmp_path):
@@ -131,7 +174,7 @@ def test_a_receive_on_a_topic_with_no_message_yet_long_polls_instead_of_failing(
         assert codes == {d.MESSAGE_NOT_FOUND}
         assert calls <= 8, f"{calls} receives in 3 s: they do not wait"
 
-    with_frontend(tmp_path, body)
+    with_frontend(tmp_path, body, topics=("quiet",))
 
 
 def test_a_receive_on_a_created_topic_long_polls_and_wakes_on_a_send_without_auto_creation(tmp_path):
@@ -201,7 +244,7 @@ def test_a_send_of_a_type_the_topic_does_not_accept_is_refused_as_rocketmqs_prox
             assert await native_read(b, topic, 1, timeout=0.5) == []
         assert (await status(message("only-normal", b"fine", "T7")))[0] == OK
 
-    with_frontend(tmp_path, body)
+    with_frontend(tmp_path, body, topics=("orders",))
 
 
 def test_fifo_and_delay_messages_on_a_topic_that_accepts_them_are_both_delivered(tmp_path):

@@ -8,6 +8,7 @@ import pytest
 from conftest import arun
 
 from txmq.broker.clock import ManualClock
+from txmq.broker.scheduled import keeper as sched_keeper
 from txmq.broker.scheduled import service as sched_service
 from txmq.broker.scheduled.indexfile import DB_FILE
 from txmq.broker.scheduled.timing import MAX_MS, due_ms, parse_long
@@ -358,7 +359,7 @@ def test_lost_index_file_is_rebuilt_from_the_log_without_redelivering(data_dir):
 
 
 def test_a_burst_larger_than_the_window_is_delivered_in_due_order(data_dir, monkeypatch):
-    monkeypatch.setattr(sched_service, "WINDOW_ROWS", 50)
+    monkeypatch.setattr(sched_keeper, "WINDOW_ROWS", 50)
     monkeypatch.setattr(sched_service, "DELIVER_BATCH", 16)
 
     async def main():
@@ -369,7 +370,7 @@ def test_a_burst_larger_than_the_window_is_delivered_in_due_order(data_dir, monk
                 for i in reversed(range(300)):  # due past the window: into the file, not memory
                     await p.send("burst", str(i).encode(), deliver_at=T0 + 600 + i / 1000)
             assert b.core.scheduled.gauges()["scheduled"] == 300
-            assert len(b.core.scheduled.heap) == 0
+            assert len(b.core.scheduled.keeper.heap) == 0
             clock.advance(700)
             for _ in range(200):
                 b.core.scheduled.poke()
@@ -388,7 +389,7 @@ def test_cancel_that_meets_the_delivery_of_its_message_is_refused_not_reported_d
     """A cancel whose lookup in timers.db is slow while its message is delivered meanwhile says NO_SUCH_MESSAGE."""
     import threading
 
-    monkeypatch.setattr(sched_service, "FLUSH_S", 1000.0)  # the row stays in memory (written since the last flush)
+    monkeypatch.setattr(sched_keeper, "FLUSH_S", 1000.0)  # the row stays in memory (written since the last flush)
 
     async def main():
         clock = ManualClock(T0)
@@ -397,16 +398,16 @@ def test_cancel_that_meets_the_delivery_of_its_message_is_refused_not_reported_d
             await svc.ready.wait()
             async with Producer(b.address) as p:
                 r = await p.send("orders", b"x", delay=10)
-                assert r.commit_log_offset in svc.added
+                assert r.commit_log_offset in svc.keeper.added
                 entered, release = threading.Event(), threading.Event()
-                real = svc.db.by_msg_id
+                real = svc.keeper.db.by_msg_id
 
                 def slow(msg_id):
                     entered.set()
                     release.wait(5)
                     return real(msg_id)
 
-                monkeypatch.setattr(svc.db, "by_msg_id", slow)
+                monkeypatch.setattr(svc.keeper.db, "by_msg_id", slow)
                 cancel = asyncio.ensure_future(svc.cancel(r.msg_id))
                 while not entered.is_set():
                     await asyncio.sleep(0.005)
@@ -490,7 +491,7 @@ def test_listing_a_page_of_large_scheduled_messages_does_not_hold_them_all(data_
 
 
 def test_sends_due_within_the_window_do_not_grow_it_past_its_rows(data_dir, monkeypatch):
-    monkeypatch.setattr(sched_service, "WINDOW_ROWS", 50)
+    monkeypatch.setattr(sched_keeper, "WINDOW_ROWS", 50)
     monkeypatch.setattr(sched_service, "DELIVER_BATCH", 16)
 
     async def main():
@@ -504,7 +505,7 @@ def test_sends_due_within_the_window_do_not_grow_it_past_its_rows(data_dir, monk
                 ids = []
                 for i in reversed(range(300)):  # due within the window, in the reverse of the log's order
                     ids.append((await p.send("burst", str(i).encode(), deliver_at=T0 + 5 + i / 1000)).msg_id)
-                    biggest = max(biggest, len(svc.heap))
+                    biggest = max(biggest, len(svc.keeper.heap))
                 for i in (0, 120, 299):  # cancels of rows in memory and of rows left to the file
                     await p.cancel_scheduled(ids[299 - i])
             assert biggest <= 50
@@ -513,7 +514,7 @@ def test_sends_due_within_the_window_do_not_grow_it_past_its_rows(data_dir, monk
             for _ in range(300):
                 svc.poke()
                 await asyncio.sleep(0.02)
-                biggest = max(biggest, len(svc.heap))
+                biggest = max(biggest, len(svc.keeper.heap))
                 if svc.gauges()["scheduled"] == 0:
                     break
             assert biggest <= 50
@@ -526,7 +527,7 @@ def test_sends_due_within_the_window_do_not_grow_it_past_its_rows(data_dir, monk
 def test_window_filled_by_sends_while_it_loads_loses_no_row(data_dir, monkeypatch):
     import threading
 
-    monkeypatch.setattr(sched_service, "WINDOW_ROWS", 50)
+    monkeypatch.setattr(sched_keeper, "WINDOW_ROWS", 50)
 
     async def main():
         clock = ManualClock(T0)
@@ -536,23 +537,23 @@ def test_window_filled_by_sends_while_it_loads_loses_no_row(data_dir, monkeypatc
             async with Producer(b.address) as p:
                 for i in range(10):  # in the file, due later than the sends below
                     await p.send("w", f"late{i}".encode(), deliver_at=T0 + 30 + i)
-                await svc._flush()
+                await svc.keeper.flush()
                 entered, release = threading.Event(), threading.Event()
-                real = svc.db.due_rows
+                real = svc.keeper.db.due_rows
 
                 def slow(*args):
                     entered.set()
                     release.wait(5)
                     return real(*args)
 
-                monkeypatch.setattr(svc.db, "due_rows", slow)
-                svc._refill.set()  # a load of the window, held in the file's thread
+                monkeypatch.setattr(svc.keeper.db, "due_rows", slow)
+                svc.keeper.refill.set()  # a load of the window, held in the file's thread
                 while not entered.is_set():
                     await asyncio.sleep(0.005)
                 for i in range(120):  # due within the window: they fill it while it loads
                     await p.send("w", f"soon{i}".encode(), deliver_at=T0 + 5 + i / 1000)
                 release.set()
-                monkeypatch.setattr(svc.db, "due_rows", real)
+                monkeypatch.setattr(svc.keeper.db, "due_rows", real)
             clock.advance(100)
             for _ in range(300):
                 svc.poke()

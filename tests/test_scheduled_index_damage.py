@@ -21,7 +21,7 @@ from brokerproc import BrokerProcess
 from conftest import arun, eventually
 
 from txmq.broker.clock import ManualClock
-from txmq.broker.scheduled import service as sched_service
+from txmq.broker.scheduled import keeper as sched_keeper
 from txmq.broker.scheduled.indexfile import DB_FILE, meta_checksum
 from txmq.broker.testing import running_broker
 from txmq.client import Producer
@@ -282,7 +282,7 @@ async def _schedule(address: str, n: int, start_s: float, prefix: str = "m") -> 
 
 
 def test_a_row_lost_further_back_than_the_look_back_rebuilds_the_whole_file(data_dir, monkeypatch, caplog):
-    monkeypatch.setattr(sched_service, "LOOK_BACK_RECORDS", 10, raising=False)
+    monkeypatch.setattr(sched_keeper, "LOOK_BACK_RECORDS", 10)
 
     async def main():
         clock = ManualClock(T0)
@@ -329,7 +329,7 @@ def _limit_start_check(monkeypatch) -> None:
     when a row is read (as a row damaged while the broker runs is)."""
     for name in ("START_CHECK_ALL", "START_CHECK_FIRST_DUE", "START_CHECK_NEWEST", "START_CHECK_SAMPLED", "LOOK_BACK_RECORDS",
                  "WALK_ROWS"):
-        monkeypatch.setattr(sched_service, name, 0, raising=False)
+        monkeypatch.setattr(sched_keeper, name, 0)
 
 
 def test_a_damaged_row_met_while_running_is_rebuilt_from_its_record_and_delivered_once_on_time(data_dir, monkeypatch, caplog):
@@ -346,7 +346,7 @@ def test_a_damaged_row_met_while_running_is_rebuilt_from_its_record_and_delivere
             clock.advance(200)  # past the damaged row's time, before the message's
             b.core.scheduled.poke()
             await _until("the repair", lambda: f"event=timer_row_repaired cl_offset={victim}" in caplog.text)
-            sched = b.core.scheduled
+            sched = b.core.scheduled.keeper
             assert not [e for e in sched.heap if e[1] == victim] and sched.added[victim][1] == int((T0 + 600) * 1000) + 5
             assert await _all(b.core) == []
             got = await _delivered(b.core, clock, 500, 20)
@@ -360,7 +360,7 @@ def test_a_damaged_row_met_while_running_is_rebuilt_from_its_record_and_delivere
 def test_a_row_rebuilt_over_a_damaged_one_and_delivered_before_the_next_flush_is_not_delivered_again(data_dir, monkeypatch):
     """The file still holds the damaged row when the message is delivered: the delivery deletes it all the same."""
     _limit_start_check(monkeypatch)
-    monkeypatch.setattr(sched_service, "FLUSH_S", 3600.0)  # no flush between the repair and the delivery but the stop's
+    monkeypatch.setattr(sched_keeper, "FLUSH_S", 3600.0)  # no flush between the repair and the delivery but the stop's
 
     async def main():
         clock = ManualClock(T0)
@@ -371,13 +371,14 @@ def test_a_row_rebuilt_over_a_damaged_one_and_delivered_before_the_next_flush_is
             conn.execute("UPDATE timer SET crc = crc + 1 WHERE cl_offset = ?", (victim,))
         async with running_broker(data_dir, clock=clock) as b:
             await _delivered(b.core, clock, 61, 20)  # the window load meets the row, rebuilds it, and it is delivered
-        monkeypatch.setattr(sched_service, "START_CHECK_ALL", 16_384, raising=False)  # a start that checks every row's checksum
+        monkeypatch.setattr(sched_keeper, "START_CHECK_ALL", 16_384)  # a start that checks every row's checksum
         async with running_broker(data_dir, clock=clock) as b:
             await _until("the schedule's index", lambda: b.core.scheduled.gauges()["scheduled_index"] == "ready")
             clock.advance(60)
             sched = b.core.scheduled
             sched.poke()
-            await _until("an empty schedule", lambda: sched.gauges()["scheduled"] == 0 and not sched.heap and not sched.inflight)
+            await _until("an empty schedule", lambda: sched.gauges()["scheduled"] == 0 and not sched.keeper.heap
+                         and not sched.keeper.inflight)
             got = await _all(b.core)
         assert sorted(got) == sorted(f"m{i}".encode() for i in range(20))
 
@@ -386,8 +387,8 @@ def test_a_row_rebuilt_over_a_damaged_one_and_delivered_before_the_next_flush_is
 
 def test_the_walk_after_the_start_finds_a_row_whose_time_was_damaged_later_and_it_is_delivered_on_time(data_dir, monkeypatch, caplog):
     _limit_start_check(monkeypatch)
-    monkeypatch.setattr(sched_service, "WALK_ROWS", 7, raising=False)  # the walk reads every row, 7 at a time
-    monkeypatch.setattr(sched_service, "WALK_PAUSE_S", 0, raising=False)
+    monkeypatch.setattr(sched_keeper, "WALK_ROWS", 7)  # the walk reads every row, 7 at a time
+    monkeypatch.setattr(sched_keeper, "WALK_PAUSE_S", 0)
 
     async def main():
         clock = ManualClock(T0)

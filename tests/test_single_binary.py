@@ -208,6 +208,7 @@ def test_broker_serves_the_cli_a_checked_back_transaction_and_the_rocketmq_sdk(r
         # RocketMQ 5's official Python SDK, from outside the root file system
         sdk_python = python_sdk_python()
         topic, group = "BinaryTx", "binary-consumers"
+        _ok(root.txmq("topics", "create", topic, env=env))  # RocketMQ 5's clients need the topic to exist
         r = python_scenario(sdk_python, "transactions", tmp_path / "home", "--endpoint", f"127.0.0.1:{grpc}", "--topic", topic, "--group", group)
         committed = sorted([f"commit-{topic}", f"orphan-{topic}"])  # the orphan is committed by the check-back
         assert r["orphan_checked"], r["checks"]

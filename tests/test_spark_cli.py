@@ -286,3 +286,23 @@ def test_ctrl_c_while_the_class_archive_is_written_keeps_the_finished_export_and
     time.sleep(1)
     assert not os.path.exists(f"/proc/{jvm}") or " Z " in open(f"/proc/{jvm}/stat").read()  # ended, not left writing
     assert list((cache / "txmq" / "spark").glob("*.jsa*")) == []  # no archive, no recording left
+
+
+def test_the_format_option_offers_the_export_formats_table():
+    """--format's choices, default and help are the export's formats (txmq.spark.formats), in their order."""
+    from typer.testing import CliRunner
+
+    from txmq.cli.main import app
+    from txmq.spark.formats import DEFAULT_FORMAT, EXPORT_FORMATS, FORMATS, export_format, format_help
+
+    assert FORMATS == ("parquet", "json", "csv") and DEFAULT_FORMAT == "parquet"
+    assert format_help() == "parquet, json or csv (csv: properties as a JSON string, body as base64)."
+    r = CliRunner().invoke(app, ["spark-export", "--help"], prog_name="txmq", env={"COLUMNS": "250"})
+    assert r.exit_code == 0 and "<parquet|json|csv>" in r.output and format_help() in r.output, r.output
+    r = CliRunner().invoke(app, ["spark-export", "--out", "o", "--format", "xml"], prog_name="txmq")
+    assert r.exit_code == 2 and "xml" in r.output, r.output
+    with pytest.raises(ValueError, match="--format must be one of parquet, json, csv"):
+        export_format("xml")
+    # the Arrow writer writes Parquet only; only CSV holds the map and binary columns as text
+    assert [f.name for f in EXPORT_FORMATS if f.arrow_writer] == ["parquet"]
+    assert [f.name for f in EXPORT_FORMATS if f.text_columns] == ["csv"]

@@ -57,6 +57,8 @@ class FakeProducer:
         self.frames: list[wire.Frame] = []
         self._decoder = wire.FrameDecoder()
 
+    takes_frames = True
+
     def writable(self) -> bool:
         return self.open
 
@@ -137,7 +139,7 @@ def _as_wire_error(exc: BaseException) -> TxmqError:
 
 
 def _no_long_polls(_msgs) -> None:
-    """BrokerCore.notify_appended wakes the long polls on the queues written: there are none here."""
+    """LongPolls.notify (broker/longpoll.py) wakes the long polls on the queues written: there are none here."""
 
 
 @contextlib.asynccontextmanager

@@ -11,6 +11,14 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
+from ..registry import CheckBack, PushTarget
+from ..transactions.service import MAX_NAME
+from txmq.store import Record, StoreError
+
+# Re-exported: a front end takes them from here (it imports neither the registry, the transaction subsystem nor the
+# store). MAX_NAME: the longest transaction id and producer group a transaction can have; Record: a stored message.
+__all__ = ["CheckBack", "PushTarget", "StoreError", "Record", "MAX_NAME"]
+
 
 class MessageKind(str, enum.Enum):
     """A message's type as a topic accepts it (``txmq topics create --message-types``): the send planner's verdict."""
@@ -149,3 +157,11 @@ class PullResult:
     @classmethod
     def of_reply(cls, r: dict[str, Any]) -> PullResult:
         return cls(PullStatus(r["status"]), r["messages"], r["next_offset"], r["min_offset"], r["max_offset"])
+
+
+@dataclass(frozen=True, slots=True)
+class SentBack:
+    """A message its consumer failed, stored again: in its group's retry topic (delayed), or its dead-letter topic."""
+
+    receipt: SendReceipt
+    dead_lettered: bool

@@ -41,7 +41,7 @@ from functools import partial
 import logging
 from typing import Any
 
-from txmq.broker.connlimits import BLOB_MIN, LimitCounters, LimitedConnection
+from ..connlimits import BLOB_MIN, LimitCounters, LimitedConnection
 from txmq.wire import FATAL, ErrorCode, FrameDecoder, FrameError, TxmqError, parse_payload, push, reply, reply_parts
 from txmq.wire import REQUEST
 
@@ -75,12 +75,13 @@ class BrokerConnection(LimitedConnection):
     frontend = "native"
     first_request = "hello with the broker's token"
 
-    def __init__(self, core, server_state) -> None:
-        super().__init__(core, server_state)
+    def __init__(self, front, server_state) -> None:
+        super().__init__(front.messaging, server_state)
+        self.front = front  # NativeFrontend: what the handlers are given
         self.state = server_state
         self.conn_id = next(_ids)
         self.client_id = ""
-        cfg = core.config
+        cfg = front.config
         self.authed = not cfg.auth_token
         self.decoder = FrameDecoder(cfg.max_frame if self.authed else min(cfg.max_preauth_frame, cfg.max_frame))
         self._tasks: set[asyncio.Task] = set()
@@ -101,7 +102,7 @@ class BrokerConnection(LimitedConnection):
         if not self.authed:
             self._received_before_hello(data)
             return
-        arm = self.core.busy_poll.arm
+        arm = self.core.busy_poll_arm
         if arm is not None and self.state.busy <= 1:
             arm()  # a lone client's request: keep a CPU awake through its fsync (broker/busypoll.py)
         try:
@@ -193,7 +194,7 @@ class BrokerConnection(LimitedConnection):
             self._reply_error(id_, TxmqError("broker is shutting down", ErrorCode.SHUTTING_DOWN))
             return
         try:
-            result = handler(self.core, self, fields)
+            result = handler(self.front, self, fields)
         except TxmqError as err:
             self._reply_error(id_, err)
             return
@@ -201,7 +202,7 @@ class BrokerConnection(LimitedConnection):
             self._reply_error(id_, self._too_deep(op, fields, exc))
             return
         except Exception as exc:  # a bug: answer, log (broker/refusals.py: throttled), keep serving
-            self._reply_error(id_, self.core.store_error(exc))
+            self._reply_error(id_, self.core.error_of(exc))
             return
         if isinstance(result, dict):
             self._send_reply(id_, result)
@@ -232,13 +233,13 @@ class BrokerConnection(LimitedConnection):
             elif isinstance(exc, TxmqError):
                 self._reply_error(id_, exc)
             else:
-                self._reply_error(id_, self.core.store_error(exc))
+                self._reply_error(id_, self.core.error_of(exc))
         self._maybe_resume_reading()
 
     def _too_deep(self, op: str, fields: dict[str, Any], exc: RecursionError) -> TxmqError:
         """A handler recursed past the interpreter's limit: on fields nested too deeply (a refusal), else a bug."""
         if not nests_deeper(fields):
-            return self.core.store_error(exc)
+            return self.core.error_of(exc)
         err = TxmqError(f"the fields of {op[:64]!r} nest more than {MAX_FIELD_DEPTH} levels deep", ErrorCode.INVALID_FIELD)
         self.core.refusals.note("native", "bad_request", self.peer, str(err))
         return err
@@ -276,12 +277,17 @@ class BrokerConnection(LimitedConnection):
                 return
             data = reply(id_, result)
         except Exception as exc:  # a value no frame can carry (a bug): an error reply, and the connection goes on
-            self._reply_error(id_, self.core.store_error(exc))
+            self._reply_error(id_, self.core.error_of(exc))
             return
         self._send(data, now=now)
 
     def push(self, op: str, fields: dict[str, Any]) -> None:
         self._send(push(op, fields))
+
+    takes_frames = True  # check-backs come as frames the check pass splices from the stored bytes (checkcopy.check_push)
+
+    def check_back(self, cb: Any) -> None:  # pragma: no cover - takes_frames is True: never called
+        raise TypeError("a native connection takes check-backs as frames (send_frame)")
 
     def send_frame(self, frame: bytes) -> None:
         """Send one or more already encoded frames (length prefixes included), e.g. a batch of check-back pushes."""

@@ -1,4 +1,4 @@
-"""Wire handlers for consumer groups, reading by time and message lookups (broker/groups.py does the work)."""
+"""Wire handlers for consumer groups, reading by time and message lookups (the operator's calls: messaging/operations.py)."""
 
 from __future__ import annotations
 
@@ -6,11 +6,9 @@ from typing import TYPE_CHECKING
 
 from txmq.constants import canonical_topic
 
-from .. import groups
-from .operations import HANDLERS, Reply, _bad, opt_bool, opt_int, opt_str, req_int, req_str
+from .operations import HANDLERS, Front, Reply, _bad, opt_bool, opt_int, opt_str, req_int, req_str
 
 if TYPE_CHECKING:
-    from ..core import BrokerCore
     from .connection import BrokerConnection
 
 
@@ -27,49 +25,50 @@ def _topic(f: dict, key: str = "topic") -> str:
     return canonical_topic(req_str(f, key))
 
 
-def list_groups(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
-    return groups.list_groups(core)
+def list_groups(front: Front, conn: BrokerConnection, f: dict) -> Reply:
+    return front.operations.list_groups()
 
 
-def describe_group(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
+def describe_group(front: Front, conn: BrokerConnection, f: dict) -> Reply:
     topic = opt_str(f, "topic")
-    return groups.describe_group(core, req_str(f, "group"), canonical_topic(topic) if topic else None)
+    return front.operations.describe_group(req_str(f, "group"), canonical_topic(topic) if topic else None)
 
 
-def reset_offsets(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
+def reset_offsets(front: Front, conn: BrokerConnection, f: dict) -> Reply:
     group, topic, to = req_str(f, "group"), _topic(f), req_str(f, "to")
     if to not in ("earliest", "latest", "offset", "time"):
         raise _bad("field 'to' must be earliest, latest, offset or time")
     offset = req_int(f, "offset") if to == "offset" else None
     time_ms = req_int(f, "time_ms") if to == "time" else None
-    return groups.reset_offsets(core, group, topic, to, offset, time_ms, _queue_ids(f), opt_bool(f, "dry_run"),
-                                opt_bool(f, "force"))
+    return front.operations.reset_offsets(group, topic, to, offset, time_ms, _queue_ids(f), opt_bool(f, "dry_run"),
+                                          opt_bool(f, "force"))
 
 
-def update_group(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
+def update_group(front: Front, conn: BrokerConnection, f: dict) -> Reply:
     fifo = f.get("fifo")
     if fifo is not None and not isinstance(fifo, bool):
         raise _bad("field 'fifo' must be true or false")
-    return groups.update_group(core, req_str(f, "group"), fifo)
+    return front.operations.update_group(req_str(f, "group"), fifo)
 
 
-def offsets_for_time(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
-    return groups.offsets_for_time(core, _topic(f), req_int(f, "time_ms"), _queue_ids(f))
+def offsets_for_time(front: Front, conn: BrokerConnection, f: dict) -> Reply:
+    return front.operations.offsets_for_time(_topic(f), req_int(f, "time_ms"), _queue_ids(f))
 
 
-def get_message(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
+def get_message(front: Front, conn: BrokerConnection, f: dict) -> Reply:
     msg_id, off = opt_str(f, "msg_id"), opt_int(f, "commit_log_offset", None)
     if msg_id is None and off is None:
         raise _bad("one of the fields 'msg_id' and 'commit_log_offset' is required")
-    return groups.get_message(core, msg_id, off)
+    return front.operations.get_message(msg_id, off)
 
 
-def find_messages(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
+def find_messages(front: Front, conn: BrokerConnection, f: dict) -> Reply:
     topic = opt_str(f, "topic")
-    return groups.find_messages(
-        core, req_str(f, "key"), canonical_topic(topic) if topic else None, req_int(f, "since_ms"),
+    ops = front.operations
+    return ops.find_messages(
+        req_str(f, "key"), canonical_topic(topic) if topic else None, req_int(f, "since_ms"),
         opt_int(f, "until_ms", None), opt_int(f, "limit", 100, 1, 10_000),
-        opt_int(f, "max_scan", groups.DEFAULT_SCAN, 1, groups.MAX_SCAN),
+        opt_int(f, "max_scan", ops.FIND_SCAN, 1, ops.FIND_MAX_SCAN),
     )
 
 

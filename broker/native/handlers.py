@@ -14,13 +14,12 @@ from txmq import __version__
 from txmq.constants import PROP_TRAN_MSG, canonical_topic, is_system_topic
 from txmq.wire import PROTOCOL_VERSION, ErrorCode, TxmqError
 
-from ..messaging import NATIVE_RULES, EndOutcome, Outgoing, SendReceipt, then
+from ..messaging import NATIVE_RULES, EndOutcome, Messaging, Operations, Outgoing, SendReceipt, then
 from ..topics import MAX_QUEUES, message_types_of
-from .operations import HANDLERS, Handler, Reply, _bad, body_of, opt_bool, opt_int, opt_str, props_of, refs_of, req_int, req_str, user_topic
+from .operations import HANDLERS, Front, Handler, Reply, _bad, body_of, opt_bool, opt_int, opt_str, props_of, refs_of, req_int, req_str, user_topic
 
 if TYPE_CHECKING:
     from .connection import BrokerConnection
-    from ..core import BrokerCore
 
 # What this broker supports beyond protocol 1's first requests (additive, in `hello`):
 # "config_set_dry_run": config_set takes dry_run and answers what the change would discard;
@@ -38,37 +37,38 @@ FEATURES = ["config_set_dry_run", "topic_message_types", "message_group", "sched
 
 
 # ---- session ---------------------------------------------------------------
-def hello(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
+def hello(front: Front, conn: BrokerConnection, f: dict) -> Reply:
     for key in ("producer_groups", "consumer_groups"):
         groups = f.get(key) or []
         if (not isinstance(groups, list) or len(groups) > 64
                 or not all(isinstance(g, str) and 0 < len(g) <= 255 for g in groups)):
             raise _bad(f"field {key!r} must be a list of at most 64 group names (1 to 255 characters)")
     # a repeated hello adds groups, up to MAX_GROUPS_PER_CONN (broker/registry.py) for the connection
+    m = front.messaging
     for g in f.get("producer_groups") or []:
-        core.registry.register(g, conn)
+        m.register_producer(g, conn)
     for g in f.get("consumer_groups") or []:
-        core.consumer_registry.register(g, conn)
+        m.register_consumer(g, conn)
     conn.client_id = opt_str(f, "client_id") or conn.client_id
-    return {"version": __version__, "protocol": PROTOCOL_VERSION, "broker_id": core.broker_id, "flush": core.config.flush,
+    return {"version": __version__, "protocol": PROTOCOL_VERSION, "broker_id": m.broker_id, "flush": m.config.flush,
             "features": FEATURES}
 
 
-def heartbeat(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
+def heartbeat(front: Front, conn: BrokerConnection, f: dict) -> Reply:
     return {"time_ms": int(time.time() * 1000)}
 
 
-def broker_info(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
-    return core.info()
+def broker_info(front: Front, conn: BrokerConnection, f: dict) -> Reply:
+    return front.operations.info()
 
 
 # ---- sending ---------------------------------------------------------------
-def send(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
+def send(front: Front, conn: BrokerConnection, f: dict) -> Reply:
+    messaging = front.messaging
     topic = user_topic(f)
-    body = body_of(f, core.config.max_body)
-    props = props_of(f, core.config.max_properties)
+    body = body_of(f, messaging.config.max_body)
+    props = props_of(f, messaging.config.max_properties)
     qid = opt_int(f, "queue_id", None, -1, 1023)
-    messaging = core.messaging
     born = opt_int(f, "born_ts", None) or messaging.now_ms()
     created = messaging.topic_queues(topic) is None  # rare: the reply says this send created the topic
     return then(messaging.send(topic, [Outgoing(body, props, born)], qid, NATIVE_RULES),
@@ -104,12 +104,13 @@ def _created_batch_rows(receipts: list[SendReceipt]) -> dict[str, Any]:
     return {**_batch_rows(receipts), "topic_created": True}
 
 
-def send_batch(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
+def send_batch(front: Front, conn: BrokerConnection, f: dict) -> Reply:
     topic = user_topic(f)
     items = f.get("messages")
     if not isinstance(items, list) or not items or len(items) > 10_000:
         raise _bad("field 'messages' must be a non-empty list of at most 10000 messages")
-    messaging = core.messaging
+    messaging = front.messaging
+    cfg = messaging.config
     created = messaging.topic_queues(topic) is None
     asked = opt_int(f, "queue_id", None, -1, 1023)
     now = messaging.now_ms()
@@ -117,18 +118,18 @@ def send_batch(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
     for m in items:
         if not isinstance(m, dict):
             raise _bad("each message must be a map")
-        props = props_of(m, core.config.max_properties)
+        props = props_of(m, cfg.max_properties)
         if props.get(PROP_TRAN_MSG) == "true":
             raise _bad("transactional messages cannot be sent in a batch")
-        out.append(Outgoing(body_of(m, core.config.max_body), props, opt_int(m, "born_ts", None) or now))
+        out.append(Outgoing(body_of(m, cfg.max_body), props, opt_int(m, "born_ts", None) or now))
     return then(messaging.send(topic, out, asked, NATIVE_RULES), _created_batch_rows if created else _batch_rows)
 
 
 # ---- transactions ----------------------------------------------------------
-def end_transaction(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
+def end_transaction(front: Front, conn: BrokerConnection, f: dict) -> Reply:
     state = req_str(f, "state")  # commit, rollback or unknown: the service checks it
     source = "check" if opt_bool(f, "from_check") else "producer"
-    return then(core.messaging.end_transaction(req_str(f, "group"), req_str(f, "tx_id"), req_int(f, "commit_log_offset"),
+    return then(front.messaging.end_transaction(req_str(f, "group"), req_str(f, "tx_id"), req_int(f, "commit_log_offset"),
                                                req_int(f, "half_offset"), state, source), end_row)
 
 
@@ -144,81 +145,80 @@ def end_row(o: EndOutcome) -> dict[str, Any]:
 
 
 # ---- consuming -------------------------------------------------------------
-def pull(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
+def pull(front: Front, conn: BrokerConnection, f: dict) -> Reply:
     topic = canonical_topic(req_str(f, "topic"))
     args = (topic, req_int(f, "queue_id", 0, 1023), req_int(f, "offset"), opt_int(f, "max_count", 32, 1, 10_000),
             opt_int(f, "max_bytes", 1 << 20, 1, 64 << 20), opt_int(f, "wait_ms", 0, 0, 1 << 31))
     if opt_bool(f, "raw"):
-        reply = _pull_raw(core, *args[:5])
+        reply = _pull_raw(front, *args[:5])
         if reply is not None:
             return reply
-    return core.pull(*args)
+    return _pulled(front.messaging, args)
 
 
-def _pull_raw(core: BrokerCore, topic: str, queue_id: int, offset: int, max_count: int, max_bytes: int) -> dict | None:
+async def _pulled(messaging: Messaging, args: tuple) -> dict[str, Any]:
+    r = await messaging.pull(*args)
+    return {"status": r.status.value, "messages": r.messages, "next_offset": r.next_offset, "min_offset": r.min_offset,
+            "max_offset": r.max_offset}
+
+
+def _pull_raw(front: Front, topic: str, queue_id: int, offset: int, max_count: int, max_bytes: int) -> dict | None:
     """A pull answered with the records as stored, back to back (``records``), each checked as the usual pull checks it
     (CRC, its own offset, this queue's record at that queue offset); None when anything is not plain (no such queue,
     out of range, a record that does not check): the usual pull answers, and reports, repairs or skips it. The reader
     checks the records' topic, queue and queue offsets again (and asks without raw when one is off)."""
-    n = core.topics.queues(topic)
+    n = front.messaging.topic_queues(topic)
     if n is None or queue_id >= n:
         return None
-    store = core.store
-    got = store.read_queue_raw(topic, queue_id, offset, max_count, max_bytes)
+    ops = front.operations
+    got = ops.read_raw(topic, queue_id, offset, max_count, max_bytes)
     if got is None:
         return None
     data, count = got
-    core.metrics.inc("messages_pulled", count)
-    return {"status": "found", "records": data, "count": count, "next_offset": offset + count,
-            "min_offset": store.queue_min_offset(topic, queue_id), "max_offset": store.queue_max_offset(topic, queue_id)}
+    ops.count_pulled(count)
+    lo, hi = front.messaging.queue_bounds(topic, queue_id)
+    return {"status": "found", "records": data, "count": count, "next_offset": offset + count, "min_offset": lo, "max_offset": hi}
 
 
-def queue_offsets(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
+def queue_offsets(front: Front, conn: BrokerConnection, f: dict) -> Reply:
     """Every queue's [min_offset, max_offset) of the named topics (default: every topic, with system), and with
     time_ms the offset of each queue's first message stored at or after it: one request to plan a bulk read."""
-    from ..groups import offset_for_time, queue_bounds
-
     names = f.get("topics")
     if names is not None and (not isinstance(names, list) or len(names) > 10_000
                               or not all(isinstance(t, str) and 0 < len(t) <= 255 for t in names)):
         raise _bad("field 'topics' must be a list of topic names")
     time_ms = opt_int(f, "time_ms", None, -(1 << 62))
-    table = core.topics.all()
+    m = front.messaging
+    table = m.topics()
     if names is None:
         names = [t for t in sorted(table) if opt_bool(f, "system") or not is_system_topic(t)]
     missing = sorted({t for t in names if canonical_topic(t) not in table})
     if missing:
         raise TxmqError(f"no topic {', '.join(missing)} on the broker", ErrorCode.NO_SUCH_TOPIC, topic=missing[0])
-    rows = []
-    for name in dict.fromkeys(canonical_topic(t) for t in names):
-        queues = []
-        for q in range(table[name]):
-            lo, hi = queue_bounds(core, name, q)
-            row = {"queue_id": q, "min_offset": lo, "max_offset": hi}
-            if time_ms is not None:
-                row["time_offset"] = offset_for_time(core, name, q, time_ms)
-            queues.append(row)
-        rows.append({"topic": name, "system": is_system_topic(name), "queues": queues})
-    return {"broker_id": core.broker_id, "max_offset": core.store.max_offset, "topics": rows}
+    rows = front.operations.queue_offsets(list(dict.fromkeys(canonical_topic(t) for t in names)), time_ms)
+    for row in rows:
+        row["system"] = is_system_topic(row["topic"])
+    return {"broker_id": m.broker_id, "max_offset": m.log_bounds()[1],
+            "topics": [{"topic": r["topic"], "system": r["system"], "queues": r["queues"]} for r in rows]}
 
 
-async def _commit_offset(core: BrokerCore, group: str, topic: str, queue_id: int, offset: int) -> dict:
-    await core.commit_offset(group, topic, queue_id, offset)
+async def _commit_offset(messaging: Messaging, group: str, topic: str, queue_id: int, offset: int) -> dict:
+    await messaging.commit_offset(group, topic, queue_id, offset)
     return {}
 
 
-def commit_offset(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
+def commit_offset(front: Front, conn: BrokerConnection, f: dict) -> Reply:
     group, offset = req_str(f, "group"), req_int(f, "offset")
     topic, queue_id = canonical_topic(req_str(f, "topic")), req_int(f, "queue_id", 0, 1023)
-    n = core.topics.queues(topic)
+    n = front.messaging.topic_queues(topic)
     if n is None or queue_id >= n:  # offsets of queues that do not exist would fill every group listing
         raise TxmqError(f"topic {topic} has no queue {queue_id}" if n is not None else f"no topic {topic}",
                         ErrorCode.NO_SUCH_QUEUE)
-    return _commit_offset(core, group, topic, queue_id, offset)
+    return _commit_offset(front.messaging, group, topic, queue_id, offset)
 
 
-def fetch_offsets(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
-    offsets = core.fetch_offsets(req_str(f, "group"), canonical_topic(req_str(f, "topic")))
+def fetch_offsets(front: Front, conn: BrokerConnection, f: dict) -> Reply:
+    offsets = front.messaging.fetch_offsets(req_str(f, "group"), canonical_topic(req_str(f, "topic")))
     return {"offsets": {str(q): off for q, off in offsets.items()}}  # msgpack map keys are strings
 
 
@@ -226,55 +226,54 @@ def _message_types(f: dict) -> tuple[str, ...] | None:
     return None if f.get("message_types") is None else message_types_of(f["message_types"])
 
 
-def create_topic(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
-    return core.create_topic(user_topic(f), opt_int(f, "queues", None, 1, MAX_QUEUES), _message_types(f))
+def create_topic(front: Front, conn: BrokerConnection, f: dict) -> Reply:
+    return front.messaging.create_topic(user_topic(f), opt_int(f, "queues", None, 1, MAX_QUEUES), _message_types(f))
 
 
-def update_topic(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
+def update_topic(front: Front, conn: BrokerConnection, f: dict) -> Reply:
     topic = user_topic(f)
     queues, types = opt_int(f, "queues", None, 1, MAX_QUEUES), _message_types(f)
     if queues is None and types is None:
         raise _bad("give queues, message_types or both")
-    return core.update_topic(topic, queues, types)
+    return front.messaging.update_topic(topic, queues, types)
 
 
-def delete_topic(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
-    return core.delete_topic(user_topic(f), opt_bool(f, "force"))
+def delete_topic(front: Front, conn: BrokerConnection, f: dict) -> Reply:
+    return front.messaging.delete_topic(user_topic(f), opt_bool(f, "force"))
 
 
-def describe_topic(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
-    return core.describe_topic(user_topic(f))
+def describe_topic(front: Front, conn: BrokerConnection, f: dict) -> Reply:
+    return front.operations.describe_topic(user_topic(f))
 
 
-def list_topics(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
-    return {"topics": core.list_topics(opt_bool(f, "system"))}
+def list_topics(front: Front, conn: BrokerConnection, f: dict) -> Reply:
+    return {"topics": front.operations.list_topics(opt_bool(f, "system"))}
 
 
 # ---- administration --------------------------------------------------------
-def tx_pending(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
+def tx_pending(front: Front, conn: BrokerConnection, f: dict) -> Reply:
     topic = opt_str(f, "topic")
-    rows, total, cursor = core.admin.pending_rows(
+    ops = front.operations
+    rows, total, cursor = ops.pending_rows(
         opt_str(f, "group"), canonical_topic(topic) if topic else None,
-        opt_int(f, "min_age_ms", 0), opt_int(f, "limit", 1000, 1, 10_000_000), core.check.next_check_at,
+        opt_int(f, "min_age_ms", 0), opt_int(f, "limit", 1000, 1, 10_000_000), ops.next_check_at,
         opt_int(f, "after_half_offset", -1, -1),
     )
     return {"transactions": rows, "total": total, "cursor": cursor}
 
 
-def tx_offsets(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
-    return core.admin.offsets()
+def tx_offsets(front: Front, conn: BrokerConnection, f: dict) -> Reply:
+    return front.operations.tx_offsets()
 
 
-def tx_history(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
+def tx_history(front: Front, conn: BrokerConnection, f: dict) -> Reply:
     import asyncio
-
-    from ..transactions.history import DEFAULT_MAX_SCAN
 
     refs = [k for k in ("tx_id", "half_offset", "commit_log_offset") if f.get(k) is not None]
     if len(refs) != 1:
         raise _bad("give one of tx_id, half_offset, commit_log_offset")
-    h = core.admin.history(opt_str(f, "tx_id"), opt_int(f, "half_offset", None), opt_int(f, "commit_log_offset", None),
-                           opt_int(f, "max_scan", DEFAULT_MAX_SCAN, 1, 10_000_000), opt_bool(f, "summary"))
+    h = front.operations.history(opt_str(f, "tx_id"), opt_int(f, "half_offset", None), opt_int(f, "commit_log_offset", None),
+                                 opt_int(f, "max_scan", Operations.HISTORY_SCAN, 1, 10_000_000), opt_bool(f, "summary"))
 
     async def run() -> dict:
         if h is not None:
@@ -289,19 +288,19 @@ def tx_history(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
     return run()
 
 
-def tx_resolve(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
+def tx_resolve(front: Front, conn: BrokerConnection, f: dict) -> Reply:
     action = req_str(f, "action")
     if action not in ("commit", "rollback"):
         raise _bad("field 'action' must be commit or rollback")
     refs = refs_of(f, ("tx_id", "half_offset", "commit_log_offset"))
 
     async def run() -> dict:
-        return {"results": await core.admin.resolve(action, refs, opt_bool(f, "dry_run"))}
+        return {"results": await front.operations.resolve(action, refs, opt_bool(f, "dry_run"))}
 
     return run()
 
 
-def tx_resolve_where(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
+def tx_resolve_where(front: Front, conn: BrokerConnection, f: dict) -> Reply:
     action = req_str(f, "action")
     if action not in ("commit", "rollback"):
         raise _bad("field 'action' must be commit or rollback")
@@ -311,23 +310,23 @@ def tx_resolve_where(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply
             opt_int(f, "after_half_offset", -1, -1), opt_int(f, "limit", 500, 1, 1000), opt_bool(f, "dry_run"))
 
     async def run() -> dict:
-        results, cursor = await core.admin.resolve_where(action, *args)
+        results, cursor = await front.operations.resolve_where(action, *args)
         return {"results": results, "cursor": cursor}
 
     return run()
 
 
-def tx_check_now(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
-    return core.check.check_now(req_str(f, "tx_id"))
+def tx_check_now(front: Front, conn: BrokerConnection, f: dict) -> Reply:
+    return front.operations.check_now(req_str(f, "tx_id"))
 
 
-def discard_list(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
+def discard_list(front: Front, conn: BrokerConnection, f: dict) -> Reply:
     limit = opt_int(f, "limit", 1000, 1, 10_000_000)
-    rows = core.admin.discarded(limit + 1, opt_int(f, "after_discard_offset", -1, -1))
+    rows = front.operations.discarded(limit + 1, opt_int(f, "after_discard_offset", -1, -1))
     return {"discarded": rows[:limit], "cursor": rows[limit - 1]["discard_offset"] if len(rows) > limit else None}
 
 
-def discard_replay(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
+def discard_replay(front: Front, conn: BrokerConnection, f: dict) -> Reply:
     to = req_str(f, "to")
     if to not in ("half", "commit"):
         raise _bad("field 'to' must be half or commit")
@@ -335,25 +334,25 @@ def discard_replay(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
     refs = None if all_ else refs_of(f, ("tx_id", "discard_offset"))
 
     async def run() -> dict:
-        return {"results": await core.admin.replay(to, refs, all_, opt_bool(f, "dry_run"))}
+        return {"results": await front.operations.replay(to, refs, all_, opt_bool(f, "dry_run"))}
 
     return run()
 
 
-def config_get(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
-    return {**core.check.settings.to_dict(), "outcomes_known_since": core.admin.outcomes_known_since()}
+def config_get(front: Front, conn: BrokerConnection, f: dict) -> Reply:
+    ops = front.operations
+    return {**ops.check_settings.to_dict(), "outcomes_known_since": ops.outcomes_known_since()}
 
 
-def config_set(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
+def config_set(front: Front, conn: BrokerConnection, f: dict) -> Reply:
     key = req_str(f, "key")
     value = f.get("value")
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TxmqError("field 'value' must be a number", ErrorCode.INVALID_CONFIG)
     if opt_bool(f, "dry_run"):  # additive: what the change would discard or delete, nothing applied
-        if core.keeper.must_wait():  # the counts come from the index
-            return core.keeper.when_ready(lambda: _setting(core.check.preview, key, value))
-        return _setting(core.check.preview, key, value)
-    old, new = _setting(core.check.set, key, value)
+        ops = front.operations  # the counts come from the index: after it is built
+        return ops.after_index(lambda: _setting(ops.preview_setting, key, value))
+    old, new = _setting(front.operations.set_setting, key, value)
     return {"key": key, "old": old, "new": new}
 
 
@@ -366,31 +365,29 @@ def _setting(fn: Callable[[str, Any], Any], key: str, value: Any) -> Any:
         raise TxmqError(str(e), ErrorCode.INVALID_CONFIG) from None
 
 
-def stats(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
-    return core.stats()
+def stats(front: Front, conn: BrokerConnection, f: dict) -> Reply:
+    return front.operations.stats()
 
 
 # ---- scheduled messages ------------------------------------------------------
-def cancel_scheduled(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
+def cancel_scheduled(front: Front, conn: BrokerConnection, f: dict) -> Reply:
     topic = opt_str(f, "topic")
-    return core.scheduled.cancel(req_str(f, "msg_id"), canonical_topic(topic) if topic else None)
+    return front.operations.cancel_scheduled(req_str(f, "msg_id"), canonical_topic(topic) if topic else None)
 
 
-def list_scheduled(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
+def list_scheduled(front: Front, conn: BrokerConnection, f: dict) -> Reply:
     topic = opt_str(f, "topic")
     after = f.get("after")
     if after is not None and not (isinstance(after, list) and len(after) == 2 and all(type(x) is int for x in after)):
         raise _bad("field 'after' must be [deliver_at_ms, commit_log_offset], as a listing's 'cursor' gives it")
     bodies = opt_bool(f, "bodies")
-    return core.scheduled.listing(canonical_topic(topic) if topic else None, tuple(after) if after else None,
-                                  opt_int(f, "limit", 100 if bodies else 1000, 1, 1000 if bodies else 100_000), bodies)
+    return front.operations.list_scheduled(canonical_topic(topic) if topic else None, tuple(after) if after else None,
+                                           opt_int(f, "limit", 100 if bodies else 1000, 1, 1000 if bodies else 100_000), bodies)
 
 
 def _needs_index(handler: Handler) -> Handler:
-    def gated(core: BrokerCore, conn: BrokerConnection, f: dict) -> Reply:
-        if core.keeper.must_wait():
-            return core.keeper.when_ready(lambda: handler(core, conn, f))
-        return handler(core, conn, f)
+    def gated(front: Front, conn: BrokerConnection, f: dict) -> Reply:
+        return front.operations.after_index(lambda: handler(front, conn, f))
 
     gated.__name__ = handler.__name__
     return gated

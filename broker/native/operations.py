@@ -6,7 +6,7 @@ imports them all) and imports from here, never from another handler module.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Protocol
 
 from txmq.constants import is_system_topic
 from txmq.wire import ErrorCode, TxmqError
@@ -14,11 +14,22 @@ from txmq.wire import ErrorCode, TxmqError
 from ..topics import check_topic_name
 
 if TYPE_CHECKING:
-    from ..core import BrokerCore
+    from ..config import BrokerConfig
+    from ..messaging import Messaging, Operations
+
     from .connection import BrokerConnection
 
+
+class Front(Protocol):
+    """What a handler is given of the front end (server.NativeFrontend): the broker's two doors and its settings."""
+
+    messaging: Messaging
+    operations: Operations
+    config: BrokerConfig
+
+
 Reply = dict[str, Any] | Awaitable[dict[str, Any]]
-Handler = Callable[["BrokerCore", "BrokerConnection", dict[str, Any]], Reply]
+Handler = Callable[[Front, "BrokerConnection", dict[str, Any]], Reply]
 
 
 # ---- field helpers ---------------------------------------------------------

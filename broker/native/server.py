@@ -1,6 +1,6 @@
 """The native protocol's listener: connections accepted within their caps, overdue ones swept, all closed at shutdown.
 
-``NativeFrontend(core, sock)`` has the shape of every front end (server.Frontend,
+``NativeFrontend(messaging, operations, sock)`` has the shape of every front end (server.Frontend,
 as broker/rocketmq/server.py). ``ServerState`` is what the connections
 share: who is open, per address, what is in flight, and their figures.
 """
@@ -17,7 +17,7 @@ from .operations import HANDLERS, Handler
 
 if TYPE_CHECKING:
     from ..config import BrokerConfig
-    from ..core import BrokerCore
+    from ..messaging import Messaging, Operations
 
 log = logging.getLogger("txmq.broker")
 
@@ -53,25 +53,39 @@ async def sweep_connections(state: ServerState, config: BrokerConfig) -> None:
 
 
 class NativeFrontend:
-    def __init__(self, core: BrokerCore, sock: socket.socket) -> None:
-        self.core = core
+    """txmq's own protocol on one listening socket, over the messaging service and the operator's calls.
+
+    The broker builds it (broker/server.py) and reads its figures through
+    ``gauges`` and ``lone_client``; it changes nothing of the broker's.
+    """
+
+    def __init__(self, messaging: Messaging, operations: Operations, sock: socket.socket) -> None:
+        self.messaging = messaging
+        self.operations = operations
+        self.config = messaging.config
         self.sock = sock  # bound and listening
         self.state = ServerState()
         self.server: asyncio.AbstractServer | None = None
         self._sweeper: asyncio.Task | None = None
         self._stopped = False
 
+    def gauges(self) -> dict[str, int]:
+        """Open connections and the bytes of their incomplete frames (`txmq broker status`, `txmq stats`, Prometheus)."""
+        return self.state.gauges()
+
+    def lone_client(self) -> bool:
+        """At most one connection has requests in flight: the inline fsync's test, as busy polling's (connection.py)."""
+        return self.state.busy <= 1
+
     async def start(self) -> None:
-        core, state = self.core, self.state
-        core.connection_gauges = state.gauges
-        core.flusher.lone_client = lambda: state.busy <= 1  # the inline fsync's test, as busy polling's (connection.py)
+        state = self.state
         loop = asyncio.get_running_loop()
         # Connections over --max-connections are accepted and closed at once
         # (BrokerConnection.connection_made), so the backlog never fills with
         # them; when descriptors run out all the same, uvloop (libuv's spare
         # descriptor) and asyncio drain or retry the backlog and keep accepting.
-        self.server = await loop.create_server(lambda: BrokerConnection(core, state), sock=self.sock, backlog=2048)
-        self._sweeper = loop.create_task(sweep_connections(state, core.config), name="txmq-sweeper")
+        self.server = await loop.create_server(lambda: BrokerConnection(self, state), sock=self.sock, backlog=2048)
+        self._sweeper = loop.create_task(sweep_connections(state, self.config), name="txmq-sweeper")
 
     async def stop(self) -> None:
         """Accept no more connections and let the requests in flight finish (within --shutdown-timeout); once."""
@@ -81,7 +95,7 @@ class NativeFrontend:
         if self.server is not None:
             self.server.close()
         if self.state.inflight:
-            await asyncio.wait(list(self.state.inflight), timeout=self.core.config.shutdown_timeout_s)
+            await asyncio.wait(list(self.state.inflight), timeout=self.config.shutdown_timeout_s)
         if self._sweeper is not None:
             self._sweeper.cancel()
 

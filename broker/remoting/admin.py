@@ -5,16 +5,18 @@ Cluster and broker (``clusterList``, ``brokerStatus``, ``getBrokerConfig``,
 consumer groups (``consumerProgress``, ``consumerConnection``,
 ``resetOffsetByTime``) and messages (``queryMsgByKey``, and what
 ``queryMsgById`` asks after viewing the message). Each handler reads or
-changes the broker's own services (the topic table, consumer offsets, the
-store, the check service's settings) and answers in the layout RocketMQ
-4.9.8's broker and name server write (docs/remoting.md, "Apache's mqadmin").
+changes the broker through the messaging service (topics, consumer
+offsets, queues and stored messages: ``front.messaging``) and the
+operator's calls (the check service's settings, the data directory:
+``front.operations``), and answers in the layout RocketMQ 4.9.8's broker
+and name server write (docs/remoting.md, "Apache's mqadmin").
 
 The bodies are fastjson's: a map keyed by a message queue is written with
 the queue object as the key (``{{"brokerName":"txmq","queueId":0,"topic":"T"}:{...}}``),
 which is not JSON but what RocketMQ's clients parse (``fj``).
 
-Registered in ``handlers.HANDLERS`` by importing this module (handlers.py
-does, last).
+Registered in ``HANDLERS`` (dispatch.py) by importing this module
+(handlers.py does, last).
 """
 
 from __future__ import annotations
@@ -33,16 +35,14 @@ from txmq import __version__
 from txmq.constants import PROP_KEYS
 from txmq.wire import ErrorCode, TxmqError
 
-from txmq.broker.groups import find_messages, offset_for_time, queue_bounds
-
 from . import protocol as p
-from .handlers import handles, ok, opt_bool, opt_int, req_int, req_str, topic_of
+from .dispatch import Front, handles, ok, opt_bool, opt_int, req_int, req_str, topic_of
 from .messages import encode_maps
 
 if TYPE_CHECKING:
-    from txmq.broker.core import BrokerCore
+    from ..messaging import Messaging
 
-    from .server import RemotingConnection, RemotingFrontend
+    from .context import Connection
 
 log = logging.getLogger("txmq.remoting")
 
@@ -152,26 +152,20 @@ def java_hash(s: str) -> int:
 
 
 # ---- what the admin requests share --------------------------------------------------------------
-def broker_address(front: RemotingFrontend, conn: RemotingConnection) -> str:
+def broker_address(front: Front, conn: Connection) -> str:
     """This broker's address as its routes name it: the address the client connected to, the remoting port."""
     host = conn.local_host
     return f"[{host}]:{front.port}" if ":" in host else f"{host}:{front.port}"
 
 
-def _mq(front: RemotingFrontend, topic: str, qid: int) -> MQ:
+def _mq(front: Front, topic: str, qid: int) -> MQ:
     return MQ(topic, front.broker_name, qid)
 
 
-def _store_ts(core: BrokerCore, topic: str, qid: int, index: int) -> int:
+def _store_ts(messaging: Messaging, topic: str, qid: int, index: int) -> int:
     """The store time of the message at queue offset ``index`` (0 when there is none or it cannot be read)."""
-    store = core.store
-    entries = store.cq_entries(topic, qid, index, 1)
-    if not entries:
-        return 0
-    try:
-        return int(store.read(entries[0][0]).store_ts)
-    except Exception:
-        return 0
+    ts = messaging.store_time_at(topic, qid, index)
+    return 0 if ts is None else ts
 
 
 class Counts:
@@ -182,11 +176,11 @@ class Counts:
     the front end; it is a timer on the loop, one wake-up a second, ten minutes of samples.
     """
 
-    def __init__(self, front: RemotingFrontend) -> None:
+    def __init__(self, front: Front) -> None:
         self._front = weakref.ref(front)  # _COUNTS holds this by the front end, weakly: no strong way back to it
         self.samples: deque[tuple[float, int, int]] = deque(maxlen=SAMPLES)
         self.day = time.localtime().tm_yday
-        started_today = time.localtime(front.core.started_at).tm_yday == self.day
+        started_today = time.localtime(front.messaging.started_at).tm_yday == self.day
         put, got = self.totals()
         # Totals at the start of today and of yesterday: 0 for a broker started today, else the first sample's.
         self.today_morning = (0, 0) if started_today else (put, got)
@@ -198,7 +192,7 @@ class Counts:
         front = self._front()
         if front is None:
             return 0, 0
-        c = front.core.metrics.counters
+        c = front.messaging.metrics.counters
         return c["messages_sent"] + c["half_stored"], c["messages_pulled"]
 
     def sample(self) -> None:
@@ -230,10 +224,10 @@ class Counts:
         return " ".join(out)
 
 
-_COUNTS: weakref.WeakKeyDictionary[RemotingFrontend, Counts] = weakref.WeakKeyDictionary()
+_COUNTS: weakref.WeakKeyDictionary[Front, Counts] = weakref.WeakKeyDictionary()
 
 
-def _counts(front: RemotingFrontend) -> Counts:
+def _counts(front: Front) -> Counts:
     counts = _COUNTS.get(front)
     if counts is None:
         counts = _COUNTS[front] = Counts(front)
@@ -250,7 +244,7 @@ def _bytes_human(n: float) -> str:
 
 # ---- the name server -------------------------------------------------------------------------
 @handles(p.GET_BROKER_CLUSTER_INFO)
-def cluster_info(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Command) -> p.Command:
+def cluster_info(front: Front, conn: Connection, cmd: p.Command) -> p.Command:
     """ClusterInfo: one cluster of one broker, master (id 0) at this port."""
     name, cluster = front.broker_name, front.cluster_name
     return ok(cmd, body=fj_body({"brokerAddrTable": {name: {"brokerAddrs": {0: broker_address(front, conn)}, "brokerName": name,
@@ -259,38 +253,41 @@ def cluster_info(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Comma
 
 
 @handles(DELETE_TOPIC_IN_BROKER, DELETE_TOPIC_IN_NAMESRV)
-def delete_topic(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Command) -> p.Command:
+def delete_topic(front: Front, conn: Connection, cmd: p.Command) -> p.Command:
     """`txmq topics delete` (refused while transactions sent to the topic are pending). The name server's half of
     mqadmin's deleteTopic finds it gone: a topic that does not exist is deleted already, as RocketMQ answers."""
-    core = front.core
+    messaging = front.messaging
     topic = topic_of(cmd.ext)
-    if core.topics.queues(topic) is None:
+    if messaging.topic_queues(topic) is None:
         return ok(cmd, remark=f"topic {topic} does not exist")
-    r = core.delete_topic(topic, force=False)
+    r = messaging.delete_topic(topic, force=False)
     return ok(cmd, remark=f"topic {topic} deleted ({r['queues']} queues, {r['messages']} messages kept until retention)")
 
 
 # ---- the broker's state ------------------------------------------------------------------------
 @handles(GET_BROKER_RUNTIME_INFO)
-def runtime_info(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Command) -> p.Command:
+def runtime_info(front: Front, conn: Connection, cmd: p.Command) -> p.Command:
     """KVTable of RocketMQ's runtime figures, from txmq's counters and store (brokerStatus, clusterList)."""
-    core = front.core
-    store = core.store
+    messaging, operations = front.messaging, front.operations
+    log_min, log_max = messaging.log_bounds()
     counts = _counts(front)
     put, got = counts.totals()
-    earliest = _earliest_store_ts(core)
+    earliest = messaging.first_store_time()
+    if earliest is None:  # an empty log (RocketMQ's getEarliestMessageTime: -1)
+        earliest = -1
     try:
-        disk = shutil.disk_usage(core.data_dir)
+        disk = shutil.disk_usage(operations.data_dir)
         ratio = f"{(disk.total - disk.free) / disk.total:.4f}" if disk.total else "0.0"
         capacity = f"Total : {_bytes_human(disk.total)}, Free : {_bytes_human(disk.free)}."
     except OSError:
         ratio, capacity = "0.0", "Total : 0 B, Free : 0 B."
-    up = max(0, int(time.time() - core.started_at))
+    started_at = messaging.started_at
+    up = max(0, int(time.time() - started_at))
     inflight = len(front.inflight)
     table = {
         "brokerVersionDesc": f"txmq-{__version__}",
         "brokerVersion": str(BROKER_VERSION),
-        "bootTimestamp": str(int(core.started_at * 1000)),
+        "bootTimestamp": str(int(started_at * 1000)),
         "runtime": f"[ {up // 86400} days, {up // 3600 % 24} hours, {up // 60 % 60} minutes, {up % 60} seconds ]",
         "msgPutTotalYesterdayMorning": str(counts.yesterday_morning[0]),
         "msgPutTotalTodayMorning": str(counts.today_morning[0]),
@@ -302,7 +299,7 @@ def runtime_info(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Comma
         "getTransferedTps": counts.tps(2),
         "putMessageTimesTotal": str(put),
         "sendThreadPoolQueueSize": str(inflight),
-        "sendThreadPoolQueueCapacity": str(core.config.max_inflight_per_conn),
+        "sendThreadPoolQueueCapacity": str(messaging.config.max_inflight_per_conn),
         "pullThreadPoolQueueSize": "0",
         "pullThreadPoolQueueCapacity": "0",
         "queryThreadPoolQueueSize": "0",
@@ -314,29 +311,18 @@ def runtime_info(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Comma
         "queryThreadPoolQueueHeadWaitTimeMills": "0",
         "pageCacheLockTimeMills": "0",
         "dispatchBehindBytes": "0",
-        "commitLogMinOffset": str(store.min_offset),
-        "commitLogMaxOffset": str(store.max_offset),
-        "remainHowManyDataToFlush": _bytes_human(max(0, store.max_offset - store.durable_offset)),
+        "commitLogMinOffset": str(log_min),
+        "commitLogMaxOffset": str(log_max),
+        "remainHowManyDataToFlush": _bytes_human(operations.unflushed_bytes()),
         "earliestMessageTimeStamp": str(earliest),
         "startAcceptSendRequestTimeStamp": "0",
         "commitLogDiskRatio": ratio,
         "commitLogDirCapacity": capacity,
         # txmq's own figures (RocketMQ's tools print every key they are given)
-        "txmqPendingTransactions": str(len(core.tx.index.pending)),
+        "txmqPendingTransactions": str(operations.pending_transactions()),
         "txmqRemotingConnections": str(len(front.connections)),
     }
     return ok(cmd, body=fj_body({"table": table}))
-
-
-def _earliest_store_ts(core: BrokerCore) -> int:
-    """The store time of the oldest record in the log, -1 for an empty log (RocketMQ's getEarliestMessageTime)."""
-    store = core.store
-    if store.max_offset <= store.min_offset:
-        return -1
-    try:
-        return int(store.read_record(store.min_offset).store_ts)
-    except Exception:
-        return -1
 
 
 # RocketMQ's broker settings txmq has, and where each comes from; the three transaction ones change live.
@@ -347,11 +333,11 @@ LIVE_SETTINGS = {  # RocketMQ's name -> (the check setting, its unit in ms: 1000
 }
 
 
-def broker_config(front: RemotingFrontend, conn: RemotingConnection) -> dict[str, str]:
+def broker_config(front: Front, conn: Connection) -> dict[str, str]:
     """RocketMQ's names of the broker settings txmq has, with txmq's values."""
-    core = front.core
-    cfg = core.config
-    s = core.check.settings
+    messaging = front.messaging
+    cfg = messaging.config
+    s = front.operations.check_settings
     levels = " ".join(_level(ms) for ms in cfg.message_delay_levels_ms)
     return {
         "brokerClusterName": front.cluster_name,
@@ -362,10 +348,10 @@ def broker_config(front: RemotingFrontend, conn: RemotingConnection) -> dict[str
         "namesrvAddr": broker_address(front, conn),
         "brokerRole": "ASYNC_MASTER",
         "brokerPermission": "6",
-        "storePathRootDir": str(core.data_dir),
+        "storePathRootDir": str(front.operations.data_dir),
         "flushDiskType": "SYNC_FLUSH" if cfg.flush == "sync" else "ASYNC_FLUSH",
         "flushIntervalCommitLog": str(round(cfg.flush_interval_s * 1000)),
-        "autoCreateTopicEnable": "true" if core.topics.auto_create else "false",
+        "autoCreateTopicEnable": "true" if messaging.auto_create_topics else "false",
         "defaultTopicQueueNums": str(cfg.default_queues),
         "maxMessageSize": str(cfg.max_body),
         "messageDelayLevel": levels,
@@ -451,10 +437,10 @@ class _ConfigVersion:
         self.timestamp = int(time.time() * 1000)
 
 
-_VERSIONS: weakref.WeakKeyDictionary[RemotingFrontend, _ConfigVersion] = weakref.WeakKeyDictionary()
+_VERSIONS: weakref.WeakKeyDictionary[Front, _ConfigVersion] = weakref.WeakKeyDictionary()
 
 
-def _version(front: RemotingFrontend) -> _ConfigVersion:
+def _version(front: Front) -> _ConfigVersion:
     v = _VERSIONS.get(front)
     if v is None:
         v = _VERSIONS[front] = _ConfigVersion()
@@ -462,18 +448,18 @@ def _version(front: RemotingFrontend) -> _ConfigVersion:
 
 
 @handles(GET_BROKER_CONFIG)
-def get_broker_config(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Command) -> p.Command:
+def get_broker_config(front: Front, conn: Connection, cmd: p.Command) -> p.Command:
     v = _version(front)
     return ok(cmd, {"version": fj({"counter": v.counter, "timestamp": v.timestamp})},
               body=_properties_text(broker_config(front, conn)).encode())
 
 
 @handles(UPDATE_BROKER_CONFIG)
-def update_broker_config(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Command) -> p.Command:
+def update_broker_config(front: Front, conn: Connection, cmd: p.Command) -> p.Command:
     """transactionCheckInterval, transactionTimeOut (ms) and transactionCheckMax: `txmq config set`'s check-interval,
     transaction-timeout and max-checks, live and persisted in config.json. Every setting of the request is checked
     before any is changed; another setting is refused, naming the ones that change."""
-    core = front.core
+    operations = front.operations
     if len(cmd.body) > MAX_CONFIG_BODY:
         raise TxmqError(f"the body of UPDATE_BROKER_CONFIG is over {MAX_CONFIG_BODY} bytes", ErrorCode.INVALID_CONFIG)
     try:
@@ -486,7 +472,7 @@ def update_broker_config(front: RemotingFrontend, conn: RemotingConnection, cmd:
         raise TxmqError(f"txmq cannot change {shown} at run time: UPDATE_BROKER_CONFIG changes "
                         f"{', '.join(LIVE_SETTINGS)} (the others are `txmq broker start` options)", ErrorCode.INVALID_CONFIG)
     changes = []
-    settings = core.check.settings
+    settings = operations.check_settings
     for name, text in props.items():
         key, unit = LIVE_SETTINGS[name]
         try:
@@ -502,7 +488,7 @@ def update_broker_config(front: RemotingFrontend, conn: RemotingConnection, cmd:
         changes.append((name, key, value))
     done = []
     for name, key, value in changes:
-        old, new = core.check.set(key, value)
+        old, new = operations.set_setting(key, value)
         done.append(f"{name} ({key}) {old} -> {new}")
     if done:
         _version(front).bump()
@@ -512,32 +498,32 @@ def update_broker_config(front: RemotingFrontend, conn: RemotingConnection, cmd:
 
 # ---- topics -------------------------------------------------------------------------------------
 @handles(GET_TOPIC_STATS_INFO)
-def topic_stats(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Command) -> p.Command:
+def topic_stats(front: Front, conn: Connection, cmd: p.Command) -> p.Command:
     """TopicStatsTable: each queue's min and max offsets and the store time of its last message (topicStatus)."""
-    core = front.core
+    messaging = front.messaging
     topic = topic_of(cmd.ext, system_ok=True)
-    n = core.topics.queues(topic)
+    n = messaging.topic_queues(topic)
     if n is None:
         return p.response(cmd, p.TOPIC_NOT_EXIST, remark=f"topic[{topic}] not exist")
     table = {}
     for q in range(n):
-        lo, hi = queue_bounds(core, topic, q)
-        table[_mq(front, topic, q)] = {"lastUpdateTimestamp": _store_ts(core, topic, q, hi - 1) if hi > 0 else 0,
+        lo, hi = messaging.queue_bounds(topic, q)
+        table[_mq(front, topic, q)] = {"lastUpdateTimestamp": _store_ts(messaging, topic, q, hi - 1) if hi > 0 else 0,
                                        "maxOffset": hi, "minOffset": lo}
     return ok(cmd, body=fj_body({"offsetTable": table}))
 
 
 @handles(QUERY_TOPIC_CONSUME_BY_WHO)
-def topic_consumers(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Command) -> p.Command:
+def topic_consumers(front: Front, conn: Connection, cmd: p.Command) -> p.Command:
     """GroupList: the groups with a live consumer subscribed to the topic and those with an offset in it."""
     topic = topic_of(cmd.ext, system_ok=True)
     groups = {g for g, members in front.clients.consumers.items() if any(topic in c.subscriptions for c in members.values())}
-    groups |= {g for g, topics in front.core.offsets.all().items() if topic in topics}
+    groups |= {g for g, topics in front.messaging.consumer_offsets().items() if topic in topics}
     return ok(cmd, body=fj_body({"groupList": sorted(groups)}))
 
 
 # ---- consumer groups --------------------------------------------------------------------------
-def _subscribed(front: RemotingFrontend, group: str) -> set[str] | None:
+def _subscribed(front: Front, group: str) -> set[str] | None:
     """The topics the group's live consumers subscribe to; None when it has none online."""
     members = front.clients.consumers.get(group)
     if not members:
@@ -546,32 +532,32 @@ def _subscribed(front: RemotingFrontend, group: str) -> set[str] | None:
 
 
 @handles(GET_CONSUME_STATS)
-def consume_stats(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Command) -> p.Command:
+def consume_stats(front: Front, conn: Connection, cmd: p.Command) -> p.Command:
     """ConsumeStats: per queue of each topic the group has offsets in (or the one asked), the queue's end, the group's
     offset and the store time of the last message it consumed (consumerProgress); a topic its live consumers no
     longer subscribe to is left out, as RocketMQ's broker does."""
-    core = front.core
+    messaging = front.messaging
     group = req_str(cmd.ext, "consumerGroup")
     asked = topic_of(cmd.ext, system_ok=True) if cmd.ext.get("topic") else None
-    by_topic = core.offsets.all().get(group, {})
+    by_topic = messaging.consumer_offsets().get(group, {})
     topics = [asked] if asked else sorted(by_topic)
     subscribed = _subscribed(front, group)
     table = {}
     for topic in topics:
-        n = core.topics.queues(topic)
+        n = messaging.topic_queues(topic)
         if n is None or (subscribed is not None and topic not in subscribed):
             continue
         committed = by_topic.get(topic, {})
         for q in range(n):
-            broker_offset = core.store.queue_max_offset(topic, q)
+            broker_offset = messaging.queue_bounds(topic, q)[1]
             consumer_offset = max(committed.get(q, 0), 0)
-            last = _store_ts(core, topic, q, consumer_offset - 1) if consumer_offset > 0 else 0
+            last = _store_ts(messaging, topic, q, consumer_offset - 1) if consumer_offset > 0 else 0
             table[_mq(front, topic, q)] = {"brokerOffset": broker_offset, "consumerOffset": consumer_offset, "lastTimestamp": last}
     return ok(cmd, body=fj_body({"consumeTps": 0.0, "offsetTable": table}))
 
 
 @handles(GET_CONSUMER_CONNECTION_LIST)
-def consumer_connections(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Command) -> p.Command:
+def consumer_connections(front: Front, conn: Connection, cmd: p.Command) -> p.Command:
     """ConsumerConnection: the group's live clients (id, address, language, version) and their subscriptions."""
     group = req_str(cmd.ext, "consumerGroup")
     members = list(front.clients.consumers.get(group, {}).values())
@@ -600,34 +586,34 @@ def _subscription_data(topic: str, expr: str) -> dict[str, Any]:
 
 
 @handles(INVOKE_BROKER_TO_RESET_OFFSET)
-def reset_offset(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Command) -> Any:
+def reset_offset(front: Front, conn: Connection, cmd: p.Command) -> Any:
     """resetOffsetByTime: each queue's offset at the time (-1: the queue's end), or the group's own when it is lower
     and the reset is not forced; committed to txmq's offsets, and sent to the group's live consumers
     (RESET_CONSUMER_CLIENT_OFFSET), which drop what they hold and start there. With no consumer online the answer is
     CONSUMER_NOT_ONLINE, on which mqadmin resets through the offset requests (resetOffsetByTimeOld), as against
     RocketMQ."""
-    core = front.core
+    messaging = front.messaging
     ext = cmd.ext
     topic = topic_of(ext)
     group = req_str(ext, "group")
     timestamp = req_int(ext, "timestamp")
     force = opt_bool(ext, "isForce")
-    n = core.topics.queues(topic)
+    n = messaging.topic_queues(topic)
     if n is None:
         return p.response(cmd, p.SYSTEM_ERROR, remark=f"[reset-offset] reset offset failed, no topic in this broker. topic={topic}")
     plan: dict[MQ, int] = {}
     for q in range(n):
-        current = core.offsets.get(group, topic, q)
+        current = messaging.consumer_offset(group, topic, q)
         if current is None:
             return p.response(cmd, p.SYSTEM_ERROR, remark=f"THe consumer group <{group}> not exist")
-        at = core.store.queue_max_offset(topic, q) if timestamp == -1 else offset_for_time(core, topic, q, timestamp)
+        at = messaging.queue_bounds(topic, q)[1] if timestamp == -1 else messaging.offset_for_time(topic, q, timestamp)
         plan[_mq(front, topic, q)] = at if force or at < current else current
     members = [c for c in front.clients.consumers.get(group, {}).values() if c.conn.writable()]
     if not members:
         return p.response(cmd, CONSUMER_NOT_ONLINE, remark=f"Consumer not online, so can not reset offset, Group: {group} "
                                                            f"Topic: {topic} Timestamp: {timestamp}")
     for mq, off in plan.items():
-        core.offsets.commit(group, topic, mq.queue_id, off)
+        messaging.set_offset(group, topic, mq.queue_id, off)
     if cmd.language == "CPP":
         body = fj_body({"offsetTable": [{"brokerName": mq.broker_name, "offset": off, "queueId": mq.queue_id, "topic": mq.topic}
                                         for mq, off in plan.items()]})
@@ -643,7 +629,7 @@ def reset_offset(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Comma
              timestamp, force, len(seen))
 
     async def reply() -> p.Command:
-        await core.flusher.wait_persisted()
+        await front.operations.persist_offsets()
         return ok(cmd, body=fj_body({"offsetTable": plan}))
 
     return reply()
@@ -651,11 +637,11 @@ def reset_offset(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Comma
 
 # ---- messages -----------------------------------------------------------------------------------
 @handles(p.QUERY_MESSAGE)
-def query_message(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Command) -> Any:
+def query_message(front: Front, conn: Connection, cmd: p.Command) -> Any:
     """Messages of the topic whose KEYS hold the key (or whose UNIQ_KEY is it, with _UNIQUE_KEY_QUERY), stored in
     [beginTimestamp, endTimestamp): `txmq message find`, reading at most QUERY_SCAN records (txmq keeps no key
     index); at most 64 messages, in the stored-message encoding."""
-    core = front.core
+    messaging = front.messaging
     ext = cmd.ext
     topic = topic_of(ext)
     key = req_str(ext, "key", 4096)
@@ -663,13 +649,13 @@ def query_message(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Comm
     begin = opt_int(ext, "beginTimestamp", 0)
     end = opt_int(ext, "endTimestamp", (1 << 63) - 1)
     unique = opt_bool(ext, "_UNIQUE_KEY_QUERY")
-    head = {"indexLastUpdateTimestamp": str(int(time.time() * 1000)), "indexLastUpdatePhyoffset": str(core.store.max_offset)}
+    head = {"indexLastUpdateTimestamp": str(int(time.time() * 1000)), "indexLastUpdatePhyoffset": str(messaging.log_bounds()[1])}
 
     async def reply() -> p.Command:
-        if core.topics.queues(topic) is None:
+        if messaging.topic_queues(topic) is None:
             found: list[dict] = []
         else:
-            found = (await find_messages(core, key, topic, max(begin, 0), end, limit, QUERY_SCAN))["messages"]
+            found = await messaging.find_messages(key, topic, max(begin, 0), end, limit, QUERY_SCAN)
             if not unique:  # a key query: the key among the message's KEYS (find also matches a UNIQ_KEY)
                 found = [m for m in found if key in (m["properties"].get(PROP_KEYS) or "").split(" ")]
         if not found:

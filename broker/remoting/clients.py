@@ -1,17 +1,17 @@
 """RocketMQ 4 clients as the remoting front end knows them: heartbeats, consumer groups, queue locks, check-backs.
 
 - A HEART_BEAT names the client (``clientID``), its producer groups and
-  its consumer groups with their subscriptions. The connection is entered
-  in the core's producer registry under each producer group (check-backs
-  go to it, and "a producer is online" counts it, as for the other front
-  ends) and in the consumer registry under each consumer group (`txmq
-  groups` counts it). When a group's set of client ids changes, its other
+  its consumer groups with their subscriptions. The connection is
+  registered with the messaging service as a producer of each producer
+  group (check-backs go to it, and "a producer is online" counts it, as
+  for the other front ends) and as a consumer of each consumer group
+  (`txmq groups` counts it). When a group's set of client ids changes, its other
   consumers get NOTIFY_CONSUMER_IDS_CHANGED (oneway) and rebalance.
 - Queue locks (LOCK_BATCH_MQ) for orderly consumers: a queue is held by
   one client id of a group for LOCK_TTL_S after its last lock request, as
   RocketMQ's broker does (REBALANCE_LOCK_MAX_LIVE_TIME); a client whose
   last connection closes releases its locks at once.
-- A check-back (the check service's ``check_transaction`` push) becomes a
+- A check-back (a ``CheckBack`` record of the check service's) becomes a
   CHECK_TRANSACTION_STATE request, oneway, with the fields RocketMQ's
   broker writes (AbstractTransactionalMessageCheckListener.sendCheckMessage):
   the copy's ``commitLogOffset`` and ``tranStateTableOffset``, ``msgId`` =
@@ -27,24 +27,20 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from txmq.constants import PROP_REAL_QID, PROP_REAL_TOPIC, TOPIC_RE
-from txmq.store import TxType
+from ..messaging.naming import MAX_GROUP, is_group_name, retry_topic
 from txmq.wire import ErrorCode, TxmqError
 
 from . import protocol as p
-from .messages import encode_stored, offset_msg_id
+from .messages import TX_PREPARED, encode_stored, offset_msg_id
 
 if TYPE_CHECKING:
-    from txmq.broker.core import BrokerCore
+    from ..messaging import CheckBack, Messaging
 
-    from .server import RemotingConnection, RemotingFrontend
+    from .context import Connection, Endpoint
 
 log = logging.getLogger("txmq.remoting")
 
 LOCK_TTL_S = 60.0
-RETRY_PREFIX = "%RETRY%"
-DLQ_PREFIX = "%DLQ%"
-MAX_GROUP = 127 - len(RETRY_PREFIX)  # %RETRY%<group> must be a topic name
 MAX_SUBSCRIPTIONS = 1024  # topics one consumer group of one client subscribes to
 MAX_CLIENT_IDS_PER_CONN = 64
 MAX_TOPIC = 255  # characters of a subscribed topic's name (a longer one is no topic)
@@ -52,18 +48,10 @@ MAX_EXPRESSION = 4096  # characters of a subscription's tag expression
 INNER_PRODUCER = "CLIENT_INNER_PRODUCER"  # every Java client's own producer group (its sends of retries)
 
 
-def retry_topic(group: str) -> str:
-    return RETRY_PREFIX + group
-
-
-def dlq_topic(group: str) -> str:
-    return DLQ_PREFIX + group
-
-
 def check_group(group: Any, what: str = "group") -> str:
     if not isinstance(group, str) or not group:
         raise TxmqError(f"{what} is missing", ErrorCode.INVALID_FIELD)
-    if len(group) > MAX_GROUP or not TOPIC_RE.match(retry_topic(group)):
+    if not is_group_name(group, bar=True):
         raise TxmqError(f"{what} {group[:80]!r} is not a group name: 1 to {MAX_GROUP} characters of %a-zA-Z0-9_- "
                         "(its retry topic %RETRY%<group> is a topic name)", ErrorCode.INVALID_FIELD)
     return group
@@ -74,7 +62,7 @@ class Consumer:
     """One client id's consumer of one group, over one connection."""
 
     client_id: str
-    conn: Any
+    conn: Connection
     subscriptions: dict[str, str] = field(default_factory=dict)  # topic -> expression ("*", "a || b")
     clustering: bool = True
     consume_type: str = "CONSUME_PASSIVELY"  # CONSUME_ACTIVELY: a pull consumer (GET_CONSUMER_CONNECTION_LIST shows both)
@@ -82,15 +70,18 @@ class Consumer:
 
 
 class ClientTable:
-    def __init__(self, core: BrokerCore, front: RemotingFrontend) -> None:
-        self.core = core
+    def __init__(self, front: Endpoint) -> None:
         self.front = front
         # group -> (client id, connection) -> Consumer
         self.consumers: dict[str, dict[tuple[str, int], Consumer]] = {}
         self.locks: dict[tuple[str, str, int], tuple[str, float]] = {}  # (group, topic, queue) -> (client id, expiry)
 
+    @property
+    def messaging(self) -> Messaging:
+        return self.front.messaging
+
     # ---- heartbeats --------------------------------------------------------------------------
-    def heartbeat(self, conn: RemotingConnection, body: bytes) -> None:
+    def heartbeat(self, conn: Connection, body: bytes) -> None:
         data = p.load_json_object(body, "HEART_BEAT")  # p.BodyError: too large, nested too deeply, not a JSON object
         client_id = data.get("clientID")
         if not isinstance(client_id, str) or not client_id or len(client_id) > 255:
@@ -102,7 +93,7 @@ class ClientTable:
         for pd in _list(data.get("producerDataSet")):
             group = pd.get("groupName") if isinstance(pd, dict) else None
             if isinstance(group, str) and group and len(group) <= 255:
-                self.core.registry.register(group, conn)
+                self.messaging.register_producer(group, conn)
         changed = []
         for cd in _list(data.get("consumerDataSet")):
             if not isinstance(cd, dict):
@@ -122,13 +113,13 @@ class ClientTable:
             clustering = cd.get("messageModel", "CLUSTERING") != "BROADCASTING"
             if clustering:
                 # the retry topic, which RocketMQ's broker creates at the first heartbeat whatever auto-creation says
-                self.core.topics.ensure(retry_topic(group), 1)
+                self.messaging.ensure_topic(retry_topic(group), 1)
             members = self.consumers.setdefault(group, {})
             key = (client_id, conn.conn_id)
             before = {c.client_id for c in members.values()}
             c = members.get(key)
             if c is None:
-                self.core.consumer_registry.register(group, conn)  # raises past the groups one connection may hold
+                self.messaging.register_consumer(group, conn)  # raises past the groups one connection may hold
                 c = members[key] = Consumer(client_id, conn)
             c.subscriptions, c.clustering = subs, clustering
             c.consume_type = _one_of(cd.get("consumeType"), CONSUME_TYPES, c.consume_type)
@@ -138,20 +129,20 @@ class ClientTable:
         for group in changed:
             self.notify(group)
 
-    def unregister(self, conn: RemotingConnection, client_id: str, producer_group: str, consumer_group: str) -> None:
+    def unregister(self, conn: Connection, client_id: str, producer_group: str, consumer_group: str) -> None:
         if producer_group:
-            self.core.registry.unregister(producer_group, conn)
+            self.messaging.unregister_producer(producer_group, conn)
         if consumer_group:
             members = self.consumers.get(consumer_group)
             if members is not None and members.pop((client_id, conn.conn_id), None) is not None:
                 if not any(c.conn is conn for c in members.values()):
-                    self.core.consumer_registry.unregister(consumer_group, conn)
+                    self.messaging.unregister_consumer(consumer_group, conn)
                 if not members:
                     del self.consumers[consumer_group]
                 self._release_client(consumer_group, client_id)
                 self.notify(consumer_group)
 
-    def connection_closed(self, conn: RemotingConnection) -> None:
+    def connection_closed(self, conn: Connection) -> None:
         for group in list(self.consumers):
             members = self.consumers[group]
             gone = [k for k, c in members.items() if c.conn is conn]
@@ -188,7 +179,7 @@ class ClientTable:
                 continue
             seen.add(c.conn)
             c.conn.request(p.request(p.NOTIFY_CONSUMER_IDS_CHANGED, self.front.next_opaque(), {"consumerGroup": group}, oneway=True))
-            self.core.metrics.inc("remoting_consumer_notifications")
+            self.messaging.metrics.inc("remoting_consumer_notifications")
 
     # ---- queue locks -------------------------------------------------------------------------
     def lock(self, group: str, client_id: str, queues: list[tuple[str, int]]) -> list[tuple[str, int]]:
@@ -219,23 +210,15 @@ class ClientTable:
             del self.locks[key]
 
     # ---- check-backs ---------------------------------------------------------------------------
-    def check_back(self, conn: RemotingConnection, fields: dict) -> None:
-        try:
-            tx_id = str(fields["tx_id"])
-            cl, half = int(fields["commit_log_offset"]), int(fields["half_offset"])
-            m = fields["message"]
-            props = dict(m["properties"])
-            topic = props.get(PROP_REAL_TOPIC) or str(m.get("topic", ""))
-            qid = int(props.get(PROP_REAL_QID) or 0)
-            body = encode_stored(topic, qid, half, cl, int(TxType.PREPARED), int(m["born_ts"]), int(m["store_ts"]),
-                                 int(m.get("prepared_offset", -1)), props, bytes(m["body"]), conn.store_addr, self.front.port)
-        except (KeyError, TypeError, ValueError) as exc:
-            log.error("event=remoting_push_unreadable peer=%s error=%r", conn.peer, exc)
-            return
-        ext = {"topic": topic, "commitLogOffset": str(cl), "tranStateTableOffset": str(half), "msgId": tx_id, "transactionId": tx_id,
+    def check_back(self, conn: Connection, cb: CheckBack) -> None:
+        """A CHECK_TRANSACTION_STATE request (oneway) for the check-back, with the half message as RocketMQ's broker sends it."""
+        topic, qid, cl, half = cb.topic, cb.queue_id, cb.commit_log_offset, cb.half_offset
+        body = encode_stored(topic, qid, half, cl, TX_PREPARED, cb.born_ts, cb.store_ts, cb.prepared_offset, cb.properties,
+                             cb.body, conn.store_addr, self.front.port)
+        ext = {"topic": topic, "commitLogOffset": str(cl), "tranStateTableOffset": str(half), "msgId": cb.tx_id, "transactionId": cb.tx_id,
                "offsetMsgId": offset_msg_id(conn.store_addr, self.front.port, cl), "bname": self.front.broker_name}
         conn.request(p.request(p.CHECK_TRANSACTION_STATE, self.front.next_opaque(), ext, body, oneway=True))
-        self.core.metrics.inc("remoting_checks_sent")
+        self.messaging.metrics.inc("remoting_checks_sent")
 
 
 def _list(v: Any) -> list:

@@ -1,47 +1,59 @@
-"""One function per request code: read the header fields, call the broker's services, build the response.
+"""One function per request code: read the header fields, call the messaging service, build the response.
 
 A handler takes (front end, connection, command) and returns the response
-command, an awaitable of it, or None (nothing to answer). Errors are
-TxmqErrors (or the store's), which ``error_response`` maps to RocketMQ's
-response codes (docs/remoting.md, "Response codes"). Sends and ends of
-transactions make the same service calls as the native protocol's
-handlers: ``BrokerCore.send``, ``TransactionService.send_half`` and
-``end_transaction``, so a transaction has one outcome whichever protocol
-ended it, and every message is readable through every front end.
+command, a ``Then`` or an awaitable of it, or None (nothing to answer)
+(dispatch.py). Errors are TxmqErrors (or the services' own, which
+``Messaging.error_of`` words), which ``error_response`` maps to RocketMQ's
+response codes (docs/remoting.md, "Response codes"). The broker is reached
+through ``front.messaging`` (``txmq.broker.messaging.Messaging``) and
+nothing else: sends and ends of transactions are the calls the other front
+ends make, so a transaction has one outcome whichever protocol ended it,
+and every message is readable through every front end.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-from typing import TYPE_CHECKING, Any, Awaitable, Callable
+from typing import TYPE_CHECKING
 
 from txmq.constants import (
     PROP_PGROUP,
-    PROP_TIMER_DELAY_MS,
     PROP_TRAN_MSG,
-    canonical_topic,
     is_system_topic,
 )
-from txmq.store import Message, TxType
 from txmq.wire import ErrorCode, TxmqError
 
-from txmq.broker.groups import offset_for_time
-from txmq.broker.scheduled.service import is_scheduled_message
-from txmq.broker.scheduled.timing import without_schedule
-from txmq.broker.topics import MAX_QUEUES, check_topic_name
+from ..messaging import ROCKETMQ4_RULES, Outgoing, PullResult, PullStatus, SendReceipt, SentBack
+from ..topics import MAX_QUEUES
 
 from . import protocol as p
-from txmq.broker.messaging import ROCKETMQ4_RULES, Outgoing, SendReceipt
 
-from .clients import DLQ_PREFIX, INNER_PRODUCER, RETRY_PREFIX, check_group, dlq_topic, retry_topic
+from ..messaging.naming import DLQ_PREFIX, MAX_RECONSUME_TIMES, RETRY_PREFIX
+
+from .clients import INNER_PRODUCER, check_group
+from .context import Connection
+from .dispatch import (  # noqa: F401  the handler table and its helpers, as handlers.HANDLERS etc. too
+    HANDLERS,
+    Front,
+    Handler,
+    Result,
+    Then,
+    _bad,
+    handles,
+    json_body,
+    ok,
+    opt_bool,
+    opt_int,
+    parse_json_body,
+    req_int,
+    req_str,
+    served_codes,
+    topic_of,
+)
 from .messages import (
     PROP_CLUSTER,
     PROP_FLAG,
-    PROP_MAX_RECONSUME_TIMES,
-    PROP_ORIGIN_MESSAGE_ID,
     PROP_RECONSUME_TIME,
-    PROP_RETRY_TOPIC,
     PROP_WAIT,
     MessageFormatError,
     decode_batch,
@@ -53,29 +65,12 @@ from .messages import (
 )
 
 if TYPE_CHECKING:
-    from txmq.broker.core import BrokerCore
-
-    from .server import RemotingConnection, RemotingFrontend
+    from ..messaging import Messaging
 
 log = logging.getLogger("txmq.remoting")
 
-class Then:
-    """A future of the services' and what turns its result into the response: no task per request (the hot paths)."""
-
-    __slots__ = ("fut", "fn")
-
-    def __init__(self, fut: Any, fn: Callable[[Any], p.Command]) -> None:
-        self.fut = fut
-        self.fn = fn
-
-
-Result = p.Command | None | Then | Awaitable[p.Command | None]
-Handler = Callable[["RemotingFrontend", "RemotingConnection", p.Command], Result]
-HANDLERS: dict[int, Handler] = {}
-
 MAX_PULL_MESSAGES = 1024
 DEFAULT_PULL_BYTES = 4 << 20
-MAX_RECONSUME_TIMES = 16  # RocketMQ's default maxReconsumeTimes
 MAX_PROPERTIES_COUNT = 256
 PERM_READ_WRITE = 6
 AUTO_CREATE_TOPIC = "TBW102"  # RocketMQ's template topic: Java producers ask for its route, then send to their own topic
@@ -102,101 +97,29 @@ def rmq_code(code: ErrorCode) -> int:
     return _CODES.get(code, p.SYSTEM_ERROR)
 
 
-def error_response(core: BrokerCore, cmd: p.Command, exc: BaseException) -> p.Command:
+def error_response(messaging: Messaging, cmd: p.Command, exc: BaseException) -> p.Command:
     if isinstance(exc, MessageFormatError):
-        core.metrics.inc("remoting_errors")
+        messaging.metrics.inc("remoting_errors")
         return p.response(cmd, p.MESSAGE_ILLEGAL, remark=str(exc))
     if isinstance(exc, p.BodyError):  # RocketMQ's broker answers a body it cannot decode SYSTEM_ERROR; clients take both alike
-        core.metrics.inc("remoting_errors")
+        messaging.metrics.inc("remoting_errors")
         return p.response(cmd, p.INVALID_PARAMETER, remark=f"{ErrorCode.INVALID_FIELD.name}: {exc}")
-    err = exc if isinstance(exc, TxmqError) else core.store_error(exc)
-    core.metrics.inc("remoting_errors")
+    err = exc if isinstance(exc, TxmqError) else messaging.error_of(exc)
+    messaging.metrics.inc("remoting_errors")
     return p.response(cmd, rmq_code(err.code), remark=f"{err.code.name}: {err.message}")
 
 
-def served_codes() -> list[int]:
-    return sorted(HANDLERS)
-
-
-def handles(*codes: int) -> Callable[[Handler], Handler]:
-    def deco(fn: Handler) -> Handler:
-        for c in codes:
-            HANDLERS[c] = fn
-        return fn
-    return deco
-
-
-# ---- header fields --------------------------------------------------------------------------
-def _bad(msg: str) -> TxmqError:
-    return TxmqError(msg, ErrorCode.INVALID_FIELD)
-
-
-def req_str(ext: dict[str, str], key: str, max_len: int = 255) -> str:
-    v = ext.get(key)
-    if not v:
-        raise _bad(f"header field {key!r} is missing")
-    if len(v) > max_len:
-        raise _bad(f"header field {key!r} is longer than {max_len} characters")
-    return v
-
-
-def req_int(ext: dict[str, str], key: str, lo: int = -(1 << 63), hi: int = (1 << 63) - 1) -> int:
-    v = ext.get(key)
-    if v is None or v == "":
-        raise _bad(f"header field {key!r} is missing")
-    return _int(key, v, lo, hi)
-
-
-def opt_int(ext: dict[str, str], key: str, default: int, lo: int = -(1 << 63), hi: int = (1 << 63) - 1) -> int:
-    v = ext.get(key)
-    return default if v is None or v == "" else _int(key, v, lo, hi)
-
-
-def _int(key: str, v: str, lo: int, hi: int) -> int:
-    try:
-        n = int(v)
-    except ValueError:
-        raise _bad(f"header field {key!r} is not an integer: {v[:40]!r}") from None
-    if not lo <= n <= hi:
-        raise _bad(f"header field {key!r} must be between {lo} and {hi}, not {n}")
-    return n
-
-
-def opt_bool(ext: dict[str, str], key: str) -> bool:
-    return ext.get(key, "").lower() in ("true", "1")
-
-
-def topic_of(ext: dict[str, str], key: str = "topic", system_ok: bool = False) -> str:
-    topic = canonical_topic(check_topic_name(ext.get(key) or ""))
-    if not system_ok and is_system_topic(topic):
-        raise TxmqError(f"topic {topic} is a system topic and cannot be used by clients", ErrorCode.SYSTEM_TOPIC)
-    return topic
-
-
-def known_queue(core: BrokerCore, topic: str, qid: int) -> None:
-    n = core.topics.queues(topic)
+def known_queue(messaging: Messaging, topic: str, qid: int) -> None:
+    n = messaging.topic_queues(topic)
     if n is None:
         raise TxmqError(f"topic {topic} does not exist", ErrorCode.NO_SUCH_TOPIC, topic=topic)
     if not 0 <= qid < n:
         raise TxmqError(f"queue {qid} does not exist: topic {topic} has {n} queues", ErrorCode.NO_SUCH_QUEUE)
 
 
-def ok(cmd: p.Command, ext: dict[str, str] | None = None, body: bytes = b"", remark: str = "") -> p.Command:
-    return p.response(cmd, p.SUCCESS, ext, body, remark)
-
-
-def json_body(obj: Any) -> bytes:
-    return json.dumps(obj, separators=(",", ":")).encode()
-
-
-def parse_json_body(cmd: p.Command, what: str) -> dict:
-    """The request's JSON object; p.BodyError (INVALID_PARAMETER, a refusal) when the body is none, or past the limits."""
-    return p.load_json_object(cmd.body, what)
-
-
 # ---- the name server ------------------------------------------------------------------------
 @handles(p.GET_ROUTEINFO_BY_TOPIC)
-def get_route(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Command) -> p.Command:
+def get_route(front: Front, conn: Connection, cmd: p.Command) -> p.Command:
     """The topic's route: its queues, all on this broker, reached at this port (the address the client connected to).
 
     A topic the broker does not know is created when it auto-creates
@@ -204,22 +127,22 @@ def get_route(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Command)
     otherwise TOPIC_NOT_EXIST, on which clients fall back as they do
     against RocketMQ.
     """
-    core = front.core
+    messaging = front.messaging
     try:
         topic = topic_of(cmd.ext)
     except TxmqError as exc:
         return p.response(cmd, p.TOPIC_NOT_EXIST, remark=f"No topic route info in name server for the topic: {cmd.ext.get('topic', '')[:200]} "
                           f"({exc.message})")
-    n = core.topics.queues(topic)
+    n = messaging.topic_queues(topic)
     if n is None:
-        if not core.topics.auto_create:
+        if not messaging.auto_create_topics:
             return p.response(cmd, p.TOPIC_NOT_EXIST, remark=f"No topic route info in name server for the topic: {topic} (this broker "
                               "creates topics only with `txmq topics create`)")
         if topic == AUTO_CREATE_TOPIC:  # the Java producer's template topic: routed, never created
-            n = core.config.default_queues
+            n = messaging.config.default_queues
         else:
             # a group's retry and dead-letter topics have one queue, as RocketMQ's broker creates them
-            n, _ = core.topics.ensure(topic, 1 if topic.startswith((RETRY_PREFIX, DLQ_PREFIX)) else None)
+            n, _ = messaging.ensure_topic(topic, 1 if topic.startswith((RETRY_PREFIX, DLQ_PREFIX)) else None)
     host = conn.local_host
     addr = f"[{host}]:{front.port}" if ":" in host else f"{host}:{front.port}"
     route = {
@@ -233,33 +156,34 @@ def get_route(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Command)
 
 
 @handles(p.GET_ALL_TOPIC_LIST_FROM_NAMESERVER)
-def topic_list(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Command) -> p.Command:
-    return ok(cmd, body=json_body({"topicList": sorted(t for t in front.core.topics.all() if not is_system_topic(t))}))
+def topic_list(front: Front, conn: Connection, cmd: p.Command) -> p.Command:
+    return ok(cmd, body=json_body({"topicList": sorted(t for t in front.messaging.topics() if not is_system_topic(t))}))
 
 
 @handles(p.UPDATE_AND_CREATE_TOPIC)
-def create_topic(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Command) -> p.Command:
+def create_topic(front: Front, conn: Connection, cmd: p.Command) -> p.Command:
     """`txmq topics create` with the larger of the read and write queue counts; for a topic that exists, `txmq topics
     update` to that count (mqadmin's updateTopic; queues that held messages are not removed)."""
     topic = topic_of(cmd.ext)
     queues = max(opt_int(cmd.ext, "writeQueueNums", 0, 0, MAX_QUEUES), opt_int(cmd.ext, "readQueueNums", 0, 0, MAX_QUEUES)) or None
-    if queues is not None and front.core.topics.queues(topic) is not None:
-        front.core.update_topic(topic, queues, None)
+    messaging = front.messaging
+    if queues is not None and messaging.topic_queues(topic) is not None:
+        messaging.update_topic(topic, queues, None)
     else:
-        front.core.create_topic(topic, queues, None)
+        messaging.create_topic(topic, queues, None)
     return ok(cmd)
 
 
 # ---- clients --------------------------------------------------------------------------------
 @handles(p.HEART_BEAT)
-def heartbeat(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Command) -> p.Command:
+def heartbeat(front: Front, conn: Connection, cmd: p.Command) -> p.Command:
     front.clients.heartbeat(conn, cmd.body)
     conn.client_language, conn.client_version = cmd.language, cmd.version  # GET_CONSUMER_CONNECTION_LIST shows them
     return ok(cmd)
 
 
 @handles(p.UNREGISTER_CLIENT)
-def unregister_client(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Command) -> p.Command:
+def unregister_client(front: Front, conn: Connection, cmd: p.Command) -> p.Command:
     ext = cmd.ext
     front.clients.unregister(conn, ext.get("clientID", ""), ext.get("producerGroup", ""), ext.get("consumerGroup", ""))
     return ok(cmd)
@@ -285,16 +209,16 @@ def send_header(cmd: p.Command) -> dict[str, str]:
     return ext
 
 
-def _props(front: RemotingFrontend, text: str) -> dict[str, str]:
-    cfg = front.core.config
+def _props(front: Front, text: str) -> dict[str, str]:
+    cfg = front.messaging.config
     if len(text) > cfg.max_properties:
         raise MessageFormatError(f"the properties exceed {cfg.max_properties} bytes (--max-properties)")
     return _checked_props(front, decode_properties(text))
 
 
-def _checked_props(front: RemotingFrontend, props: dict[str, str]) -> dict[str, str]:
+def _checked_props(front: Front, props: dict[str, str]) -> dict[str, str]:
     """A message's properties within --max-properties and MAX_PROPERTIES_COUNT (a single send's or each of a batch's)."""
-    limit = front.core.config.max_properties
+    limit = front.messaging.config.max_properties
     if len(props) > MAX_PROPERTIES_COUNT:
         raise MessageFormatError(f"a message has at most {MAX_PROPERTIES_COUNT} properties")
     if sum(len(k.encode()) + len(v.encode()) for k, v in props.items()) > limit:
@@ -302,8 +226,8 @@ def _checked_props(front: RemotingFrontend, props: dict[str, str]) -> dict[str, 
     return props
 
 
-def _body(front: RemotingFrontend, body: bytes, sys_flag: int) -> bytes:
-    limit = front.core.config.max_body
+def _body(front: Front, body: bytes, sys_flag: int) -> bytes:
+    limit = front.messaging.config.max_body
     body = inflate(body, sys_flag, limit)
     if len(body) > limit:
         raise MessageFormatError(f"the body of {len(body)} bytes exceeds the {limit}-byte limit (--max-body)")
@@ -325,14 +249,14 @@ def _send_ext(msg_id: str, qid: int, qoff: int) -> dict[str, str]:
 
 
 @handles(p.SEND_MESSAGE, p.SEND_MESSAGE_V2, p.SEND_BATCH_MESSAGE)
-def send_message(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Command) -> Result:
-    core = front.core
+def send_message(front: Front, conn: Connection, cmd: p.Command) -> Result:
+    messaging = front.messaging
     h = send_header(cmd)
     topic = topic_of(h)
     group = h.get("producerGroup", "")
     qid = opt_int(h, "queueId", -1, -1, MAX_QUEUES)
     sys_flag = opt_int(h, "sysFlag", 0, -(1 << 31), (1 << 31) - 1)
-    born = opt_int(h, "bornTimestamp", 0, 0) or int(core.clock() * 1000)
+    born = opt_int(h, "bornTimestamp", 0, 0) or messaging.now_ms()
     flag = opt_int(h, "flag", 0, -(1 << 31), (1 << 31) - 1)
     reconsume = opt_int(h, "reconsumeTimes", 0, 0, 1 << 30)
     props = _props(front, h.get("properties", ""))
@@ -347,7 +271,7 @@ def send_message(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Comma
         props[PROP_TRAN_MSG] = "true"
         if not props.get(PROP_PGROUP):
             props[PROP_PGROUP] = group
-    fut = core.messaging.send(topic, [Outgoing(body, props, born)], qid, ROCKETMQ4_RULES)
+    fut = messaging.send(topic, [Outgoing(body, props, born)], qid, ROCKETMQ4_RULES)
     addr, port = conn.store_addr, front.port
 
     def reply(receipts: list[SendReceipt]) -> p.Command:
@@ -359,11 +283,11 @@ def send_message(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Comma
     return Then(fut, reply)
 
 
-def _send_batch(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Command, topic: str, qid: int, born: int,
+def _send_batch(front: Front, conn: Connection, cmd: p.Command, topic: str, qid: int, born: int,
                 header_props: dict[str, str]) -> Result:
-    core = front.core
+    messaging = front.messaging
     items = decode_batch(cmd.body)
-    budget = core.config.max_frame
+    budget = messaging.config.max_frame
     msgs_in = []
     for flag, body, props in items:
         _checked_props(front, props)
@@ -372,10 +296,10 @@ def _send_batch(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Comman
         body = _body(front, body, 0)
         budget -= len(body)
         if budget < 0:
-            raise MessageFormatError(f"the bodies of one batch exceed {core.config.max_frame} bytes (--max-frame)")
+            raise MessageFormatError(f"the bodies of one batch exceed {messaging.config.max_frame} bytes (--max-frame)")
         props[PROP_CLUSTER] = front.cluster_name  # as RocketMQ's broker stores a batch's messages (WAIT kept)
         msgs_in.append((_with_flags(props, flag, 0), body))
-    fut = core.messaging.send(topic, [Outgoing(body, props, born) for props, body in msgs_in], qid, ROCKETMQ4_RULES)
+    fut = messaging.send(topic, [Outgoing(body, props, born) for props, body in msgs_in], qid, ROCKETMQ4_RULES)
     addr, port = conn.store_addr, front.port
 
     def reply(receipts: list[SendReceipt]) -> p.Command:
@@ -390,9 +314,8 @@ _STATES = {p.TRANSACTION_COMMIT_TYPE: "commit", p.TRANSACTION_ROLLBACK_TYPE: "ro
 
 
 @handles(p.END_TRANSACTION)
-def end_transaction(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Command) -> Result:
+def end_transaction(front: Front, conn: Connection, cmd: p.Command) -> Result:
     """COMMIT (8), ROLLBACK (12) or UNKNOWN (0), for the half copy the offsets name; usually oneway."""
-    core = front.core
     ext = cmd.ext
     group = req_str(ext, "producerGroup")
     cl = req_int(ext, "commitLogOffset", 0)
@@ -406,7 +329,7 @@ def end_transaction(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Co
         raise _bad("the transaction is not named: transactionId (or msgId) must be 1 to 255 characters")
     source = "check" if opt_bool(ext, "fromTransactionCheck") else "producer"
 
-    fut = core.messaging.end_transaction(group, tx_id, cl, half, state, source)
+    fut = front.messaging.end_transaction(group, tx_id, cl, half, state, source)
     return Then(fut, lambda outcome: ok(cmd, remark=outcome.remark()))
 
 
@@ -421,8 +344,8 @@ def _tags(expr: str | None) -> frozenset[str] | None:
 
 
 @handles(p.PULL_MESSAGE)
-def pull_message(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Command) -> Result:
-    core = front.core
+def pull_message(front: Front, conn: Connection, cmd: p.Command) -> Result:
+    messaging = front.messaging
     ext = cmd.ext
     group = req_str(ext, "consumerGroup")
     topic = topic_of(ext)
@@ -435,7 +358,7 @@ def pull_message(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Comma
     max_bytes = opt_int(ext, "maxMsgBytes", 0, 0, 1 << 31) or DEFAULT_PULL_BYTES
     max_bytes = min(max_bytes, 64 << 20)
     wait = opt_int(ext, "suspendTimeoutMillis", 0, 0, 1 << 31) if sys_flag & p.PULL_SUSPEND else 0
-    if core.topics.queues(topic) is None:
+    if messaging.topic_queues(topic) is None:
         raise TxmqError(f"topic[{topic}] not exist, apply first please!", ErrorCode.NO_SUCH_TOPIC, topic=topic)
     expr = ext.get("subscription") if sys_flag & p.PULL_SUBSCRIPTION else None
     if expr is None:
@@ -446,46 +369,50 @@ def pull_message(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Comma
     tags = _tags(expr)
     if sys_flag & p.PULL_COMMIT_OFFSET:
         committed = opt_int(ext, "commitOffset", -1, -1)
-        n = core.topics.queues(topic)
+        n = messaging.topic_queues(topic)
         if committed >= 0 and n is not None and qid < n:
-            core.offsets.commit(group, topic, qid, committed)
+            messaging.set_offset(group, topic, qid, committed)
 
     async def reply() -> p.Command:
-        r = await core.pull(topic, qid, offset, count, max_bytes, wait)
-        status = r["status"]
-        msgs = r["messages"]
-        nxt = r["next_offset"]
-        head = {"suggestWhichBrokerId": "0", "minOffset": str(r["min_offset"]), "maxOffset": str(r["max_offset"])}
-        if status == "found":
-            if tags is not None:
-                msgs = [m for m in msgs if m["properties"].get("TAGS") in tags]
-            head["nextBeginOffset"] = str(nxt)
-            if not msgs:  # every message read was filtered out: the client pulls again from past them
-                return p.response(cmd, p.PULL_RETRY_IMMEDIATELY, head, remark="no message matched the subscription")
-            return ok(cmd, head, encode_maps(msgs, conn.store_addr, front.port))
-        if status == "offset_too_small":
-            head["nextBeginOffset"] = str(r["min_offset"])
-            return p.response(cmd, p.PULL_OFFSET_MOVED, head, remark=f"offset {offset} is below the queue's first, {r['min_offset']}")
-        if status == "offset_overflow":
-            head["nextBeginOffset"] = str(r["max_offset"])
-            return p.response(cmd, p.PULL_OFFSET_MOVED, head, remark=f"offset {offset} is past the queue's end, {r['max_offset']}")
-        head["nextBeginOffset"] = str(offset if status != "no_queue" else 0)
-        return p.response(cmd, p.PULL_NOT_FOUND, head, remark="no new message")
+        return pull_response(cmd, await messaging.pull(topic, qid, offset, count, max_bytes, wait), offset, tags, conn.store_addr,
+                             front.port)
 
     return reply()
 
 
+def pull_response(cmd: p.Command, r: PullResult, offset: int, tags: frozenset[str] | None, store_addr: bytes, store_port: int) -> p.Command:
+    """PULL_MESSAGE's response to a pull from ``offset``: its code, the queue's bounds and where the client pulls next."""
+    status = r.status
+    head = {"suggestWhichBrokerId": "0", "minOffset": str(r.min_offset), "maxOffset": str(r.max_offset)}
+    if status is PullStatus.FOUND:
+        msgs = r.messages
+        if tags is not None:
+            msgs = [m for m in msgs if m["properties"].get("TAGS") in tags]
+        head["nextBeginOffset"] = str(r.next_offset)
+        if not msgs:  # every message read was filtered out: the client pulls again from past them
+            return p.response(cmd, p.PULL_RETRY_IMMEDIATELY, head, remark="no message matched the subscription")
+        return ok(cmd, head, encode_maps(msgs, store_addr, store_port))
+    if status is PullStatus.OFFSET_TOO_SMALL:
+        head["nextBeginOffset"] = str(r.min_offset)
+        return p.response(cmd, p.PULL_OFFSET_MOVED, head, remark=f"offset {offset} is below the queue's first, {r.min_offset}")
+    if status is PullStatus.OFFSET_OVERFLOW:
+        head["nextBeginOffset"] = str(r.max_offset)
+        return p.response(cmd, p.PULL_OFFSET_MOVED, head, remark=f"offset {offset} is past the queue's end, {r.max_offset}")
+    head["nextBeginOffset"] = str(offset if status is not PullStatus.NO_QUEUE else 0)
+    return p.response(cmd, p.PULL_NOT_FOUND, head, remark="no new message")
+
+
 @handles(p.QUERY_CONSUMER_OFFSET)
-def query_consumer_offset(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Command) -> p.Command:
+def query_consumer_offset(front: Front, conn: Connection, cmd: p.Command) -> p.Command:
     """The group's committed offset; none yet: 0 while the queue still holds its first message (as RocketMQ's broker
     answers for a queue whose start is still in memory), else QUERY_NOT_FOUND (the client's consumeFromWhere decides)."""
-    core = front.core
+    messaging = front.messaging
     group = req_str(cmd.ext, "consumerGroup")
     topic = topic_of(cmd.ext)
     qid = req_int(cmd.ext, "queueId", 0, MAX_QUEUES)
-    off = core.offsets.get(group, topic, qid)
+    off = messaging.consumer_offset(group, topic, qid)
     if off is None:
-        if opt_bool(cmd.ext, "setZeroIfNotFound") or core.store.queue_min_offset(topic, qid) == 0:
+        if opt_bool(cmd.ext, "setZeroIfNotFound") or messaging.queue_bounds(topic, qid)[0] == 0:
             off = 0
         else:
             return p.response(cmd, p.QUERY_NOT_FOUND, remark=f"group {group} has no offset for {topic} queue {qid}")
@@ -493,26 +420,26 @@ def query_consumer_offset(front: RemotingFrontend, conn: RemotingConnection, cmd
 
 
 @handles(p.UPDATE_CONSUMER_OFFSET)
-def update_consumer_offset(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Command) -> Result:
-    core = front.core
+def update_consumer_offset(front: Front, conn: Connection, cmd: p.Command) -> Result:
+    messaging = front.messaging
     group = check_group(req_str(cmd.ext, "consumerGroup"), "consumer group")
     topic = topic_of(cmd.ext)
     qid = req_int(cmd.ext, "queueId", 0, MAX_QUEUES)
     off = req_int(cmd.ext, "commitOffset", 0)
-    known_queue(core, topic, qid)
+    known_queue(messaging, topic, qid)
     if cmd.oneway:
-        core.offsets.commit(group, topic, qid, off)
+        messaging.set_offset(group, topic, qid, off)
         return None
 
     async def reply() -> p.Command:
-        await core.commit_offset(group, topic, qid, off)
+        await messaging.commit_offset(group, topic, qid, off)
         return ok(cmd)
 
     return reply()
 
 
 @handles(p.GET_CONSUMER_LIST_BY_GROUP)
-def consumer_list(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Command) -> p.Command:
+def consumer_list(front: Front, conn: Connection, cmd: p.Command) -> p.Command:
     group = req_str(cmd.ext, "consumerGroup")
     ids = front.clients.consumer_ids(group)
     if not ids:
@@ -520,8 +447,8 @@ def consumer_list(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Comm
     return ok(cmd, body=json_body({"consumerIdList": ids}))
 
 
-def _mq_set(data: dict, core: BrokerCore | None = None) -> list[tuple[str, int]]:
-    """The queues of a lock request; with ``core``, only those that exist (a lock is kept per queue)."""
+def _mq_set(data: dict, messaging: Messaging | None = None) -> list[tuple[str, int]]:
+    """The queues of a lock request; with ``messaging``, only those that exist (a lock is kept per queue)."""
     out = []
     mqs = data.get("mqSet")
     if not isinstance(mqs, list) or len(mqs) > 10_000:
@@ -529,19 +456,19 @@ def _mq_set(data: dict, core: BrokerCore | None = None) -> list[tuple[str, int]]
     for mq in mqs:
         if not isinstance(mq, dict) or not isinstance(mq.get("topic"), str) or type(mq.get("queueId")) is not int:
             raise _bad("each message queue of mqSet needs a topic and a queueId")
-        if core is not None and not 0 <= mq["queueId"] < (core.topics.queues(mq["topic"]) or 0):
+        if messaging is not None and not 0 <= mq["queueId"] < (messaging.topic_queues(mq["topic"]) or 0):
             continue  # no such queue: not locked, as it is not in the answer
         out.append((mq["topic"], mq["queueId"]))
     return out
 
 
 @handles(p.LOCK_BATCH_MQ)
-def lock_batch(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Command) -> p.Command:
+def lock_batch(front: Front, conn: Connection, cmd: p.Command) -> p.Command:
     data = parse_json_body(cmd, "LOCK_BATCH_MQ")
     group, client_id = data.get("consumerGroup"), data.get("clientId")
     if not isinstance(group, str) or not isinstance(client_id, str) or not group or not client_id:
         raise _bad("LOCK_BATCH_MQ needs consumerGroup and clientId")
-    queues = _mq_set(data, front.core)
+    queues = _mq_set(data, front.messaging)
     # Only a live consumer of the group (its heartbeat came first, as the clients send it) takes locks: the
     # table holds no group or client id that no connection carries, and a client's locks go with its last connection.
     locked = front.clients.lock(group, client_id, queues) if front.clients.is_member(group, client_id) else []
@@ -549,7 +476,7 @@ def lock_batch(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Command
 
 
 @handles(p.UNLOCK_BATCH_MQ)
-def unlock_batch(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Command) -> p.Command:
+def unlock_batch(front: Front, conn: Connection, cmd: p.Command) -> p.Command:
     data = parse_json_body(cmd, "UNLOCK_BATCH_MQ")
     group, client_id = data.get("consumerGroup"), data.get("clientId")
     if not isinstance(group, str) or not isinstance(client_id, str):
@@ -558,22 +485,12 @@ def unlock_batch(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Comma
     return ok(cmd)
 
 
-RETRY_FIRST_DELAY_LEVEL = 3  # RocketMQ's broker: a consumer's retry waits delay level 3 + its reconsume times
-
-
-def retry_delay_ms(levels_ms: tuple[int, ...], reconsume_times: int, asked_level: int) -> int:
-    """How long a message sent back for its ``reconsume_times``-th retry waits: the delay of level ``asked_level``, or of
-    level 3 + ``reconsume_times`` when the client asks none (0), as RocketMQ's broker picks it; a level past the table is
-    its last (``--message-delay-level``, BrokerConfig.message_delay_levels_ms: the one table of level delays)."""
-    level = asked_level if asked_level > 0 else RETRY_FIRST_DELAY_LEVEL + max(reconsume_times, 0)
-    return levels_ms[min(level, len(levels_ms)) - 1]
-
-
 @handles(p.CONSUMER_SEND_MSG_BACK)
-def send_msg_back(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Command) -> Result:
-    """A message its consumer failed: again through %RETRY%<group> after retry_delay_ms (level 3 + its retries), or,
-    past maxReconsumeTimes (16) or with a negative delay level, into the dead-letter topic %DLQ%<group>."""
-    core = front.core
+def send_msg_back(front: Front, conn: Connection, cmd: p.Command) -> Result:
+    """A message its consumer failed: again through %RETRY%<group> after its retry delay (level 3 + its retries), or,
+    past maxReconsumeTimes (16) or with a negative delay level, into the dead-letter topic %DLQ%<group>
+    (``Messaging.send_back``: RocketMQ's rules, one place)."""
+    messaging = front.messaging
     ext = cmd.ext
     group = check_group(req_str(ext, "group"), "consumer group")
     cl = req_int(ext, "offset", 0)
@@ -581,100 +498,58 @@ def send_msg_back(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Comm
     max_times = opt_int(ext, "maxReconsumeTimes", MAX_RECONSUME_TIMES, -1, 1 << 20)
     if max_times < 0:
         max_times = MAX_RECONSUME_TIMES
-    rec = _read_message(core, cl)
-    props = without_schedule(rec.properties)  # the copy's own delay, not the original's (nor its delivery's marks)
-    try:
-        times = max(0, int(props.get(PROP_RECONSUME_TIME, "0")))  # a client's property: any text
-    except ValueError:
-        times = 0
-    if PROP_RETRY_TOPIC not in props:
-        props[PROP_RETRY_TOPIC] = rec.topic
-    props.setdefault(PROP_ORIGIN_MESSAGE_ID, ext.get("originMsgId") or offset_msg_id(conn.store_addr, front.port, cl))
-    props[PROP_RECONSUME_TIME] = str(times + 1)
-    if times >= max_times or level < 0:
-        topic = dlq_topic(group)
-        core.metrics.inc("remoting_dead_lettered")
-    else:
-        topic = retry_topic(group)
-        delay = retry_delay_ms(core.config.message_delay_levels_ms, times, level)
-        if delay > 0:
-            props[PROP_TIMER_DELAY_MS] = str(delay)
-        props[PROP_MAX_RECONSUME_TIMES] = str(max_times)
-        core.metrics.inc("remoting_retried")
-    core.topics.ensure(topic, 1)
-    fut = core.send([Message(topic, 0, TxType.NORMAL, rec.born_ts, props, rec.body)], single=True)
+    origin = ext.get("originMsgId") or offset_msg_id(conn.store_addr, front.port, cl)
 
-    async def reply() -> p.Command:
-        await fut
+    def reply(sent: SentBack) -> p.Command:
+        messaging.metrics.inc("remoting_dead_lettered" if sent.dead_lettered else "remoting_retried")
         return ok(cmd)
 
-    return reply()
-
-
-def _read_message(core: BrokerCore, cl: int, scheduled: bool = False) -> Any:
-    """The message stored at commit-log offset ``cl``; with ``scheduled``, a delayed message's scheduled record too."""
-    store = core.store
-    if not store.min_offset <= cl < store.max_offset:
-        raise TxmqError(f"no message at commit-log offset {cl} (the log holds {store.min_offset} to {store.max_offset})",
-                        ErrorCode.NO_SUCH_MESSAGE)
-    try:
-        rec = store.read_record(cl)
-    except Exception:
-        raise TxmqError(f"no message starts at commit-log offset {cl}", ErrorCode.NO_SUCH_MESSAGE) from None
-    if is_system_topic(rec.topic) and not (scheduled and is_scheduled_message(rec)):
-        raise TxmqError(f"commit-log offset {cl} holds a record of system topic {rec.topic}, not a message", ErrorCode.NO_SUCH_MESSAGE)
-    return rec
+    return Then(messaging.send_back(group, cl, level, max_times, origin), reply)
 
 
 # ---- offsets and lookups ------------------------------------------------------------------------
-def _queue(front: RemotingFrontend, cmd: p.Command) -> tuple[str, int]:
+def _queue(front: Front, cmd: p.Command) -> tuple[str, int]:
     topic = topic_of(cmd.ext)
     qid = req_int(cmd.ext, "queueId", 0, MAX_QUEUES)
-    known_queue(front.core, topic, qid)
+    known_queue(front.messaging, topic, qid)
     return topic, qid
 
 
 @handles(p.GET_MAX_OFFSET)
-def get_max_offset(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Command) -> p.Command:
+def get_max_offset(front: Front, conn: Connection, cmd: p.Command) -> p.Command:
     topic, qid = _queue(front, cmd)
-    return ok(cmd, {"offset": str(front.core.store.queue_max_offset(topic, qid))})
+    return ok(cmd, {"offset": str(front.messaging.queue_bounds(topic, qid)[1])})
 
 
 @handles(p.GET_MIN_OFFSET)
-def get_min_offset(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Command) -> p.Command:
+def get_min_offset(front: Front, conn: Connection, cmd: p.Command) -> p.Command:
     topic, qid = _queue(front, cmd)
-    return ok(cmd, {"offset": str(front.core.store.queue_min_offset(topic, qid))})
+    return ok(cmd, {"offset": str(front.messaging.queue_bounds(topic, qid)[0])})
 
 
 @handles(p.GET_EARLIEST_MSG_STORETIME)
-def earliest_store_time(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Command) -> p.Command:
+def earliest_store_time(front: Front, conn: Connection, cmd: p.Command) -> p.Command:
     topic, qid = _queue(front, cmd)
-    store = front.core.store
-    entries = store.cq_entries(topic, qid, store.queue_min_offset(topic, qid), 1)
-    ts = -1
-    if entries:
-        try:
-            ts = store.read(entries[0][0]).store_ts
-        except Exception:
-            ts = -1
-    return ok(cmd, {"timestamp": str(ts)})
+    messaging = front.messaging
+    ts = messaging.store_time_at(topic, qid, messaging.queue_bounds(topic, qid)[0])
+    return ok(cmd, {"timestamp": str(-1 if ts is None else ts)})
 
 
 @handles(p.SEARCH_OFFSET_BY_TIMESTAMP)
-def search_offset(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Command) -> p.Command:
+def search_offset(front: Front, conn: Connection, cmd: p.Command) -> p.Command:
     topic, qid = _queue(front, cmd)
     ts = req_int(cmd.ext, "timestamp", 0)
-    return ok(cmd, {"offset": str(offset_for_time(front.core, topic, qid, ts))})
+    return ok(cmd, {"offset": str(front.messaging.offset_for_time(topic, qid, ts))})
 
 
 @handles(p.VIEW_MESSAGE_BY_ID)
-def view_message(front: RemotingFrontend, conn: RemotingConnection, cmd: p.Command) -> p.Command:
+def view_message(front: Front, conn: Connection, cmd: p.Command) -> p.Command:
     # a delayed message's offset id (its send's receipt) names its scheduled record: shown with its REAL_TOPIC and due
     # time (TIMER_OUT_MS), as RocketMQ shows it in SCHEDULE_TOPIC_XXXX
-    rec = _read_message(front.core, req_int(cmd.ext, "offset", 0), scheduled=True)
+    rec = front.messaging.read_message(req_int(cmd.ext, "offset", 0), scheduled=True)
     return ok(cmd, body=encode_record(rec, conn.store_addr, front.port))
 
 
-from . import admin  # noqa: E402,F401  the operator's request codes (mqadmin's) register themselves in HANDLERS
+from . import admin  # noqa: E402,F401  the operator's request codes (mqadmin's) register themselves in HANDLERS (admin.py imports dispatch.py, not this module)
 
 __all__ = ["HANDLERS", "error_response", "served_codes", "INNER_PRODUCER"]

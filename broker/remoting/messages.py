@@ -21,12 +21,10 @@ from __future__ import annotations
 import socket
 import struct
 import zlib
-from typing import Iterable
+from typing import Iterable, Protocol
 
-from txmq.constants import PROP_UNIQ_KEY
 from txmq.remoting_codec import NAME_VALUE_SEPARATOR, PROPERTY_SEPARATOR, decode_properties, encode_properties  # noqa: F401
-from txmq.store import Record, TxType
-
+from ..messaging.naming import PROP_MAX_RECONSUME_TIMES, PROP_ORIGIN_MESSAGE_ID, PROP_RECONSUME_TIME, PROP_RETRY_TOPIC  # noqa: F401
 from .protocol import (
     BORNHOST_V6_FLAG,
     COMPRESSED_FLAG,
@@ -37,15 +35,15 @@ from .protocol import (
 )
 
 MESSAGE_MAGIC_CODE = -626843481  # daa320a7: stored messages, topic length in one byte
-# RocketMQ's own property names that the remoting front end reads or writes.
-PROP_RECONSUME_TIME = "RECONSUME_TIME"  # deliveries before this one, on a message sent back for retry
-PROP_RETRY_TOPIC = "RETRY_TOPIC"  # the topic a retried message was first sent to
-PROP_ORIGIN_MESSAGE_ID = "ORIGIN_MESSAGE_ID"  # the offset id of the message a retry copies
-PROP_MAX_RECONSUME_TIMES = "MAX_RECONSUME_TIMES"
+# RocketMQ's own property names that the remoting front end reads or writes (and, from naming.py, those of a
+# message sent back for another delivery).
 PROP_WAIT = "WAIT"  # the client's "wait for the store" flag: RocketMQ's broker does not store it with a single message
 PROP_CLUSTER = "CLUSTER"  # the cluster a message was stored in, which RocketMQ's broker adds
 PROP_FLAG = "TXMQ_RMQ_FLAG"  # a message's non-zero int32 flag (Message.setFlag), kept for its consumers
 MAX_MESSAGES_IN_BATCH = 10_000
+# A stored message's transaction type, as the messaging service's records and pulled messages carry it (the store's
+# TxType: fixed by its record format).
+TX_NORMAL, TX_PREPARED, TX_COMMIT = 0, 1, 2
 
 
 class MessageFormatError(ValueError):
@@ -70,19 +68,6 @@ def address_bytes(host: str) -> bytes:
 
 def offset_msg_id(addr: bytes, port: int, cl_offset: int) -> str:
     return (addr + struct.pack(">iq", port, cl_offset)).hex().upper()
-
-
-def parse_offset_msg_id(msg_id: str) -> tuple[bytes, int, int] | None:
-    """(address, port, commit-log offset) of an offset message id, or None when it is not one."""
-    if len(msg_id) not in (32, 56):
-        return None
-    try:
-        raw = bytes.fromhex(msg_id)
-    except ValueError:
-        return None
-    n = 4 if len(raw) == 16 else 16
-    port, offset = struct.unpack_from(">iq", raw, n)
-    return raw[:n], port, offset
 
 
 # ---- bodies --------------------------------------------------------------------------------
@@ -148,9 +133,9 @@ _FIXED = struct.Struct(">iiiiiqqiq")  # size, magic, body crc, queue id, flag, q
 
 def sys_flag_of(tx_type: int, v6_store: bool) -> int:
     flag = STOREHOSTADDRESS_V6_FLAG | BORNHOST_V6_FLAG if v6_store else 0
-    if tx_type == TxType.COMMIT:
+    if tx_type == TX_COMMIT:
         flag |= TRANSACTION_COMMIT_TYPE
-    elif tx_type == TxType.PREPARED:
+    elif tx_type == TX_PREPARED:
         flag |= TRANSACTION_PREPARED_TYPE
     return flag
 
@@ -186,7 +171,22 @@ def encode_stored(topic: str, queue_id: int, queue_offset: int, cl_offset: int, 
     ))
 
 
-def encode_record(rec: Record, store_addr: bytes, store_port: int, topic: str | None = None, queue_id: int | None = None) -> bytes:
+class StoredMessage(Protocol):
+    """A message as the messaging service reads it (``Messaging.read_message``): what the stored-message encoding writes."""
+
+    topic: str
+    queue_id: int
+    queue_offset: int
+    commit_log_offset: int
+    tx_type: int
+    born_ts: int
+    store_ts: int
+    prepared_offset: int
+    properties: dict[str, str]
+    body: bytes
+
+
+def encode_record(rec: StoredMessage, store_addr: bytes, store_port: int, topic: str | None = None, queue_id: int | None = None) -> bytes:
     return encode_stored(topic or rec.topic, rec.queue_id if queue_id is None else queue_id, rec.queue_offset, rec.commit_log_offset,
                          int(rec.tx_type), rec.born_ts, rec.store_ts, rec.prepared_offset, rec.properties, rec.body, store_addr, store_port)
 
@@ -196,8 +196,3 @@ def encode_maps(messages: Iterable[dict], store_addr: bytes, store_port: int) ->
     return b"".join(encode_stored(m["topic"], m["queue_id"], m["queue_offset"], m["commit_log_offset"], m["tx_type"], m["born_ts"],
                                   m["store_ts"], m["prepared_offset"], m["properties"], m["body"], store_addr, store_port)
                     for m in messages)
-
-
-def message_id_of(rec: Record, store_addr: bytes, store_port: int) -> str:
-    """The id a RocketMQ client gives a message it receives: its UNIQ_KEY, else its offset id."""
-    return rec.properties.get(PROP_UNIQ_KEY) or offset_msg_id(store_addr, store_port, rec.commit_log_offset)

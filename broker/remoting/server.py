@@ -1,10 +1,13 @@
 """The remoting front end's listener and connections: RocketMQ 4's TCP protocol on --remoting-port.
 
-``RemotingFrontend(core, config)`` has the shape of every front end
-(server.Frontend): ``bind()`` before the store opens (a port in use ends
-the start at once; requests that arrive before the broker serves wait),
-``start()`` once the broker serves, ``stop()`` first at shutdown (no new
-connections; requests in flight finish), ``close()`` last.
+``RemotingFrontend(messaging, operations, config)`` has the shape of
+every front end (server.Frontend): ``bind()`` before the store opens (a
+port in use ends the start at once; requests that arrive before the
+broker serves wait), ``start()`` once the broker serves, ``stop()`` first
+at shutdown (no new connections; requests in flight finish), ``close()``
+last. It reaches the broker only through the messaging service and the
+operator's calls (``txmq.broker.messaging``); the broker's start-up
+builds it on the broker's (broker/frontends.py).
 
 One port answers both the name server's requests (the routes name this
 broker at this port) and the broker's, so a client's ``namesrvAddr`` is
@@ -44,18 +47,20 @@ from functools import partial
 from hashlib import sha1
 from typing import TYPE_CHECKING, Any
 
-from txmq.broker.connlimits import LimitCounters, LimitedConnection, LogThrottle
-from txmq.wire import PUSH, ErrorCode, FrameDecoder, TxmqError, parse_payload
+from ..connlimits import LimitCounters, LimitedConnection, LogThrottle
+from txmq.wire import ErrorCode
+
+from ..messaging import CheckBack
 
 from . import protocol as p
-from .clients import ClientTable
 from .admin import not_supported_remark
+from .clients import ClientTable
 from .handlers import HANDLERS, Then, error_response, served_codes
 from .messages import MessageFormatError, address_bytes
 
 if TYPE_CHECKING:
-    from txmq.broker.config import BrokerConfig
-    from txmq.broker.core import BrokerCore
+    from ..config import BrokerConfig
+    from ..messaging import Messaging, Operations
 
 log = logging.getLogger("txmq.remoting")
 
@@ -72,10 +77,17 @@ class BindError(Exception):
 
 
 class RemotingFrontend:
-    def __init__(self, core: BrokerCore, config: BrokerConfig) -> None:
+    """The remoting port: its listeners, connections and client table, on the broker's messaging service and operations.
+
+    Built and bound by the broker's start-up (broker/frontends.py) before
+    the store opens; requests that come before ``start()`` wait for it.
+    """
+
+    def __init__(self, messaging: Messaging, operations: Operations, config: BrokerConfig) -> None:
         if config.remoting_max_connections is None:  # the Broker derives it (server.connection_limits)
             raise ValueError("build the remoting front end on Broker.config")
-        self.core = core
+        self.messaging = messaging
+        self.operations = operations
         self.config = config
         self.max_connections: int = config.remoting_max_connections
         self.sock: socket.socket | None = None
@@ -88,7 +100,7 @@ class RemotingFrontend:
         self.inflight: set[asyncio.Future] = set()
         self.busy = 0  # connections with requests in flight (busy polling only for a lone client, as on the native port)
         self.partial_frame_bytes = 0
-        self.clients = ClientTable(core, self)
+        self.clients = ClientTable(self)
         self.ready = asyncio.Event()
         self.stopping = False
         self.broker_name = "txmq"
@@ -111,7 +123,7 @@ class RemotingFrontend:
                 sock.close()
                 raise
             self.vip_port = self.port - 2
-        self.core.listening("remoting", cfg.host, self.port, **({"vip_port": self.vip_port} if vip is not None else {}))
+        self.messaging.listening("remoting", cfg.host, self.port, **({"vip_port": self.vip_port} if vip is not None else {}))
         loop = asyncio.get_running_loop()
         # Listening from now on: connections are accepted, their requests wait until the broker serves.
         self.server = await loop.create_server(lambda: RemotingConnection(self), sock=sock, backlog=2048)
@@ -127,7 +139,6 @@ class RemotingFrontend:
         self.ready.set()
         cfg = self.config
         self._sweeper = asyncio.get_running_loop().create_task(self._sweep(), name="txmq-remoting-sweeper")
-        self.core.frontend_gauges.append(self.gauges)
         log.info("event=remoting_listening host=%s port=%d vip_port=%s max_connections=%d codes=%d", cfg.host, self.port,
                  self.vip_port if self.vip_port is not None else "-", self.max_connections, len(served_codes()))
 
@@ -186,10 +197,11 @@ class RemotingConnection(LimitedConnection):
     first_request = "correctly signed request"
 
     def __init__(self, front: RemotingFrontend) -> None:
-        super().__init__(front.core, front)
+        super().__init__(front.messaging, front)
         self.front = front
+        self.messaging = front.messaging  # the object LimitedConnection holds as ``core``
         self.conn_id = next(_ids)
-        cfg = self.core.config
+        cfg = self.messaging.config
         self.authed = not cfg.auth_token
         self.max_frame = cfg.max_frame if self.authed else min(cfg.max_preauth_frame, cfg.max_frame)
         self.local_host = cfg.host
@@ -225,7 +237,7 @@ class RemotingConnection(LimitedConnection):
     def data_received(self, data: bytes) -> None:
         if self._closing:
             return
-        arm = self.core.busy_poll.arm
+        arm = self.messaging.busy_poll_arm
         if arm is not None and self.front.busy <= 1:
             arm()  # a lone client's request: keep a CPU awake through its fsync (broker/busypoll.py), as the native port does
         self._buf += data
@@ -295,30 +307,30 @@ class RemotingConnection(LimitedConnection):
                 return
 
     def _dispatch(self, cmd: p.Command) -> None:
-        core = self.core
-        core.metrics.inc("remoting_requests")
+        messaging = self.messaging
+        messaging.metrics.inc("remoting_requests")
         self.json_requests = cmd.serialize == p.JSON_TYPE
-        token = core.config.auth_token
+        token = messaging.config.auth_token
         if token:
             if not signed(cmd, token):
-                core.metrics.inc("remoting_auth_failures")
+                messaging.metrics.inc("remoting_auth_failures")
                 self._close_with("the request is not signed with the broker's --auth-token (RocketMQ ACL: any AccessKey, "
                                  "the token as SecretKey)", None, cmd, kind="auth", code=p.NO_PERMISSION)
                 return
             if not self.authed:
                 self.authed = True
-                self.max_frame = core.config.max_frame
+                self.max_frame = messaging.config.max_frame
         self._first_by = 0.0
         if not self.front.ready.is_set():  # the broker is not serving yet (its store opens): the request waits
             fut = asyncio.ensure_future(self._after_ready(cmd))
             self._track_request(cmd, fut)
             return
-        if self.front.stopping or core.draining:
+        if self.front.stopping or messaging.draining:
             self._respond(cmd, p.response(cmd, p.SYSTEM_BUSY, remark="the broker is shutting down"))
             return
         handler = HANDLERS.get(cmd.code)
         if handler is None:
-            core.metrics.inc("remoting_unsupported_requests")
+            messaging.metrics.inc("remoting_unsupported_requests")
             self._respond(cmd, p.response(cmd, p.REQUEST_CODE_NOT_SUPPORTED,
                                           remark=not_supported_remark(cmd.code)))
             return
@@ -337,7 +349,7 @@ class RemotingConnection(LimitedConnection):
 
     async def _after_ready(self, cmd: p.Command) -> p.Command | None:
         await self.front.ready.wait()
-        if self.front.stopping or self.core.draining:
+        if self.front.stopping or self.messaging.draining:
             return p.response(cmd, p.SYSTEM_BUSY, remark="the broker is shutting down")
         handler = HANDLERS.get(cmd.code)
         if handler is None:
@@ -379,8 +391,8 @@ class RemotingConnection(LimitedConnection):
     def _error(self, cmd: p.Command, exc: BaseException) -> p.Command:
         """The response to a request that failed; a body that cannot be read is a refusal (counted, logged throttled)."""
         if isinstance(exc, (p.BodyError, MessageFormatError)):
-            self.core.refusals.note("remoting", "bad_request", self.peer, f"request code {cmd.code}: {exc}")
-        return error_response(self.core, cmd, exc)
+            self.messaging.refusals.note("remoting", "bad_request", self.peer, f"request code {cmd.code}: {exc}")
+        return error_response(self.messaging, cmd, exc)
 
     # ---- output ----------------------------------------------------------------------------
     def _respond(self, cmd: p.Command, resp: p.Command | None, now: bool = False) -> None:
@@ -388,13 +400,13 @@ class RemotingConnection(LimitedConnection):
             return
         if cmd.oneway:  # nothing is sent back for a oneway request; a failure is counted and logged
             if resp.code != p.SUCCESS:
-                self.core.metrics.inc("remoting_oneway_failures")
+                self.messaging.metrics.inc("remoting_oneway_failures")
                 self.front.note_oneway_failure(self.peer, cmd, resp)
             return
         try:
             data = p.encode(resp)
         except Exception as exc:  # a value no frame can carry (a bug): an error response, the connection goes on
-            data = p.encode(error_response(self.core, cmd, exc))
+            data = p.encode(error_response(self.messaging, cmd, exc))
         self._send(data, now)
 
     def _close_with(self, reason: str, counter: str | None, cmd: p.Command | None = None, kind: str = "bad_request",
@@ -404,8 +416,8 @@ class RemotingConnection(LimitedConnection):
         The refusal is counted (``counter``, and refused_remoting_<kind>) and logged throttled (broker/refusals.py).
         """
         if counter is not None:
-            self.core.metrics.inc(counter)
-        self.core.refusals.note("remoting", kind, self.peer, reason)
+            self.messaging.metrics.inc(counter)
+        self.messaging.refusals.note("remoting", kind, self.peer, reason)
         if cmd is not None:
             resp = p.response(cmd, code, remark=reason)
         else:
@@ -414,19 +426,13 @@ class RemotingConnection(LimitedConnection):
         self._end_after_reply()
 
     # ---- PushTarget: check-backs --------------------------------------------------------------
-    def push(self, op: str, fields: dict) -> None:
-        if op == "check_transaction":
-            self.front.clients.check_back(self, fields)
+    takes_frames = False  # check-backs come as CheckBack records
 
-    def send_frame(self, frame: bytes) -> None:
-        """The check service's msgpack push frames (check_transaction), each turned into a CHECK_TRANSACTION_STATE request."""
-        try:
-            for payload in FrameDecoder(max(len(frame), 1)).feed(frame):
-                f = parse_payload(payload)
-                if f.kind == PUSH:
-                    self.push(str(f.op), f.fields)
-        except (TxmqError, KeyError, TypeError, ValueError) as exc:
-            log.error("event=remoting_push_unreadable peer=%s error=%r", self.peer, exc)
+    def check_back(self, cb: CheckBack) -> None:
+        self.front.clients.check_back(self, cb)
+
+    def send_frame(self, frame: bytes) -> None:  # pragma: no cover - takes_frames is False: never called
+        raise TypeError("a remoting connection takes check-backs as records")
 
     def request(self, cmd: p.Command) -> None:
         """Send a request of the broker's own (oneway) to this client."""
@@ -474,17 +480,4 @@ def signed(cmd: p.Command, token: str) -> bool:
     return hmac.compare_digest(given.encode(), want.encode())
 
 
-async def attach(broker: Any, config: BrokerConfig) -> RemotingFrontend:
-    """Bind the front end for ``config.remoting_port`` and hand it to the broker, which starts and stops it.
-
-    ``broker`` is a ``txmq.broker.server.Broker`` not yet serving; the front
-    end takes ``broker.config``, where the connection caps are derived.
-    Raises BindError when the port cannot be bound.
-    """
-    frontend = RemotingFrontend(broker.core, broker.config)
-    await frontend.bind()
-    broker.frontends.append(frontend)
-    return frontend
-
-
-__all__ = ["RemotingFrontend", "RemotingConnection", "BindError", "attach", "signed", "ErrorCode"]
+__all__ = ["RemotingFrontend", "RemotingConnection", "BindError", "signed", "ErrorCode"]

@@ -33,16 +33,15 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from txmq.wire import PUSH, FrameDecoder, TxmqError, parse_payload
+from ..messaging import CheckBack
 
 from . import convert
 from .pb import definition_pb2 as d
 from .pb import service_pb2 as s
 
 if TYPE_CHECKING:
-    from txmq.broker.core import BrokerCore
+    from ..messaging import Messaging
 
-    from .settings import FrontendSettings
 
 log = logging.getLogger("txmq.rocketmq")
 
@@ -142,8 +141,8 @@ class TelemetryStream:
     client, with the transaction id that names the check copy.
     """
 
-    def __init__(self, core: BrokerCore, client: Client, peer: str, max_message: int = 0) -> None:
-        self.core = core
+    def __init__(self, messaging: Messaging, client: Client, peer: str, max_message: int = 0) -> None:
+        self.messaging = messaging
         self.max_bytes = max(MAX_QUEUED_BYTES, 2 * max_message)
         self.client = client
         self.peer = peer
@@ -161,43 +160,32 @@ class TelemetryStream:
         return (not self.closed.is_set() and not self.finishing and self._queue.qsize() < MAX_QUEUED // 2
                 and self._queued_bytes < self.max_bytes // 2)
 
-    def push(self, op: str, fields: dict) -> None:
-        if op == "check_transaction":
-            self._check(fields)
+    takes_frames = False  # check-backs come as CheckBack records
 
-    def send_frame(self, frame: bytes) -> None:
-        """Frames the check service built for native producers (length-prefixed msgpack pushes)."""
+    def check_back(self, cb: CheckBack) -> None:
+        """A RecoverOrphanedTransactionCommand for the check-back, queued for the client."""
         try:
-            payloads = FrameDecoder(max(len(frame), 1)).feed(frame)
-            for payload in payloads:
-                f = parse_payload(payload)
-                if f.kind == PUSH:
-                    self.push(str(f.op), f.fields)
-        except (TxmqError, KeyError, TypeError, ValueError) as exc:
-            log.error("event=rmq_push_unreadable client_id=%s error=%r", self.client_id, exc)
-
-    # ---- outbound queue --------------------------------------------------------
-    def _check(self, fields: dict) -> None:
-        try:
-            tx_id = str(fields["tx_id"])
-            msg = convert.half_to_message(fields, language=self.client.language)
             cmd = s.TelemetryCommand()
             rec = cmd.recover_orphaned_transaction_command
-            rec.message.CopyFrom(msg)
-            rec.transaction_id = tx_id  # RocketMQ's broker names the transaction by its UNIQ_KEY in a check-back too
-        except (KeyError, TypeError, ValueError) as exc:
+            rec.message.CopyFrom(convert.half_to_message(cb, language=self.client.language))
+            rec.transaction_id = cb.tx_id  # RocketMQ's broker names the transaction by its UNIQ_KEY in a check-back too
+        except (TypeError, ValueError) as exc:  # a property value protobuf cannot carry: logged, the pass goes on
             log.error("event=rmq_push_unreadable client_id=%s error=%r", self.client_id, exc)
             return
         self.offer(cmd)
         self.pushed += 1
 
+    def send_frame(self, frame: bytes) -> None:  # pragma: no cover - takes_frames is False: never called
+        raise TypeError("a Telemetry stream takes check-backs as records")
+
+    # ---- outbound queue --------------------------------------------------------
     def offer(self, cmd: s.TelemetryCommand) -> bool:
         """Queue a command for the client; a stream over its bounds is closed (the client does not read)."""
         if self.closed.is_set() or self.finishing:
             return False
         size = cmd.ByteSize()
         if self._queue.qsize() >= MAX_QUEUED or self._queued_bytes + size > self.max_bytes:
-            self.core.metrics.inc("rmq_telemetry_overflows")
+            self.messaging.metrics.inc("rmq_telemetry_overflows")
             self.close(f"more than {MAX_QUEUED} commands or {self.max_bytes} bytes wait to be written: the client does not read")
             return False
         self._queued_bytes += size
@@ -256,14 +244,13 @@ class TelemetryStream:
             return
         c = self.client
         for topic in c.topics:
-            self.core.registry.register(topic, self)
+            self.messaging.register_producer(topic, self)
         if c.group:
-            self.core.consumer_registry.register(c.group, self)
+            self.messaging.register_consumer(c.group, self)
         c.streams.add(self)
 
     def unregister(self) -> None:
-        self.core.registry.unregister_all(self)
-        self.core.consumer_registry.unregister_all(self)
+        self.messaging.forget_client(self)
         self.client.streams.discard(self)
 
 
@@ -287,69 +274,3 @@ def _write_done(task: asyncio.Task, client_id: str) -> None:
     exc = task.exception()
     if exc is not None:
         log.debug("event=rmq_telemetry_write_failed client_id=%s error=%r", client_id, exc)
-
-
-def duration(seconds: float) -> Any:
-    from google.protobuf import duration_pb2
-
-    out = duration_pb2.Duration()
-    out.FromMilliseconds(int(seconds * 1000))
-    return out
-
-
-def answer_settings(client: Client, got: d.Settings, settings: FrontendSettings, *, fifo: bool = False) -> d.Settings:
-    """The settings the broker answers a client's Telemetry settings with (as RocketMQ's proxy merges them).
-
-    The client's own, with the broker's retry policy (exponential backoff;
-    for the Python SDK's consumers a customized one, the only kind it reads),
-    for a producer ``publishing.max_body_size`` = --max-body, for a consumer
-    ``fifo`` (the group is marked FIFO: RocketMQ's proxy answers its
-    subscription group's consumeMessageOrderly), ``receive_batch_size``,
-    ``long_polling_timeout`` and the lite-topic limits the SDKs check before
-    asking (LITE_SUBSCRIPTION_QUOTA, MAX_LITE_TOPIC_SIZE: without them a
-    LitePushConsumer refuses every lite topic as "length exceeded max
-    length 0"; with them it asks, and the broker answers that lite topics
-    are not supported); metrics off.
-    """
-    out = d.Settings()
-    out.CopyFrom(got)
-    out.metric.on = False  # txmq runs no metrics collector for clients
-    out.metric.ClearField("endpoints")
-    policy = out.backoff_policy
-    policy.Clear()
-    if got.WhichOneof("pub_sub") == "subscription":
-        policy.max_attempts = settings.consumer_max_attempts
-        initial, most, mult = settings.consumer_backoff_s
-        sub = out.subscription
-        sub.fifo = fifo
-        sub.lite_subscription_quota = LITE_SUBSCRIPTION_QUOTA
-        sub.max_lite_topic_size = MAX_LITE_TOPIC_SIZE
-        sub.receive_batch_size = settings.receive_batch_size
-        sub.long_polling_timeout.CopyFrom(duration(settings.long_polling_timeout_s))
-        if got.user_agent.language == d.PYTHON:
-            # The Python SDK's push consumer reads only a customized backoff (the other SDKs an exponential one).
-            policy.customized_backoff.next.extend(duration(x) for x in CUSTOMIZED_BACKOFF_S)
-            return _finish(out, got)
-    else:
-        policy.max_attempts = settings.producer_max_attempts
-        initial, most, mult = settings.producer_backoff_s
-        out.publishing.max_body_size = settings.max_body
-        out.publishing.validate_message_type = True
-    policy.exponential_backoff.initial.CopyFrom(duration(initial))
-    policy.exponential_backoff.max.CopyFrom(duration(most))
-    policy.exponential_backoff.multiplier = mult
-    return _finish(out, got)
-
-
-def _finish(out: d.Settings, got: d.Settings) -> d.Settings:
-    if not got.HasField("request_timeout"):
-        out.request_timeout.CopyFrom(duration(3))
-    return out
-
-
-# What a lite push consumer checks before it asks to subscribe to a lite topic (the SDKs' own defaults).
-LITE_SUBSCRIPTION_QUOTA = 100
-MAX_LITE_TOPIC_SIZE = 64
-
-# A consumer's redelivery delays when the SDK takes a list (RocketMQ's message delay levels from 1 s).
-CUSTOMIZED_BACKOFF_S = (1, 5, 10, 30, 60, 120, 180, 240, 300, 360, 420, 480, 540, 600, 1200, 1800, 3600, 7200)

@@ -1,8 +1,9 @@
 """The receive side of the RocketMQ 5 front end: ReceiveMessage, AckMessage, ChangeInvisibleDuration, ForwardMessageToDeadLetterQueue.
 
-The RPCs are thin: they read the request, call ``PopService``
-(broker/rocketmq/pop.py, transport-independent) and answer with RocketMQ's
-status codes; the messages are built by ``convert.record_to_message``.
+The RPCs are thin: they read the request, call the broker's consumption
+service (``core.consumption``, broker/messaging/consumption.py,
+transport-independent) and answer with RocketMQ's status codes; the
+messages are built by ``convert.record_to_message``.
 ReceiveMessage answers as RocketMQ's proxy does: a ``status`` frame, one
 frame per message, then a ``delivery_timestamp`` frame; with no message
 after the long poll, only the status MESSAGE_NOT_FOUND (40401), which the
@@ -15,15 +16,16 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
+from ..messaging.consumption import ConsumptionService, Delivery, PopError, check_group, parse_tags
+
 from . import convert, limits, routes
 from .limits import Holds, peer_of
 from .pb import definition_pb2 as d
 from .pb import service_pb2 as s
-from .pop import Delivery, PopConfig, PopError, PopService, check_group, parse_tags
 from .status import Code, RmqError, of_error
 
 if TYPE_CHECKING:
-    from txmq.broker.core import BrokerCore
+    from ..messaging import Messaging
 
 log = logging.getLogger("txmq.rocketmq")
 
@@ -65,7 +67,7 @@ def _client_id(context: Any) -> str:
 
 
 class ReceiveFrontend:
-    """The consumer RPCs of apache.rocketmq.v2.MessagingService, over one ``PopService``.
+    """The consumer RPCs of apache.rocketmq.v2.MessagingService, over the broker's consumption service.
 
     ``clients``: the front end's client table (broker/rocketmq/clients.py),
     for a client's language (the body digest's form) and whether a client
@@ -77,7 +79,7 @@ class ReceiveFrontend:
     and in all (limits.py; the settings', else the default bounds).
     """
 
-    def __init__(self, core: BrokerCore, clients: Any = None, config: PopConfig | None = None, *,
+    def __init__(self, core: Messaging, clients: Any = None, *,
                  max_attempts: Callable[[str], int | None] | None = None, long_polls: Holds | None = None) -> None:
         self.core = core
         settings = None
@@ -91,13 +93,18 @@ class ReceiveFrontend:
         if long_polls is None:
             long_polls = settings.long_polls if settings is not None else limits.default_long_polls()
         self.long_polls: Holds = long_polls
-        self.pop = PopService(core, config, max_attempts=max_attempts,
-                              client_alive=self._alive if clients is not None else None, fifo=self._fifo)
+        self._max_attempts = max_attempts
+        self._attached: ConsumptionService | None = None
 
-    def _fifo(self, group: str) -> bool:
-        """Whether the group is marked FIFO (groups.json: txmq groups update GROUP --fifo)."""
-        table = getattr(self.core, "group_config", None)
-        return table is not None and table.fifo(group)
+    @property
+    def pop(self) -> ConsumptionService:
+        """The broker's consumption service, the one the core built when the store opened (after this front end bound its
+        port); told on first use what this front end knows: whether its clients live, its groups' attempts."""
+        pop = self.core.consumption
+        if pop is not self._attached:
+            pop.attach(max_attempts=self._max_attempts, client_alive=self._alive if self.clients is not None else None)
+            self._attached = pop
+        return pop
 
     def _alive(self, client_id: str) -> bool:
         c = self.clients.get(client_id)
@@ -278,4 +285,5 @@ class ReceiveFrontend:
         return out
 
     async def close(self) -> None:
-        await self.pop.close()
+        if getattr(self.core, "consumption", None) is not None:  # not built when the broker stops before its store opened
+            await self.pop.close()

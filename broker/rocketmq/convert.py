@@ -17,7 +17,7 @@ check-back push) and the receive side (ReceiveMessage):
 | ``system_properties.delivery_timestamp``    | ``TIMER_DELIVER_MS`` (a DELAY message's delivery time) |
 | ``system_properties.orphaned_transaction_recovery_duration`` | ``CHECK_IMMUNITY_TIME_IN_SECONDS`` |
 | ``system_properties.body_digest``           | CRC32 of the body (see ``body_digest``)              |
-| ``user_properties``                         | every other property; RocketMQ's and txmq's system property names are refused on send and left out on delivery |
+| ``user_properties``                         | every other property but RocketMQ's broker's system properties (MessageConst.STRING_HASH_SET) and txmq's ``TXMQ_`` ones, as RocketMQ's proxy delivers them: so also ``__SHARDINGKEY`` (a FIFO message's group), ``CHECK_IMMUNITY_TIME_IN_SECONDS``, ``TRANSACTION_CHECK_TIMES`` when the message has them. A send may set none of RocketMQ's or txmq's property names (``SYSTEM_PROPERTIES``) |
 | ``user_properties["__transactionId__"]``    | ``UNIQ_KEY`` of a transactional message (half, or committed): its transaction id, as RocketMQ's broker stores it on the half message and keeps it on the committed one |
 
 A send whose type the topic does not accept is refused before this module
@@ -40,8 +40,9 @@ import zlib
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from txmq.broker.fifo import group_problem
-from txmq.broker.records import msg_id_of
+from ..fifo import group_problem
+from ..messaging import CheckBack, Record
+from ..records import msg_id_of
 from txmq.constants import (
     PROP_CHECK_IMMUNITY,
     PROP_CHECK_TIMES,
@@ -57,7 +58,6 @@ from txmq.constants import (
     PROP_TRAN_MSG,
     PROP_UNIQ_KEY,
 )
-from txmq.store import Record
 
 from .pb import definition_pb2 as d
 from .status import Code, RmqError, unsupported
@@ -85,12 +85,37 @@ SYSTEM_PROPERTIES = frozenset({
 
 
 
+# What RocketMQ's proxy leaves out of a delivered message's user_properties (GrpcConverter.buildUserAttributes): its
+# broker's system properties, MessageConst.STRING_HASH_SET, and nothing else. So __SHARDINGKEY (a FIFO message's
+# group, also system_properties.message_group), CHECK_IMMUNITY_TIME_IN_SECONDS and TRANSACTION_CHECK_TIMES (on a
+# transactional message that has them), TRACE_CONTEXT and the like are delivered as user properties, though a
+# send may not set them (SYSTEM_PROPERTIES). txmq's own TXMQ_ properties are left out too. DLQ_ORIGIN_TOPIC and
+# DLQ_ORIGIN_MESSAGE_ID, which the newest proxies move into system_properties.dead_letter_queue, stay user
+# properties here, where the SDKs before it read them.
+HIDDEN_ON_DELIVERY = frozenset({
+    "TRACE_ON", "MSG_REGION", PROP_KEYS, PROP_TAGS, "WAIT", PROP_DELAY, "RETRY_TOPIC", PROP_REAL_TOPIC, PROP_REAL_QID,
+    PROP_TRAN_MSG, PROP_PGROUP, "MIN_OFFSET", "MAX_OFFSET", "BUYER_ID", "ORIGIN_MESSAGE_ID", "TRANSFER_FLAG",
+    "CORRECTION_FLAG", "MQ2_FLAG", "RECONSUME_TIME", PROP_UNIQ_KEY, "MAX_RECONSUME_TIMES", "CONSUME_START_TIME",
+    "POP_CK", "POP_CK_OFFSET", "1ST_POP_TIME", PROP_PREPARED_QUEUE_OFFSET, "DUP_INFO", "EXTEND_UNIQ_INFO",
+    "INSTANCE_ID", "CORRELATION_ID", "REPLY_TO_CLIENT", "TTL", "ARRIVE_TIME", "PUSH_REPLY_TIME", "CLUSTER", "MSG_TYPE",
+    "INNER_MULTI_QUEUE_OFFSET", "TIMER_DELAY_MS", "TIMER_DELAY_SEC", "TIMER_DELIVER_MS", "TIMER_ENQUEUE_MS",
+    "TIMER_DEQUEUE_MS", "TIMER_ROLL_TIMES", "TIMER_OUT_MS", "TIMER_DEL_UNIQKEY", "TIMER_DELAY_LEVEL", "__BORNHOST",
+    "BORN_TIMESTAMP", "__CRC32#",
+})
+
+
 # White space (str.isspace's: re's \s is the same Unicode class) or NUL, refused in keys and message ids.
 _SPACE_OR_NUL = re.compile(r"[\s\0]")
 
 
 def is_system_property(name: str) -> bool:
+    """A name a send may not use as a user property."""
     return name in SYSTEM_PROPERTIES or name.startswith(TXMQ_PREFIX)
+
+
+def is_hidden_on_delivery(name: str) -> bool:
+    """A stored property a delivered message does not carry in its user_properties (as RocketMQ's proxy delivers it)."""
+    return name in HIDDEN_ON_DELIVERY or name.startswith(TXMQ_PREFIX)
 
 
 # ---- delivery: stored record -> Message --------------------------------------------
@@ -119,7 +144,8 @@ def body_digest(body: bytes, language: int = d.LANGUAGE_UNSPECIFIED) -> d.Digest
 
 
 def user_properties(props: Mapping[str, str]) -> dict[str, str]:
-    return {k: v for k, v in props.items() if not is_system_property(k)}
+    """A delivered message's user_properties, from its stored properties."""
+    return {k: v for k, v in props.items() if not is_hidden_on_delivery(k)}
 
 
 def message_type_of(props: Mapping[str, str], prepared_offset: int = -1) -> int:
@@ -153,7 +179,7 @@ def to_message(
     msg = d.Message(body=bytes(body))
     msg.topic.name = topic
     for k, v in props.items():
-        if not is_system_property(k):
+        if not is_hidden_on_delivery(k):
             msg.user_properties[k] = v
     sp = msg.system_properties
     sp.message_id = message_id
@@ -216,21 +242,10 @@ def record_to_message(rec: Record, **kw: Any) -> d.Message:
                       message_type=message_type_of(props, rec.prepared_offset), **kw)
 
 
-def half_to_message(fields: Mapping[str, Any], **kw: Any) -> d.Message:
-    """The message of a check-back (``check_transaction`` push fields) as its producer sent it: real topic and queue.
-
-    ``fields`` holds ``tx_id`` and ``message`` (the half copy's map:
-    properties, body, born_ts, store_ts, ...), as the check service pushes
-    them to native producers (docs/protocol.md).
-    """
-    m = fields["message"]
-    props = m.get("properties") or {}
-    try:
-        qid = int(props.get(PROP_REAL_QID, 0))
-    except ValueError:
-        qid = 0
-    return to_message(props.get(PROP_REAL_TOPIC, m.get("topic", "")), qid, None, str(fields["tx_id"]), int(m.get("born_ts", 0)),
-                      m.get("store_ts"), props, m.get("body") or b"", message_type=d.TRANSACTION, **kw)
+def half_to_message(cb: CheckBack, **kw: Any) -> d.Message:
+    """The message of a check-back as its producer sent it: real topic and queue, the transaction id as its message id."""
+    return to_message(cb.topic, cb.queue_id, None, cb.tx_id, cb.born_ts, cb.store_ts, cb.properties, cb.body,
+                      message_type=d.TRANSACTION, **kw)
 
 
 # ---- sending: Message -> what the core stores ---------------------------------------

@@ -1,10 +1,10 @@
-"""SendMessage and EndTransaction, translated into the service calls the native protocol's handlers make.
+"""SendMessage, EndTransaction and RecallMessage, translated into the messaging service's calls (broker/messaging/).
 
-A send becomes ``BrokerCore.send`` (plain messages, one or a batch: the
-same core append) or, for a transactional message,
-``TransactionService.send_half``, with txmq's limits checked on the way
-(convert.py). An end transaction becomes
-``TransactionService.end_transaction`` (and ``decide``), so one
+A send becomes ``Messaging.send``, whose planner makes it a normal,
+delayed, FIFO or (a TRANSACTION message, alone) half message, with txmq's
+limits checked on the way (convert.py), then the topic: TOPIC_NOT_FOUND
+if the broker does not know it, and RocketMQ 5's topic types (routes.py). An end transaction becomes
+``Messaging.end_transaction``, the same call every front end makes, so one
 transaction has one outcome whichever protocol ended it.
 
 Ids (docs/rocketmq.md, "Ids"), as RocketMQ's proxy and broker give them:
@@ -29,9 +29,8 @@ from typing import TYPE_CHECKING
 from txmq.constants import PROP_PGROUP, PROP_TRAN_MSG, is_system_topic
 from txmq.wire import ErrorCode, TxmqError
 
-from txmq.broker.messaging import ROCKETMQ5_RULES, Outgoing
-from txmq.broker.topics import check_topic_name
-from txmq.broker.transactions.service import MAX_NAME
+from ..messaging import MAX_NAME, ROCKETMQ5_RULES, Outgoing
+from ..topics import check_topic_name
 
 from . import convert, routes
 from .pb import definition_pb2 as d
@@ -39,7 +38,7 @@ from .pb import service_pb2 as s
 from .status import OK_STATUS, Code, RmqError, of_error, ok
 
 if TYPE_CHECKING:
-    from txmq.broker.core import BrokerCore
+    from ..messaging import Messaging
 
 RECALL_BROKER_NAME = "txmq"  # the broker name in the recall handles this broker gives
 MAX_BATCH = 1024  # messages in one SendMessage (txmq's send_batch takes more; RocketMQ's SDKs send a few)
@@ -59,15 +58,14 @@ def topic_of(resource: d.Resource, what: str = "topic") -> str:
     return topic
 
 
-async def send_message(core: BrokerCore, req: s.SendMessageRequest) -> s.SendMessageResponse:
+async def send_message(messaging: Messaging, req: s.SendMessageRequest) -> s.SendMessageResponse:
     msgs = req.messages
     if not msgs:
         raise RmqError(Code.BAD_REQUEST, "no message to send")
     if len(msgs) > MAX_BATCH:
         raise RmqError(Code.BAD_REQUEST, f"at most {MAX_BATCH} messages in one SendMessage")
     topic = topic_of(msgs[0].topic)
-    routes.check_send(core, topic, msgs)  # TOPIC_NOT_FOUND, the topic's message types (broker/rocketmq/routes.py)
-    cfg = core.config
+    cfg = messaging.config
     # GZIP bodies are inflated one by one up to --max-body: the batch as a whole is held to --max-frame,
     # as a native send_batch is by its frame (a 4 MB request of 1,024 bombs would inflate to 4 GiB)
     budget = cfg.max_frame
@@ -85,17 +83,19 @@ async def send_message(core: BrokerCore, req: s.SendMessageRequest) -> s.SendMes
         out.append(o)
     if len(msgs) > 1 and any(m.topic.name != msgs[0].topic.name for m in msgs):
         raise RmqError(Code.BAD_REQUEST, "the messages of one SendMessage must have the same topic")
+    # after the messages' own checks, as RocketMQ's proxy builds them before it looks the topic up (ProducerProcessor)
+    routes.check_send(messaging, topic, msgs)  # TOPIC_NOT_FOUND, the topic's message types (broker/rocketmq/routes.py)
     transactional = any(o.transactional for o in out)
     if transactional and len(out) > 1:
         raise RmqError(Code.BAD_REQUEST, "transactional messages cannot be sent in a batch")
-    now = core.messaging.now_ms()
+    now = messaging.now_ms()
     items = []
     for o in out:
         props = o.properties
         if o.transactional:  # RocketMQ 5 producers have no group: the topic is it (as RocketMQ's proxy does)
             props = {**props, PROP_TRAN_MSG: "true", PROP_PGROUP: topic}
         items.append(Outgoing(o.body, props, o.born_ts or now))
-    receipts = await core.messaging.send(topic, items, None, ROCKETMQ5_RULES)
+    receipts = await messaging.send(topic, items, None, ROCKETMQ5_RULES)
     resp = s.SendMessageResponse()
     for r in receipts:
         # RocketMQ: transaction_id is the message's UNIQ_KEY, whatever its type (for a half, its tx_id)
@@ -124,13 +124,13 @@ def parse_recall_handle(handle: str) -> tuple[str, str]:
     return items[1], items[4]
 
 
-async def recall_message(core: BrokerCore, req: s.RecallMessageRequest) -> s.RecallMessageResponse:
+async def recall_message(messaging: Messaging, req: s.RecallMessageRequest) -> s.RecallMessageResponse:
     """RocketMQ 5's RecallMessage: cancel a scheduled message by the recall handle its send answered."""
     topic = topic_of(req.topic)
     handle_topic, message_id = parse_recall_handle(req.recall_handle)
     if handle_topic != topic:
         raise RmqError(Code.BAD_REQUEST, f"the recall handle is of topic {handle_topic}, not {topic}")
-    await core.scheduled.cancel(message_id, topic)
+    await messaging.cancel_scheduled(message_id, topic)
     return s.RecallMessageResponse(status=ok(), message_id=message_id)
 
 
@@ -148,7 +148,7 @@ def send_failed(req: s.SendMessageRequest, exc: BaseException) -> s.SendMessageR
 _STATES = {d.COMMIT: "commit", d.ROLLBACK: "rollback"}
 
 
-async def end_transaction(core: BrokerCore, req: s.EndTransactionRequest) -> s.EndTransactionResponse:
+async def end_transaction(messaging: Messaging, req: s.EndTransactionRequest) -> s.EndTransactionResponse:
     topic = topic_of(req.topic)
     state = _STATES.get(req.resolution, "unknown")  # RocketMQ: anything but COMMIT / ROLLBACK leaves it pending
     source = "check" if req.source == d.SOURCE_SERVER_CHECK else "producer"
@@ -157,7 +157,7 @@ async def end_transaction(core: BrokerCore, req: s.EndTransactionRequest) -> s.E
         raise RmqError(Code.INVALID_TRANSACTION_ID, "transaction_id is empty")
     if len(text) > MAX_NAME + 40:  # an id of at most MAX_NAME characters and two offsets of at most 19 digits
         raise RmqError(Code.INVALID_TRANSACTION_ID, f"transaction_id is longer than {MAX_NAME + 40} characters")
-    ref = await core.messaging.transaction_ref(text)
+    ref = await messaging.transaction_ref(text)
     if ref is None:
         raise RmqError(Code.INVALID_TRANSACTION_ID, f"no transaction {text!r} is known to the broker")
     tx_id = ref.tx_id
@@ -167,7 +167,7 @@ async def end_transaction(core: BrokerCore, req: s.EndTransactionRequest) -> s.E
         raise RmqError(Code.INVALID_TRANSACTION_ID,
                        f"message_id {req.message_id!r} is not the message of transaction_id {req.transaction_id!r}")
     try:
-        outcome = await core.messaging.end_transaction(topic, tx_id, ref.commit_log_offset, ref.half_offset, state, source)
+        outcome = await messaging.end_transaction(topic, tx_id, ref.commit_log_offset, ref.half_offset, state, source)
     except TxmqError as exc:
         if exc.code == ErrorCode.TX_GROUP_MISMATCH:
             raise RmqError(Code.INVALID_TRANSACTION_ID, f"transaction {tx_id} was not sent to topic {topic} by a RocketMQ "

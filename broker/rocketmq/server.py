@@ -1,7 +1,7 @@
 """The gRPC server of the RocketMQ front end: grpc.aio on the broker's own event loop (uvloop).
 
-``RocketMQServer(core, config)`` is built by ``txmq.broker.main`` when
-``--rocketmq-port`` is given: ``bind()`` before the store opens (a port in
+``RocketMQServer(messaging, config)`` is built by the broker's start-up
+(broker/frontends.py) when ``--rocketmq-port`` is given: ``bind()`` before the store opens (a port in
 use ends the start at once; from then on it listens, and requests wait),
 ``start()`` once the broker serves (requests go through), ``stop()`` first
 thing at shutdown (``close()`` has nothing left to do). Nothing else of the
@@ -22,7 +22,7 @@ clients, whose Telemetry streams then leave the producer registry.
 
 Every refused request (a bad signature, a malformed request, a bound) is
 counted and logged, throttled, with its peer and reason
-(``core.refusals``, broker/refusals.py: ``refused_rocketmq_<kind>``,
+(``messaging.refusals``, broker/refusals.py: ``refused_rocketmq_<kind>``,
 ``event=refused frontend=rocketmq``).
 
 Connections, before any authentication, are held by gRPC core itself:
@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 import grpc
 from grpc import aio
 
-from txmq.store import StoreError
+from ..messaging import StoreError
 from txmq.wire import TxmqError
 
 from .clients import TelemetryStream, write_command
@@ -61,8 +61,8 @@ from .settings import FrontendSettings
 from .status import Code, RmqError, of_error, status
 
 if TYPE_CHECKING:
-    from txmq.broker.config import BrokerConfig
-    from txmq.broker.core import BrokerCore
+    from ..config import BrokerConfig
+    from ..messaging import Messaging
 
 log = logging.getLogger("txmq.rocketmq")
 
@@ -89,8 +89,8 @@ class BindError(Exception):
 
 
 class RocketMQServer:
-    def __init__(self, core: BrokerCore, config: BrokerConfig) -> None:
-        self.core = core
+    def __init__(self, messaging: Messaging, config: BrokerConfig) -> None:
+        self.messaging = messaging
         self.config = config
         self.settings = FrontendSettings.of(config, config.rocketmq_port or 0)
         self.service: MessagingService | None = None
@@ -103,6 +103,10 @@ class RocketMQServer:
         self.ready = asyncio.Event()  # set once the broker serves: requests that come earlier wait for it
         self.stopping = False
         self.open_rpcs = 0  # RPCs being served (at most MAX_CONCURRENT_RPCS)
+
+    def gauges(self) -> dict[str, int]:
+        """Nothing of its own: gRPC core holds the connections (its figures are the rmq_* counters)."""
+        return {}
 
     async def bind(self) -> int:
         """Create the server and bind its port (0 picks a free one); returns the port."""
@@ -128,9 +132,9 @@ class RocketMQServer:
         if not port:
             raise BindError(f"cannot listen on {address} (--rocketmq-port)")
         self.port = port
-        self.core.listening("rocketmq", host, port, tls=self.tls)
+        self.messaging.listening("rocketmq", host, port, tls=self.tls)
         self.settings.port = port
-        self.service = MessagingService(self.core, self.settings)
+        self.service = MessagingService(self.messaging, self.settings)
         self.server.add_generic_rpc_handlers((self._handlers(),))
         # Listening from now on, as the native port does once bound: requests wait until the broker serves (start()).
         await self.server.start()
@@ -187,7 +191,7 @@ class RocketMQServer:
         """
         if not self.ready.is_set():
             await self.ready.wait()
-        if self.stopping or self.core.draining:
+        if self.stopping or self.messaging.draining:
             return RmqError(Code.INTERNAL_ERROR, "the broker is shutting down")
         md = metadata(context)
         token = self.settings.auth_token
@@ -203,7 +207,7 @@ class RocketMQServer:
 
     def refused(self, kind: str, context: Any, reason: str) -> None:
         """A request turned away: counted (refused_rocketmq_<kind>) and logged, one line per kind at most every 10 s."""
-        self.core.refusals.note("rocketmq", kind, peer_of(context), reason)
+        self.messaging.refusals.note("rocketmq", kind, peer_of(context), reason)
 
     def _admit(self, context: Any) -> str | None:
         """Count one more RPC open, or say why not (MAX_CONCURRENT_RPCS open: the refusal is logged and counted)."""
@@ -215,18 +219,18 @@ class RocketMQServer:
         return None
 
     def _malformed(self, context: Any, what: str) -> d.Status:
-        self.core.metrics.inc("rmq_malformed_requests")
+        self.messaging.metrics.inc("rmq_malformed_requests")
         why = f"malformed request: not a valid {what}"
         self.refused("bad_request", context, why)
         return status(Code.BAD_REQUEST, why)
 
     def _internal(self, name: str, exc: BaseException) -> None:
         """An error nothing expected: counted, its traceback logged the first time, then throttled lines (refusals.py)."""
-        self.core.metrics.inc("rmq_internal_errors")
-        self.core.refusals.internal(f"rocketmq.{name}", exc)
+        self.messaging.metrics.inc("rmq_internal_errors")
+        self.messaging.refusals.internal(f"rocketmq.{name}", exc)
 
     def _unary(self, name: str, impl: Callable, req_cls: Any, resp_cls: Any) -> Callable:
-        metrics = self.core.metrics
+        metrics = self.messaging.metrics
 
         async def call(raw: bytes, context: Any) -> Any:
             metrics.inc("rmq_requests")
@@ -246,7 +250,7 @@ class RocketMQServer:
                 except (RmqError, TxmqError) as exc:
                     return resp_cls(status=of_error(exc))
                 except (OSError, StoreError) as exc:  # as on the native port: a full disk or no descriptor left is logged once
-                    return resp_cls(status=of_error(self.core.store_error(exc)))
+                    return resp_cls(status=of_error(self.messaging.error_of(exc)))
                 except Exception as exc:
                     self._internal(name, exc)
                     return resp_cls(status=of_error(exc))
@@ -257,7 +261,7 @@ class RocketMQServer:
         return call
 
     def _server_stream(self, name: str, impl: Callable, req_cls: Any, resp_cls: Any) -> Callable:
-        metrics = self.core.metrics
+        metrics = self.messaging.metrics
 
         async def call(raw: bytes, context: Any) -> AsyncIterator[Any]:
             metrics.inc("rmq_requests")
@@ -281,7 +285,7 @@ class RocketMQServer:
                 except (RmqError, TxmqError) as exc:
                     yield resp_cls(status=of_error(exc))
                 except (OSError, StoreError) as exc:
-                    yield resp_cls(status=of_error(self.core.store_error(exc)))
+                    yield resp_cls(status=of_error(self.messaging.error_of(exc)))
                 except Exception as exc:
                     self._internal(name, exc)
                     yield resp_cls(status=of_error(exc))
@@ -298,7 +302,7 @@ class RocketMQServer:
         ends: the client closes it, it goes away (keepalive), the broker
         stops, or it does not read what is written (clients.py).
         """
-        self.core.metrics.inc("rmq_requests")
+        self.messaging.metrics.inc("rmq_requests")
         busy = self._admit(context)
         if busy is not None:
             await self._refuse_stream(requests, context, status(Code.TOO_MANY_REQUESTS, busy))
@@ -344,9 +348,9 @@ class RocketMQServer:
 
     async def _serve_telemetry(self, requests: AsyncIterator[bytes], context: Any, cid: str) -> None:
         svc = self.service
-        metrics = self.core.metrics
+        metrics = self.messaging.metrics
         client = svc.clients.touch(cid)
-        stream = TelemetryStream(self.core, client, context.peer() or "", self.settings.max_receive_message)
+        stream = TelemetryStream(self.messaging, client, context.peer() or "", self.settings.max_receive_message)
         metrics.inc("rmq_telemetry_streams")
 
         async def read() -> None:
@@ -475,17 +479,3 @@ def _read(path: Path | None, option: str) -> bytes:
         return Path(path).read_bytes()  # type: ignore[arg-type]
     except OSError as exc:
         raise BindError(f"cannot read {option} {path}: {exc.strerror or exc}") from None
-
-
-async def attach(broker: Any, config: BrokerConfig) -> RocketMQServer:
-    """Bind the front end for ``config.rocketmq_port`` and hand it to the broker, which starts and stops it.
-
-    ``broker`` is a ``txmq.broker.server.Broker`` not yet serving, built
-    from ``config``; the front end takes ``broker.config``, where the
-    connection caps are derived. Raises BindError when the port cannot be
-    bound or the TLS files read.
-    """
-    frontend = RocketMQServer(broker.core, broker.config)  # the broker's: its connection caps are derived
-    await frontend.bind()
-    broker.frontends.append(frontend)
-    return frontend

@@ -19,14 +19,14 @@ from typing import TYPE_CHECKING, Any, AsyncIterator
 from txmq.wire import TxmqError
 
 from . import producer, routes
-from .clients import MAX_TOPICS, Client, TelemetryStream, answer_settings
+from .clients import MAX_TOPICS, Client, TelemetryStream
 from .pb import definition_pb2 as d
 from .pb import service_pb2 as s
-from .settings import FrontendSettings
+from .settings import FrontendSettings, answer_settings
 from .status import Code, RmqError, of_error, ok, unsupported
 
 if TYPE_CHECKING:
-    from txmq.broker.core import BrokerCore
+    from ..messaging import Messaging
 
 log = logging.getLogger("txmq.rocketmq")
 
@@ -57,10 +57,10 @@ def client_id_of(context: Any) -> str:
 
 
 class MessagingService:
-    """The RPCs, on the broker's core; ``settings`` (settings.py) holds the front end's address, limits and clients."""
+    """The RPCs, on the broker's messaging service; ``settings`` (settings.py) holds the front end's address, limits and clients."""
 
-    def __init__(self, core: BrokerCore, settings: FrontendSettings) -> None:
-        self.core = core
+    def __init__(self, messaging: Messaging, settings: FrontendSettings) -> None:
+        self.messaging = messaging
         self.settings = settings
         self.host = settings.host
         self.port = settings.port
@@ -73,7 +73,7 @@ class MessagingService:
                 raise
             ReceiveFrontend = None  # noqa: N806
         if ReceiveFrontend is not None:
-            self.receive = ReceiveFrontend(core, settings.clients, long_polls=settings.long_polls)
+            self.receive = ReceiveFrontend(messaging, settings.clients, long_polls=settings.long_polls)
 
     async def close(self) -> None:
         self.clients.close_all("")
@@ -92,7 +92,7 @@ class MessagingService:
         return d.Endpoints(scheme=scheme, addresses=[d.Address(host=host, port=self.port)])
 
     def queue(self, topic: str, qid: int, endpoints: d.Endpoints) -> d.MessageQueue:
-        mq = d.MessageQueue(id=qid, permission=d.READ_WRITE, accept_message_types=routes.accept_types(self.core, topic))
+        mq = d.MessageQueue(id=qid, permission=d.READ_WRITE, accept_message_types=routes.accept_types(self.messaging, topic))
         mq.topic.name = topic
         mq.broker.name = BROKER_NAME
         mq.broker.id = 0
@@ -101,16 +101,16 @@ class MessagingService:
 
     async def QueryRoute(self, req: s.QueryRouteRequest, context: Any) -> s.QueryRouteResponse:  # noqa: N802
         topic = producer.topic_of(req.topic)
-        n = routes.route_queues(self.core, topic)  # an unknown topic: created (auto-creation), else TOPIC_NOT_FOUND
+        n = routes.route_queues(self.messaging, topic)  # an unknown topic: TOPIC_NOT_FOUND, as RocketMQ 5 answers it
         eps = self.endpoints(req.endpoints)
         return s.QueryRouteResponse(status=ok(), message_queues=[self.queue(topic, q, eps) for q in range(n)])
 
     async def QueryAssignment(self, req: s.QueryAssignmentRequest, context: Any) -> s.QueryAssignmentResponse:  # noqa: N802
         topic = producer.topic_of(req.topic)
         group = group_of(req.group)
-        n = routes.route_queues(self.core, topic)
+        n = routes.route_queues(self.messaging, topic)
         eps = self.endpoints(req.endpoints)
-        if self.core.group_config.fifo(group):
+        if self.messaging.is_fifo_group(group):
             # A FIFO group, as RocketMQ's proxy answers it (RouteActivity.queryAssignment): one assignment per queue.
             return s.QueryAssignmentResponse(status=ok(), assignments=[d.Assignment(message_queue=self.queue(topic, q, eps))
                                                                       for q in range(n)])
@@ -136,10 +136,10 @@ class MessagingService:
     # ---- producer --------------------------------------------------------------------
     async def SendMessage(self, req: s.SendMessageRequest, context: Any) -> s.SendMessageResponse:  # noqa: N802
         try:
-            resp = await producer.send_message(self.core, req)
+            resp = await producer.send_message(self.messaging, req)
         except (RmqError, TxmqError) as exc:
             return producer.send_failed(req, exc)
-        self.core.metrics.inc("rmq_messages_sent", len(resp.entries))
+        self.messaging.metrics.inc("rmq_messages_sent", len(resp.entries))
         if req.messages[0].system_properties.message_type == d.TRANSACTION:
             self._publishes(client_id_of(context), req.messages[0].topic.name)
         return resp
@@ -159,10 +159,10 @@ class MessagingService:
             stream.register()
 
     async def EndTransaction(self, req: s.EndTransactionRequest, context: Any) -> s.EndTransactionResponse:  # noqa: N802
-        return await producer.end_transaction(self.core, req)
+        return await producer.end_transaction(self.messaging, req)
 
     async def RecallMessage(self, req: s.RecallMessageRequest, context: Any) -> s.RecallMessageResponse:  # noqa: N802
-        return await producer.recall_message(self.core, req)
+        return await producer.recall_message(self.messaging, req)
 
     # ---- Telemetry (server.py drives the stream) -----------------------------------------------
     async def on_telemetry_command(self, stream: TelemetryStream, cmd: s.TelemetryCommand, client: Client, peer: str) -> None:
@@ -190,7 +190,7 @@ class MessagingService:
                 raise RmqError(Code.BAD_REQUEST, f"a producer may publish to at most {MAX_TOPICS} topics")
             client.topics = tuple(dict.fromkeys(topics))
             client.group = ""
-        fifo = bool(client.group) and self.core.group_config.fifo(client.group)
+        fifo = bool(client.group) and self.messaging.is_fifo_group(client.group)
         answer = answer_settings(client, got, self.settings, fifo=fifo)  # not kept: a copy of what the client sent, of any size
         stream.register()
         reply = s.TelemetryCommand(status=ok(), settings=answer)

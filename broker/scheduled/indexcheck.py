@@ -10,13 +10,12 @@ transaction, rows and ``applied_to`` of one flush, and the log only below
 
 from __future__ import annotations
 
-import zlib
 from pathlib import Path
 from typing import Any, Callable
 
 import msgpack
 
-from txmq.broker import sqlitefile
+from .. import sqlitefile
 from txmq.constants import PROP_REAL_TOPIC, PROP_SCHEDULE_CANCEL, PROP_SCHEDULED_FROM, PROP_TIMER_OUT_MS, PROP_UNIQ_KEY, SCHEDULE_TOPIC
 from txmq.store.codec import H_CRC, H_OFFSET, H_SIZE
 
@@ -135,7 +134,6 @@ def _check_rows(db: TimerDatabase, reader: Any, applied: int, in_damage: Callabl
     scheduled records not (yet) delivered or cancelled, as the file does.
     """
     pack = msgpack.Packer(use_bin_type=True).pack
-    crc32 = zlib.crc32
     lo = reader.queue_min_offset(SCHEDULE_TOPIC, 0)
     first = reader.cq_entries(SCHEDULE_TOPIC, 0, lo, 1)
     pending: dict[int, tuple] = {}  # scheduled record -> the row it gives, until its delivered copy or cancel record
@@ -165,7 +163,7 @@ def _check_rows(db: TimerDatabase, reader: Any, applied: int, in_damage: Callabl
         off, row = stored[0], stored[:4]
         if type(off) is int and off >= applied:  # written ahead of applied_to during a start's replay: the next replay confirms it
             continue
-        own = crc32(pack(row)) == stored[4]
+        own = sqlitefile.row_matches(stored, pack)
         expected = pending.pop(off, None)
         if expected is not None:
             if not own:

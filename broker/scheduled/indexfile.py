@@ -22,30 +22,27 @@ Schema (docs/store-format.md, "timers.db"):
   changed on disk (``applied_to`` raised by one bit) makes the file
   unconfirmed, and a start rebuilds it instead of replaying from the
   wrong place. A file without ``meta_crc`` (written by an older txmq) is
-  unconfirmed too.
+  unconfirmed too (broker/sqlitefile.py, ``meta_problem``).
 - ``timer``: ``cl_offset`` (the scheduled record, primary key), ``due_ms``,
   ``topic`` (the real topic), ``msg_id``, ``crc`` (CRC-32 of the msgpack
   array of the other four). Indexed by (due_ms, cl_offset) for the delivery
   window and by msg_id for cancels.
 
 Reads return the rows whose checksum matches and, apart, the stored rows
-whose checksum does not (``Checked``): the service rebuilds those from
-the records they name (service.py, ``_repair``).
+whose checksum does not (``Checked``): the keeper rebuilds those from
+the records they name (keeper.py, ``_repair``).
 """
 
 from __future__ import annotations
 
-import json
+import itertools
 import logging
-import random
-import sqlite3
-import zlib
 from pathlib import Path
 from typing import Any, Iterable, Iterator, NamedTuple
 
 import msgpack
 
-from txmq.broker import sqlitefile
+from .. import sqlitefile
 
 log = logging.getLogger("txmq.scheduled")
 
@@ -80,21 +77,12 @@ class Checked(NamedTuple):
     last: tuple | None  # the last stored row read, checked or not (a page ends there)
 
 
-def meta_checksum(meta: dict[str, Any]) -> int:
-    """CRC-32 of the meta values other than ``meta_crc`` (keys sorted, compact JSON: the same bytes however they were read)."""
-    body = {k: v for k, v in meta.items() if k != "meta_crc"}
-    return zlib.crc32(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+meta_checksum = sqlitefile.meta_checksum
 
 
 def meta_problem(meta: dict[str, Any]) -> str | None:
     """Why the meta values cannot be trusted (None: their checksum matches)."""
-    crc = meta.get("meta_crc")
-    if crc is None:
-        return "timers.db has no meta checksum (written by an older txmq): its applied_to is not confirmed"
-    if crc != meta_checksum(meta):
-        shown = ", ".join(f"{k}={meta.get(k)!r}" for k in ("applied_to", "rows"))
-        return f"timers.db's meta checksum does not match its values ({shown}): they were changed on disk"
-    return None
+    return sqlitefile.meta_problem(meta, DB_FILE)
 
 
 class TimerFileError(Exception):
@@ -120,20 +108,10 @@ class TimerDatabase:
         self._pack = msgpack.Packer(use_bin_type=True).pack
         self.bad_rows = 0  # damaged rows that could not be rebuilt from the log (the next start rebuilds the file)
         try:
-            self.conn = sqlitefile.connect(path, readonly, _SCHEMA)
-            self.meta = sqlitefile.read_meta(self.conn)
-        except sqlite3.Error as exc:
-            self.close()
-            err = TimerFileError(f"{path}: {exc}")
-            err.io = sqlitefile.io_error(exc)
-            raise err from None
+            self.conn, self.meta = sqlitefile.open_file(path, readonly, _SCHEMA, TimerFileError)
         except ValueError as exc:  # a meta value that is not JSON any more
-            self.close()
             raise TimerFileError(f"{path}: unreadable meta ({exc})") from None
         if not self.meta:
-            if readonly:
-                self.close()
-                raise TimerFileError(f"{path}: empty")
             self.meta = {"version": VERSION, "applied_to": 0, "boundary": None, "rows": 0}
             self._write_meta({})
         elif self.meta.get("version") != VERSION:
@@ -148,24 +126,13 @@ class TimerDatabase:
 
     def _write_meta(self, changes: dict[str, Any]) -> None:
         """Write every meta value with ``changes`` applied, and their checksum (``meta`` is updated by the caller)."""
-        meta = dict(self.meta, **changes)
-        meta["meta_crc"] = meta_checksum(meta)
-        sqlitefile.write_meta(self.conn, meta)
+        sqlitefile.write_meta(self.conn, dict(self.meta, **changes), checksum=True)
 
     # ---- reading -------------------------------------------------------------------
     def _checked(self, stored: list[tuple]) -> Checked:
         """Rows without their checksum; a row whose checksum does not match is set apart (``Checked.bad``)."""
-        pack, crc32 = self._pack, zlib.crc32
-        rows = [r[:4] for r in stored]
-        if list(map(crc32, map(pack, rows))) == [r[4] for r in stored]:
-            return Checked(rows, [], stored[-1] if stored else None)
-        out, bad = [], []
-        for r, row in zip(stored, rows):
-            if crc32(pack(row)) == r[4]:
-                out.append(row)
-            else:
-                bad.append(r)
-        return Checked(out, bad, stored[-1])
+        rows, bad = sqlitefile.split_checked(stored, self._pack)
+        return Checked(rows, bad, stored[-1] if stored else None)
 
     def due_rows(self, after: tuple[int, int], before_ms: int, limit: int) -> Checked:
         """Rows with (due_ms, cl_offset) >= after and due_ms < before_ms, in due order, at most limit."""
@@ -215,14 +182,8 @@ class TimerDatabase:
             got = self._checked(conn.execute(SELECT).fetchall())
             return len(got.rows) + len(got.bad), got.bad
         read, bad = 0, []
-        parts = [conn.execute(f"{SELECT} ORDER BY due_ms, cl_offset LIMIT ?", (first_due,)).fetchall(),
-                 conn.execute(f"{SELECT} ORDER BY cl_offset DESC LIMIT ?", (newest,)).fetchall()]
-        top = conn.execute("SELECT max(cl_offset) FROM timer").fetchone()[0]
-        if top is not None and sampled > 0:
-            per = max(1, sampled // runs)
-            for _ in range(runs):
-                at = random.randint(0, top)  # noqa: S311 - a sample, not a secret
-                parts.append(conn.execute(f"{SELECT} WHERE cl_offset >= ? ORDER BY cl_offset LIMIT ?", (at, per)).fetchall())
+        parts = itertools.chain([conn.execute(f"{SELECT} ORDER BY due_ms, cl_offset LIMIT ?", (first_due,)).fetchall()],
+                                sqlitefile.sampled_rows(conn, SELECT, "timer", "cl_offset", newest, sampled, runs))
         seen: set[int] = set()
         for part in parts:
             got = self._checked(part)

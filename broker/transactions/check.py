@@ -50,6 +50,7 @@ from txmq.wire import ErrorCode, TxmqError
 
 from .checkcopy import check_push, pack_group, patch_properties
 from ..config import CheckSettings
+from ..registry import CheckBack
 from .service import TransactionService, copy_properties
 from .index import PendingTx
 
@@ -59,6 +60,12 @@ if TYPE_CHECKING:
     from ..flush import DiskState, Flusher
     from ..metrics import Metrics
     from ..registry import ClientRegistry
+
+
+def _unpack(packed) -> dict[str, str]:
+    """A check copy's packed properties as a dict (for a check-back record: targets other than native connections)."""
+    return msgpack.unpackb(packed, raw=False)
+
 
 log = logging.getLogger("txmq.check")
 
@@ -488,6 +495,11 @@ class CheckService:
                     continue
                 p.last_check_at = now_ms
                 p.last_check_result = "sent"
+                sent += 1
+                if not conn.takes_frames:  # a RocketMQ client's: a record it words in its own protocol
+                    conn.check_back(CheckBack(p.group, p.tx_id, cl, qoff, head[H_BORN_TS], res.store_ts, head[H_PREPARED_OFFSET],
+                                              _unpack(pb), bytes(raw[pe:])))
+                    continue
                 out = frames.get(conn)
                 if out is None:
                     out = frames[conn] = []
@@ -495,7 +507,6 @@ class CheckService:
                 if gp is None:
                     gp = group_packed[p.group] = pack_group(p.group)
                 out.append(check_push(gp, p.tx_id, cl, qoff, res.size, head[H_BORN_TS], res.store_ts, head[H_PREPARED_OFFSET], pb, raw[pe:]))
-                sent += 1
             for conn, out in frames.items():
                 conn.send_frame(b"".join(out))
             self.metrics.counters["checks_sent"] += sent

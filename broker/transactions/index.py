@@ -638,13 +638,11 @@ def agrees(store, meta: dict[str, Any]) -> str | None:
         return f"unreadable meta ({exc!r})"
 
 
-def rebuild(reader, half_progress: int = 0, op_progress: int = 0, batch: int = 2048,
-            on_damage: Callable[[int, str], None] | None = None) -> TxIndex:
+def rebuild(reader, *, batch: int = 2048, on_damage: Callable[[int, str], None] | None = None) -> TxIndex:
     """The whole index rebuilt from a store (or StoreReader) in memory, every decision kept (offline use, tests).
 
-    ``half_progress`` and ``op_progress`` are accepted for callers of older
-    versions and not needed: every transactional record is read.
-    ``on_damage``: as for ``replay_steps`` (without it a damaged record raises).
+    Every transactional record is read. ``on_damage``: as for ``replay_steps``
+    (without it a damaged record raises).
     """
     idx = TxIndex()
     for _ in replay_steps(reader, idx, None, batch, on_damage=on_damage):

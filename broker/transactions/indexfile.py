@@ -48,15 +48,13 @@ Schema (``docs/store-format.md`` describes it for people):
 from __future__ import annotations
 
 import logging
-import random
 import sqlite3
-import zlib
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 import msgpack
 
-from txmq.broker import sqlitefile
+from .. import sqlitefile
 
 log = logging.getLogger("txmq.txdb")
 
@@ -154,18 +152,8 @@ class TxDatabase:
         self.path = path
         self.readonly = readonly
         self._pack = msgpack.Packer(use_bin_type=True).pack  # one per connection: a connection serves one thread at a time
-        try:
-            self.conn = sqlitefile.connect(path, readonly, _SCHEMA)
-            self.meta = self._meta()
-        except sqlite3.Error as exc:
-            self.close()
-            err = IndexFileError(f"{path}: {exc}")
-            err.io = sqlitefile.io_error(exc)
-            raise err from None
+        self.conn, self.meta = sqlitefile.open_file(path, readonly, _SCHEMA, IndexFileError)
         if not self.meta:
-            if readonly:
-                self.close()
-                raise IndexFileError(f"{path}: empty")
             self.meta = {"version": VERSION, "applied_to": 0, "queues": {"op": 0, "discard": 0, "half": 0}, "boundary": None, "log_min": 0}
             self._write_meta(self.conn, self.meta)
         elif self.meta.get("version") not in (READABLE_VERSIONS if readonly else (VERSION,)):
@@ -198,19 +186,17 @@ class TxDatabase:
         """A row as read (``STORED``) without its checksum (``COLUMNS``), once the checksum matches; raises DamagedRow."""
         if not self.checksums:
             return stored
-        row = stored[:-1]
-        if zlib.crc32(self._pack(row)) != stored[-1]:
-            raise DamagedRow(row, "checksum mismatch")
-        return row
+        if not sqlitefile.row_matches(stored, self._pack):
+            raise DamagedRow(stored[:-1], "checksum mismatch")
+        return stored[:-1]
 
     def checked_many(self, stored: list[tuple]) -> list[tuple]:
         """``checked`` for a batch, without a Python call per row (a start loads a million pending rows this way)."""
         if not self.checksums:
             return stored
-        rows = [r[:-1] for r in stored]
-        if list(map(zlib.crc32, map(self._pack, rows))) != [r[-1] for r in stored]:
-            for r in stored:
-                self.checked(r)  # raises at the first damaged one
+        rows, bad = sqlitefile.split_checked(stored, self._pack)
+        if bad:
+            raise DamagedRow(bad[0][:-1], "checksum mismatch")  # the first damaged one
         return rows
 
     def pending_rows(self) -> Iterator[tuple]:
@@ -244,15 +230,7 @@ class TxDatabase:
         """
         if not self.checksums:
             return 0
-        conn = self.conn
-        n = len(self.checked_many(conn.execute(f"{self._select} ORDER BY origin DESC LIMIT ?", (newest,)).fetchall()))
-        top = conn.execute("SELECT max(origin) FROM tx").fetchone()[0]
-        if top is not None and sampled > 0:
-            per = max(1, sampled // runs)
-            for _ in range(runs):
-                at = random.randint(0, top)  # noqa: S311 - a sample, not a secret
-                n += len(self.checked_many(conn.execute(f"{self._select} WHERE origin >= ? ORDER BY origin LIMIT ?", (at, per)).fetchall()))
-        return n
+        return sum(len(self.checked_many(part)) for part in sqlitefile.sampled_rows(self.conn, self._select, "tx", "origin", newest, sampled, runs))
 
     def snapshot(self) -> None:
         """Start a read transaction (readers: meta and rows of one flush)."""

@@ -103,9 +103,9 @@ def start(
                                             "awake instead of halted; costs only idle CPU; 0 = off, at most 100ms "
                                             "(docs/architecture.md, \"Busy polling\").")] = _duration(defaults.BUSY_POLL_S),
     auto_create_topics: Annotated[bool, typer.Option("--auto-create-topics/--no-auto-create-topics",
-                                                     help="Create a topic the first time a send names it (native or RocketMQ), or a "
-                                                     "RocketMQ route or receive; with --no-auto-create-topics such requests are refused "
-                                                     "until `txmq topics create`.")] = defaults.AUTO_CREATE_TOPICS,
+                                                     help="Create a topic the first time a native or RocketMQ 4 send or route names it "
+                                                     "(RocketMQ 5 gRPC clients get TOPIC_NOT_FOUND whatever this says, as on RocketMQ 5); "
+                                                     "with --no-auto-create-topics such requests are refused until `txmq topics create`.")] = defaults.AUTO_CREATE_TOPICS,
     max_delay: Annotated[str, typer.Option(help="The furthest ahead a timed message (TIMER_*, --delay, --deliver-at, a gRPC "
                                            "delivery_timestamp) may be due (RocketMQ's default: 3 days); a send due later is "
                                            "refused. DELAY levels wait their --message-delay-level delay, as in RocketMQ "

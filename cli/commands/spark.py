@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 
+from txmq.spark.formats import DEFAULT_FORMAT, EXPORT_FORMATS, format_help
+
 from .. import exitcodes
 from ..common import CliError, OutputOpt, parse_duration
 from ..console import Output, default_output, emit_document, err, esc, out
@@ -25,10 +27,8 @@ if TYPE_CHECKING:  # the export (pyspark, the store) is imported only when the c
     from txmq.spark.session import Session
 
 
-class Format(str, Enum):
-    parquet = "parquet"
-    json = "json"
-    csv = "csv"
+# --format's choices: the export's formats (txmq.spark.formats, pyspark-free), in their order
+Format = Enum("Format", [(f.name, f.name) for f in EXPORT_FORMATS], type=str, module=__name__)
 
 
 class Table(str, Enum):
@@ -103,7 +103,7 @@ def _split(items: list[str] | None) -> tuple[str, ...]:
 def spark_export(
     out_path: Annotated[str, typer.Option("--out", help="Output folder (or URI, e.g. hdfs:///txmq): one folder per table under it.", show_default=False)],
     data_dir: Annotated[Optional[Path], typer.Option("--data-dir", "-d", envvar="TXMQ_DATA_DIR", help="Data directory to read (default ~/.local/share/txmq). On a cluster it must be mounted at this path on every executor.", show_default=False)] = None,
-    fmt: Annotated[Format, typer.Option("--format", help="parquet, json or csv (csv: properties as a JSON string, body as base64).")] = Format.parquet,
+    fmt: Annotated[Format, typer.Option("--format", help=format_help())] = Format[DEFAULT_FORMAT],
     table: Annotated[Table, typer.Option("--table", help="messages, transactions or all.")] = Table.all,
     master: Annotated[str, typer.Option("--master", help="Spark master: local[*] (embedded), local[N], spark://HOST:7077, yarn, k8s://...")] = "local[*]",
     since: Annotated[Optional[str], typer.Option("--since", help="Records stored at or after: ISO date/time (local time unless it has an offset) or a duration ago (1h, 7d).", show_default=False)] = None,
@@ -213,7 +213,7 @@ def _export_options(out_path: str, data_dir: Optional[Path], fmt: Format, table:
     """The command's options as the export's ExportOptions: paths made absolute, times and sizes parsed (exit 2)."""
     from txmq.broker.config import default_data_dir
     from txmq.spark.export import ExportOptions
-    from txmq.spark.source import parse_size
+    from txmq.spark.options import parse_size
 
     try:
         pbytes = parse_size(partition_bytes)

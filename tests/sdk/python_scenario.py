@@ -430,7 +430,8 @@ def _attempt(what: str, fn) -> None:
 
 
 def scenario_unknown(args) -> None:
-    """A producer and a SimpleConsumer of a topic the broker does not have (it does not create topics): what each sees."""
+    """A producer and a SimpleConsumer of a topic the broker does not have (RocketMQ 5 answers its route NotFound): what
+    each sees."""
     t = args.topic
     producer = Producer(config(args), (t,), tls_enable=args.tls)
     _attempt("producer_startup", producer.startup)

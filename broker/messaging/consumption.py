@@ -1,18 +1,23 @@
-"""Consumption with invisible durations ("POP") over txmq's consume queues and consumer groups.
+"""The consumption service: consumption with invisible durations ("POP") over txmq's consume queues and consumer groups.
 
-This is the receive side of the RocketMQ 5 front end without its transport:
-``PopService.receive`` hands messages of a topic to the consumers of a group,
+Every front end that hands messages to consumer groups by invisible
+durations calls this one service (the RocketMQ 5 front end's
+ReceiveMessage, AckMessage, ChangeInvisibleDuration and
+ForwardMessageToDeadLetterQueue); the core builds it once (``core.consumption``)
+on the collaborators it reads and writes (the store's queues, the consumer
+offsets, the topic table, the Appender, the long polls), never on the core.
+``ConsumptionService.receive`` hands messages of a topic to the consumers of a group,
 each message to one consumer at a time, for an invisible duration; ``ack``
 settles one, ``change_invisible`` gives it a new duration (and a new receipt
 handle), and a message whose duration runs out is received again with its
 delivery attempt one higher, or, after the group's maximum attempts, is
 written to the group's dead-letter topic ``%DLQ%<group>`` (docs/rocketmq.md,
-"Receiving").
+"Receiving"; the group and topic names: broker/messaging/naming.py).
 
 State, per (group, topic, queue):
 
 - ``committed``: the lowest queue offset not yet acknowledged, kept in the
-  broker's consumer offsets (``core.offsets``, offsets.json), so ``txmq
+  broker's consumer offsets (``ConsumerOffsets``, offsets.json), so ``txmq
   groups describe`` shows the group; a new group starts at the queue's
   first message;
 - ``next``: the first offset never handed out since the broker started;
@@ -70,7 +75,6 @@ import heapq
 import itertools
 import logging
 import os
-import re
 import struct
 import time
 import zlib
@@ -79,19 +83,20 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
-from txmq.broker.records import msg_id_of
+from ..records import msg_id_of
 from txmq.constants import PROP_TRAN_MSG, PROP_UNIQ_KEY, TOPIC_RE, is_system_topic
-from txmq.broker.scheduled.timing import RESERVED
+from ..scheduled.timing import RESERVED
 from txmq.store import GetStatus, Message, Record, TxType
 
+from .naming import MAX_GROUP, dlq_topic, is_group_name
+
 if TYPE_CHECKING:
-    from txmq.broker.core import BrokerCore
+    from ..appender import Appender
+    from ..longpoll import LongPolls
+    from ..topics import TopicTable
+    from txmq.store import ConsumerOffsets, Store
 
-log = logging.getLogger("txmq.broker.rocketmq")
-
-DLQ_PREFIX = "%DLQ%"
-MAX_GROUP_LEN = 127 - len(DLQ_PREFIX)  # so that %DLQ%<group> is a topic name (at most 127 characters)
-GROUP_RE = re.compile(rf"^[%a-zA-Z0-9_-]{{1,{MAX_GROUP_LEN}}}\Z")
+log = logging.getLogger("txmq.broker.rocketmq")  # the logger (and its event names) the operators' filters know
 PROP_DLQ_ORIGIN_TOPIC = "DLQ_ORIGIN_TOPIC"
 PROP_DLQ_ORIGIN_MESSAGE_ID = "DLQ_ORIGIN_MESSAGE_ID"
 PROP_DLQ_ORIGIN_QUEUE = "TXMQ_DLQ_ORIGIN_QUEUE"  # "<queue id>:<queue offset>" of the message given up
@@ -242,32 +247,50 @@ def parse_tags(expression: str | None) -> frozenset[str] | None:
 
 
 def check_group(group: str) -> str:
-    if not GROUP_RE.match(group or ""):
-        raise PopError("ILLEGAL_CONSUMER_GROUP", f"consumer group {group[:200]!r} must be 1 to {MAX_GROUP_LEN} of the characters "
-                       "%a-zA-Z0-9_- (its dead-letter topic %DLQ%<group> is a topic name)")
+    if not is_group_name(group):
+        raise PopError("ILLEGAL_CONSUMER_GROUP", f"consumer group {(group or '')[:200]!r} must be 1 to {MAX_GROUP} of the characters "
+                       "%a-zA-Z0-9_- (its retry and dead-letter topics %RETRY%<group> and %DLQ%<group> are topic names)")
     return group
 
 
-def dlq_topic(group: str) -> str:
-    return DLQ_PREFIX + group
-
-
-class PopService:
+class ConsumptionService:
     """Receive, acknowledge, change invisible durations and dead-letter messages for consumer groups.
 
-    Runs on the event loop of ``core`` (every method but the waits is
-    synchronous, so two receives never take the same message).
+    Runs on the event loop (every method but the waits is synchronous, so
+    two receives never take the same message). Its collaborators: the
+    store (its consume queues are read), the consumer offsets (committed
+    offsets and settled ranges), the topic table, the Appender (writes to
+    the dead-letter topics), the long polls (woken by appends);
+    ``draining()`` and ``shutting_down()``: the broker refuses new requests
+    (receives answer at once) and appends; ``persist()``: a future done
+    when the consumer offsets are next on disk; settled ranges are handed
+    over within half of ``flush_interval_s``.
+
     ``max_attempts(group)`` gives a group's maximum deliveries (the
     default when it returns None); ``client_alive(client_id)`` says whether a
-    client that asked for auto-renewal still lives (no renewal without it).
+    client that asked for auto-renewal still lives (no renewal without it);
+    the front end serving the consumers gives both (``attach``).
     """
 
-    def __init__(self, core: BrokerCore, config: PopConfig | None = None, *,
+    def __init__(self, store: Store, offsets: ConsumerOffsets, topics: TopicTable, appender: Appender, polls: LongPolls,
+                 config: PopConfig | None = None, *,
+                 draining: Callable[[], bool] = lambda: False,
+                 shutting_down: Callable[[], bool] = lambda: False,
+                 persist: Callable[[], asyncio.Future] | None = None,
+                 flush_interval_s: float = 1.0,
                  now: Callable[[], float] = time.monotonic,
                  max_attempts: Callable[[str], int | None] | None = None,
                  client_alive: Callable[[str], bool] | None = None,
                  fifo: Callable[[str], bool] | None = None) -> None:
-        self.core = core
+        self.store = store
+        self.offsets = offsets
+        self.topics = topics
+        self.appender = appender
+        self.polls = polls
+        self.draining = draining
+        self.shutting_down = shutting_down
+        self.persist = persist
+        self.flush_interval_s = flush_interval_s
         self.config = config or PopConfig()
         self.now = now
         self._max_attempts = max_attempts
@@ -280,8 +303,8 @@ class PopService:
         self.slots = 0  # over all subscriptions
         self._tasks: set[asyncio.Task] = set()
         self.closed = False
-        # Long polls: the receives waiting per topic, and one future per topic in the core's long-poll
-        # table (core.notify_appended wakes it) standing for all of them, whatever their number.
+        # Long polls: the receives waiting per topic, and one future per topic among the long polls
+        # (an append to one of its queues wakes it) standing for all of them, whatever their number.
         self._topic_waiters: dict[str, set[asyncio.Future]] = {}
         self._armed: dict[str, tuple[asyncio.Future, int]] = {}
         self.counters: dict[str, int] = {"delivered": 0, "redelivered": 0, "acked": 0, "changed": 0, "expired": 0,
@@ -293,6 +316,15 @@ class PopService:
         self._acks_checked = False
 
     # ---- settings --------------------------------------------------------
+    def attach(self, *, max_attempts: Callable[[str], int | None] | None = None,
+               client_alive: Callable[[str], bool] | None = None) -> None:
+        """What the front end serving the consumers knows (each given one replaces the one before): a group's maximum
+        deliveries, and whether a client that asked for auto-renewal still lives."""
+        if max_attempts is not None:
+            self._max_attempts = max_attempts
+        if client_alive is not None:
+            self.client_alive = client_alive
+
     def max_attempts(self, group: str) -> int:
         n = self._max_attempts(group) if self._max_attempts is not None else None
         return n if isinstance(n, int) and n > 0 else self.config.default_max_attempts
@@ -311,7 +343,7 @@ class PopService:
     def _topic_queues(self, topic: str) -> int:
         if not topic or not TOPIC_RE.match(topic):
             raise PopError("ILLEGAL_TOPIC", f"topic {topic!r} must match ^[%|a-zA-Z0-9_-]{{1,127}}$")
-        n = self.core.topics.queues(topic)
+        n = self.topics.queues(topic)
         if n is None or is_system_topic(topic):
             raise PopError("TOPIC_NOT_FOUND", f"no topic {topic!r} on the broker")
         return n
@@ -328,7 +360,7 @@ class PopService:
             sub = self.subs[key] = Subscription(group, topic)
             if not self._acks_checked:
                 self._acks_checked = True
-                problem = getattr(self.core.offsets, "acks_problem", None)
+                problem = getattr(self.offsets, "acks_problem", None)
                 if problem:
                     log.warning("event=rmq_acks_unusable reason=%r msg=%s", problem,
                                 "'messages acknowledged past the committed offsets before the restart are delivered again'")
@@ -337,7 +369,7 @@ class PopService:
         return sub
 
     def _evict_idle(self) -> None:
-        """Forget the subscriptions with nothing unsettled and nobody waiting (their offsets are in core.offsets)."""
+        """Forget the subscriptions with nothing unsettled and nobody waiting (their offsets are in the consumer offsets)."""
         idle = [k for k, s in self.subs.items() if not s.waiters and s.slot_count() == 0]
         idle.sort(key=lambda k: self.subs[k].used)
         for k in idle[: max(1, len(idle) // 2)]:
@@ -346,26 +378,26 @@ class PopService:
     def _queue(self, sub: Subscription, qid: int) -> QueueState:
         """The queue's state, (re)started from the consumer offsets when an operator moved them (txmq groups reset)."""
         q = sub.queues.get(qid)
-        stored = self.core.offsets.get(sub.group, sub.topic, qid)
+        stored = self.offsets.get(sub.group, sub.topic, qid)
         if q is not None and stored == q.stored:
             return q
         if q is not None:  # reset from outside: what was in flight is forgotten, its handles refused
             self._drop_all(sub, q)
-        start = stored if stored is not None else self.core.store.queue_min_offset(sub.topic, qid)
+        start = stored if stored is not None else self.store.queue_min_offset(sub.topic, qid)
         q = sub.queues[qid] = QueueState(qid, start)
         if stored is None:
-            self.core.offsets.commit(sub.group, sub.topic, qid, start, keep_acked=True)
+            self.offsets.commit(sub.group, sub.topic, qid, start, keep_acked=True)
         else:
             self._restore(sub, q)
         return q
 
     def _restore(self, sub: Subscription, q: QueueState) -> None:
         """The ranges settled past the committed offset before a restart (acks.json): skipped; the offsets between them come again."""
-        acked = self.core.offsets.acked(sub.group, sub.topic, q.qid)
+        acked = self.offsets.acked(sub.group, sub.topic, q.qid)
         if not acked:
             return
         c = self.config
-        hi = min(self.core.store.queue_max_offset(sub.topic, q.qid), q.committed + c.max_window)
+        hi = min(self.store.queue_max_offset(sub.topic, q.qid), q.committed + c.max_window)
         pos, skipped = q.committed, 0
         it = iter(acked)
         for start, end in zip(it, it):
@@ -422,7 +454,7 @@ class PopService:
                 c += 1
         if c != q.committed:
             q.committed = q.stored = c
-            self.core.offsets.commit(sub.group, sub.topic, q.qid, c, keep_acked=True)
+            self.offsets.commit(sub.group, sub.topic, q.qid, c, keep_acked=True)
             if full:
                 self._wake(sub)
 
@@ -443,20 +475,19 @@ class PopService:
                 return
             # Half an interval, so that with the persist cycle's own time an acknowledgement answered one
             # flush interval before a crash is on disk; the regular checkpoint alone can take longer than that.
-            self._persist_timer = loop.call_later(self.core.config.flush_interval_s / 2, self._persist_settled)
+            self._persist_timer = loop.call_later(self.flush_interval_s / 2, self._persist_settled)
 
     def _persist_settled(self) -> None:
         self._persist_timer = None
         self.capture_settled()
-        flusher = getattr(self.core, "flusher", None)
-        if flusher is None or self.core.shutting_down:
+        if self.persist is None or self.shutting_down():
             return
-        flusher.wait_persisted().add_done_callback(_retrieve)  # a failed persist is the flusher's to log
+        self.persist().add_done_callback(_retrieve)  # a failed persist is the flusher's to log
 
     def capture_settled(self) -> None:
         """Hand the settled ranges of the queues changed since the last call to the consumer offsets, which persist them."""
         dirty, self._dirty = self._dirty, []
-        offsets = self.core.offsets
+        offsets = self.offsets
         for sub, q in dirty:
             q.dirty = False
             if self.subs.get((sub.group, sub.topic)) is not sub or sub.queues.get(q.qid) is not q:
@@ -527,14 +558,14 @@ class PopService:
         batch = min(batch, c.serve_batch)
         until = self.now() + poll_s
         while True:
-            if self.closed or self.core.draining:
+            if self.closed or self.draining():
                 return []
             sub = self._sub(group, topic)
             now = self.now()
             moving = self._expire(sub, now)
             if moving:
                 self._spawn(self._dead_letter(sub, moving, "max-attempts"))
-            n = self.core.topics.queues(topic) or n
+            n = self.topics.queues(topic) or n
             out: list[Delivery] = []
             fifo = self.fifo(group)
             if fifo and not sub.fifo:
@@ -616,7 +647,7 @@ class PopService:
         out.append(Delivery(rec, self._handle(sub, q, offset, slot), slot.attempt, inv))
 
     def _take_ready(self, sub: Subscription, q: QueueState, tags, batch, inv, now, renew_s, client, out, budget) -> None:
-        ready, store = q.ready, self.core.store
+        ready, store = q.ready, self.store
         while ready and len(out) < batch and budget[1] > 0:
             offset = ready.popleft()
             slot = q.slots.get(offset)
@@ -636,7 +667,7 @@ class PopService:
             self._deliver(sub, q, offset, slot, rec, inv, now, renew_s, client, out)
 
     def _take_new(self, sub: Subscription, q: QueueState, tags, batch, inv, now, renew_s, client, out, budget) -> None:
-        c, store = self.config, self.core.store
+        c, store = self.config, self.store
         while len(out) < batch and budget[0] > 0 and budget[1] > 0:
             room = min(c.max_window - (q.next - q.committed), c.max_slots - self.slots)
             if room <= 0:
@@ -652,7 +683,7 @@ class PopService:
                 q.committed = max(q.committed, lo) if res.status is GetStatus.OFFSET_TOO_SMALL else lo
                 self._advance(sub, q)
                 q.stored = q.committed
-                self.core.offsets.commit(sub.group, sub.topic, q.qid, q.committed, keep_acked=True)
+                self.offsets.commit(sub.group, sub.topic, q.qid, q.committed, keep_acked=True)
                 continue
             if res.status is not GetStatus.FOUND:
                 return
@@ -699,7 +730,7 @@ class PopService:
                     self._disarm(topic)
 
     def _arm(self, topic: str, n: int) -> None:
-        """One future in the core's long-poll table for each queue of topic, woken by core.notify_appended."""
+        """One future among the long polls on each queue of topic, woken by an append to one of them."""
         armed = self._armed.get(topic)
         if armed is not None and not armed[0].done() and armed[1] >= n:
             return
@@ -707,16 +738,14 @@ class PopService:
             self._disarm(topic)
         fut = asyncio.get_running_loop().create_future()
         self._armed[topic] = (fut, n)
-        pollers = self.core._pollers
-        for q in range(n):
-            pollers[(topic, q)].append(fut)
+        self.polls.watch(topic, n, fut)
         fut.add_done_callback(lambda f: self._fired(topic, f, n))
 
     def _fired(self, topic: str, fut: asyncio.Future, n: int) -> None:
         armed = self._armed.get(topic)
         if armed is not None and armed[0] is fut:
             del self._armed[topic]
-        self._unlist(topic, fut, n)
+        self.polls.unwatch(topic, n, fut)
         for w in self._topic_waiters.get(topic, ()):
             if not w.done():
                 w.set_result(None)
@@ -724,21 +753,9 @@ class PopService:
     def _disarm(self, topic: str) -> None:
         armed = self._armed.pop(topic, None)
         if armed is not None:
-            self._unlist(topic, armed[0], armed[1])
+            self.polls.unwatch(topic, armed[1], armed[0])
             if not armed[0].done():
                 armed[0].cancel()
-
-    def _unlist(self, topic: str, fut: asyncio.Future, n: int) -> None:
-        pollers = self.core._pollers
-        for q in range(n):
-            lst = pollers.get((topic, q))
-            if lst:
-                try:
-                    lst.remove(fut)
-                except ValueError:
-                    pass
-                if not lst:
-                    del pollers[(topic, q)]
 
     # ---- settling --------------------------------------------------------
     def _find(self, group: str, topic: str, handle: str) -> tuple[Subscription, QueueState, int, Slot]:
@@ -751,7 +768,7 @@ class PopService:
             raise PopError("INVALID_RECEIPT_HANDLE", "the receipt handle is from before the broker restarted: the message is delivered again")
         sub = self.subs.get((group, h.topic))
         q = sub.queues.get(h.queue_id) if sub is not None else None
-        if q is not None and self.core.offsets.get(group, h.topic, h.queue_id) != q.stored:
+        if q is not None and self.offsets.get(group, h.topic, h.queue_id) != q.stored:
             q = self._queue(sub, h.queue_id)  # an operator moved the offset: what was in flight is forgotten
         slot = q.slots.get(h.offset) if q is not None else None
         if slot is None or slot.version != h.version or slot.state == MOVING:
@@ -835,10 +852,10 @@ class PopService:
         On failure they become receivable again (``reason`` consumer) or are
         tried again after ``dlq_retry_s`` (max-attempts).
         """
-        core, topic = self.core, dlq_topic(sub.group)
+        topic = dlq_topic(sub.group)
         msgs, done = [], []
         for q, offset, slot in items:
-            res = core.store.get_messages(sub.topic, q.qid, offset, 1, self.config.max_bytes)
+            res = self.store.get_messages(sub.topic, q.qid, offset, 1, self.config.max_bytes)
             rec = res.records[0] if res.records and res.records[0].queue_offset == offset else None
             if rec is None:  # gone: nothing to move
                 self._remove(sub, q, offset)
@@ -857,8 +874,8 @@ class PopService:
         try:
             if not TOPIC_RE.match(topic):
                 raise PopError("ILLEGAL_CONSUMER_GROUP", f"the dead-letter topic {topic!r} would be longer than 127 characters")
-            core.topics.ensure(topic, 1)
-            await core.appender.submit(msgs)
+            self.topics.ensure(topic, 1)
+            await self.appender.submit(msgs)
         except Exception as exc:
             log.warning("event=rmq_dead_letter_failed group=%s topic=%s messages=%d error=%r", sub.group, sub.topic, len(msgs), exc)
             for q, offset, slot in done:
