@@ -46,6 +46,8 @@ def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist (`make test` runs the suite on several workers, `--dist loadgroup`), the tests beside one
     heavy shared thing run on one worker: the session's RocketMQ peer (two JVMs) and Spark (its JVM, the class-data
     archive) start once, not once per worker."""
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
     for item in items:
         if item.get_closest_marker("rocketmq_peer") is not None:
             item.add_marker(pytest.mark.xdist_group("rocketmq_peer"))
