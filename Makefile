@@ -23,7 +23,7 @@ $(VENV)/.installed: pyproject.toml $(SPEEDUPS_SRC) $(PROTO_SRC)
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed pyproject.toml $(SPEEDUPS_SRC) $(PROTO_SRC)
-	$(PIP) install -q -e '.[test,spark,rocketmq]'
+	$(PIP) install -q -e '.[test,spark,report,rocketmq]'
 	touch $@
 
 # `make binary` builds in an environment of its own, with only the broker's dependencies (the rocketmq extra)
@@ -50,7 +50,7 @@ help:
 run: $(VENV)/.installed
 	$(VENV)/bin/txmq broker start $(ARGS)
 
-## test: install (with the test, spark and rocketmq extras), lint (ruff check) and run the whole suite
+## test: install (with the test, spark, report and rocketmq extras), lint (ruff check) and run the whole suite
 test: $(VENV)/.installed-test
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q $(ARGS)

@@ -92,8 +92,8 @@ class LimitedConnection(asyncio.Protocol):
     frontend: str  # the front end's name in refusals (broker/refusals.py): "native", "remoting"
     first_request = "request"  # what --auth-timeout waits for when a token is configured
 
-    def __init__(self, core: Any, shared: Any) -> None:
-        self.core = core  # the messaging service (broker/messaging/): config, metrics, refusals, forget_client, busy_poll_arm
+    def __init__(self, messaging: Any, shared: Any) -> None:
+        self.messaging = messaging  # the messaging service (broker/messaging/): config, metrics, refusals, forget_client, busy_poll_arm
         self.shared = shared
         self.transport: asyncio.Transport | None = None
         self.peer = ""
@@ -124,7 +124,7 @@ class LimitedConnection(asyncio.Protocol):
 
     def _admit(self, cap: int | None, cap_flag: str) -> None:
         """Count the connection in, or refuse it at once when it is over ``cap`` or the per-address limit."""
-        shared, cfg, names = self.shared, self.core.config, self.counters
+        shared, cfg, names = self.shared, self.messaging.config, self.counters
         if cap is not None and len(shared.connections) >= cap:
             self._refuse_at_once(names.refused, f"too many connections: the broker's limit is {cap} ({cap_flag})")
             return
@@ -136,15 +136,15 @@ class LimitedConnection(asyncio.Protocol):
         self._counted = True
         shared.connections.add(self)
         shared.by_ip[self.ip] = shared.by_ip.get(self.ip, 0) + 1
-        self.core.metrics.inc(names.accepted)
+        self.messaging.metrics.inc(names.accepted)
         if cfg.auth_timeout_s:
             self._first_by = self._loop.time() + cfg.auth_timeout_s
 
     def _refuse_at_once(self, counter: str, message: str) -> None:
         """Close a connection over a connection limit as soon as it is accepted: its descriptor is freed at once."""
         self._closing = True
-        self.core.metrics.inc(counter)
-        self.core.refusals.note(self.frontend, "connection_limit", self.peer, message)
+        self.messaging.metrics.inc(counter)
+        self.messaging.refusals.note(self.frontend, "connection_limit", self.peer, message)
         try:
             self.transport.write(self._refusal(message))  # one small frame: fits the socket buffer
         finally:
@@ -166,7 +166,7 @@ class LimitedConnection(asyncio.Protocol):
             shared.by_ip[self.ip] = n
         else:
             shared.by_ip.pop(self.ip, None)
-        self.core.forget_client(self)  # out of every producer and consumer group
+        self.messaging.forget_client(self)  # out of every producer and consumer group
         self._forget()
 
     def _forget(self) -> None:
@@ -177,7 +177,7 @@ class LimitedConnection(asyncio.Protocol):
         """Account for the ``held`` bytes of a frame still being received; False if the connection was refused for them."""
         delta = held - self._partial
         if delta:
-            shared, cfg = self.shared, self.core.config
+            shared, cfg = self.shared, self.messaging.config
             if delta > 0 and shared.partial_frame_bytes + delta > cfg.partial_frame_budget:
                 self._close_for(self.counters.partial_frame_refusals, "busy",
                                 f"the broker holds too many bytes of frames still being received (--partial-frame-budget "
@@ -206,7 +206,7 @@ class LimitedConnection(asyncio.Protocol):
         """Close the connection if its first request or its current frame is overdue (called by the front end)."""
         if self._closing:
             return
-        cfg = self.core.config
+        cfg = self.messaging.config
         if self._first_by and now >= self._first_by:
             what = self.first_request if cfg.auth_token else "request"
             self._close_for(self.counters.auth_timeouts, "auth_timeout",
@@ -224,7 +224,7 @@ class LimitedConnection(asyncio.Protocol):
         self.inflight += 1
         if self.inflight == 1:
             self.shared.busy += 1
-        if self.inflight >= self.core.config.max_inflight_per_conn:
+        if self.inflight >= self.messaging.config.max_inflight_per_conn:
             self._pause_reading()
         self.shared.inflight.add(fut)
         if cost:
@@ -269,7 +269,7 @@ class LimitedConnection(asyncio.Protocol):
                 self.transport.writelines(out)
             else:
                 self.transport.write(b"".join(out))
-            arm = self.core.busy_poll_arm
+            arm = self.messaging.busy_poll_arm
             if arm is not None and self.shared.busy <= 1:
                 arm()  # a lone client's next request: keep a CPU awake through its fsync (broker/busypoll.py)
         else:
@@ -324,7 +324,7 @@ class LimitedConnection(asyncio.Protocol):
         if (
             self._read_paused
             and not self._write_paused
-            and self.inflight < self.core.config.max_inflight_per_conn // 2
+            and self.inflight < self.messaging.config.max_inflight_per_conn // 2
             and self._pull_bytes <= PULL_BUDGET // 2
             and self.transport is not None
             and not self.transport.is_closing()

@@ -89,10 +89,10 @@ class BrokerConnection(LimitedConnection):
     # ---- asyncio.Protocol ---------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._open(transport)
-        self._admit(self.core.config.max_connections, "--max-connections")
+        self._admit(self.messaging.config.max_connections, "--max-connections")
 
     def _refusal(self, message: str) -> bytes:
-        self.core.metrics.inc("errors_busy")
+        self.messaging.metrics.inc("errors_busy")
         err = TxmqError(message, ErrorCode.BUSY)
         return reply(0, err.to_fields(), int(err.code))
 
@@ -102,7 +102,7 @@ class BrokerConnection(LimitedConnection):
         if not self.authed:
             self._received_before_hello(data)
             return
-        arm = self.core.busy_poll_arm
+        arm = self.messaging.busy_poll_arm
         if arm is not None and self.state.busy <= 1:
             arm()  # a lone client's request: keep a CPU awake through its fsync (broker/busypoll.py)
         try:
@@ -139,7 +139,7 @@ class BrokerConnection(LimitedConnection):
             if self._closing:
                 return
             if self.authed:
-                decoder.max_frame = self.core.config.max_frame
+                decoder.max_frame = self.messaging.config.max_frame
                 if decoder.buffered:
                     self.data_received(b"")
                 return
@@ -178,9 +178,9 @@ class BrokerConnection(LimitedConnection):
                 self._fatal(id_, TxmqError("authentication required: send hello with the broker's token first", ErrorCode.AUTH_REQUIRED))
                 return
             token = fields.get("token")
-            expected = self.core.config.auth_token.encode()
+            expected = self.messaging.config.auth_token.encode()
             if not isinstance(token, str) or not hmac.compare_digest(token.encode(), expected):
-                self.core.metrics.inc("auth_failures")
+                self.messaging.metrics.inc("auth_failures")
                 self._fatal(id_, TxmqError("authentication failed: wrong token", ErrorCode.AUTH_FAILED))
                 return
             self.authed = True
@@ -190,7 +190,7 @@ class BrokerConnection(LimitedConnection):
         if handler is None:
             self._reply_error(id_, TxmqError(f"unknown operation {op[:64]!r}", ErrorCode.UNKNOWN_OPERATION))
             return
-        if self.core.draining and op not in ("heartbeat", "broker_info"):
+        if self.messaging.draining and op not in ("heartbeat", "broker_info"):
             self._reply_error(id_, TxmqError("broker is shutting down", ErrorCode.SHUTTING_DOWN))
             return
         try:
@@ -202,7 +202,7 @@ class BrokerConnection(LimitedConnection):
             self._reply_error(id_, self._too_deep(op, fields, exc))
             return
         except Exception as exc:  # a bug: answer, log (broker/refusals.py: throttled), keep serving
-            self._reply_error(id_, self.core.error_of(exc))
+            self._reply_error(id_, self.messaging.error_of(exc))
             return
         if isinstance(result, dict):
             self._send_reply(id_, result)
@@ -233,20 +233,20 @@ class BrokerConnection(LimitedConnection):
             elif isinstance(exc, TxmqError):
                 self._reply_error(id_, exc)
             else:
-                self._reply_error(id_, self.core.error_of(exc))
+                self._reply_error(id_, self.messaging.error_of(exc))
         self._maybe_resume_reading()
 
     def _too_deep(self, op: str, fields: dict[str, Any], exc: RecursionError) -> TxmqError:
         """A handler recursed past the interpreter's limit: on fields nested too deeply (a refusal), else a bug."""
         if not nests_deeper(fields):
-            return self.core.error_of(exc)
+            return self.messaging.error_of(exc)
         err = TxmqError(f"the fields of {op[:64]!r} nest more than {MAX_FIELD_DEPTH} levels deep", ErrorCode.INVALID_FIELD)
-        self.core.refusals.note("native", "bad_request", self.peer, str(err))
+        self.messaging.refusals.note("native", "bad_request", self.peer, str(err))
         return err
 
     # ---- output ---------------------------------------------------------------
     def _reply_error(self, id_: int, err: TxmqError) -> None:
-        self.core.metrics.inc(f"errors_{err.code.name.lower()}")
+        self.messaging.metrics.inc(f"errors_{err.code.name.lower()}")
         self._send(reply(id_, err.to_fields(), int(err.code)))
 
     def _fatal(self, id_: int, err: TxmqError) -> None:
@@ -259,11 +259,11 @@ class BrokerConnection(LimitedConnection):
 
         The refusal is counted (errors_<code>, ``counter``, refused_native_<kind>) and logged throttled (broker/refusals.py).
         """
-        metrics = self.core.metrics
+        metrics = self.messaging.metrics
         metrics.inc(f"errors_{err.code.name.lower()}")
         if counter is not None:
             metrics.inc(counter)
-        self.core.refusals.note("native", kind, self.peer, str(err))
+        self.messaging.refusals.note("native", kind, self.peer, str(err))
         self._send(reply(id_, err.to_fields(), int(err.code)))
         self._end_after_reply()
 
@@ -277,7 +277,7 @@ class BrokerConnection(LimitedConnection):
                 return
             data = reply(id_, result)
         except Exception as exc:  # a value no frame can carry (a bug): an error reply, and the connection goes on
-            self._reply_error(id_, self.core.error_of(exc))
+            self._reply_error(id_, self.messaging.error_of(exc))
             return
         self._send(data, now=now)
 

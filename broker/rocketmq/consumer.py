@@ -79,9 +79,9 @@ class ReceiveFrontend:
     and in all (limits.py; the settings', else the default bounds).
     """
 
-    def __init__(self, core: Messaging, clients: Any = None, *,
+    def __init__(self, messaging: Messaging, clients: Any = None, *,
                  max_attempts: Callable[[str], int | None] | None = None, long_polls: Holds | None = None) -> None:
-        self.core = core
+        self.messaging = messaging
         settings = None
         if clients is not None and hasattr(clients, "clients") and hasattr(clients, "consumer_max_attempts"):
             settings, clients = clients, clients.clients
@@ -100,7 +100,7 @@ class ReceiveFrontend:
     def pop(self) -> ConsumptionService:
         """The broker's consumption service, the one the core built when the store opened (after this front end bound its
         port); told on first use what this front end knows: whether its clients live, its groups' attempts."""
-        pop = self.core.consumption
+        pop = self.messaging.consumption
         if pop is not self._attached:
             pop.attach(max_attempts=self._max_attempts, client_alive=self._alive if self.clients is not None else None)
             self._attached = pop
@@ -127,7 +127,7 @@ class ReceiveFrontend:
         try:
             try:
                 group, topic, queue_id, tags, batch, invisible, poll = self._receive_args(request, context)
-                routes.check_receive(self.core, topic)  # an unknown topic: TOPIC_NOT_FOUND, as RocketMQ's proxy answers it
+                routes.check_receive(self.messaging, topic)  # an unknown topic: TOPIC_NOT_FOUND, as RocketMQ's proxy answers it
                 busy = None
                 if poll > 0:
                     peer = peer_of(context)
@@ -145,19 +145,19 @@ class ReceiveFrontend:
                 yield s.ReceiveMessageResponse(status=d.Status(code=exc.code, message=exc.message))
                 return
             except Exception as exc:  # never a broken stream for the SDK: a status it can read
-                self.core.refusals.internal("rocketmq.ReceiveMessage", exc)
+                self.messaging.refusals.internal("rocketmq.ReceiveMessage", exc)
                 yield s.ReceiveMessageResponse(status=of_error(exc))
                 return
             if not got and busy is not None:
                 # RocketMQ's answer when the broker holds too many waiting receives: the SDKs receive again later.
                 reason = f"polling full: {busy}"
-                self.core.refusals.note("rocketmq", "busy", peer, reason)
+                self.messaging.refusals.note("rocketmq", "busy", peer, reason)
                 yield s.ReceiveMessageResponse(status=d.Status(code=Code.TOO_MANY_REQUESTS, message=reason))
                 return
             if not got:
                 yield s.ReceiveMessageResponse(status=d.Status(code=Code.MESSAGE_NOT_FOUND, message="no new message"))
                 return
-            self.core.metrics.inc("rmq_messages_received", len(got))
+            self.messaging.metrics.inc("rmq_messages_received", len(got))
             sent = 0
             # FIFO: the queues with a message that could not be sent; the rest of each in this batch is held back (ready again)
             stopped: set[int] = set()
@@ -248,7 +248,7 @@ class ReceiveFrontend:
             except PopError as exc:
                 failed += 1
                 r.status.code, r.status.message = _code(exc.code), exc.message
-        self.core.metrics.inc("rmq_messages_acked", len(request.entries) - failed)
+        self.messaging.metrics.inc("rmq_messages_acked", len(request.entries) - failed)
         if not failed:
             out.status.code, out.status.message = Code.OK, "OK"
         elif len(out.entries) == 1:
@@ -285,5 +285,5 @@ class ReceiveFrontend:
         return out
 
     async def close(self) -> None:
-        if getattr(self.core, "consumption", None) is not None:  # not built when the broker stops before its store opened
+        if getattr(self.messaging, "consumption", None) is not None:  # not built when the broker stops before its store opened
             await self.pop.close()
