@@ -55,6 +55,16 @@ Steps = Iterable[tuple[int, "int | None"]]  # (records replayed so far, where th
 FlushJob = tuple[Callable[..., Any], tuple]  # what a flush runs in the index thread: (function, its arguments)
 
 
+async def cancel_and_wait(task: asyncio.Task | None) -> None:
+    """Cancel a background task (if any and still running) and wait until it has ended, whatever it raised."""
+    if task is not None and not task.done():
+        task.cancel()
+        try:
+            await task
+        except (asyncio.CancelledError, Exception):
+            pass
+
+
 class IndexLife:
     """An index file's life in a live broker: built at start, flushed while the broker runs, closed at shutdown.
 
@@ -268,12 +278,7 @@ class IndexLife:
     async def stop(self) -> None:
         """Stop building and flushing, then leave the file reflecting the whole log and close it."""
         for task in (self._build_task, self._flush_task, *self._tasks):
-            if task is not None and not task.done():
-                task.cancel()
-                try:
-                    await task
-                except (asyncio.CancelledError, Exception):
-                    pass
+            await cancel_and_wait(task)
         await self._before_final_flush()
         await self._final_flush()
 

@@ -50,6 +50,7 @@ from txmq.store.damage import Damage
 from txmq.txids import TxIds
 from txmq.wire import ErrorCode, TxmqError
 
+from ..indexlife import cancel_and_wait
 from ..metrics import Durations
 from ..records import msg_id
 from .admin import ScheduleAdmin
@@ -134,13 +135,7 @@ class ScheduleService:
 
     async def stop(self) -> None:
         """Stop delivering, then leave the file reflecting the whole log and close it."""
-        task = self._deliver_task
-        if task is not None and not task.done():
-            task.cancel()
-            try:
-                await task
-            except (asyncio.CancelledError, Exception):
-                pass
+        await cancel_and_wait(self._deliver_task)
         await self.keeper.stop()
 
     def protect_from(self) -> int:
