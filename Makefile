@@ -50,15 +50,21 @@ help:
 run: $(VENV)/.installed
 	$(VENV)/bin/txmq broker start $(ARGS)
 
+# TEST_WORKERS=N runs the suite on N pytest-xdist workers, each test file on one worker (most of the suite's time is
+# spent waiting on brokers, JVMs and builds; the builds take turns, tests/conftest.py). The default, 0, runs it in this
+# process, one test after another: what CI runs.
+TEST_WORKERS ?= 0
+XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+
 ## test: install (with the test, spark, report and rocketmq extras), lint (ruff check) and run the whole suite
 test: $(VENV)/.installed-test
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q $(XDIST) $(ARGS)
 
 ## test-fast: lint and run the suite without the Spark, slow and real-RocketMQ tests
 test-fast: $(VENV)/.installed-test
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q -m "not spark and not slow and not rocketmq_peer" $(ARGS)
+	$(PY) -m pytest -q $(XDIST) -m "not spark and not slow and not rocketmq_peer" $(ARGS)
 
 ## lint: ruff check (rules in pyproject.toml); `make lint ARGS=--fix` applies the safe fixes
 lint: $(VENV)/.installed-test

@@ -42,14 +42,21 @@ def data_dir(tmp_path):
     return d
 
 
-def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (`make test` runs the suite on several workers, `--dist loadgroup`), the tests beside one
-    heavy shared thing run on one worker: the session's RocketMQ peer (two JVMs) and Spark (its JVM, the class-data
-    archive) start once, not once per worker."""
-    if not config.pluginmanager.hasplugin("xdist"):
+# Tests that build the single executable, the zipapp, the wheel or the image share build/ and dist/: where the suite
+# runs on several workers (`make test TEST_WORKERS=3`: pytest-xdist, each test file on one worker), one at a time.
+BUILDS = {"test_binary.py", "test_single_binary.py", "test_install_layout.py", "test_build_targets.py", "test_container_image.py",
+          "test_binary_cache_trust.py"}
+
+
+@pytest.fixture(autouse=True)
+def _one_build_at_a_time(request):
+    if request.node.path.name not in BUILDS:
+        yield
         return
-    for item in items:
-        if item.get_closest_marker("rocketmq_peer") is not None:
-            item.add_marker(pytest.mark.xdist_group("rocketmq_peer"))
-        elif item.get_closest_marker("spark") is not None:
-            item.add_marker(pytest.mark.xdist_group("spark"))
+    import fcntl
+
+    lock_dir = REPO / "build"
+    lock_dir.mkdir(exist_ok=True)
+    with open(lock_dir / ".tests-build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        yield
