@@ -259,17 +259,19 @@ class BrokerCore:
         return TxmqError(f"internal error: {type(exc).__name__}", ErrorCode.INTERNAL)
 
     # ---- sending -------------------------------------------------------
-    def send(self, msgs: list[Message], single: bool) -> asyncio.Future:
+    def send(self, msgs: list[Message], single: bool, then: Callable[[Any], Any] | None = None) -> asyncio.Future:
         """Send plain messages, as every front end does: the future's result is each one's receipt (``single``: the only one's).
 
         A message whose properties ask for a later delivery (RocketMQ's
         ``DELAY`` level, ``TIMER_DELIVER_MS``, ``TIMER_DELAY_SEC``,
         ``TIMER_DELAY_MS``) is scheduled instead (broker/scheduled/): every
         front end gets it by passing the client's properties through.
+        ``then``: a mapping of the receipts applied as the append completes
+        (the messaging service's typed answers: no second future per send).
         """
         for m in msgs:
             if asks_for_time(m.properties):
-                return self.scheduled.send(msgs, single)
+                return self.scheduled.send(msgs, single, then)
         def shape(results: list[AppendResult]) -> dict[str, Any]:
             self.metrics.counters["messages_sent"] += len(results)
             rows = [
@@ -277,7 +279,8 @@ class BrokerCore:
                  "queue_offset": r.queue_offset, "commit_log_offset": r.commit_log_offset}
                 for m, r in zip(msgs, results)
             ]
-            return rows[0] if single else {"results": rows}
+            reply = rows[0] if single else {"results": rows}
+            return reply if then is None else then(reply)
 
         return self.appender.submit(msgs, shape)
 

@@ -61,15 +61,15 @@ class FakeMessaging:
     def topic_queues(self, topic: str) -> int | None:
         return self.known_topics.get(topic)
 
-    def send(self, topic, items, queue_id=None, rules=NATIVE_RULES):
+    def send(self, topic, items, queue_id=None, rules=NATIVE_RULES, word=None):
         self.calls.append(("send", topic, list(items), queue_id, rules))
         if self.error is not None:
             raise self.error
-        return done(self.receipts)
+        return done(self.receipts if word is None else word(self.receipts))
 
-    def end_transaction(self, group, tx_id, cl, half, state, source="producer"):
+    def end_transaction(self, group, tx_id, cl, half, state, source="producer", word=None):
         self.calls.append(("end_transaction", group, tx_id, cl, half, state, source))
-        return done(self.outcome)
+        return done(self.outcome if word is None else word(self.outcome))
 
     async def pull(self, *args):
         self.calls.append(("pull", *args))

@@ -120,9 +120,16 @@ def _one(receipt: SendReceipt) -> list[SendReceipt]:
     return [receipt]
 
 
+_of_row = SendReceipt.of_row
+
+
+def _one_row(row: dict[str, Any]) -> list[SendReceipt]:
+    return [_of_row(row)]
+
+
 def _receipts(reply: dict[str, Any]) -> list[SendReceipt]:
     rows = reply["results"] if "results" in reply else [reply]
-    return [SendReceipt.of_row(r) for r in rows]
+    return [_of_row(r) for r in rows]
 
 
 class Messaging:
@@ -155,22 +162,33 @@ class Messaging:
 
     # ---- sending ---------------------------------------------------------------------------------------------
     def send(self, topic: str, items: Sequence[Outgoing], queue_id: int | None = None,
-             rules: SendRules = NATIVE_RULES) -> asyncio.Future:
+             rules: SendRules = NATIVE_RULES, word: Callable[[list[SendReceipt]], Any] | None = None) -> asyncio.Future:
         """Store one message or a batch: a future of their receipts, in order (the planner above decides each one's type and queue).
 
         ``queue_id``: the queue the client chose (None or < 0: the broker
         chooses, round-robin); a FIFO message's queue is its group's, and a
-        queue given with a group must be that one.
+        queue given with a group must be that one. ``word``: what the front
+        end makes of the receipts (its protocol's answer); the future's
+        result is then that, mapped in the same done-callback (no second
+        future on the hot path).
         """
-        if not items:
+        n = len(items)
+        if not n:
             raise TxmqError("no message to send", ErrorCode.INVALID_FIELD)
         asked = queue_id if queue_id is not None and queue_id >= 0 else None
-        if len(items) == 1 and items[0].properties.get(PROP_TRAN_MSG) == "true":
-            o = items[0]
-            if rules.message_groups:
-                message_group_of(o.properties)  # refuses a transactional message with a message group
-            return then(self.send_half(topic, asked, o.body, o.properties, o.born_ts), _one)
         topics = self._core.topics
+        if n == 1:  # the common case, without the batch's bookkeeping
+            o = items[0]
+            props = o.properties
+            group = message_group_of(props) if rules.message_groups else None  # refuses a group with a delivery time
+            if props.get(PROP_TRAN_MSG) == "true":  # a half message (message_group_of refused one with a group)
+                return self._send_half_gated(topic, asked, o.body, props, o.born_ts, _one if word is None else lambda r: word([r]))
+            if group is not None:
+                qid = pick_group_queue(topics, topic, group, asked)
+            else:
+                qid = topics.pick_queue(topic, asked, self._kind(topic, props, rules).value)
+            return self._core.send([Message(topic, qid, TxType.NORMAL, o.born_ts, props, o.body)], True,
+                                   _one_row if word is None else lambda row: word([_of_row(row)]))
         queues: list[int | None] = []
         kinds: set[MessageKind] = set()
         for o in items:
@@ -190,7 +208,7 @@ class Messaging:
             first = MessageKind.NORMAL if MessageKind.NORMAL in kinds else MessageKind.DELAY
             qid = topics.pick_queue(topic, asked, first.value)
         msgs = [Message(topic, qid if q is None else q, TxType.NORMAL, o.born_ts, o.properties, o.body) for o, q in zip(items, queues)]
-        return then(self._core.send(msgs, len(msgs) == 1), _receipts)
+        return self._core.send(msgs, False, _receipts if word is None else lambda reply: word(_receipts(reply)))
 
     def _kind(self, topic: str, props: dict[str, str], rules: SendRules) -> MessageKind:
         """A plain message's type: DELAY when its properties ask for a later delivery (checked only where the protocol has
@@ -209,19 +227,24 @@ class Messaging:
         Waits at the index gate; a half sent again under an id pending in
         the same topic and group answers with the first one's receipt.
         """
+        return self._send_half_gated(topic, queue_id, body, props, born_ts)
+
+    def _send_half_gated(self, topic: str, queue_id: int | None, body: bytes, props: dict[str, str], born_ts: int,
+                         word: Callable[[SendReceipt], Any] | None = None) -> Any:
+        """A future of the half's receipt (or of ``word`` of it)."""
         keeper = self._core.keeper
         if keeper.must_wait():  # right after a start, while the transaction index is built
-            return then(keeper.when_ready(lambda: self._send_half(topic, queue_id, body, props, born_ts)),
-                           lambda r: r if type(r) is SendReceipt else SendReceipt.of_row(r))
-        return self._send_half(topic, queue_id, body, props, born_ts)
+            return asyncio.ensure_future(keeper.when_ready(lambda: self._send_half(topic, queue_id, body, props, born_ts, word)))
+        return self._send_half(topic, queue_id, body, props, born_ts, word)
 
-    def _send_half(self, topic: str, queue_id: int | None, body: bytes, props: dict[str, str], born_ts: int) -> Any:
+    def _send_half(self, topic: str, queue_id: int | None, body: bytes, props: dict[str, str], born_ts: int,
+                   word: Callable[[SendReceipt], Any] | None) -> asyncio.Future:
         again = self._resent(topic, props)
         if again is not None:
             fut = asyncio.get_running_loop().create_future()
-            fut.set_result(again)
+            fut.set_result(again if word is None else word(again))
             return fut
-        return then(self._core.tx.send_half(topic, queue_id, body, props, born_ts), SendReceipt.of_row)
+        return self._core.tx.send_half(topic, queue_id, body, props, born_ts, _of_row if word is None else lambda row: word(_of_row(row)))
 
     def _resent(self, topic: str, props: dict[str, str]) -> SendReceipt | None:
         tx_id = props.get(PROP_UNIQ_KEY)
@@ -233,7 +256,7 @@ class Messaging:
         return SendReceipt(tx_id, topic, p.queue_id, p.half_offset, p.cl_offset, half_offset=p.half_offset, resent=True)
 
     def end_transaction(self, group: str, tx_id: str, commit_log_offset: int, half_offset: int, state: str,
-                        source: str = "producer") -> asyncio.Future:
+                        source: str = "producer", word: Callable[[EndOutcome], Any] | None = None) -> asyncio.Future:
         """Commit, roll back or leave (``unknown``) the transaction of the half copy at these offsets: a future of its EndOutcome.
 
         ``source``: producer, or check (an answer to a check-back). Waits at
@@ -253,7 +276,8 @@ class Messaging:
             return self._core.tx.end_transaction(group, tx_id, commit_log_offset, half_offset, state, source)
 
         result = keeper.when_ready(end) if keeper.must_wait() else end()
-        return then(result, lambda r: EndOutcome.of_reply(tx_id, r))
+        of_reply = EndOutcome.of_reply
+        return then(result, (lambda r: of_reply(tx_id, r)) if word is None else lambda r: word(of_reply(tx_id, r)))
 
     async def transaction_ref(self, text: str) -> TxRef | None:
         """The half copy a transaction id names (a protocol whose end of a transaction gives no offsets): None if none.

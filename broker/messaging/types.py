@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..registry import CheckBack, PushTarget
 from ..transactions.service import MAX_NAME
@@ -49,18 +49,24 @@ ROCKETMQ5_RULES = SendRules()
 ROCKETMQ4_RULES = SendRules(message_types=False, message_groups=False)
 
 
-@dataclass(frozen=True, slots=True)
-class Outgoing:
-    """A message as a front end hands it over: the planner chooses its type and queue from its properties."""
+class Outgoing(NamedTuple):
+    """A message as a front end hands it over: the planner chooses its type and queue from its properties (one per
+    message on the hot path: a NamedTuple)."""
 
     body: bytes
     properties: dict[str, str]
     born_ts: int
 
 
-@dataclass(frozen=True, slots=True)
-class SendReceipt:
+_new = tuple.__new__
+
+
+class SendReceipt(NamedTuple):
     """One stored message: where it went, and for a scheduled or a half message, what that adds.
+
+    Immutable, as every answer here; a NamedTuple rather than a frozen
+    dataclass because one is built per message on the hottest path (a
+    frozen dataclass costs several times as much to build).
 
     ``queue_offset`` is -1 for a scheduled message (it reaches its queue when
     due, at ``deliver_at_ms``); a half message's ``half_offset`` is its place
@@ -91,8 +97,9 @@ class SendReceipt:
     def of_row(cls, row: dict[str, Any]) -> SendReceipt:
         """The receipt of a row as the core's, the schedule's and the transaction service's appends shape it."""
         half = row.get("half_offset")
-        return cls(row["msg_id"], row["topic"], row["queue_id"], row.get("queue_offset", -1) if half is None else half,
-                   row["commit_log_offset"], row.get("deliver_at_ms"), half)
+        # tuple.__new__: every field given, without the generated __new__'s keyword handling (once per message)
+        return _new(cls, (row["msg_id"], row["topic"], row["queue_id"], row.get("queue_offset", -1) if half is None else half,
+                          row["commit_log_offset"], row.get("deliver_at_ms"), half, False))
 
 
 class EndStatus(str, enum.Enum):
@@ -103,9 +110,11 @@ class EndStatus(str, enum.Enum):
     UNCHANGED = "noop"  # UNKNOWN: it stays as it is (pending, usually)
 
 
-@dataclass(frozen=True, slots=True)
-class EndOutcome:
-    """The one answer to an end of a transaction, whichever protocol ended it."""
+_END_STATUS = {s.value: s for s in EndStatus}
+
+
+class EndOutcome(NamedTuple):
+    """The one answer to an end of a transaction, whichever protocol ended it (a NamedTuple: one per transaction)."""
 
     tx_id: str
     status: EndStatus
@@ -118,7 +127,7 @@ class EndOutcome:
         committed = None
         if "commit_log_offset" in reply:
             committed = SendReceipt(tx_id, reply["topic"], reply["queue_id"], reply["queue_offset"], reply["commit_log_offset"])
-        return cls(tx_id, EndStatus(reply.get("status", "ok")), reply.get("outcome", "pending"), reply.get("decided_by"), committed)
+        return cls(tx_id, _END_STATUS[reply.get("status", "ok")], reply.get("outcome", "pending"), reply.get("decided_by"), committed)
 
     def remark(self) -> str:
         """The outcome in words, as RocketMQ 4 responses carry it in their remark and RocketMQ 5's in the status message."""

@@ -14,7 +14,7 @@ from txmq import __version__
 from txmq.constants import PROP_TRAN_MSG, canonical_topic, is_system_topic
 from txmq.wire import PROTOCOL_VERSION, ErrorCode, TxmqError
 
-from ..messaging import NATIVE_RULES, EndOutcome, Messaging, Operations, Outgoing, SendReceipt, then
+from ..messaging import NATIVE_RULES, EndOutcome, Messaging, Operations, Outgoing, SendReceipt
 from ..topics import MAX_QUEUES, message_types_of
 from .operations import HANDLERS, Front, Handler, Reply, _bad, body_of, opt_bool, opt_int, opt_str, props_of, refs_of, req_int, req_str, user_topic
 
@@ -71,19 +71,18 @@ def send(front: Front, conn: BrokerConnection, f: dict) -> Reply:
     qid = opt_int(f, "queue_id", None, -1, 1023)
     born = opt_int(f, "born_ts", None) or messaging.now_ms()
     created = messaging.topic_queues(topic) is None  # rare: the reply says this send created the topic
-    return then(messaging.send(topic, [Outgoing(body, props, born)], qid, NATIVE_RULES),
-                _created_row if created else _first_row)
+    return messaging.send(topic, [Outgoing(body, props, born)], qid, NATIVE_RULES, _created_row if created else _first_row)
 
 
 def receipt_row(r: SendReceipt) -> dict[str, Any]:
     """A send's receipt as the native protocol answers it (docs/protocol.md, "send")."""
-    if r.transactional:
-        return {"msg_id": r.msg_id, "tx_id": r.msg_id, "topic": r.topic, "queue_id": r.queue_id, "half_offset": r.half_offset,
-                "commit_log_offset": r.commit_log_offset}
-    row = {"msg_id": r.msg_id, "topic": r.topic, "queue_id": r.queue_id, "queue_offset": r.queue_offset,
-           "commit_log_offset": r.commit_log_offset}
-    if r.deliver_at_ms is not None:
-        row["deliver_at_ms"] = r.deliver_at_ms
+    msg_id, topic, queue_id, queue_offset, cl, deliver_at_ms, half_offset, _resent = r  # once per message: no attribute lookups
+    if half_offset is not None:
+        return {"msg_id": msg_id, "tx_id": msg_id, "topic": topic, "queue_id": queue_id, "half_offset": half_offset,
+                "commit_log_offset": cl}
+    row = {"msg_id": msg_id, "topic": topic, "queue_id": queue_id, "queue_offset": queue_offset, "commit_log_offset": cl}
+    if deliver_at_ms is not None:
+        row["deliver_at_ms"] = deliver_at_ms
     return row
 
 
@@ -122,15 +121,15 @@ def send_batch(front: Front, conn: BrokerConnection, f: dict) -> Reply:
         if props.get(PROP_TRAN_MSG) == "true":
             raise _bad("transactional messages cannot be sent in a batch")
         out.append(Outgoing(body_of(m, cfg.max_body), props, opt_int(m, "born_ts", None) or now))
-    return then(messaging.send(topic, out, asked, NATIVE_RULES), _created_batch_rows if created else _batch_rows)
+    return messaging.send(topic, out, asked, NATIVE_RULES, _created_batch_rows if created else _batch_rows)
 
 
 # ---- transactions ----------------------------------------------------------
 def end_transaction(front: Front, conn: BrokerConnection, f: dict) -> Reply:
     state = req_str(f, "state")  # commit, rollback or unknown: the service checks it
     source = "check" if opt_bool(f, "from_check") else "producer"
-    return then(front.messaging.end_transaction(req_str(f, "group"), req_str(f, "tx_id"), req_int(f, "commit_log_offset"),
-                                               req_int(f, "half_offset"), state, source), end_row)
+    return front.messaging.end_transaction(req_str(f, "group"), req_str(f, "tx_id"), req_int(f, "commit_log_offset"),
+                                           req_int(f, "half_offset"), state, source, end_row)
 
 
 def end_row(o: EndOutcome) -> dict[str, Any]:

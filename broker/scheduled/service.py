@@ -28,7 +28,7 @@ import asyncio
 import heapq
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from txmq.constants import (
     PROP_DELAY,
@@ -151,7 +151,7 @@ class ScheduleService:
         return self.admin.gauges()
 
     # ---- the send path -------------------------------------------------------------
-    def send(self, msgs: Sequence[Message], single: bool) -> asyncio.Future:
+    def send(self, msgs: Sequence[Message], single: bool, then: Callable[[Any], Any] | None = None) -> asyncio.Future:
         """Append plain and scheduled messages together; the receipts as ``BrokerCore.send`` gives them.
 
         A scheduled message's receipt names its real topic and queue, its id
@@ -193,7 +193,8 @@ class ScheduleService:
             c = self.metrics.counters
             c["messages_sent"] += len(results)
             c["messages_scheduled"] += scheduled
-            return rows[0] if single else {"results": rows}
+            reply = rows[0] if single else {"results": rows}
+            return reply if then is None else then(reply)
 
         return self.appender.submit(out, shape)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from txmq.constants import (
     DISCARD_TOPIC,
@@ -122,7 +122,8 @@ class TransactionService:
         self._half_old.pop(cl_offset, None)
 
     # ---- step 1: half messages --------------------------------------------
-    def send_half(self, topic: str, queue_id: int | None, body: bytes, props: dict[str, str], born_ts: int) -> asyncio.Future:
+    def send_half(self, topic: str, queue_id: int | None, body: bytes, props: dict[str, str], born_ts: int,
+                  then: Callable[[dict[str, Any]], Any] | None = None) -> asyncio.Future:
         group = props.get(PROP_PGROUP)
         if not group:
             raise TxmqError("a transactional message needs a producer group (PGROUP)", ErrorCode.INVALID_FIELD)
@@ -164,10 +165,11 @@ class TransactionService:
             self._sending.discard(tx_id)
             self.remember(rec)
             self.metrics.counters["half_stored"] += 1
-            return {
+            reply = {
                 "msg_id": tx_id, "tx_id": tx_id, "topic": topic, "queue_id": qid,
                 "half_offset": res.queue_offset, "commit_log_offset": res.commit_log_offset,
             }
+            return reply if then is None else then(reply)  # ``then``: the caller's mapping, as the append completes
 
         fut = self.appender.submit([msg], shape)
         fut.add_done_callback(lambda _f: self._sending.discard(tx_id))  # also when the write failed
