@@ -1,7 +1,8 @@
 """The transport-independent broker core.
 
-The front ends (broker/native/, broker/rocketmq/) validate their requests
-and translate them into these same calls. Every method runs on the event
+The front ends (broker/native/, broker/rocketmq/, broker/remoting/) never
+call it: they call the messaging service (broker/messaging/), which the core
+builds and which makes these calls. Every method runs on the event
 loop thread; blocking work (fsync) happens in the flusher's thread.
 
 Appends from all connections that arrive in one loop iteration are written
@@ -416,15 +417,6 @@ class BrokerCore:
         return {"topic": topic, "queues": n, "message_types": list(self.topics.message_types(topic)),
                 "messages": sum(r["messages"] for r in rows), "pending_transactions": sum(pending.values()),
                 "per_queue": rows}
-
-    def forget_client(self, target: Any) -> None:
-        """A connection closed: out of every producer and consumer group."""
-        self.registry.unregister_all(target)
-        self.consumer_registry.unregister_all(target)
-
-    @property
-    def busy_poll_arm(self) -> Callable[[], None] | None:
-        return self.busy_poll.arm
 
     def listening(self, name: str, host: str, port: int, **extra: Any) -> None:
         assert name in LISTENER_NAMES, name

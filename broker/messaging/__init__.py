@@ -1,7 +1,7 @@
 """The messaging service every front end calls (service.py) and the typed records it answers with (types.py)."""
 
 from .operations import Operations
-from .service import Messaging, then
+from .service import Messaging
 from .types import (
     MAX_NAME,
     NATIVE_RULES,
@@ -23,5 +23,5 @@ from .types import (
     TxRef,
 )
 
-__all__ = ["Messaging", "Operations", "then", "MAX_NAME", "Record", "NATIVE_RULES", "ROCKETMQ4_RULES", "ROCKETMQ5_RULES", "CheckBack", "EndOutcome", "EndStatus", "MessageKind", "Outgoing",
+__all__ = ["Messaging", "Operations", "MAX_NAME", "Record", "NATIVE_RULES", "ROCKETMQ4_RULES", "ROCKETMQ5_RULES", "CheckBack", "EndOutcome", "EndStatus", "MessageKind", "Outgoing",
            "PullResult", "PullStatus", "PushTarget", "SendReceipt", "SendRules", "SentBack", "StoreError", "TxRef"]

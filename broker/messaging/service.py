@@ -525,5 +525,5 @@ class Messaging:
                 props[PROP_TIMER_DELAY_MS] = str(delay)
             props[PROP_MAX_RECONSUME_TIMES] = str(max_times)
         self._core.topics.ensure(topic, 1)
-        return then(self._core.send([Message(topic, 0, TxType.NORMAL, rec.born_ts, props, rec.body)], True),
-                    lambda reply: SentBack(_receipts(reply)[0], dead))
+        return self._core.send([Message(topic, 0, TxType.NORMAL, rec.born_ts, props, rec.body)], True,
+                               lambda row: SentBack(_of_row(row), dead))

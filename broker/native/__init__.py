@@ -3,8 +3,8 @@
 ``server`` (``NativeFrontend``) listens, ``connection`` (``BrokerConnection``)
 frames, limits and dispatches, ``operations`` holds the operation table and
 the field checks, ``handlers`` and ``grouphandlers`` translate each
-operation into the services' calls (the core, ``core.tx``, ``core.admin``,
-``core.check``, broker/groups.py).
+operation into the messaging service's calls (``Messaging`` for clients'
+operations, ``Operations`` for the operator's: broker/messaging/).
 """
 
 # Whichever module of the package is imported first, the operation table is complete.

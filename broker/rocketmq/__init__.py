@@ -2,9 +2,9 @@
 
 RocketMQ's official SDKs (Java, Go, Python, Node.js, ...) talk to txmq
 through it, unmodified; txmq's own msgpack protocol stays as it is. Every
-request is translated into the service calls the native handlers make (the
-core's send and pull, ``core.tx`` for half messages and end transaction), so one
-transaction has one outcome whichever protocol sent or ended it, and the
+request is translated into the messaging service's calls (broker/messaging/),
+the ones the native handlers make, so one transaction has one outcome
+whichever protocol sent or ended it, and the
 operator's commands see SDK transactions like native ones. docs/rocketmq.md
 describes the RPCs, the id and group mappings and the limits.
 
