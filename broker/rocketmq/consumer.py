@@ -227,7 +227,8 @@ class ReceiveFrontend:
 
     # ---- AckMessage ------------------------------------------------------
     async def ack(self, request: s.AckMessageRequest, context: Any) -> s.AckMessageResponse:
-        """Per-entry status; the top-level one is OK when all are, the one entry's, else MULTIPLE_RESULTS."""
+        """Per-entry status; the top-level one is the entries' code when they all have the same (OK when all are), else
+        MULTIPLE_RESULTS, as RocketMQ's proxy answers (AckMessageActivity)."""
         out = s.AckMessageResponse()
         try:
             group = _group(request.group)
@@ -251,7 +252,7 @@ class ReceiveFrontend:
         self.messaging.metrics.inc("rmq_messages_acked", len(request.entries) - failed)
         if not failed:
             out.status.code, out.status.message = Code.OK, "OK"
-        elif len(out.entries) == 1:
+        elif len({e.status.code for e in out.entries}) == 1:  # one entry, or every entry refused alike
             out.status.CopyFrom(out.entries[0].status)
         else:
             out.status.code = Code.MULTIPLE_RESULTS
@@ -264,7 +265,8 @@ class ReceiveFrontend:
         out = s.ChangeInvisibleDurationResponse(receipt_handle=request.receipt_handle)
         try:
             group, topic = _group(request.group), _topic(request.topic)
-            seconds = _seconds(request.invisible_duration)
+            # the duration first (0 s to the service's maximum), then the handle, as RocketMQ's proxy checks them
+            seconds = self.pop.check_invisible(_seconds(request.invisible_duration), receive=False)
             out.receipt_handle = self.pop.change_invisible(group, topic, request.receipt_handle, seconds)
         except PopError as exc:
             out.status.code, out.status.message = _code(exc.code), exc.message
