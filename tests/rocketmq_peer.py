@@ -16,9 +16,12 @@ from __future__ import annotations
 import json
 import os
 import re
+import select
 import shutil
 import subprocess
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -35,6 +38,7 @@ def _peer_dir() -> Path:
 
 PEER_DIR = _peer_dir()
 DRIVER = Path(__file__).resolve().parent / "java" / "RmqDriver.java"
+ADMIN_SHELL = Path(__file__).resolve().parent / "java" / "AdminShell.java"
 # The peer's broker: checks of transactions every 2 s for halves older than 1 s (RocketMQ's defaults: 60 s, 6 s), and
 # delay levels of 1 s but the last, 1 h (a consumer's retries wait levels 3, 4, ...), so that check-back and retry
 # scenarios end in seconds; the JVMs small, on two shared cores. A txmq compared with it runs with the same.
@@ -58,6 +62,8 @@ class RocketMQPeer:
         self.broker = ""
         self.broker_pid = 0
         self.started = False
+        self._shell: subprocess.Popen | None = None  # AdminShell: mqadmin's commands in one JVM, started at first use
+        self._shell_lock = threading.Lock()
 
     # ---- set-up ------------------------------------------------------------------------------------
     def prepare(self) -> None:
@@ -71,9 +77,10 @@ class RocketMQPeer:
         if r.returncode != 0:
             raise PeerUnavailable(f"the RocketMQ 4.9.8 peer's setup.sh failed: {_tail(r)}")
         bench = self.build_dir / "bench"
-        r = self._run(["javac", "-nowarn", "-cp", f"{self.build_dir}/dist/lib/*", "-d", str(bench), str(DRIVER)], timeout=300)
+        r = self._run(["javac", "-nowarn", "-cp", f"{self.build_dir}/dist/lib/*", "-d", str(bench), str(DRIVER), str(ADMIN_SHELL)],
+                      timeout=300)
         if r.returncode != 0:
-            raise PeerUnavailable(f"tests/java/RmqDriver.java does not compile against the peer's jars: {_tail(r)}")
+            raise PeerUnavailable(f"tests/java/{{RmqDriver,AdminShell}}.java do not compile against the peer's jars: {_tail(r)}")
 
     def start(self, *settings: str) -> None:
         """Boots the name server and broker with BROKER_SETTINGS and then ``settings`` (broker.conf lines; the last wins)."""
@@ -96,14 +103,77 @@ class RocketMQPeer:
         self.started = True
 
     def stop(self) -> None:
+        self._close_shell()
         self._run([str(self.peer_dir / "run.sh"), "stop"], timeout=120)
         self.started = False
 
     # ---- clients -----------------------------------------------------------------------------------
     def mqadmin(self, namesrv: str, sub: str, *args: str, timeout: float = 180) -> str:
-        """Apache's ``mqadmin SUB -n NAMESRV ARGS``: what it prints (stdout and stderr)."""
-        r = self._run([str(self.peer_dir / "run.sh"), "mqadmin", sub, *args], timeout=timeout, NAMESRV=namesrv)
-        return r.stdout.decode(errors="replace") + r.stderr.decode(errors="replace")
+        """Apache's ``mqadmin SUB -n NAMESRV ARGS``: what it prints (stdout and stderr).
+
+        The commands run one after the other in one JVM (tests/java/AdminShell.java), as mqadmin's own main runs
+        each: a JVM per command spent 2-4 s starting for a command of a few hundred milliseconds."""
+        line = "\t".join((sub, "-n", namesrv, *args))
+        if "\n" in line:
+            raise ValueError(f"an mqadmin argument holds a line break: {line!r}")
+        with self._shell_lock:
+            shell = self._shell if self._shell is not None and self._shell.poll() is None else self._open_shell()
+            try:
+                shell.stdin.write(line.encode() + b"\n")
+                shell.stdin.flush()
+                return self._reply(shell, time.monotonic() + timeout, line).decode(errors="replace")
+            except BaseException:
+                self._close_shell()  # a command that did not answer: the next one gets a new JVM
+                raise
+
+    def _open_shell(self) -> subprocess.Popen:
+        self._close_shell()
+        env = {**self.env, "JDK_JAVA_OPTIONS": "-Djava.security.manager=allow"}  # AdminShell turns System.exit into an exception
+        log = open(self.build_dir / "admin-shell.log", "ab")  # the JVM's own warnings
+        try:
+            self._shell = subprocess.Popen([str(self.peer_dir / "run.sh"), "java", "AdminShell"], stdin=subprocess.PIPE,
+                                           stdout=subprocess.PIPE, stderr=log, env=env)
+        finally:
+            log.close()
+        self._pending = bytearray()
+        return self._shell
+
+    def _reply(self, shell: subprocess.Popen, deadline: float, line: str) -> bytes:
+        """One command's ``LEN <bytes> <status>`` line and the bytes it announces."""
+        fd = shell.stdout.fileno()
+        need: int | None = None
+        while True:
+            if need is None and b"\n" in self._pending:
+                head, _, rest = bytes(self._pending).partition(b"\n")
+                m = re.fullmatch(rb"LEN (\d+) (-?\d+)", head)
+                if not m:
+                    raise RuntimeError(f"AdminShell answered {head[:200]!r} to {line!r}")
+                need = int(m.group(1))
+                self._pending = bytearray(rest)
+            if need is not None and len(self._pending) >= need:
+                out, self._pending = bytes(self._pending[:need]), self._pending[need:]
+                return out
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise subprocess.TimeoutExpired(["mqadmin", *line.split("\t")], 0)
+            if select.select([fd], [], [], left)[0]:
+                chunk = os.read(fd, 65536)
+                if not chunk:
+                    log = (self.build_dir / "admin-shell.log").read_bytes()[-2000:].decode(errors="replace")
+                    raise RuntimeError(f"AdminShell ended during {line!r}: {log}")
+                self._pending += chunk
+
+    def _close_shell(self) -> None:
+        shell, self._shell = getattr(self, "_shell", None), None
+        if shell is None:
+            return
+        try:
+            shell.stdin.close()
+            shell.wait(timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            shell.kill()
+            shell.wait()
+        shell.stdout.close()
 
     def java_command(self, namesrv: str, scenario: str, **props: object) -> list[str]:
         defs = [f"-D{k}={v}" for k, v in {"namesrv": namesrv, **props}.items()]
