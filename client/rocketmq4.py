@@ -39,7 +39,13 @@ class RemotingError(Exception):
 
 
 class TargetUnreachable(RemotingError):
-    """Nothing answers at the address, or the connection dropped (a request in flight may or may not have been done)."""
+    """Nothing answers at the address, or the connection dropped (a request in flight may or may not have been done).
+
+    ``sent`` is False when the request never left (no connection could be opened): it was certainly not done."""
+
+    def __init__(self, message: str, code: int = rc.SYSTEM_ERROR, address: str = "", sent: bool = True) -> None:
+        super().__init__(message, code, address)
+        self.sent = sent
 
 
 class NotRocketMQ(RemotingError):
@@ -71,7 +77,7 @@ class RemotingConnection:
             reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port, limit=1 << 20), timeout)
         except (OSError, asyncio.TimeoutError) as exc:
             why = "no answer" if isinstance(exc, asyncio.TimeoutError) else (exc.strerror or str(exc))
-            raise TargetUnreachable(f"cannot connect to {address}: {why}", address=address) from None
+            raise TargetUnreachable(f"cannot connect to {address}: {why}", address=address, sent=False) from None
         sock = writer.get_extra_info("socket")
         if sock is not None:
             try:
@@ -120,6 +126,8 @@ class RemotingConnection:
         self._writer.close()
 
     async def request(self, code: int, ext: dict[str, Any], body: bytes = b"", timeout: float = DEFAULT_TIMEOUT_S) -> rc.Command:
+        if isinstance(self._error, TargetUnreachable):  # the request does not leave
+            raise TargetUnreachable(str(self._error), self._error.code, self.address, sent=False)
         if self._error is not None:
             raise self._error
         opaque = next(self._ids) & 0x7FFFFFFF

@@ -6,6 +6,7 @@ options, the plan's and the summary's rendering, the progress bars and events, t
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 from typing import Annotated, Any, Optional
@@ -25,11 +26,11 @@ EPILOG = """Examples:
 
 Stop the consumers on txmq first (their groups' positions are what the migration carries over). Progress is kept
 in the state file (--state; the plan prints where): running the same command again continues, and never sends a
-message the target confirmed again. Exit codes: 0 done; 2 bad input; 3 txmq or the target unreachable (progress
-kept); 4 txmq refused the token; 6 the target or txmq is not ready for it (a topic with fewer queues on the
-target, live consumers on txmq, a state file of another migration); 7 stopped with work left (pending
-transactions: nothing moved; scheduled messages past the target's delay levels); 12 not a txmq broker / not a
-RocketMQ name server; 130 interrupted (progress kept). See docs/migrate.md."""
+message the target confirmed again. Exit codes: 0 done; 2 bad input; 3 txmq or the target unreachable, or gone for
+longer than --retry-for mid-way (progress kept); 4 txmq refused the token; 6 the target or txmq is not ready for it
+(a topic with fewer queues on the target, live consumers on txmq, a state file of another migration); 7 stopped with
+work left (pending transactions: nothing moved; scheduled messages past the target's delay levels); 12 not a txmq
+broker / not a RocketMQ name server; 130 interrupted (progress kept). See docs/migrate.md."""
 
 ToOpt = Annotated[str, typer.Option("--to", help="The target's name server(s), HOST:PORT[;HOST:PORT].", show_default=False)]
 
@@ -54,6 +55,8 @@ def migrate(
                                                          "[default: the first by name].", show_default=False)] = None,
     batch: Annotated[int, typer.Option("--batch", help="Messages per batch send.", min=1, max=10_000)] = 512,
     force: Annotated[bool, typer.Option("--force", help="Go on although groups have live consumers on txmq.")] = False,
+    retry_for: Annotated[str, typer.Option("--retry-for", help="How long txmq or the target may stay unreachable before the run "
+                                           "stops (exit 3, progress kept).")] = "60s",
     broker: BrokerOpt = DEFAULT_BROKER,
     token: TokenOpt = None,
     output: OutputOpt = None,
@@ -67,6 +70,7 @@ def migrate(
     if idle is not None and not follow:
         raise CliError("--until-idle goes with --follow", exitcodes.USAGE)
     wait = parse_duration(wait_pending)
+    retry = parse_duration(retry_for)
     try:
         from txmq.client.rocketmq4 import split_address
 
@@ -77,7 +81,7 @@ def migrate(
     out_fmt = resolve_output(output)
     view = _View(out_fmt)
     try:
-        code = run_interruptible(_main(to, dry_run, follow, idle, wait, state, target_broker, batch, force, broker, token, view),
+        code = run_interruptible(_main(to, dry_run, follow, idle, wait, state, target_broker, batch, force, broker, token, view, retry),
                                  grace=5.0)
     except KeyboardInterrupt:
         view.close()
@@ -89,7 +93,8 @@ def migrate(
 
 
 async def _main(to: str, dry_run: bool, follow: bool, idle: float | None, wait: float, state_path: Path | None,
-                target_broker: str | None, batch: int, force: bool, address: str, token: str | None, view: "_View") -> int:
+                target_broker: str | None, batch: int, force: bool, address: str, token: str | None, view: "_View",
+                retry: float = 60.0) -> int:
     import asyncio
 
     from txmq.client.connection import Client
@@ -101,8 +106,13 @@ async def _main(to: str, dry_run: bool, follow: bool, idle: float | None, wait: 
 
     from ..client_ops import cli_error
 
-    source = Client(address, token=token or None, reconnect=True, reconnect_wait=30.0, connect_timeout=5.0, request_timeout=60.0)
+    # txmq going away mid-way (restarted, or SIGKILLed): requests wait up to `retry` for it to come back, then the run
+    # stops with exit 3; what the target confirmed is in the state file, and running the same command goes on from it
+    source = Client(address, token=token or None, reconnect=True, reconnect_wait=retry, connect_timeout=5.0,
+                    request_timeout=max(60.0, retry + 30.0))
     target = RocketMQ4(to)
+    client_log = _ClientLog(view)
+    logging.getLogger("txmq.client").addHandler(client_log)
     try:
         try:
             await source.start()
@@ -164,7 +174,7 @@ async def _main(to: str, dry_run: bool, follow: bool, idle: float | None, wait: 
             st.save()
         st.data["runs"] = st.data.get("runs", 0) + 1
         stop = asyncio.Event()
-        mover = Mover(source, target, st, batch_count=batch, on_event=view.event, stop=stop)
+        mover = Mover(source, target, st, batch_count=batch, on_event=view.event, stop=stop, retry_for=retry)
         view.start_progress(plan, st)
         scheduled: dict[str, Any] = {"moved": 0, "left": [], "gone": []}
         stopped_by_user = False
@@ -197,7 +207,7 @@ async def _main(to: str, dry_run: bool, follow: bool, idle: float | None, wait: 
         except (TxmqError, TimeoutError) as e:
             st.save()
             err = cli_error(e, address, bool(token))
-            raise CliError(f"{err.message}; progress kept in {path}", err.code) from None
+            raise CliError(f"{err.message}; progress kept in {path}, run the same command to go on", err.code) from None
         pending_now = [] if not follow else await planner.read_pending(source)
         summary = {"state_file": str(path), **mover.totals(), "per_group": mover.per_group(),
                    "offsets": st.data.get("committed", []), "scheduled_moved": len(st.data["scheduled"]["moved"]),
@@ -210,8 +220,22 @@ async def _main(to: str, dry_run: bool, follow: bool, idle: float | None, wait: 
             return exitcodes.OK
         return exitcodes.PARTIAL if scheduled["left"] else exitcodes.OK
     finally:
+        logging.getLogger("txmq.client").removeHandler(client_log)
         await target.close()
         await source.close()
+
+
+class _ClientLog(logging.Handler):
+    """What txmq's client says while it reconnects: a ``retrying`` event with -o jsonl, else nothing, so that a txmq
+    that does not come back ends the run with its one error line (and not Python's bare log lines before it)."""
+
+    def __init__(self, view: "_View") -> None:
+        super().__init__(logging.WARNING)
+        self.view = view
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.view.jsonl:
+            self.view.event({"event": "retrying", "ts_ms": int(record.created * 1000), "what": "txmq", "reason": record.getMessage()})
 
 
 def _default_state(data_dir: str, address: str) -> Path:

@@ -68,13 +68,14 @@ class Counters:
 class Mover:
     def __init__(self, source: Client, target: RocketMQ4, state: State, *, batch_count: int = BATCH_COUNT,
                  batch_bytes: int = BATCH_BYTES, on_event: Callable[[dict[str, Any]], None] | None = None,
-                 retry_for: float = 60.0, stop: asyncio.Event | None = None) -> None:
+                 retry_for: float = 60.0, stop: asyncio.Event | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.source, self.target, self.state = source, target, state
         self.plan = state.data["plan"]
         self.batch_count = batch_count
         self.batch_bytes = min(batch_bytes, max(64 << 10, self.plan["target"]["max_message_size"] // 2))
         self.on_event = on_event or (lambda e: None)
         self.retry_for = retry_for
+        self.clock = clock
         self.stop = stop or asyncio.Event()
         self.c = Counters()
         self.topics = {t["topic"]: t for t in self.plan["topics"]}
@@ -83,6 +84,7 @@ class Mover:
         self.fetch_next: dict[str, int] = {}
         self.maybe_stored: dict[str, tuple[int, int]] = {}  # sent, then the connection failed: a resend may duplicate
         self.scheduled_plan = {m["commit_log_offset"]: m for m in self.plan["scheduled"]}
+        self._failing_since: float | None = None  # since when the target has been failing, while it is
         for k, qs in state.data["queues"].items():
             if qs.get("inflight"):
                 self.maybe_stored[k] = tuple(qs["inflight"])  # in flight when the last run stopped
@@ -125,14 +127,17 @@ class Mover:
             if not batches:
                 break
             self.state.save()
-            prefetch = asyncio.gather(*(self._fill(k, ends[k], ahead=True) for k in batches))
+            # reading ahead from txmq while the sends are out: its failure (txmq gone) is raised only once the sends'
+            # answers are recorded, so that a batch the target confirmed is never left in flight (sent again, counted)
+            prefetch = asyncio.gather(*(self._fill(k, ends[k], ahead=True) for k in batches), return_exceptions=True)
             try:
                 results = await asyncio.gather(*(self._send(k, b) for k, b in batches.items()), return_exceptions=True)
-                await prefetch
+                fetched = await prefetch
             except asyncio.CancelledError:  # Ctrl-C: what was confirmed before is written; this round stays in flight
                 prefetch.cancel()
                 self.state.save()
                 raise
+            source_failure = next((r for r in fetched if isinstance(r, BaseException)), None)
             failure = None
             for (k, b), r in zip(batches.items(), results):
                 if isinstance(r, BaseException):
@@ -142,9 +147,14 @@ class Mover:
                 self._confirm(k, b, r, follow)
                 sent_any = True
             # the confirmations are written with the next round's in-flight marks (one fsync a round), or below
+            if source_failure is not None:
+                self.state.save()
+                raise source_failure
             if failure is not None:
                 self.state.save()
                 await self._after_failure(failure)
+            else:
+                self._failing_since = None  # the target answered: a later outage gets the whole retry time again
             now = time.monotonic()
             if now - last_event >= 1.0:
                 last_event = now
@@ -221,11 +231,14 @@ class Mover:
         msgs = []
         for m in b[2]:
             props, flag = for_target(m.get("properties") or {})
+            if m.get("msg_id"):  # sent without a client id (txmq's native producers): the id they were given, kept
+                props.setdefault(PROP_UNIQ_KEY, m["msg_id"])
             msgs.append((m["body"], props, flag))
         try:
             return await self.target.send_batch(t["address"], q["topic"], q["queue_id"], msgs)
-        except TargetUnreachable:
-            self.maybe_stored[k] = (b[0], b[1])  # it may have been stored: sending it again may duplicate it
+        except TargetUnreachable as exc:
+            if exc.sent:  # it may have been stored: sending it again may duplicate it
+                self.maybe_stored[k] = (b[0], b[1])
             raise
 
     def _confirm(self, k: str, b: tuple[int, int, list[dict[str, Any]]], receipt: Any, follow: bool) -> None:
@@ -252,12 +265,13 @@ class Mover:
 
     async def _after_failure(self, exc: BaseException) -> None:
         if isinstance(exc, TargetUnreachable) or (isinstance(exc, RemotingError) and exc.code in RETRIABLE_CODES):
-            started = getattr(self, "_failing_since", None) or time.monotonic()
-            self._failing_since = started
-            if time.monotonic() - started > self.retry_for:
+            if self._failing_since is None:
+                self._failing_since = self.clock()
+            started = self._failing_since
+            if self.clock() - started > self.retry_for:
                 raise MigrationError(f"the target stayed unavailable for {self.retry_for:g} s: {exc}") from None
             self.c.retries += 1
-            self.emit("retrying", reason=str(exc))
+            self.emit("retrying", reason=str(exc), may_duplicate=sum(e - s for s, e in self.maybe_stored.values()))
             try:
                 await asyncio.wait_for(self.stop.wait(), min(2.0, 0.1 * 2 ** min(self.c.retries, 5)))
             except asyncio.TimeoutError:
