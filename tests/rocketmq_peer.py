@@ -82,9 +82,10 @@ class RocketMQPeer:
         if r.returncode != 0:
             raise PeerUnavailable(f"tests/java/{{RmqDriver,AdminShell}}.java do not compile against the peer's jars: {_tail(r)}")
 
-    def start(self, *settings: str) -> None:
-        """Boots the name server and broker with BROKER_SETTINGS and then ``settings`` (broker.conf lines; the last wins)."""
-        args = [str(self.peer_dir / "run.sh"), "start", "-n", "auto", "-b", "auto", "-H", HEAP, "--clean"]
+    def start(self, *settings: str, clean: bool = True) -> None:
+        """Boots the name server and broker with BROKER_SETTINGS and then ``settings`` (broker.conf lines; the last wins).
+        clean: on an empty store (else on the one the last stop left: a restart)."""
+        args = [str(self.peer_dir / "run.sh"), "start", "-n", "auto", "-b", "auto", "-H", HEAP, *(["--clean"] if clean else [])]
         for kv in (*BROKER_SETTINGS, *settings):
             args += ["-c", kv]
         for attempt in range(3):

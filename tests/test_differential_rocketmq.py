@@ -10,10 +10,11 @@ docs/remoting.md ("Differences from RocketMQ 4") says why.
 from __future__ import annotations
 
 import re
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from rocketmq_peer import DELAY_LEVELS, TxmqRemoting
+from rocketmq_peer import DELAY_LEVELS, RocketMQPeer, TxmqRemoting
 
 pytestmark = [pytest.mark.rocketmq_peer]
 
@@ -32,10 +33,12 @@ def broker(tmp_path_factory, rocketmq_peer):
 
 
 def both(rocketmq_peer, broker, scenario: str, **props) -> tuple[dict, dict]:
-    """The scenario's outcome on RocketMQ and on txmq (the same topic and group names on each)."""
-    theirs = rocketmq_peer.driver(rocketmq_peer.namesrv, scenario, **props)
-    ours = rocketmq_peer.driver(broker.namesrv, scenario, **props)
-    return theirs, ours
+    """The scenario's outcome on RocketMQ and on txmq (the same topic and group names on each), run side by side: two
+    client JVMs against two servers that share nothing, so one's start-up overlaps the other's."""
+    with ThreadPoolExecutor(2) as pool:
+        theirs = pool.submit(rocketmq_peer.driver, rocketmq_peer.namesrv, scenario, **props)
+        ours = pool.submit(rocketmq_peer.driver, broker.namesrv, scenario, **props)
+        return theirs.result(), ours.result()
 
 
 def message(m: dict) -> dict:
@@ -180,6 +183,33 @@ def test_a_lite_pull_consumer_subscribes_commits_assigns_and_seeks_as_on_rocketm
 def test_a_restarted_push_consumer_resumes_from_its_groups_offsets_as_on_rocketmq(rocketmq_peer, broker):
     theirs, ours = both(rocketmq_peer, broker, "restart", topic="Diff-restart", group="diff-restart", n=3)
     assert ours == theirs == {"firstRun": ["before-0", "before-1", "before-2"], "secondRun": ["after-0", "after-1", "after-2"]}
+
+
+@pytest.mark.slow
+def test_a_push_consumer_resumes_from_its_groups_offsets_after_a_broker_restart_as_on_rocketmq(rocketmq_peer, tmp_path):
+    """A consumer takes 3 messages and shuts down; the broker (RocketMQ's name server and broker, txmq's one process)
+    stops and starts again on its store; 3 more are sent: the group's consumer gets exactly those, on both."""
+    peer = RocketMQPeer(rocketmq_peer.build_dir, run_dir=tmp_path / "peer-run")  # a broker of its own, to restart
+    peer.start()
+    try:
+        with TxmqRemoting(tmp_path / "data") as ours_broker:
+            def phase(name: str) -> tuple[dict, dict]:
+                with ThreadPoolExecutor(2) as pool:
+                    runs = [pool.submit(rocketmq_peer.driver, namesrv, "restart", topic="Diff-brokerrestart",
+                                        group="diff-brokerrestart", n=3, phase=name)
+                            for namesrv in (peer.namesrv, ours_broker.namesrv)]
+                    return runs[0].result(), runs[1].result()
+
+            first = phase("first")
+            assert first[0] == first[1] == {"firstRun": ["before-0", "before-1", "before-2"]}
+            peer.stop()
+            peer.start(clean=False)
+            ours_broker.proc.stop()
+            ours_broker.proc.start()
+            theirs, ours = phase("second")
+            assert ours == theirs == {"secondRun": ["after-0", "after-1", "after-2"]}
+    finally:
+        peer.stop()
 
 
 # ---- delay levels -------------------------------------------------------------------------------------
