@@ -278,9 +278,13 @@ class RocketMQ4:
             "perm": PERM_READ_WRITE, "topicFilterType": "SINGLE_TAG", "topicSysFlag": 0, "order": "true" if order else "false",
         }, what=f"creating topic {topic}")
 
-    def _send_header(self, topic: str, queue_id: int, props: str, batch: bool, flag: int = 0) -> dict[str, Any]:
-        return {"a": self.producer_group, "b": topic, "c": TEMPLATE_TOPIC, "d": 4, "e": queue_id, "f": 0,
-                "g": int(time.time() * 1000), "h": flag, "i": props, "j": 0, "k": "false", "m": "true" if batch else "false"}
+    def _send_header(self, topic: str, queue_id: int, props: str, batch: bool, flag: int = 0, reconsume_times: int = 0,
+                     max_reconsume_times: int | None = None) -> dict[str, Any]:
+        h = {"a": self.producer_group, "b": topic, "c": TEMPLATE_TOPIC, "d": 4, "e": queue_id, "f": 0,
+             "g": int(time.time() * 1000), "h": flag, "i": props, "j": reconsume_times, "k": "false", "m": "true" if batch else "false"}
+        if max_reconsume_times is not None:
+            h["l"] = max_reconsume_times
+        return h
 
     async def send_batch(self, address: str, topic: str, queue_id: int, messages: list[tuple[bytes, dict[str, str], int]]) -> SendReceipt:
         """SEND_BATCH_MESSAGE: (body, properties, flag) of each message, stored one after the other in the queue."""
@@ -289,10 +293,14 @@ class RocketMQ4:
                                   what=f"a batch send to {topic} queue {queue_id}")
         return _receipt(resp, queue_id)
 
-    async def send(self, address: str, topic: str, queue_id: int, body: bytes, props: dict[str, str], flag: int = 0) -> SendReceipt:
-        """SEND_MESSAGE_V2: one message (a ``DELAY`` level in its properties is honoured by the broker)."""
-        resp = await self._broker(address, rc.SEND_MESSAGE_V2, self._send_header(topic, queue_id, rc.encode_properties(props), False, flag),
-                                  body, what=f"a send to {topic} queue {queue_id}")
+    async def send(self, address: str, topic: str, queue_id: int, body: bytes, props: dict[str, str], flag: int = 0,
+                   reconsume_times: int = 0, max_reconsume_times: int | None = None) -> SendReceipt:
+        """SEND_MESSAGE_V2: one message (a ``DELAY`` level in its properties is honoured by the broker). ``reconsume_times``
+        is stored as the message's reconsume count (a 4.x consumer's ``getReconsumeTimes()``); to a ``%RETRY%`` topic,
+        the broker moves a message whose count reaches ``max_reconsume_times`` (default: the group's, 16) to the
+        group's dead-letter topic, as it does a Java producer's."""
+        header = self._send_header(topic, queue_id, rc.encode_properties(props), False, flag, reconsume_times, max_reconsume_times)
+        resp = await self._broker(address, rc.SEND_MESSAGE_V2, header, body, what=f"a send to {topic} queue {queue_id}")
         return _receipt(resp, queue_id)
 
     async def update_offset(self, address: str, group: str, topic: str, queue_id: int, offset: int) -> None:

@@ -677,3 +677,108 @@ def test_the_target_back_within_the_retry_time_the_same_run_goes_on_and_counts_w
     got = peer.driver(peer.namesrv, "drain", topic=t, group=group, mode="pull", expect=0, idle=0, timeout=90)["received"]
     ids = [m["msgId"] for m in got]
     assert set(ids) == {uniq(t, q, i) for q in range(queues) for i in range(per_queue)} and len(ids) == queues * per_queue + extra
+
+
+# ---- what consumers failed: retries and dead letters ------------------------------------------------------------
+
+async def _send_back(namesrv: str, group: str, commit_log_offset: int, msg_id: str, topic: str, level: int) -> None:
+    """What a RocketMQ 4 consumer sends when it fails a message (CONSUMER_SEND_MSG_BACK, as the Java client does)."""
+    from txmq.client.rocketmq4 import RemotingConnection
+    from txmq.remoting_codec import CONSUMER_SEND_MSG_BACK
+
+    c = await RemotingConnection.open(namesrv)
+    try:
+        resp = await c.request(CONSUMER_SEND_MSG_BACK, {"offset": commit_log_offset, "group": group, "delayLevel": level,
+                                                        "originMsgId": msg_id, "originTopic": topic, "unitMode": "false",
+                                                        "maxReconsumeTimes": 16})
+        assert resp.code == 0, resp.remark
+    finally:
+        await c.close()
+
+
+def _queue_ends(address: str, topic: str) -> dict[int, int]:
+    (offs,) = requests(address, ("queue_offsets", {"topics": [topic]}))
+    return {q["queue_id"]: q["max_offset"] for t in offs["topics"] for q in t["queues"]}
+
+
+def _wait_for(check, what: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"{what} did not happen within {timeout:g} s"
+        time.sleep(0.1)
+
+
+def test_pending_retries_reach_the_groups_java_consumer_once_and_dead_letters_are_copied_whole(rocketmq_peer, tmp_path):
+    from rocketmq_peer import DELAY_LEVELS, TxmqRemoting
+
+    s = stamp()
+    t, group = f"MigRetry{s}", f"mig-retry-{s}"
+    retry, dlq = f"%RETRY%{group}", f"%DLQ%{group}"
+    levels = " ".join(["1s", "6s", *DELAY_LEVELS.split()[2:]])  # level 2: 6 s, so that a retry is still scheduled for a while
+    with TxmqRemoting(tmp_path / "data", "--flush", "async", "--message-delay-level", levels) as src:
+        requests(src.address, ("create_topic", {"topic": t, "queues": 2}))
+        # Apache's push consumer fails "fail" twice (maxReconsumeTimes 1): once through the retry topic, then to the dead letters
+        failed = rocketmq_peer.driver(src.namesrv, "retry", topic=t, group=group, maxReconsumeTimes=1, settle=500)
+        assert failed["deliveries"] == {"fail": [0, 1], "ok": [0]} and failed["deadLettered"] == 1
+        # three more messages the group consumed and failed: one's retry is due already, two are still scheduled
+        sent = requests(src.address, *[("send", {"topic": t, "queue_id": 0, "body": f"r{i}".encode(),
+                                                 "properties": {"UNIQ_KEY": f"RETRY-{s}-{i}", "KEYS": f"k{i}"}}) for i in (1, 2, 3)])
+        commit(src.address, group, t, _queue_ends(src.address, t))
+        commit(src.address, group, retry, _queue_ends(src.address, retry))  # the first retry above was consumed
+        consumed = _queue_ends(src.address, retry)[0]
+        asyncio.run(_send_back(src.namesrv, group, sent[0]["commit_log_offset"], f"RETRY-{s}-1", t, 1))  # due in 1 s
+        _wait_for(lambda: _queue_ends(src.address, retry)[0] == consumed + 1, "the first retry's delivery into the retry topic")
+        asyncio.run(_send_back(src.namesrv, group, sent[1]["commit_log_offset"], f"RETRY-{s}-2", t, 2))  # due in 6 s
+        asyncio.run(_send_back(src.namesrv, group, sent[2]["commit_log_offset"], f"RETRY-{s}-3", t, 18))  # due in 1 h
+
+        r = run_cli("migrate", "--to", rocketmq_peer.namesrv, "-b", src.address, "--dry-run", "-o", "json")
+        assert r.returncode == 0, r.stderr.decode()
+        plan = json.loads(r.stdout)["plan"]
+        topics = {x["topic"]: x for x in plan["topics"]}
+        assert topics[retry]["kind"] == "retry" and topics[retry]["queues"] == 1 and topics[retry]["action"] == "create"
+        assert topics[dlq]["kind"] == "dlq" and topics[dlq]["backlog"] == 1
+        queue = next(q for q in plan["queues"] if q["topic"] == retry)
+        assert queue["positions"] == {group: consumed} and queue["start"] == consumed
+        assert [(m["kind"], m["level"]) for m in plan["scheduled"] if m["msg_id"] == f"RETRY-{s}-3"] == [("retry", 18)]
+        # the 6 s retry is in the schedule or, already due, in the retry topic: either way counted once
+        assert plan["totals"]["retries"] + plan["totals"]["scheduled_retries"] == 3 and plan["totals"]["dead_letters"] == 1
+        r = run_cli("migrate", "--to", rocketmq_peer.namesrv, "-b", src.address, "--dry-run", "--no-dead-letters", "-o", "json")
+        assert r.returncode == 0, r.stderr.decode()
+        plan = json.loads(r.stdout)["plan"]
+        assert dlq not in {x["topic"] for x in plan["topics"]} and [n["messages"] for n in plan["not_moved"] if n["what"] == f"topic {dlq}"] == [1]
+
+        # --follow: the retry due in 6 s is forwarded when txmq delivers it; Ctrl-C once both pending retries are on the target
+        state = tmp_path / "state.json"
+        proc = subprocess.Popen(cli_argv("migrate", "--to", rocketmq_peer.namesrv, "-b", src.address, "--state", str(state), "--follow",
+                                         "-o", "jsonl"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=cli_env(), stdin=subprocess.DEVNULL)
+
+        def copied_retries() -> int:
+            try:
+                st = json.loads(state.read_text())
+            except (FileNotFoundError, ValueError):
+                return 0
+            return sum(e - b for b, e, _t in st["queues"][f"{retry}/0"]["runs"]) if st["offsets_committed"] else 0
+
+        try:
+            _wait_for(lambda: copied_retries() >= 2 or proc.poll() is not None, "forwarding the second retry")
+        finally:
+            proc.send_signal(signal.SIGINT)
+            out, errs = proc.communicate(timeout=120)
+        assert proc.returncode == 0, errs.decode()
+        summary = [json.loads(x) for x in out.decode().splitlines()][-1]
+        assert summary["event"] == "summary" and summary["copied_per_topic"][retry] == 2 and summary["copied_per_topic"][dlq] == 1
+        assert {(o["topic"], o["source_offset"]) for o in summary["offsets"] if o["group"] == group and o["topic"] == retry} == {(retry, consumed)}
+
+    # the group's Java push consumer on the target (it subscribes to its retry topic by itself): each pending retry once
+    got = drained(rocketmq_peer, t, group, "push", 2)["received"]
+    assert sorted(m["body"] for m in got) == ["r1", "r2"]
+    for m in got:
+        i = m["body"][1]
+        assert m["topic"] == t and m["msgId"] == f"RETRY-{s}-{i}" and m["reconsumeTimes"] == 1 and m["keys"] == f"k{i}"
+        assert m["properties"]["RETRY_TOPIC"] == t and m["properties"]["ORIGIN_MESSAGE_ID"] == f"RETRY-{s}-{i}"
+        assert "RECONSUME_TIME" not in m["properties"] and not [k for k in m["properties"] if k.startswith("TXMQ_")]
+    # the dead letters: on a dead-letter topic as RocketMQ creates one (1 queue, read and write), every message as it was
+    route = rocketmq_peer.mqadmin(rocketmq_peer.namesrv, "topicRoute", "-t", dlq)
+    assert '"perm":6' in route.replace(" ", "") and '"readQueueNums":1' in route.replace(" ", ""), route
+    read = rocketmq_peer.driver(rocketmq_peer.namesrv, "send", topic=dlq, group=f"mig-dlq-reader-{s}", n=0)["read"]
+    assert [(m["body"], m["reconsumeTimes"], m["properties"]["RETRY_TOPIC"]) for m in read] == [("fail", 2, t)]

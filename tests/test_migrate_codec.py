@@ -188,3 +188,199 @@ def test_a_message_sent_without_a_client_id_keeps_the_id_txmq_gave_it(tmp_path):
     target = _Target()
     asyncio.run(Mover(NoIds(3), target, _one_queue_state(tmp_path, 3), batch_count=2).copy())
     assert target.stored == ["0000000000000000", "0000000000000001", "0000000000000002"]
+
+
+# ---- retry and dead-letter topics --------------------------------------------------------------------------------
+
+def _source_with_retries() -> dict:
+    """txmq's side of a plan: a topic, group g's retry topic (g consumed its first retry), group h's retry topic (h never
+    committed in it), g's dead-letter topic, and a retry of g's still in the schedule."""
+    def q(topic, qid, lo, hi):
+        return {"topic": topic, "queue_id": qid, "min_offset": lo, "max_offset": hi}
+
+    topics = {"T": {"topic": "T", "queues": 2, "messages": 10}, "%RETRY%g": {"topic": "%RETRY%g", "queues": 1, "messages": 3},
+              "%RETRY%h": {"topic": "%RETRY%h", "queues": 1, "messages": 2}, "%DLQ%g": {"topic": "%DLQ%g", "queues": 1, "messages": 2}}
+    queues = {"T": [q("T", 0, 0, 5), q("T", 1, 0, 5)], "%RETRY%g": [q("%RETRY%g", 0, 0, 3)], "%RETRY%h": [q("%RETRY%h", 0, 0, 2)],
+              "%DLQ%g": [q("%DLQ%g", 0, 0, 2)]}
+    groups = [{"group": "g", "consumers": 0, "queues": [{**q("T", 0, 0, 5), "committed": 5}, {**q("T", 1, 0, 5), "committed": 5},
+                                                       {**q("%RETRY%g", 0, 0, 3), "committed": 1},
+                                                       {**q("%DLQ%g", 0, 0, 2), "committed": 2}]},  # a replay group's position: not g's
+              {"group": "h", "consumers": 0, "queues": [{**q("T", 0, 0, 5), "committed": 4}, {**q("T", 1, 0, 5), "committed": 5}]}]
+    scheduled = [{"msg_id": "R1", "topic": "%RETRY%g", "queue_id": 0, "deliver_at_ms": 1_000_000 + 5_000, "commit_log_offset": 77}]
+    return {"info": {}, "topics": topics, "queues": queues, "groups": groups, "scheduled": scheduled, "pending": []}
+
+
+def _target_without_topics() -> dict:
+    from txmq.client.rocketmq4 import BrokerInfo
+
+    return {"brokers": {"b": BrokerInfo("b", "C", {0: "tgt:10911"})}, "chosen": "b", "routes": {}, "config": {"messageDelayLevel": "1s 10s"},
+            "ends": {}}
+
+
+def test_the_plan_moves_each_groups_pending_retries_from_its_position_and_dead_letters_whole():
+    from txmq.client.migrate.plan import build
+
+    plan = build(_source_with_retries(), _target_without_topics(), "ns:9876", "txmq:10911", follow=False, now_ms=1_000_000)
+    topics = {t["topic"]: t for t in plan["topics"]}
+    assert {n: (t["kind"], t["queues"], t["action"], t["backlog"]) for n, t in topics.items()} == {
+        "T": ("topic", 2, "create", 1), "%RETRY%g": ("retry", 1, "create", 2), "%RETRY%h": ("retry", 1, "create", 2),
+        "%DLQ%g": ("dlq", 1, "create", 2)}
+    queues = {(q["topic"], q["queue_id"]): q for q in plan["queues"]}
+    assert queues[("%RETRY%g", 0)]["start"] == 1 and queues[("%RETRY%g", 0)]["positions"] == {"g": 1}
+    assert queues[("%RETRY%h", 0)]["start"] == 0 and queues[("%RETRY%h", 0)]["positions"] == {"h": 0}  # never committed: all waiting
+    assert queues[("%DLQ%g", 0)]["start"] == 0 and queues[("%DLQ%g", 0)]["positions"] == {}  # every dead letter, no offsets
+    groups = {g["group"]: g for g in plan["groups"]}
+    assert groups["g"]["topics"]["%RETRY%g"] == {"backlog": 2, "queues": {"0": 1}} and "%DLQ%g" not in groups["g"]["topics"]
+    assert groups["h"]["topics"]["%RETRY%h"] == {"backlog": 2, "queues": {"0": 0}}
+    assert [(m["msg_id"], m["kind"], m["level"]) for m in plan["scheduled"]] == [("R1", "retry", 2)]  # 5 s left: the 10 s level
+    assert plan["totals"]["retries"] == 4 and plan["totals"]["scheduled_retries"] == 1 and plan["totals"]["dead_letters"] == 2
+    assert not [n for n in plan["not_moved"] if "%" in n["what"]] and not plan["problems"]
+
+
+def test_without_dead_letters_the_plan_leaves_the_dead_letter_topics_and_says_so():
+    from txmq.client.migrate.plan import build
+
+    plan = build(_source_with_retries(), _target_without_topics(), "ns:9876", "txmq:10911", follow=False, now_ms=1_000_000,
+                 dead_letters=False)
+    assert sorted(t["topic"] for t in plan["topics"]) == ["%RETRY%g", "%RETRY%h", "T"]
+    assert [(n["what"], n["messages"]) for n in plan["not_moved"]] == [("topic %DLQ%g", 2)]
+    assert plan["totals"]["dead_letters"] == 0 and plan["totals"]["retries"] == 4 and plan["dead_letters"] is False
+
+
+def test_a_retry_carries_its_reconsume_count_in_the_send_header_and_never_reaches_the_limit_there():
+    from txmq.client.migrate.mover import reconsume_header
+
+    props = {"RECONSUME_TIME": "16", "MAX_RECONSUME_TIMES": "16", "RETRY_TOPIC": "T", "ORIGIN_MESSAGE_ID": "O"}
+    assert reconsume_header("%RETRY%g", props) == (16, 17) and props == {"RETRY_TOPIC": "T", "ORIGIN_MESSAGE_ID": "O"}
+    assert reconsume_header("%RETRY%g", {"RECONSUME_TIME": "2"}) == (2, 16)
+    assert reconsume_header("%RETRY%g", {"RECONSUME_TIME": "x"}) == (0, 16)
+    assert reconsume_header("%DLQ%g", {"RECONSUME_TIME": "3"}) == (3, None)
+
+
+def _retry_state(tmp_path, topic: str, end: int):
+    plan = {"target": {"max_message_size": 4 << 20}, "scheduled": [],
+            "topics": [{"topic": topic, "queues": 1, "action": "exists", "broker": "b", "address": "tgt:10911"}],
+            "queues": [{"topic": topic, "queue_id": 0, "min": 0, "max": end, "start": 0, "end": end, "positions": {"g": 0}, "target_base": 0}]}
+    return State.new(tmp_path / "s.json", {"broker_id": "/d"}, "ns:9876", plan)
+
+
+class _Retries(_Source):
+    async def request(self, op: str, fields: dict) -> dict:
+        r = await super().request(op, fields)
+        for m in r["messages"]:
+            i = m["queue_offset"]
+            m["properties"].update({"RETRY_TOPIC": "T", "RECONSUME_TIME": str(i + 1), "MAX_RECONSUME_TIMES": "16", "ORIGIN_MESSAGE_ID": f"O{i}",
+                                    "TXMQ_DLQ_REASON": "consumer", "TXMQ_STORED": "x"})
+        return r
+
+
+class _OneByOne(_Target):
+    """Single sends (SEND_MESSAGE_V2): each stored at the next offset; a batch send is refused."""
+
+    def __init__(self, failures: list | None = None) -> None:
+        super().__init__(failures)
+        self.headers: list[tuple[int, int | None]] = []
+        self.props: list[dict] = []
+
+    async def send_batch(self, address, topic, queue_id, messages):
+        raise AssertionError("a retry or dead-letter topic is sent one message at a time")
+
+    async def send(self, address, topic, queue_id, body, props, flag=0, reconsume_times=0, max_reconsume_times=None):
+        from txmq.client.rocketmq4 import SendReceipt
+
+        await asyncio.sleep(0)
+        if self.failures:
+            f = self.failures.pop(0)
+            if f is not None:
+                raise f
+        self.stored.append(props["UNIQ_KEY"])
+        self.headers.append((reconsume_times, max_reconsume_times))
+        self.props.append(props)
+        return SendReceipt(queue_id, len(self.stored) - 1, [])
+
+
+def test_retries_are_sent_one_at_a_time_with_their_reconsume_counts(tmp_path):
+    from txmq.client.migrate.mover import Mover
+
+    target = _OneByOne()
+    st = _retry_state(tmp_path, "%RETRY%g", 3)
+    asyncio.run(Mover(_Retries(3), target, st, batch_count=2).copy())
+    assert target.stored == ["U0", "U1", "U2"] and target.headers == [(1, 16), (2, 16), (3, 16)]
+    assert target.props[0] == {"UNIQ_KEY": "U0", "RETRY_TOPIC": "T", "ORIGIN_MESSAGE_ID": "O0"}
+    assert st.data["queues"]["%RETRY%g/0"]["runs"] == [[0, 3, 0]]
+
+
+def test_a_dead_letter_keeps_why_txmq_gave_it_up(tmp_path):
+    from txmq.client.migrate.mover import Mover
+
+    target = _OneByOne()
+    asyncio.run(Mover(_Retries(1), target, _retry_state(tmp_path, "%DLQ%g", 1)).copy())
+    assert target.headers == [(1, None)]
+    assert target.props[0] == {"UNIQ_KEY": "U0", "RETRY_TOPIC": "T", "ORIGIN_MESSAGE_ID": "O0", "TXMQ_DLQ_REASON": "consumer"}
+
+
+def test_a_retry_whose_answer_was_lost_is_the_only_possible_duplicate_and_those_before_it_stay_confirmed(tmp_path):
+    from txmq.client.migrate.mover import Mover
+    from txmq.client.rocketmq4 import TargetUnreachable
+
+    lost = TargetUnreachable("the connection to tgt:10911 was lost (IncompleteReadError)")
+    target = _OneByOne([None, lost, None, None])  # U0 stored; U1's answer lost; then U1 (again) and U2
+    st = _retry_state(tmp_path, "%RETRY%g", 3)
+    events: list[dict] = []
+    asyncio.run(Mover(_Retries(3), target, st, batch_count=3, on_event=events.append).copy())
+    assert target.stored == ["U0", "U1", "U2"]
+    assert st.data["duplicates_possible"] == 1 and [e["may_duplicate"] for e in events if e["event"] == "retrying"] == [1]
+    assert st.data["queues"]["%RETRY%g/0"]["runs"] == [[0, 3, 0]] and st.data["queues"]["%RETRY%g/0"]["inflight"] is None
+
+
+def test_a_run_stopped_after_a_retrys_answer_was_lost_counts_it_when_resumed(tmp_path):
+    from txmq.client.migrate.mover import MigrationError, Mover
+    from txmq.client.rocketmq4 import TargetUnreachable
+
+    lost = TargetUnreachable("the connection to tgt:10911 was lost (IncompleteReadError)")
+    st = _retry_state(tmp_path, "%RETRY%g", 3)
+    try:
+        asyncio.run(Mover(_Retries(3), _OneByOne([None, lost]), st, batch_count=3, retry_for=0.0, clock=iter(range(0, 100, 5)).__next__).copy())
+        raise AssertionError("the run went on past the retry time")
+    except MigrationError:
+        pass
+    saved = json.loads((tmp_path / "s.json").read_text())["queues"]["%RETRY%g/0"]
+    assert saved["runs"] == [[0, 1, 0]] and saved["inflight"] == [1, 2]  # U0 confirmed; U1 in doubt
+    target = _OneByOne()
+    st2 = State.load(tmp_path / "s.json")
+    asyncio.run(Mover(_Retries(3), target, st2, batch_count=3).copy())
+    assert target.stored == ["U1", "U2"] and st2.data["duplicates_possible"] == 1
+
+
+def test_a_scheduled_retry_is_sent_to_the_retry_topic_with_its_delay_level_and_reconsume_count(tmp_path):
+    import time
+
+    from txmq.client.migrate.mover import Mover
+
+    due = int(time.time() * 1000) + 600_000
+    row = {"msg_id": "R1", "topic": "%RETRY%g", "queue_id": 0, "deliver_at_ms": due, "commit_log_offset": 77}
+
+    class Schedule:
+        async def request(self, op: str, fields: dict) -> dict:
+            assert op == "list_scheduled" and fields["bodies"]
+            return {"messages": [{**row, "body": b"r", "properties": {"UNIQ_KEY": "U1", "RETRY_TOPIC": "T", "RECONSUME_TIME": "3",
+                                                                       "REAL_TOPIC": "%RETRY%g", "TIMER_DELAY_MS": "600000"}}]}
+
+    st = _retry_state(tmp_path, "%RETRY%g", 0)
+    st.data["plan"]["scheduled"] = [row]
+    target = _OneByOne()
+    moved = asyncio.run(Mover(Schedule(), target, st).move_scheduled([1.0, 60.0, 3600.0]))
+    assert moved["moved"] == 1 and moved["left"] == []
+    assert target.headers == [(3, 16)] and target.props == [{"UNIQ_KEY": "U1", "RETRY_TOPIC": "T", "DELAY": "3"}]
+
+
+def test_a_resumed_retry_batch_in_doubt_stays_in_doubt_past_a_second_lost_answer(tmp_path):
+    from txmq.client.migrate.mover import Mover
+    from txmq.client.rocketmq4 import TargetUnreachable
+
+    lost = TargetUnreachable("the connection to tgt:10911 was lost (IncompleteReadError)")
+    st = _retry_state(tmp_path, "%RETRY%g", 3)
+    st.data["queues"]["%RETRY%g/0"]["inflight"] = [0, 3]  # the last run stopped with all three sent, unanswered
+    target = _OneByOne([None, lost, None, None])  # U0 stored; U1's answer lost; then U1 (again) and U2
+    asyncio.run(Mover(_Retries(3), target, st, batch_count=3).copy())
+    assert target.stored == ["U0", "U1", "U2"] and st.data["duplicates_possible"] == 3  # each of the three was in doubt once

@@ -55,6 +55,8 @@ def migrate(
                                                          "[default: the first by name].", show_default=False)] = None,
     batch: Annotated[int, typer.Option("--batch", help="Messages per batch send.", min=1, max=10_000)] = 512,
     force: Annotated[bool, typer.Option("--force", help="Go on although groups have live consumers on txmq.")] = False,
+    dead_letters: Annotated[bool, typer.Option("--dead-letters/--no-dead-letters", help="Copy the groups' dead-letter topics "
+                                               "(%DLQ%<group>) whole.")] = True,
     retry_for: Annotated[str, typer.Option("--retry-for", help="How long txmq or the target may stay unreachable before the run "
                                            "stops (exit 3, progress kept).")] = "60s",
     broker: BrokerOpt = DEFAULT_BROKER,
@@ -81,8 +83,8 @@ def migrate(
     out_fmt = resolve_output(output)
     view = _View(out_fmt)
     try:
-        code = run_interruptible(_main(to, dry_run, follow, idle, wait, state, target_broker, batch, force, broker, token, view, retry),
-                                 grace=5.0)
+        code = run_interruptible(_main(to, dry_run, follow, idle, wait, state, target_broker, batch, force, broker, token, view, retry,
+                                       dead_letters), grace=5.0)
     except KeyboardInterrupt:
         view.close()
         raise CliError(f"interrupted: progress kept in {view.state_path or 'the state file'}; run the same command to go on",
@@ -94,7 +96,7 @@ def migrate(
 
 async def _main(to: str, dry_run: bool, follow: bool, idle: float | None, wait: float, state_path: Path | None,
                 target_broker: str | None, batch: int, force: bool, address: str, token: str | None, view: "_View",
-                retry: float = 60.0) -> int:
+                retry: float = 60.0, dead_letters: bool = True) -> int:
     import asyncio
 
     from txmq.client.connection import Client
@@ -133,7 +135,7 @@ async def _main(to: str, dry_run: bool, follow: bool, idle: float | None, wait: 
         async def make_plan() -> dict[str, Any]:
             src = await planner.read_source(source)
             tgt = await planner.read_target(target, sorted(src["topics"]), target_broker)
-            return planner.build(src, tgt, to, address, follow)
+            return planner.build(src, tgt, to, address, follow, dead_letters=dead_letters)
 
         try:
             if st is None or dry_run:
@@ -295,11 +297,13 @@ class _View:
         t = new_table("Topics")
         for c in ("topic", "queues", "types", "target", "backlog", "consumed by"):
             t.add_column(c)
+        kinds = {"retry": "retries of ", "dlq": "dead letters of "}
         for r in plan["topics"]:
             target = {"create": "create", "created": "created", "exists": f"exists ({r['target_queues']} queues)",
                       "too_few_queues": f"ONLY {r['target_queues']} QUEUES"}.get(r["action"], r["action"])
-            t.add_row(r["topic"], str(r["queues"]), ",".join(r["message_types"] or []), f"{target} on {r['broker']}", str(r["backlog"]),
-                      ", ".join(r["consumed_by"]) or "-")
+            kind = r.get("kind", "topic")
+            types = ",".join(r["message_types"] or []) if kind == "topic" else kinds[kind] + r["topic"].split("%", 2)[2]
+            t.add_row(r["topic"], str(r["queues"]), types, f"{target} on {r['broker']}", str(r["backlog"]), ", ".join(r["consumed_by"]) or "-")
         print_table(t)
         g = new_table("Consumer groups (backlog: messages not consumed)")
         for c in ("group", "topic", "backlog", "live consumers"):
@@ -319,6 +323,9 @@ class _View:
         tg = plan["target"]
         err.print(f"target {tg['namesrv']}: brokers " + ", ".join(f"{b['name']} ({b['cluster']}) {b['addresses'].get('0', '-')}"
                                                                 for b in tg["brokers"]) + f"; topics go to {tg['broker']}")
+        totals = plan["totals"]
+        err.print(f"retries waiting: {totals.get('retries', 0)} (and {totals.get('scheduled_retries', 0)} scheduled); dead letters: "
+                  f"{totals.get('dead_letters', 0)}" + ("" if plan.get("dead_letters", True) else " (not moved: --no-dead-letters)"))
         err.print(f"pending transactions: {len(plan['pending'])}; state file: {path}")
         for n in plan["not_moved"]:
             err.print(f"[warn]not moved:[/warn] {n['what']}: {n['why']}")

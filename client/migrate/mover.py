@@ -7,6 +7,11 @@ unconsumed message (`state.target_offset`), so that it skips, by its offset, the
 A batch's range is written to the state file as in flight before it is sent and as confirmed (with the target
 offset the broker stored it at) after; a resumed run sends an in-flight batch again and counts its messages as
 possible duplicates, and never sends a confirmed one again.
+
+Retry and dead-letter topics (``%RETRY%<group>``, ``%DLQ%<group>``) are sent one message at a time: a message's
+reconsume count (``RECONSUME_TIME``, the deliveries it had) goes in the send's ``reconsumeTimes`` header, which the
+target stores as the message's own (a 4.x consumer's ``getReconsumeTimes()``), as a Java producer sends to a retry
+topic; a batch carries one count for all its messages.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from txmq.constants import PROP_UNIQ_KEY
 
 from ..connection import Client
 from ..rocketmq4 import RemotingError, RocketMQ4, TargetUnreachable
+from .plan import DLQ_PREFIX, RETRY_PREFIX
 from .state import State, qkey, target_offset
 
 BATCH_COUNT = 512
@@ -29,6 +35,10 @@ MAX_QUEUES_PER_ROUND = 64
 RETRIABLE_CODES = (2, 14)  # SYSTEM_BUSY, SERVICE_NOT_AVAILABLE
 PROP_SCHEDULED_FROM = "TXMQ_SCHEDULED_FROM"
 PROP_FLAG = "TXMQ_RMQ_FLAG"
+PROP_RECONSUME_TIME = "RECONSUME_TIME"  # broker/messaging/naming.py: the deliveries before this one
+PROP_MAX_RECONSUME_TIMES = "MAX_RECONSUME_TIMES"
+DEFAULT_MAX_RECONSUME_TIMES = 16  # RocketMQ's
+KEPT_IN_DEAD_LETTERS = "TXMQ_DLQ_"  # why txmq gave a message up (reason, attempts, origin queue): kept for who inspects it
 # Not carried to the target: what txmq's broker adds, what RocketMQ's broker adds again, and what would make the
 # target treat a copy as a half message or delay it again.
 DROP = {"MIN_OFFSET", "MAX_OFFSET", "CLUSTER", "WAIT", "TRAN_MSG", "REAL_TOPIC", "REAL_QID", "DELAY", "TIMER_DELAY_SEC",
@@ -39,7 +49,7 @@ class MigrationError(Exception):
     """The migration cannot go on (the target refused something for good, or stayed away past the retry time)."""
 
 
-def for_target(props: dict[str, str]) -> tuple[dict[str, str], int]:
+def for_target(props: dict[str, str], dead_letter: bool = False) -> tuple[dict[str, str], int]:
     """A txmq message's properties as they are sent to the target, and its RocketMQ flag."""
     flag = 0
     out = {}
@@ -49,9 +59,42 @@ def for_target(props: dict[str, str]) -> tuple[dict[str, str], int]:
                 flag = int(v)
             except ValueError:
                 flag = 0
-        elif k not in DROP and not k.startswith("TXMQ_"):
+        elif k not in DROP and (not k.startswith("TXMQ_") or (dead_letter and k.startswith(KEPT_IN_DEAD_LETTERS))):
             out[k] = v
     return out, flag
+
+
+def one_by_one(topic: str) -> bool:
+    """A retry or dead-letter topic: each message is sent with its own reconsume count."""
+    return topic.startswith((RETRY_PREFIX, DLQ_PREFIX))
+
+
+def reconsume_header(topic: str, props: dict[str, str]) -> tuple[int, int | None]:
+    """Takes ``RECONSUME_TIME`` and ``MAX_RECONSUME_TIMES`` out of the properties (as a Java producer does for a retry
+    topic): the send's ``reconsumeTimes``, and for a retry topic its ``maxReconsumeTimes``, at least one more than the
+    count so that the target stores the retry there and does not move it to the dead-letter topic (the consumer's own
+    limit decides that at its next failure, as on txmq)."""
+    def number(name: str) -> int | None:
+        v = props.pop(name, None)
+        try:
+            return max(0, int(v)) if v is not None else None
+        except ValueError:
+            return None
+
+    times = number(PROP_RECONSUME_TIME) or 0
+    limit = number(PROP_MAX_RECONSUME_TIMES)
+    if not topic.startswith(RETRY_PREFIX):
+        return times, None
+    return times, max(DEFAULT_MAX_RECONSUME_TIMES if limit is None else limit, times + 1)
+
+
+class PartialSend(Exception):
+    """Messages sent one at a time: the first ``len(offsets)`` were stored (at those target offsets), then ``cause``;
+    ``maybe_stored``, the source range of the one whose answer was lost (it may be stored), or None."""
+
+    def __init__(self, offsets: list[int], cause: BaseException, maybe_stored: tuple[int, int] | None) -> None:
+        super().__init__(str(cause))
+        self.offsets, self.cause, self.maybe_stored = offsets, cause, maybe_stored
 
 
 @dataclass
@@ -140,6 +183,20 @@ class Mover:
             source_failure = next((r for r in fetched if isinstance(r, BaseException)), None)
             failure = None
             for (k, b), r in zip(batches.items(), results):
+                if isinstance(r, PartialSend):  # one at a time: those stored are confirmed, the rest sent again next round
+                    done = b[2][:len(r.offsets)]
+                    if done:
+                        self._confirm(k, (b[0], done[-1]["queue_offset"] + 1, done), r.offsets, follow)
+                        sent_any = True
+                    self.buffers[k] = b[2][len(done):] + self.buffers.get(k, [])
+                    if r.maybe_stored is not None:  # with what was in doubt before (a resumed run's batch in flight)
+                        old = self.maybe_stored.get(k)
+                        self.maybe_stored[k] = r.maybe_stored if old is None else (min(old[0], r.maybe_stored[0]),
+                                                                                   max(old[1], r.maybe_stored[1]))
+                    if k in self.maybe_stored and (done or r.maybe_stored is not None):
+                        self.state.data["queues"][k]["inflight"] = list(self.maybe_stored[k])  # what a resumed run counts
+                    failure = failure or r.cause
+                    continue
                 if isinstance(r, BaseException):
                     failure = failure or r
                     self.buffers[k] = b[2] + self.buffers.get(k, [])  # sent again next round
@@ -225,23 +282,43 @@ class Mover:
             return None
         return qs["next"], out[-1]["queue_offset"] + 1, out
 
-    async def _send(self, k: str, b: tuple[int, int, list[dict[str, Any]]]) -> Any:
+    async def _send(self, k: str, b: tuple[int, int, list[dict[str, Any]]]) -> list[int]:
+        """The batch sent; the target offset of each of its messages."""
         q = self.queues[k]
         t = self.topics[q["topic"]]
+        dead = q["topic"].startswith(DLQ_PREFIX)
         msgs = []
         for m in b[2]:
-            props, flag = for_target(m.get("properties") or {})
+            props, flag = for_target(m.get("properties") or {}, dead)
             if m.get("msg_id"):  # sent without a client id (txmq's native producers): the id they were given, kept
                 props.setdefault(PROP_UNIQ_KEY, m["msg_id"])
             msgs.append((m["body"], props, flag))
+        if one_by_one(q["topic"]):
+            return await self._send_each(t["address"], q["topic"], q["queue_id"], b[2], msgs)
         try:
-            return await self.target.send_batch(t["address"], q["topic"], q["queue_id"], msgs)
+            receipt = await self.target.send_batch(t["address"], q["topic"], q["queue_id"], msgs)
         except TargetUnreachable as exc:
             if exc.sent:  # it may have been stored: sending it again may duplicate it
                 self.maybe_stored[k] = (b[0], b[1])
             raise
+        return [receipt.queue_offset + i for i in range(len(msgs))]
 
-    def _confirm(self, k: str, b: tuple[int, int, list[dict[str, Any]]], receipt: Any, follow: bool) -> None:
+    async def _send_each(self, address: str, topic: str, queue_id: int, source: list[dict[str, Any]],
+                         msgs: list[tuple[bytes, dict[str, str], int]]) -> list[int]:
+        """One send per message, in order, each with its reconsume count; PartialSend when one fails."""
+        offsets: list[int] = []
+        for m, (body, props, flag) in zip(source, msgs):
+            times, limit = reconsume_header(topic, props)
+            try:
+                r = await self.target.send(address, topic, queue_id, body, props, flag, reconsume_times=times, max_reconsume_times=limit)
+            except Exception as exc:
+                sent = isinstance(exc, TargetUnreachable) and exc.sent
+                raise PartialSend(offsets, exc, (m["queue_offset"], m["queue_offset"] + 1) if sent else None) from None
+            offsets.append(r.queue_offset)
+        return offsets
+
+    def _confirm(self, k: str, b: tuple[int, int, list[dict[str, Any]]], offsets: list[int], follow: bool) -> None:
+        """The target stored the batch's messages at ``offsets``."""
         qs = self.state.data["queues"][k]
         q = self.queues[k]
         src_start, src_end, msgs = b
@@ -250,8 +327,10 @@ class Mover:
             n = sum(1 for m in msgs if dup[0] <= m["queue_offset"] < dup[1])
             self.c.duplicates_possible += n
             self.state.data["duplicates_possible"] += n
-        for i, m in enumerate(msgs):
-            State.add_run(qs, m["queue_offset"], m["queue_offset"] + 1, receipt.queue_offset + i)
+            if dup[1] > src_end:  # the rest of the range in doubt is still to be sent (a batch sent one at a time, in part)
+                self.maybe_stored[k] = (max(dup[0], src_end), dup[1])
+        for m, off in zip(msgs, offsets):
+            State.add_run(qs, m["queue_offset"], m["queue_offset"] + 1, off)
             origin = (m.get("properties") or {}).get(PROP_SCHEDULED_FROM)
             if origin is not None and origin.isdigit() and int(origin) in self.scheduled_plan:
                 self.state.data["scheduled"]["moved"][origin] = {"how": "backlog", "msg_id": m["msg_id"]}
@@ -366,6 +445,7 @@ class Mover:
     async def _send_scheduled(self, m: dict[str, Any], level: int, late: int) -> None:
         props, flag = for_target(m.get("properties") or {})
         props.setdefault(PROP_UNIQ_KEY, m["msg_id"])
+        times, limit = reconsume_header(m["topic"], props) if one_by_one(m["topic"]) else (0, None)  # a scheduled retry
         if level:
             props["DELAY"] = str(level)
         t = self.topics.get(m["topic"])
@@ -373,7 +453,8 @@ class Mover:
             raise MigrationError(f"scheduled message {m['msg_id']}: topic {m['topic']} is not on the target")
         key = f"s{m['commit_log_offset']}"
         try:
-            await self._with_retries(lambda: self.target.send(t["address"], m["topic"], m["queue_id"], m["body"] or b"", props, flag),
+            await self._with_retries(lambda: self.target.send(t["address"], m["topic"], m["queue_id"], m["body"] or b"", props, flag,
+                                                              reconsume_times=times, max_reconsume_times=limit),
                                      f"sending scheduled message {m['msg_id']}")
         except MigrationError:
             self.maybe_stored[key] = (0, 1)

@@ -6,6 +6,12 @@ made, ``start`` the lowest position of the consumer groups that committed offset
 never committed in counts from its first retained message, where its consumers would start). Messages below
 ``start`` were consumed by every group: not copied. A topic no group consumes is copied whole (its retained
 messages), so that nothing is lost for a group that has not started yet.
+
+A group's retry topic ``%RETRY%<group>`` is moved like any topic, with the group's position in it (a queue it never
+committed in: from its first retained message, all of it waiting for redelivery), so that the group's consumers on
+the target receive each pending retry once; its scheduled retries (due later) are scheduled messages like any. A
+dead-letter topic ``%DLQ%<group>`` is copied whole, without offsets (no group consumes it), unless ``dead_letters``
+is off.
 """
 
 from __future__ import annotations
@@ -16,8 +22,18 @@ from typing import Any
 from ..connection import Client
 from ..rocketmq4 import RocketMQ4, TargetUnreachable, delay_levels
 
-NOT_MOVED_PREFIXES = ("%RETRY%", "%DLQ%")  # a group's retry and dead-letter topics: RocketMQ keeps its own
+RETRY_PREFIX = "%RETRY%"  # broker/messaging/naming.py: a group's retry topic
+DLQ_PREFIX = "%DLQ%"  # and its dead-letter topic
 PAGE = 1000
+
+
+def kind_of(topic: str) -> str:
+    """``retry`` (a group's retry topic), ``dlq`` (its dead-letter topic) or ``topic``."""
+    if topic.startswith(RETRY_PREFIX):
+        return "retry"
+    if topic.startswith(DLQ_PREFIX):
+        return "dlq"
+    return "topic"
 
 
 async def read_source(client: Client) -> dict[str, Any]:
@@ -102,7 +118,7 @@ def choose_level(levels_s: list[float], remaining_ms: int) -> tuple[int | None, 
 
 
 def build(src: dict[str, Any], tgt: dict[str, Any], namesrv: str, source_address: str, follow: bool,
-          now_ms: int | None = None) -> dict[str, Any]:
+          now_ms: int | None = None, dead_letters: bool = True) -> dict[str, Any]:
     now_ms = int(time.time() * 1000) if now_ms is None else now_ms
     problems: list[str] = []
     not_moved: list[dict[str, Any]] = []
@@ -112,29 +128,43 @@ def build(src: dict[str, Any], tgt: dict[str, Any], namesrv: str, source_address
         problems.append("the target's name server knows no broker with a master: nothing can be written")
     # every group's position per queue, from its committed offsets
     positions: dict[tuple[str, int], dict[str, int]] = {}
-    groups_out = []
+    by_group: dict[str, dict[str, Any]] = {}
+
+    def place(group: str, t: str, q: int, p: int, hi: int) -> None:
+        positions.setdefault((t, q), {})[group] = p
+        entry = by_group[group]["topics"].setdefault(t, {"backlog": 0, "queues": {}})
+        entry["queues"][str(q)] = p
+        entry["backlog"] += hi - p
+
     for g in src["groups"]:
-        topics_of: dict[str, dict[str, Any]] = {}
+        by_group[g["group"]] = {"group": g["group"], "consumers": g.get("consumers", 0), "fifo": bool(g.get("fifo")), "topics": {}}
         for row in g.get("queues") or []:
             t = row["topic"]
-            if t.startswith(NOT_MOVED_PREFIXES) or t not in src["topics"]:
+            if kind_of(t) == "dlq" or t not in src["topics"]:  # dead letters: no group's position counts, all of them move
                 continue
             p = row["committed"]
             p = row["min_offset"] if p is None else min(max(p, row["min_offset"]), row["max_offset"])
-            positions.setdefault((t, row["queue_id"]), {})[g["group"]] = p
-            entry = topics_of.setdefault(t, {"backlog": 0, "queues": {}})
-            entry["queues"][str(row["queue_id"])] = p
-            entry["backlog"] += row["max_offset"] - p
-        groups_out.append({"group": g["group"], "consumers": g.get("consumers", 0), "fifo": bool(g.get("fifo")), "topics": topics_of,
-                           "backlog": sum(v["backlog"] for v in topics_of.values())})
+            place(g["group"], t, row["queue_id"], p, row["max_offset"])
         if g.get("consumers"):
             problems.append(f"group {g['group']} has {g['consumers']} live consumer(s) on txmq: stop them first, or they consume "
                             "messages the migration also moves (--force to go on anyway)")
+    # a retry topic's group waits for every retry it has not consumed: in a queue it never committed in, from the first
+    # retained one (where a RocketMQ consumer starts a retry topic), so that its offset on the target is set there too
+    for t in sorted(src["topics"]):
+        if kind_of(t) != "retry":
+            continue
+        owner = t[len(RETRY_PREFIX):]
+        for qrow in src["queues"].get(t, []):
+            if owner not in positions.get((t, qrow["queue_id"]), {}):
+                by_group.setdefault(owner, {"group": owner, "consumers": 0, "fifo": False, "topics": {}})
+                place(owner, t, qrow["queue_id"], qrow["min_offset"], qrow["max_offset"])
+    groups_out = [{**g, "backlog": sum(v["backlog"] for v in g["topics"].values())} for g in by_group.values()]
     topics_out = []
     queues_out = []
     for name, t in sorted(src["topics"].items()):
-        if name.startswith(NOT_MOVED_PREFIXES):
-            not_moved.append({"what": f"topic {name}", "why": "a consumer group's retry or dead-letter topic (RocketMQ keeps its own)",
+        kind = kind_of(name)
+        if kind == "dlq" and not dead_letters:
+            not_moved.append({"what": f"topic {name}", "why": "a consumer group's dead-letter topic (--no-dead-letters)",
                               "messages": t.get("messages", 0)})
             continue
         route = tgt["routes"].get(name)
@@ -167,19 +197,21 @@ def build(src: dict[str, Any], tgt: dict[str, Any], namesrv: str, source_address
                 problems_note = (f"topic {name} queue {q} already holds {tgt['ends'][(name, q)]} message(s) on the target: consumers of "
                                  "the migrated groups start at the migration's first message there")
                 not_moved.append({"what": f"{name} queue {q} on the target", "why": problems_note})
-        topics_out.append({"topic": name, "queues": n, "message_types": t.get("message_types"), "messages": t.get("messages", 0),
+        topics_out.append({"topic": name, "kind": kind, "queues": n, "message_types": t.get("message_types"), "messages": t.get("messages", 0),
                            "target_queues": tq, "action": action, "broker": broker, "address": addr, "backlog": backlog,
                            "consumed_by": sorted({g for (tt, _q), pos in positions.items() if tt == name for g in pos})})
-        if not grouped and backlog:
+        if not grouped and backlog and kind == "topic":
             not_moved.append({"what": f"topic {name}", "why": "no consumer group has committed offsets in it: every retained message "
                               "is copied, and no offsets are committed"})
     levels = delay_levels(tgt["config"])
     scheduled_out = []
+    moved_topics = {t["topic"] for t in topics_out}
     for m in src["scheduled"]:
-        if m["topic"].startswith(NOT_MOVED_PREFIXES):
+        if kind_of(m["topic"]) == "dlq" and m["topic"] not in moved_topics:
             continue
         level, late = choose_level(levels, m["deliver_at_ms"] - now_ms)
-        row = {"msg_id": m["msg_id"], "topic": m["topic"], "queue_id": m["queue_id"], "deliver_at_ms": m["deliver_at_ms"],
+        row = {"msg_id": m["msg_id"], "topic": m["topic"], "kind": kind_of(m["topic"]), "queue_id": m["queue_id"],
+               "deliver_at_ms": m["deliver_at_ms"],
                "commit_log_offset": m["commit_log_offset"], "level": level, "late_ms": late}
         scheduled_out.append(row)
         if level is None and not follow:
@@ -198,6 +230,7 @@ def build(src: dict[str, Any], tgt: dict[str, Any], namesrv: str, source_address
                    "max_message_size": int(tgt["config"].get("maxMessageSize") or 4 << 20)},
         "made_at_ms": now_ms,
         "follow": follow,
+        "dead_letters": dead_letters,
         "topics": topics_out,
         "queues": queues_out,
         "groups": groups_out,
@@ -206,5 +239,9 @@ def build(src: dict[str, Any], tgt: dict[str, Any], namesrv: str, source_address
         "not_moved": not_moved,
         "problems": problems,
         "totals": {"topics": len(topics_out), "queues": len(queues_out), "backlog": sum(t["backlog"] for t in topics_out),
-                   "groups": len(groups_out), "scheduled": len(scheduled_out), "pending": len(pending_out)},
+                   "groups": len(groups_out), "scheduled": len(scheduled_out), "pending": len(pending_out),
+                   # what a consumer failed: retries waiting in retry topics and scheduled; dead letters copied
+                   "retries": sum(t["backlog"] for t in topics_out if t["kind"] == "retry"),
+                   "scheduled_retries": sum(1 for m in scheduled_out if m["kind"] == "retry"),
+                   "dead_letters": sum(t["backlog"] for t in topics_out if t["kind"] == "dlq")},
     }
