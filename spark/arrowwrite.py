@@ -103,11 +103,14 @@ def _write_partition(reader, arrow_schema, tmp: str, job: str, compression, no_d
     return run
 
 
-def write(spark, options: dict[str, str], schema, path: str, no_dictionary: tuple[str, ...] = ()) -> int:
+def write(spark, options: dict[str, str], schema, path: str, no_dictionary: tuple[str, ...] = (),
+          in_driver: bool = False) -> int:
     """Write the txmq source's table read with `options` as Parquet files into the folder `path`; the rows written.
 
     The folder may exist (append): the new files get names of their own. `no_dictionary` names the columns not to
     dictionary-encode (values that rarely repeat, such as message bodies: trying costs time and saves nothing).
+    in_driver: this process writes the partitions, one after the other, as the tasks would (a small export: no Spark
+    job, no Python worker to start).
     """
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -125,7 +128,9 @@ def write(spark, options: dict[str, str], schema, path: str, no_dictionary: tupl
     os.makedirs(tmp, exist_ok=True)
     try:
         done = []
-        if parts:
+        if parts and in_driver:
+            done = list(_write_partition(reader, arrow_schema, tmp, job, compression, no_dictionary)(enumerate(parts)))
+        elif parts:
             rdd = spark.sparkContext.parallelize(list(enumerate(parts)), len(parts))
             done = rdd.mapPartitions(_write_partition(reader, arrow_schema, tmp, job, compression, no_dictionary)).collect()
         for name, written, _ in done:

@@ -30,6 +30,10 @@ from .source import DEFAULT_PARTITION_BYTES, TxmqDataSource, has_commit_log, pla
 from .transactions import transactions
 
 TABLES = ("messages", "transactions")
+# A small export on a local master is read by the driver itself (below, "Small exports"): a log of up to this many
+# bytes, or through a broker up to DRIVER_READ_RECORDS records (and this many bytes of Arrow batches).
+DRIVER_READ_BYTES = 64 << 20
+DRIVER_READ_RECORDS = 100_000
 MODES = {"error": "errorifexists", "overwrite": "overwrite", "append": "append"}
 # --partition-by names that mean a different column in each table
 _ALIASES = {
@@ -59,6 +63,9 @@ class ExportOptions:
     # "arrow": the messages table as Parquet written by the executors from the reader's Arrow batches (spark/arrowwrite.py)
     # where it applies (Parquet, no partition_by, a local out); "spark": always Spark's own writer
     parquet_writer: str = "arrow"
+    # On a local master, an export this small (log bytes; through a broker, DRIVER_READ_RECORDS records) is read by
+    # the driver instead of Spark's Python data source; 0: never
+    driver_read_bytes: int = DRIVER_READ_BYTES
 
 
 @dataclass
@@ -195,7 +202,8 @@ def export(spark, opts: ExportOptions, on_table: Callable[[str], None] | None = 
         return options
 
     try:
-        _run(spark, opts, options_for, topics, res, on_table, damage_dir)
+        _run(spark, opts, options_for, topics, res, on_table, damage_dir,
+             driver_reads=opts.driver_read_bytes > 0 and _local_master(spark) and res.log_bytes <= opts.driver_read_bytes)
     finally:
         if damage_dir:
             shutil.rmtree(damage_dir, ignore_errors=True)
@@ -233,25 +241,74 @@ def _export_through_broker(spark, opts: ExportOptions, on_table, t0: float) -> E
             options["startingOffsets"] = "latest"
         return options
 
-    _run(spark, opts, options_for, topics, res, on_table)
+    _run(spark, opts, options_for, topics, res, on_table,
+         driver_reads=opts.driver_read_bytes > 0 and _local_master(spark) and res.rows_planned <= DRIVER_READ_RECORDS)
     res.seconds = time.perf_counter() - t0
     return res
 
 
+# ---- small exports: read by the driver ---------------------------------------------------
+# Spark reads a Python data source through Python processes it starts one after the other, each a new interpreter
+# importing PySpark and txmq: finding data sources, creating the source, planning its read, then the workers reading
+# it (and the same again for the messages table's writing tasks). On 2 busy cores that took 15 to 25 s of an export
+# of 1,000 records, whatever their number. A small export on a local master is read by the driver instead, with the
+# same reader: the messages table written from its Arrow batches by the driver (as a task writes it), the
+# transactions table computed by Spark from a DataFrame made of the batches (spark.createDataFrame: no Python worker).
+def _local_master(spark) -> bool:
+    """Whether Spark runs in this process's JVM alone (local, local[N]; not local-cluster, whose executors are other
+    JVMs: there the reading stays theirs)."""
+    master = spark.sparkContext.master
+    return master == "local" or master.startswith("local[")
+
+
+def read_in_driver(options: dict[str, str], max_bytes: int):
+    """The txmq source's rows for `options` as one Arrow table, read in this process; None when they would take more
+    than max_bytes (the caller then lets Spark read them)."""
+    import pyarrow as pa
+    from pyspark.sql.pandas.types import to_arrow_schema
+
+    from .schema import messages_schema
+
+    schema = messages_schema()
+    arrow_schema = to_arrow_schema(schema, timezone="UTC")
+    reader = TxmqDataSource(options).reader(schema)
+    batches, size = [], 0
+    for part in reader.partitions():
+        for batch in reader.read(part):
+            if not batch.num_rows:
+                continue
+            batch = batch.cast(arrow_schema) if batch.schema != arrow_schema else batch
+            size += batch.nbytes
+            if size > max_bytes:
+                return None
+            batches.append(batch)
+    # at least one (empty) batch: PySpark cannot make a DataFrame of a table without chunks
+    return pa.Table.from_batches(batches or [pa.RecordBatch.from_pylist([], schema=arrow_schema)], arrow_schema)
+
+
 def _run(spark, opts: ExportOptions, options_for: Callable[..., dict[str, str]], topics: tuple[str, ...],
-         res: ExportResult, on_table: Callable[[str], None] | None, damage_dir: str | None = None) -> None:
-    """Write the tables and the report from the source options_for(**extra) gives, staged where the output is local."""
+         res: ExportResult, on_table: Callable[[str], None] | None, damage_dir: str | None = None,
+         driver_reads: bool = False) -> None:
+    """Write the tables and the report from the source options_for(**extra) gives, staged where the output is local.
+    driver_reads: the export is small enough for the driver to read (above, "small exports")."""
     # The first registration in a session is also its first SQL work (0.7 s on 2 cores): made when a table first
     # loads the source, so that the messages table written from Arrow (which needs none) starts without waiting for it.
     registering = threading.Lock()
     registered: list[bool] = []
 
     def load(**extra):
+        options = options_for(**extra)
+        if driver_reads:
+            table = read_in_driver(options, opts.driver_read_bytes)
+            if table is not None:
+                from .schema import messages_schema
+
+                return spark.createDataFrame(table, schema=messages_schema())
         with registering:  # the tables load side by side
             if not registered:
                 spark.dataSource.register(TxmqDataSource)
                 registered.append(True)
-        return spark.read.format("txmq").options(**options_for(**extra)).load()
+        return spark.read.format("txmq").options(**options).load()
 
     staging = staging_path(opts)
     if staging:
@@ -259,7 +316,7 @@ def _run(spark, opts: ExportOptions, options_for: Callable[..., dict[str, str]],
         os.makedirs(os.path.dirname(staging), exist_ok=True)
     write_opts = replace(opts, out=staging, mode="error") if staging else opts
     try:
-        _export_tables(spark, opts, write_opts, load, options_for, topics, res, on_table)
+        _export_tables(spark, opts, write_opts, load, options_for, topics, res, on_table, driver_reads)
         _write_report(opts, load, topics, res, on_table)
         if damage_dir:
             res.damaged = read_damage_reports(damage_dir)
@@ -303,8 +360,9 @@ def arrow_writes_messages(opts: ExportOptions, codec_name: str | None) -> bool:
     return opts.parquet_writer == "arrow" and arrowwrite.applies(opts.fmt, opts.partition_by, opts.out, codec_name)
 
 
-def _write_arrow(spark, options: dict[str, str], opts: ExportOptions) -> int:
-    """The messages table written by the executors from Arrow batches (where arrow_writes_messages): the rows written."""
+def _write_arrow(spark, options: dict[str, str], opts: ExportOptions, in_driver: bool = False) -> int:
+    """The messages table written by the executors (in_driver: by this process) from Arrow batches (where
+    arrow_writes_messages): the rows written."""
     from . import arrowwrite
     from .schema import messages_schema
 
@@ -315,7 +373,7 @@ def _write_arrow(spark, options: dict[str, str], opts: ExportOptions) -> int:
         raise FileExistsError(f"{path} already exists: use --mode overwrite or --mode append")
     if opts.mode == "overwrite":
         shutil.rmtree(local, ignore_errors=True)
-    return arrowwrite.write(spark, options, messages_schema(), local, no_dictionary=("body",))
+    return arrowwrite.write(spark, options, messages_schema(), local, no_dictionary=("body",), in_driver=in_driver)
 
 
 def _cancel(spark, tables: tuple[str, ...]) -> None:
@@ -328,7 +386,7 @@ def _cancel(spark, tables: tuple[str, ...]) -> None:
 
 
 def _export_tables(spark, opts: ExportOptions, write_opts: ExportOptions, load, options_for, topics: tuple[str, ...],
-                   res: ExportResult, on_table: Callable[[str], None] | None) -> None:
+                   res: ExportResult, on_table: Callable[[str], None] | None, driver_reads: bool = False) -> None:
     """Write the tables, side by side when there are two, each in a thread of its own.
 
     The messages table keeps the executors' Python busy, the transactions table is mostly the driver's: planning, the
@@ -355,7 +413,7 @@ def _export_tables(spark, opts: ExportOptions, write_opts: ExportOptions, load, 
             if opts.until_ms is not None:
                 filters["until"] = str(opts.until_ms)
             if arrow_writes_messages(write_opts, spark.conf.get(CODEC_CONF, None)):
-                rows = _write_arrow(spark, options_for(**filters), write_opts)
+                rows = _write_arrow(spark, options_for(**filters), write_opts, in_driver=driver_reads)
             else:
                 _, rows = _write(load(**filters), table, write_opts)
         else:
@@ -370,17 +428,24 @@ def _export_tables(spark, opts: ExportOptions, write_opts: ExportOptions, load, 
 
     pool = ThreadPoolExecutor(max_workers=len(opts.tables), thread_name_prefix="txmq-export")
     futures = [pool.submit(one, t) for t in opts.tables]
+    waiting = True
     try:
         done, _ = wait(futures, return_when=FIRST_EXCEPTION)
         for f in done:
             if f.exception() is not None:
                 raise f.exception()  # type: ignore[misc]
         res.tables.extend(f.result() for f in futures)
+    except KeyboardInterrupt:
+        # Not waiting for the tables' threads: a table still being planned (Spark's Python planners cannot be
+        # cancelled) held Ctrl-C up for seconds. The caller ends Spark (the CLI kills its JVM), which ends them.
+        waiting = False
+        _cancel(spark, opts.tables)
+        raise
     except BaseException:
-        _cancel(spark, opts.tables)  # the other table stops too (also on Ctrl-C)
+        _cancel(spark, opts.tables)  # the other table stops too
         raise
     finally:
-        pool.shutdown(wait=True, cancel_futures=True)
+        pool.shutdown(wait=waiting, cancel_futures=True)
 
 
 def _write_report(opts: ExportOptions, load, topics: tuple[str, ...], res: ExportResult,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -90,7 +91,10 @@ def default_conf(master: str, log4j_path: str | None) -> dict[str, str]:
     if is_local(master):
         conf["spark.sql.shuffle.partitions"] = str(max(2, min(16, os.cpu_count() or 2)))
     if log4j_path:
-        conf["spark.driver.extraJavaOptions"] = f"-Dlog4j2.configurationFile=file:{log4j_path}"
+        # the JVM's temporary files (Spark's local folders among them) in the folder of the log configuration, which
+        # is removed at the end even when the JVM is killed (Ctrl-C) and its own clean-up never runs
+        conf["spark.driver.extraJavaOptions"] = (f"-Dlog4j2.configurationFile=file:{log4j_path}"
+                                                 f" -Djava.io.tmpdir={os.path.dirname(log4j_path)}")
     return conf
 
 
@@ -254,6 +258,115 @@ class Session:
         if final and self.archive_recording is not None and self.archive_final is not None:
             _exit_jvm(self.spark, self.archive_recording, self.archive_final)
 
+    def kill(self) -> None:
+        """End Spark at once (Ctrl-C; --follow once its streams have stopped): the driver JVM and every process under
+        it (Python daemons and workers) are killed, not stopped in order. An orderly stop waits for running tasks, and Spark's Python planners cannot be
+        cancelled: after Ctrl-C an export took up to 38 s to exit. No class-data archive is recorded. A session this
+        did not create (reused) is left running."""
+        if not self.created:
+            return
+        from pyspark import SparkContext
+
+        server = getattr(SparkContext._active_spark_context, "_accumulatorServer", None)
+        if server is not None:  # the JVM's connection to it ends with the JVM: no traceback on stderr for that
+            server.handle_error = lambda *_: None
+            server.server_shutdown = True
+        proc = getattr(SparkContext._gateway, "proc", None)
+        if proc is not None:
+            end_process_tree(proc)
+        _forget_spark()
+        if self.archive_recording is not None:
+            self.archive_recording.unlink(missing_ok=True)
+        cleanup(self)  # the log and the JVM's temporary files: nothing names them after an interruption
+
+
+def process_tree(root: int) -> list[int]:
+    """root and every process under it, parents first (Linux: /proc; elsewhere root alone)."""
+    children: dict[int, list[int]] = {}
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return [root]
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(name))
+    tree, i = [root], 0
+    while i < len(tree):
+        tree.extend(children.get(tree[i], ()))
+        i += 1
+    return tree
+
+
+def _running(pid: int) -> bool:
+    """Whether pid is a process that still runs (a zombie has ended)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return False
+
+
+def end_process_tree(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
+    """SIGKILL proc (the driver JVM: it ignores SIGINT, PySpark starts it so) and every process under it, then wait
+    until they are gone (bounded): none of them writes afterwards. The JVM's Python daemons would end on their own once
+    it is gone, but a task's worker may still be writing output."""
+    pids = process_tree(proc.pid)
+    for pid in pids:  # parents first: the JVM starts no new worker meanwhile
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    deadline = time.monotonic() + timeout_s
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        pass
+    for pid in pids[1:]:  # not our children: reaped by init, so watched for in /proc
+        while _running(pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+
+def _forget_spark() -> None:
+    """Drop PySpark's handles on a JVM that is gone, so that nothing calls it and a new session starts a new one."""
+    from pyspark import SparkContext
+    from pyspark.sql import SparkSession
+
+    SparkContext._gateway = None
+    SparkContext._jvm = None
+    SparkContext._active_spark_context = None
+    SparkSession._instantiatedSession = None
+    SparkSession._activeSession = None
+
+
+def _spark_launches(before: set[int]) -> list[int]:
+    """This process's children that were not in `before` and run Spark (spark-submit, or the JVM it became)."""
+    found = []
+    me = os.getpid()
+    for pid in process_tree(me)[1:]:
+        if pid in before:
+            continue
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == me and (b"spark-submit" in cmd or b"org.apache.spark" in cmd):
+            found.append(pid)
+    return found
+
+
+def _children() -> set[int]:
+    me = os.getpid()
+    return {pid for pid in process_tree(me) if pid != me}
+
 
 def _exit_jvm(spark, recording: Path, final: Path, timeout_s: float = 120.0) -> None:
     """End the driver JVM (it writes the archive as it exits), wait for it, then publish the archive. Ctrl-C while
@@ -274,8 +387,7 @@ def _exit_jvm(spark, recording: Path, final: Path, timeout_s: float = 120.0) -> 
             pass  # the connection ends with the JVM
         code = proc.wait(timeout=timeout_s)
     except (KeyboardInterrupt, subprocess.TimeoutExpired):
-        proc.kill()  # the JVM ignores SIGINT (PySpark starts it so): it would go on writing after we are gone
-        proc.wait()
+        end_process_tree(proc)  # the JVM ignores SIGINT (PySpark starts it so): it would go on writing after we are gone
     finally:
         SparkContext._gateway = None
         SparkContext._jvm = None
@@ -359,9 +471,13 @@ def start(master: str, conf: dict[str, str] | None = None, quiet: bool = True, a
     builder = SparkSession.builder.master(master)
     for k, v in settings.items():
         builder = builder.config(k, v)
+    before = _children()
     try:
         with _output_to(log_path) if log_path else contextlib.nullcontext():
             spark = builder.getOrCreate()
+    except KeyboardInterrupt:  # Ctrl-C while Spark starts: the JVM (which ignores SIGINT) must not outlive us
+        _abandon_start(before, recording, tmp)
+        raise
     except Exception as e:
         tail = log_tail(log_path)
         if tmp:
@@ -369,6 +485,44 @@ def start(master: str, conf: dict[str, str] | None = None, quiet: bool = True, a
         raise SparkStartError(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__, tail) from e
     spark.sparkContext.setLogLevel("WARN")
     return Session(spark, True, time.perf_counter() - t0, log_path, recording, final)
+
+
+def _abandon_start(before: set[int], recording: Path | None, tmp: str | None) -> None:
+    """After Ctrl-C in the middle of a start: kill the JVM being launched (PySpark only keeps it once its gateway
+    answers; before that it is found as the new spark-submit child), drop the half-made context, remove our files.
+    Without this the JVM, orphaned, ran on (minutes, waiting for a driver that was gone)."""
+    from pyspark import SparkContext
+
+    proc = getattr(SparkContext._gateway, "proc", None)
+    if proc is not None:
+        end_process_tree(proc)
+    for pid in _spark_launches(before):
+        end_process_tree(_Adopted(pid))
+    _forget_spark()
+    if recording is not None:
+        recording.unlink(missing_ok=True)
+    if tmp:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+class _Adopted:
+    """A child process known by its pid only, waited for as a Popen would be (for end_process_tree)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = time.monotonic() + (timeout or 0)
+        while True:
+            try:
+                done, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:
+                return 0
+            if done:
+                return status
+            if time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(str(self.pid), timeout or 0)
+            time.sleep(0.01)
 
 
 def log_tail(path: str | None, lines: int = 20) -> str:

@@ -60,3 +60,22 @@ def _one_build_at_a_time(request):
     with open(lock_dir / ".tests-build.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
         yield
+
+
+@pytest.fixture(scope="session")
+def spark_session():
+    """One local SparkSession (local[2], txmq's data source registered) for every test module that reads through Spark:
+    a driver JVM started once, not once per module. Tests that change a session setting set it back."""
+    from txmq.spark.session import missing_dependency, missing_java
+
+    problem = missing_dependency() or missing_java()
+    if problem:
+        pytest.skip(problem)
+    from txmq.spark import session as sess
+    from txmq.spark.source import TxmqDataSource
+
+    s = sess.start("local[2]", {"spark.sql.shuffle.partitions": "2"})
+    s.spark.dataSource.register(TxmqDataSource)
+    yield s.spark
+    s.stop()
+    sess.cleanup(s)

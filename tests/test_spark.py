@@ -39,17 +39,9 @@ def _spark_problem() -> str | None:
     return missing_dependency() or missing_java()
 
 
-@pytest.fixture(scope="module")
-def spark():
-    problem = _spark_problem()
-    if problem:
-        pytest.skip(problem)
-    from txmq.spark import session as sess
-
-    s = sess.start("local[2]", {"spark.sql.shuffle.partitions": "2"})
-    yield s.spark
-    s.stop()
-    sess.cleanup(s)
+@pytest.fixture
+def spark(spark_session):
+    return spark_session  # the session's one SparkSession (conftest.py)
 
 
 def ts(ms: int) -> datetime:

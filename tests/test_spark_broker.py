@@ -19,20 +19,8 @@ pytestmark = pytest.mark.spark
 
 
 @pytest.fixture(scope="module")
-def spark():
-    from txmq.spark.session import missing_dependency, missing_java
-
-    problem = missing_dependency() or missing_java()
-    if problem:
-        pytest.skip(problem)
-    from txmq.spark import session as sess
-    from txmq.spark.source import TxmqDataSource
-
-    s = sess.start("local[2]", {"spark.sql.shuffle.partitions": "2"})
-    s.spark.dataSource.register(TxmqDataSource)
-    yield s.spark
-    s.stop()
-    sess.cleanup(s)
+def spark(spark_session):
+    return spark_session  # the session's one SparkSession (conftest.py)
 
 
 @pytest.fixture(scope="module")

@@ -173,16 +173,8 @@ def test_the_discard_section_says_what_it_counts_and_adds_up_with_the_outcomes()
 
 # ---- the figures, from a small log -----------------------------------------------------
 @pytest.fixture(scope="module")
-def spark():
-    from txmq.spark import session as sess
-
-    problem = sess.missing_dependency() or sess.missing_java()
-    if problem:
-        pytest.skip(problem)
-    s = sess.start("local[1]", {"spark.sql.shuffle.partitions": "1"})
-    yield s.spark
-    s.stop()
-    sess.cleanup(s)
+def spark(spark_session):
+    return spark_session  # the session's one SparkSession (conftest.py)
 
 
 def _records(spark, rows):

@@ -167,8 +167,18 @@ def _follow_with_spark(opts: ExportOptions, master: str, spark_conf: dict[str, s
         err.print(f"{table}: +{rows:,} {'rows' if table == 'messages' else 'events'}")
 
     # Ctrl-C sets the flag the loop looks at between micro-batches, rather than interrupting a call into Spark
-    # anywhere (the summary would then miss the tables); the default handler is back once the streams stop.
-    previous = signal.signal(signal.SIGINT, lambda *_: stopping.set())
+    # anywhere (the summary would then miss the tables); the default handler is back once the streams stop. The
+    # streams get FOLLOW_STOP_S to stop in order; then the JVM is killed (a micro-batch still being planned held the
+    # stop up for seconds). Either way the checkpoint holds where the next run resumes: a batch cut short is read again.
+    killer = threading.Timer(FOLLOW_STOP_S, session.kill)
+    killer.daemon = True
+
+    def on_ctrl_c(*_) -> None:
+        if not stopping.is_set():
+            stopping.set()
+            killer.start()
+
+    previous = signal.signal(signal.SIGINT, on_ctrl_c)
     try:
         try:
             result = follow(session.spark, opts, checkpoint, interval, stop=stopping.is_set, on_batch=on_batch)
@@ -177,12 +187,17 @@ def _follow_with_spark(opts: ExportOptions, master: str, spark_conf: dict[str, s
         except (ValueError, FileExistsError) as e:
             raise CliError(str(e), exitcodes.USAGE) from None
         except Exception as e:
-            hint = f" (Spark's log: {session.log_path})" if session.log_path else ""
-            raise CliError(f"spark-export --follow failed: {spark_error(e)}{hint}") from None
+            if not stopping.is_set():  # after Ctrl-C: the JVM killed while the streams stopped, not a failure
+                hint = f" (Spark's log: {session.log_path})" if session.log_path else ""
+                raise CliError(f"spark-export --follow failed: {spark_error(e)}{hint}") from None
     finally:
         signal.signal(signal.SIGINT, previous)
         try:
-            _stop_spark(session, exported=True)
+            if session.archive_recording is None:
+                session.kill()  # the streams have stopped: nothing is left to stop in order
+                killer.cancel()
+            else:  # the JVM must exit normally to write the class-data archive
+                _stop_spark(session, exported=True)
         except (Exception, KeyboardInterrupt):
             pass
     s = {"broker": opts.broker, "out": opts.out, "format": opts.fmt, "master": master, "checkpoint": checkpoint,
@@ -193,6 +208,9 @@ def _follow_with_spark(opts: ExportOptions, master: str, spark_conf: dict[str, s
     if not emit_document(s, output):
         out.print(f"followed {esc(str(opts.broker))} -> {esc(opts.out)} for {s['total_s']:.1f}s; "
                   f"resume with the same --checkpoint {esc(checkpoint)}")
+
+
+FOLLOW_STOP_S = 0.5  # after Ctrl-C, --follow's streams get this long to stop before the JVM is killed
 
 
 def _require_spark() -> None:
@@ -268,15 +286,20 @@ def _export_with_spark(opts: ExportOptions, master: str, spark_conf: dict[str, s
     progress.begin("starting Spark")
     _quiet_py4j()
     try:
-        session = _start_spark(master, spark_conf, quick_jit=_quick_jit(opts, master, spark_conf))
-        progress.watch(session.spark)
-        ok = False
+        session = _start_spark(master, spark_conf, quick_jit=_quick_jit(opts, master, spark_conf))  # Ctrl-C: JVM ended
         try:
+            progress.watch(session.spark)
             result = _export_tables(session, opts, progress)
-            ok = True
-        finally:
+        except KeyboardInterrupt:  # the JVM and its workers killed, not stopped in order (that waited for them)
             progress.stop()
-            _stop_spark(session, exported=ok)
+            session.kill()
+            raise
+        except BaseException:
+            progress.stop()
+            _stop_spark(session, exported=False)
+            raise
+        progress.stop()
+        _stop_spark(session, exported=True)
     except KeyboardInterrupt:
         progress.stop()
         _clean_up_interrupted(opts)
@@ -340,7 +363,7 @@ def _stop_spark(session: Session, exported: bool) -> None:
     try:
         session.stop(final=True)  # the command starts no other session: the JVM may end (and write its class archive)
     except KeyboardInterrupt:  # Ctrl-C while Spark stops: the tables are in place (or the failure is reported)
-        pass
+        session.kill()
     except Exception:
         if exported:
             raise
@@ -382,8 +405,11 @@ def _first_line(e: BaseException) -> str:
 
 
 def spark_error(e: BaseException) -> str:
-    """The informative line of a Spark failure: a Python worker's exception, or the JVM's message."""
+    """The informative line of a Spark failure: a Python worker's exception, or the JVM's message. The log's damage
+    found by this process (a small export is read by the driver) reads as a worker's would: with its class."""
     lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    if type(e).__module__.startswith("txmq.store"):
+        return f"{type(e).__module__}.{type(e).__qualname__}: {lines[0] if lines else ''}"[:500]
     if "Traceback (most recent call last):" in lines:  # raised in a Python worker: its last line
         tb = lines[lines.index("Traceback (most recent call last):") + 1 :]
         tb = [ln for ln in tb if not ln.startswith(("at ", "File ", "^", "~"))]
