@@ -303,7 +303,7 @@ def process_tree(root: int) -> list[int]:
     return tree
 
 
-def _running(pid: int) -> bool:
+def process_running(pid: int) -> bool:
     """Whether pid is a process that still runs (a zombie has ended)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
@@ -328,7 +328,7 @@ def end_process_tree(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
     except subprocess.TimeoutExpired:
         pass
     for pid in pids[1:]:  # not our children: reaped by init, so watched for in /proc
-        while _running(pid) and time.monotonic() < deadline:
+        while process_running(pid) and time.monotonic() < deadline:
             time.sleep(0.01)
 
 

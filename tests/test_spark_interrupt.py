@@ -35,12 +35,9 @@ def _cli_code(args: list[str], prelude: str = "") -> str:
 
 
 def _running(pid: int) -> bool:
-    """Whether pid still runs (a zombie has ended)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except (OSError, IndexError):
-        return False
+    from txmq.spark.session import process_running  # no pyspark import: the module loads it lazily
+
+    return process_running(pid)
 
 
 def _descendants(root: int) -> list[int]:
