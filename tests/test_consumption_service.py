@@ -39,6 +39,7 @@ from txmq.broker.messaging.consumption import (
     parse_tags,
 )
 from txmq.broker.messaging.naming import DLQ_PREFIX, MAX_GROUP, RETRY_PREFIX, dlq_topic, is_group_name, retry_topic
+from txmq.broker.messaging.sqlfilter import compile_sql
 from txmq.broker.metrics import Metrics
 from txmq.broker.records import msg_id_of
 from txmq.broker.topics import TopicTable
@@ -461,6 +462,22 @@ def test_tag_filters_skip_other_tags_and_move_the_offset_past_them(tmp_path):
             assert parse_tags("*") is None and parse_tags("") is None
             for bad in ("a||", "||", "a|| ||b"):
                 assert codes(lambda bad=bad: parse_tags(bad)) == "ILLEGAL_FILTER_EXPRESSION"
+
+    arun(go())
+
+
+def test_sql92_filters_match_the_properties_and_move_the_offset_past_the_others(tmp_path):
+    async def go():
+        async with consuming(tmp_path / "d") as h:
+            await h.send(3, tag="a", prefix="a")
+            await h.send(3, tag="b", prefix="b")
+            await h.send(2, prefix="none")
+            got = await h.svc.receive(G, T, -1, compile_sql("TAGS = 'b' OR TAGS IS NULL"), 32, 30, 0)
+            assert [d.record.body for d in got] == [b"b0", b"b1", b"b2", b"none0", b"none1"]
+            for d in got:
+                h.svc.ack(G, T, d.receipt_handle)
+            assert h.offsets.get(G, T, 0) == 8
+            assert await h.svc.receive("other", T, -1, compile_sql("TAGS > 1"), 32, 30, 0) == []  # no tag is a number
 
     arun(go())
 

@@ -96,6 +96,34 @@ def test_ordered_sends_reach_an_orderly_consumer_in_order_filtered_by_tag(rocket
     assert ours["byOrder"]["order1"] == ["order1-step0:TagA", "order1-step2:TagC"]
 
 
+SQL_CASES = [  # (messages expected, expression) over the "sql" scenario's m0..m11 (RmqDriver.java)
+    (4, "a BETWEEN 3 AND 6"),
+    (6, "region IN ('eu')"),
+    (2, "a IS NULL"),
+    (6, "a > 7 OR region = 'us'"),
+    (3, "region = 'eu' AND NOT (a < 5)"),  # m10 (no a) is unknown, not matched
+    (2, "a NOT BETWEEN 2 AND 9 AND region IS NOT NULL"),
+    (1, "a >= 9.5"),
+    (6, "TAGS IN ('TagT')"),
+    (5, "region <> 'eu'"),  # m11 (no region) is unknown
+    (1, "a = '3'"),
+    (1, "a = 1 OR region > 5"),  # 'eu' is no number: the comparison fails the expression, unless OR decided first
+    (0, "region > 5 OR a = 1"),
+    (0, "a BETWEEN 5 AND"),  # malformed: the consumer's start is refused
+]
+
+
+def test_sql92_subscriptions_receive_the_messages_whose_properties_match_as_on_rocketmq(rocketmq_peer, broker):
+    cases = ";".join(f"{n}|{expr}" for n, expr in SQL_CASES)
+    theirs, ours = both(rocketmq_peer, broker, "sql", topic="Diff-sql", group="diff-sql", cases=cases)
+    assert ours == theirs
+    by_expr = {c["expression"]: c for c in ours["cases"]}
+    assert by_expr["a BETWEEN 3 AND 6"]["received"] == ["m2", "m3", "m4", "m5"]
+    assert by_expr["a IS NULL"]["received"] == ["m10", "m11"]
+    assert by_expr["a BETWEEN 5 AND"] == {"expression": "a BETWEEN 5 AND", "startError": 23}  # SUBSCRIPTION_PARSE_FAILED
+    assert all(c["allReceived"] for c in ours["cases"] if "startError" not in c)
+
+
 def test_a_failing_message_is_retried_then_dead_lettered_as_on_rocketmq(rocketmq_peer, broker):
     """maxReconsumeTimes 2: delivered with reconsumeTimes 0, 1, 2 through %RETRY%<group>, then into %DLQ%<group>."""
     theirs, ours = both(rocketmq_peer, broker, "retry", topic="Diff-retry", group="diff-retry", maxReconsumeTimes=2)

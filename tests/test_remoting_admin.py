@@ -228,6 +228,18 @@ def test_consumer_connections_list_each_client_with_its_subscriptions(tmp_path):
     with_broker(tmp_path, test)
 
 
+def test_consumer_connections_show_a_sql92_subscription_with_its_expression_type(tmp_path):
+    async def test(b, c):
+        data = {"clientID": "10.0.0.9@consumer-1", "producerDataSet": [],
+                "consumerDataSet": [{"groupName": "cg", "consumeType": "CONSUME_PASSIVELY", "messageModel": "CLUSTERING",
+                                     "consumeFromWhere": "CONSUME_FROM_FIRST_OFFSET", "unitMode": False,
+                                     "subscriptionDataSet": [{"topic": "Orders", "subString": "a > 1", "expressionType": "SQL92"}]}]}
+        assert (await c.request(HEART_BEAT, {}, json.dumps(data).encode())).code == SUCCESS
+        sub = loads((await c.request(GET_CONSUMER_CONNECTION_LIST, {"consumerGroup": "cg"})).body)["subscriptionTable"]["Orders"]
+        assert (sub["expressionType"], sub["subString"], sub["tagsSet"], sub["codeSet"]) == ("SQL92", "a > 1", [], [])
+    with_broker(tmp_path, test)
+
+
 def test_java_hash_is_strings_hash_code():
     assert [admin.java_hash(s) for s in ("", "TagA", "a", "é", "hello world", "😀")] == [0, 2598919, 97, 233, 1794106052, 1772899]
 

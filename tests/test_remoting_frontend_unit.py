@@ -10,6 +10,7 @@ check the words.
 from __future__ import annotations
 
 import asyncio
+import json
 from types import SimpleNamespace
 from typing import Any
 
@@ -278,6 +279,55 @@ def test_a_pull_whose_messages_the_subscription_filters_out_is_retried_from_past
     r = pull(front, PullResult(PullStatus.FOUND, [_stored(5, "a"), _stored(6, "c")], 7, 0, 9), sysFlag=str(p.PULL_SUBSCRIPTION),
              subscription="b || c")
     assert r.code == p.SUCCESS and r.body == encode_maps([_stored(6, "c")], STORE_ADDR, PORT)
+
+
+def _with_props(offset: int, **props: str) -> dict[str, Any]:
+    m = _stored(offset, "t")
+    m["properties"] = {"TAGS": "t", **props}
+    return m
+
+
+def test_a_pull_with_a_sql92_subscription_answers_the_messages_whose_properties_match():
+    front = FakeFront()
+    found = [_with_props(5, a="1", region="eu"), _with_props(6, a="7", region="eu"), _with_props(7, region="us")]
+    r = pull(front, PullResult(PullStatus.FOUND, found, 8, 0, 9), sysFlag=str(p.PULL_SUBSCRIPTION), expressionType="SQL92",
+             subscription="a > 5 OR region = 'us'")
+    assert r.code == p.SUCCESS and r.body == encode_maps(found[1:], STORE_ADDR, PORT)
+    r = pull(front, PullResult(PullStatus.FOUND, found[:1], 6, 0, 9), sysFlag=str(p.PULL_SUBSCRIPTION), expressionType="SQL92",
+             subscription="a IS NULL")
+    assert (r.code, r.ext["nextBeginOffset"]) == (p.PULL_RETRY_IMMEDIATELY, "6")
+
+
+def test_a_pull_uses_the_sql92_subscription_of_the_groups_heartbeat():
+    front = FakeFront()
+    front.messaging.ensure_topic = lambda *a: None
+    front.messaging.register_consumer = lambda *a: None
+    hb = {"clientID": "c1", "consumerDataSet": [{"groupName": "cg", "messageModel": "CLUSTERING", "subscriptionDataSet": [
+        {"topic": "T", "subString": "region IN ('eu')", "expressionType": "SQL92"}]}]}
+    assert answer(front, req(p.HEART_BEAT, {}, json.dumps(hb).encode())).code == p.SUCCESS
+    found = [_with_props(5, region="eu"), _with_props(6, region="us")]
+    r = pull(front, PullResult(PullStatus.FOUND, found, 7, 0, 9), expressionType="SQL92")
+    assert r.code == p.SUCCESS and r.body == encode_maps(found[:1], STORE_ADDR, PORT)
+
+
+def test_a_malformed_sql92_subscription_is_a_parse_failure_when_checked_and_when_pulled():
+    front = FakeFront()
+    body = json.dumps({"clientId": "c1", "group": "cg", "subscriptionData": {
+        "topic": "T", "subString": "a BETWEEN 5 AND", "expressionType": "SQL92"}}).encode()
+    r = answer(front, req(p.CHECK_CLIENT_CONFIG, {}, body))
+    assert r.code == p.SUBSCRIPTION_PARSE_FAILED and "does not compile" in r.remark
+    ok_body = body.replace(b"a BETWEEN 5 AND", b"a BETWEEN 5 AND 6")
+    assert answer(front, req(p.CHECK_CLIENT_CONFIG, {}, ok_body)).code == p.SUCCESS
+    r = pull(front, PullResult(PullStatus.FOUND, [_with_props(5, a="1")], 6, 0, 9), sysFlag=str(p.PULL_SUBSCRIPTION),
+             expressionType="SQL92", subscription="a >")
+    assert r.code == p.SUBSCRIPTION_PARSE_FAILED
+    assert front.messaging.calls == []  # refused before reading
+
+
+def test_a_pull_with_an_expression_type_txmq_does_not_serve_is_refused():
+    r = pull(FakeFront(), PullResult(PullStatus.NO_MESSAGE, [], 5, 0, 9), sysFlag=str(p.PULL_SUBSCRIPTION), expressionType="CLASS",
+             subscription="x")
+    assert r.code == p.INVALID_PARAMETER
 
 
 def test_a_pull_carrying_the_groups_offset_commits_it_without_waiting():

@@ -222,7 +222,8 @@ def test_the_long_polling_timeout_is_bounded_by_the_service_and_by_the_clients_d
 
 @pytest.mark.parametrize("req, code, says", [
     (receive_request(poll_s=-1.0), Code.ILLEGAL_POLLING_TIME, "negative"),
-    (receive_request(filter_type=d.SQL, expression="a > 1"), Code.UNSUPPORTED, "SQL92"),
+    (receive_request(filter_type=d.SQL, expression="a >"), Code.ILLEGAL_FILTER_EXPRESSION, "does not compile"),
+    (receive_request(filter_type=d.SQL, expression="a = NULL"), Code.ILLEGAL_FILTER_EXPRESSION, "IS NULL"),
     (receive_request(filter_type=7), Code.ILLEGAL_FILTER_EXPRESSION, "is not TAG"),
     (receive_request(expression="a||"), Code.ILLEGAL_FILTER_EXPRESSION, "joined by '||'"),
     (receive_request(expression="*||a"), Code.ILLEGAL_FILTER_EXPRESSION, "joined by '||'"),

@@ -430,11 +430,17 @@ def test_tag_filter_and_sql_filter(tmp_path):
             c = await RawClient.open(b.address)
             await native_send(c, 2, prefix="a", TAGS="a")
             await native_send(c, 2, prefix="b", TAGS="b")
+            await native_send(c, 2, prefix="p", TAGS="p", size="7", region="eu")
             r = Rmq(b)
             st, msgs, _ = await r.receive(expression="b||c")
             assert [m.body for m in msgs] == [b"b0", b"b1"]
-            st, _, _ = await r.receive(group="sql", expression="a > 1", ftype=d.SQL)
-            assert st.code == d.Code.UNSUPPORTED
+            # SQL92 over the properties, the tag as TAGS: a comparison with a missing property is not a match
+            st, msgs, _ = await r.receive(group="sql", expression="TAGS = 'a' OR size > 5 AND region IN ('eu')", ftype=d.SQL)
+            assert [m.body for m in msgs] == [b"a0", b"a1", b"p0", b"p1"]
+            st, msgs, _ = await r.receive(group="sql-none", expression="size IS NULL AND TAGS <> 'a'", ftype=d.SQL)
+            assert [m.body for m in msgs] == [b"b0", b"b1"]
+            st, _, _ = await r.receive(group="bad-sql", expression="size BETWEEN 5 AND", ftype=d.SQL)
+            assert st.code == d.Code.ILLEGAL_FILTER_EXPRESSION
             st, _, _ = await r.receive(group="bad-tags", expression="a||")
             assert st.code == d.Code.ILLEGAL_FILTER_EXPRESSION
             await r.close()

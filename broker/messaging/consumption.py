@@ -89,6 +89,7 @@ from ..scheduled.timing import RESERVED
 from txmq.store import GetStatus, Message, Record, TxType
 
 from .naming import MAX_GROUP, dlq_topic, is_group_name
+from .sqlfilter import Predicate
 
 if TYPE_CHECKING:
     from ..appender import Appender
@@ -536,10 +537,13 @@ class ConsumptionService:
         return moving
 
     # ---- receiving -------------------------------------------------------
-    async def receive(self, group: str, topic: str, queue_id: int, tags: frozenset[str] | None, batch: int,
+    async def receive(self, group: str, topic: str, queue_id: int, tags: frozenset[str] | Predicate | None, batch: int,
                       invisible_s: float | None, poll_s: float, *, auto_renew: bool = False,
                       client_id: str | None = None) -> list[Delivery]:
         """Up to batch messages of topic for group, waiting up to poll_s for one; [] when none came.
+
+        tags: None for every message, the tags of a TAG filter, or the predicate of a SQL92 one over a message's
+        properties (sqlfilter.compile_sql).
 
         queue_id -1 takes from any queue; a queue id starts there and goes on
         to the topic's other queues, as RocketMQ's POP does per broker.
@@ -582,7 +586,7 @@ class ConsumptionService:
                 return []
             await self._wait(sub, n, remaining)
 
-    def _take(self, sub: Subscription, n: int, queue_id: int, tags: frozenset[str] | None, batch: int, inv: float,
+    def _take(self, sub: Subscription, n: int, queue_id: int, tags: frozenset[str] | Predicate | None, batch: int, inv: float,
               now: float, renew_s: float, client: str | None, out: list[Delivery], fifo: bool = False) -> bool:
         """Fill out from the queues, starting at queue_id (or the next in turn); True when the scan step ran out.
 
@@ -593,6 +597,9 @@ class ConsumptionService:
         ready again (RocketMQ's POP with order=true: ConsumerOrderInfoManager
         blocks the queue, not a message group).
         """
+        match = None
+        if tags is not None and not isinstance(tags, frozenset):  # a SQL92 filter: over the properties
+            match, tags = tags, None
         start = queue_id if queue_id >= 0 else sub.rr % n
         sub.rr = start + 1
         budget = [self.config.scan_per_receive, self.config.max_bytes]
@@ -605,9 +612,9 @@ class ConsumptionService:
                 if q.ready:
                     q.ready = deque(sorted({o for o in q.ready if (s := q.slots.get(o)) is not None and s.state == READY}))
                 mark = len(out)
-            self._take_ready(sub, q, tags, batch, inv, now, renew_s, client, out, budget)
+            self._take_ready(sub, q, tags, batch, inv, now, renew_s, client, out, budget, match)
             if len(out) < batch and not (fifo and q.ready):
-                self._take_new(sub, q, tags, batch, inv, now, renew_s, client, out, budget)
+                self._take_new(sub, q, tags, batch, inv, now, renew_s, client, out, budget, match)
             if fifo and len(out) > mark:
                 q.held.update(dl_offset(dl) for dl in out[mark:])
                 for off in q.ready:  # the queue was handed out again from its head: handles of the rest are stale
@@ -646,7 +653,8 @@ class ConsumptionService:
         self._push(sub, q, offset, slot)
         out.append(Delivery(rec, self._handle(sub, q, offset, slot), slot.attempt, inv))
 
-    def _take_ready(self, sub: Subscription, q: QueueState, tags, batch, inv, now, renew_s, client, out, budget) -> None:
+    def _take_ready(self, sub: Subscription, q: QueueState, tags, batch, inv, now, renew_s, client, out, budget,
+                    match: Predicate | None = None) -> None:
         ready, store = q.ready, self.store
         while ready and len(out) < batch and budget[1] > 0:
             offset = ready.popleft()
@@ -659,20 +667,22 @@ class ConsumptionService:
                 budget[0] = 0
                 return
             rec = res.records[0] if res.records and res.records[0].queue_offset == offset else None
-            if rec is None or (tags is not None and rec.tags not in tags):  # gone (retention, damage) or no longer subscribed
+            if rec is None or (tags is not None and rec.tags not in tags) or (match is not None and not match(rec.properties)):
+                # gone (retention, damage) or no longer subscribed
                 self._remove(sub, q, offset)
                 continue
             budget[1] -= len(rec.body)
             self.counters["redelivered"] += 1
             self._deliver(sub, q, offset, slot, rec, inv, now, renew_s, client, out)
 
-    def _take_new(self, sub: Subscription, q: QueueState, tags, batch, inv, now, renew_s, client, out, budget) -> None:
+    def _take_new(self, sub: Subscription, q: QueueState, tags, batch, inv, now, renew_s, client, out, budget,
+                  match: Predicate | None = None) -> None:
         c, store = self.config, self.store
         while len(out) < batch and budget[0] > 0 and budget[1] > 0:
             room = min(c.max_window - (q.next - q.committed), c.max_slots - self.slots)
             if room <= 0:
                 return
-            want = batch - len(out) if tags is None else min(budget[0], 256)
+            want = batch - len(out) if tags is None and match is None else min(budget[0], 256)
             res = store.get_messages(sub.topic, q.qid, q.next, min(room, want), budget[1])
             if res.status is GetStatus.OFFSET_TOO_SMALL or res.status is GetStatus.OFFSET_OVERFLOW:
                 # retention deleted the start (or the queue is shorter than the offset): go on from the queue's first (last) entry
@@ -693,7 +703,7 @@ class ConsumptionService:
                     nxt = rec.queue_offset
                     break
                 budget[0] -= 1
-                if tags is not None and rec.tags not in tags:
+                if tags is not None and rec.tags not in tags or match is not None and not match(rec.properties):
                     self.counters["filtered"] += 1
                     continue
                 slot = Slot()

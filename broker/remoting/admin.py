@@ -568,7 +568,7 @@ def consumer_connections(front: Front, conn: Connection, cmd: p.Command) -> p.Co
     subscriptions: dict[str, dict[str, Any]] = {}
     for c in members:
         for topic, expr in c.subscriptions.items():
-            subscriptions.setdefault(topic, _subscription_data(topic, expr))
+            subscriptions.setdefault(topic, _subscription_data(topic, expr, c.expression_types.get(topic, "TAG")))
     first = members[-1]
     body = {"connectionSet": connections,
             "consumeFromWhere": first.consume_from,
@@ -578,8 +578,12 @@ def consumer_connections(front: Front, conn: Connection, cmd: p.Command) -> p.Co
     return ok(cmd, body=fj_body(body))
 
 
-def _subscription_data(topic: str, expr: str) -> dict[str, Any]:
-    """SubscriptionData of a tag expression, as FilterAPI.buildSubscriptionData builds it."""
+def _subscription_data(topic: str, expr: str, etype: str = "TAG") -> dict[str, Any]:
+    """SubscriptionData of a tag expression, as FilterAPI.buildSubscriptionData builds it; of a SQL92 one, as
+    FilterAPI.build does (no tags)."""
+    if etype != "TAG":
+        return {"classFilterMode": False, "codeSet": [], "expressionType": etype, "subString": expr, "subVersion": 0,
+                "tagsSet": [], "topic": topic}
     tags = [] if expr.strip() in ("", "*") else [t.strip() for t in expr.split("||") if t.strip()]
     return {"classFilterMode": False, "codeSet": [java_hash(t) for t in tags], "expressionType": "TAG",
             "subString": expr if tags else "*", "subVersion": 0, "tagsSet": tags, "topic": topic}

@@ -64,6 +64,7 @@ class Consumer:
     client_id: str
     conn: Connection
     subscriptions: dict[str, str] = field(default_factory=dict)  # topic -> expression ("*", "a || b")
+    expression_types: dict[str, str] = field(default_factory=dict)  # topic -> its expression's type, where not TAG ("SQL92")
     clustering: bool = True
     consume_type: str = "CONSUME_PASSIVELY"  # CONSUME_ACTIVELY: a pull consumer (GET_CONSUMER_CONNECTION_LIST shows both)
     consume_from: str = "CONSUME_FROM_LAST_OFFSET"
@@ -100,6 +101,7 @@ class ClientTable:
                 continue
             group = check_group(cd.get("groupName"), "consumer group")
             subs: dict[str, str] = {}
+            types: dict[str, str] = {}
             for sd in _list(cd.get("subscriptionDataSet")):
                 if isinstance(sd, dict) and isinstance(sd.get("topic"), str):
                     expr = sd.get("subString")
@@ -108,6 +110,9 @@ class ClientTable:
                         raise TxmqError(f"a subscription names a topic of at most {MAX_TOPIC} characters with an expression of at most "
                                         f"{MAX_EXPRESSION}", ErrorCode.INVALID_FIELD)
                     subs[sd["topic"]] = expr
+                    etype = sd.get("expressionType")
+                    if isinstance(etype, str) and etype not in ("TAG", ""):
+                        types[sd["topic"]] = etype[:20]
                     if len(subs) > MAX_SUBSCRIPTIONS:
                         raise TxmqError(f"a consumer subscribes to at most {MAX_SUBSCRIPTIONS} topics", ErrorCode.INVALID_FIELD)
             clustering = cd.get("messageModel", "CLUSTERING") != "BROADCASTING"
@@ -121,7 +126,7 @@ class ClientTable:
             if c is None:
                 self.messaging.register_consumer(group, conn)  # raises past the groups one connection may hold
                 c = members[key] = Consumer(client_id, conn)
-            c.subscriptions, c.clustering = subs, clustering
+            c.subscriptions, c.expression_types, c.clustering = subs, types, clustering
             c.consume_type = _one_of(cd.get("consumeType"), CONSUME_TYPES, c.consume_type)
             c.consume_from = _one_of(cd.get("consumeFromWhere"), CONSUME_FROM, c.consume_from)
             if client_id not in before:
@@ -169,6 +174,14 @@ class ClientTable:
             expr = c.subscriptions.get(topic)
             if expr is not None:
                 return expr
+        return None
+
+    def subscription_typed(self, group: str, topic: str) -> tuple[str, str] | None:
+        """The group's expression for the topic and its type ("TAG", "SQL92"), as its consumers' heartbeats gave them."""
+        for c in self.consumers.get(group, {}).values():
+            expr = c.subscriptions.get(topic)
+            if expr is not None:
+                return expr, c.expression_types.get(topic, "TAG")
         return None
 
     def notify(self, group: str) -> None:

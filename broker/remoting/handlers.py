@@ -29,6 +29,7 @@ from ..topics import MAX_QUEUES
 from . import protocol as p
 
 from ..messaging.naming import DLQ_PREFIX, MAX_RECONSUME_TIMES, RETRY_PREFIX
+from ..messaging.sqlfilter import Predicate, SqlFilterError, compile_sql
 
 from .clients import INNER_PRODUCER, check_group
 from .context import Connection
@@ -343,6 +344,41 @@ def _tags(expr: str | None) -> frozenset[str] | None:
     return frozenset(t.strip() for t in expr.split("||") if t.strip())
 
 
+def _filter_of(expr: str | None, etype: str) -> tuple[frozenset[str] | None, Predicate | None]:
+    """A subscription's filter: the tags of a TAG expression, or the predicate of a SQL92 one over the properties."""
+    if etype in ("TAG", ""):
+        return _tags(expr), None
+    if expr is None:
+        return None, None
+    if etype != "SQL92":
+        raise TxmqError(f"expression type {etype[:20]!r} is not supported: txmq filters by TAG or SQL92", ErrorCode.INVALID_FIELD)
+    try:
+        return None, compile_sql(expr)
+    except SqlFilterError as e:
+        raise _ParseFailed(f"the SQL92 expression does not compile: {e}") from None
+
+
+class _ParseFailed(Exception):
+    """A subscription's expression that does not compile (SUBSCRIPTION_PARSE_FAILED)."""
+
+
+@handles(p.CHECK_CLIENT_CONFIG)
+def check_client_config(front: Front, conn: Connection, cmd: p.Command) -> p.Command:
+    """Whether the broker serves a subscription's expression: a consumer with a SQL92 one asks before it starts."""
+    sd = parse_json_body(cmd, "CHECK_CLIENT_CONFIG").get("subscriptionData")
+    if isinstance(sd, dict):
+        expr, etype = sd.get("subString"), sd.get("expressionType")
+        etype = etype if isinstance(etype, str) else "TAG"
+        if etype not in ("TAG", ""):
+            if etype != "SQL92":
+                return p.response(cmd, p.SYSTEM_ERROR, remark=f"the broker does not filter messages by {etype[:20]!r}")
+            try:
+                _filter_of(expr if isinstance(expr, str) else "", etype)
+            except _ParseFailed as e:
+                return p.response(cmd, p.SUBSCRIPTION_PARSE_FAILED, remark=str(e))
+    return ok(cmd)
+
+
 @handles(p.PULL_MESSAGE)
 def pull_message(front: Front, conn: Connection, cmd: p.Command) -> Result:
     messaging = front.messaging
@@ -361,12 +397,15 @@ def pull_message(front: Front, conn: Connection, cmd: p.Command) -> Result:
     if messaging.topic_queues(topic) is None:
         raise TxmqError(f"topic[{topic}] not exist, apply first please!", ErrorCode.NO_SUCH_TOPIC, topic=topic)
     expr = ext.get("subscription") if sys_flag & p.PULL_SUBSCRIPTION else None
+    etype = ext.get("expressionType") or "TAG"
     if expr is None:
-        expr = front.clients.subscription(group, topic)
-    if expr is not None and ext.get("expressionType", "TAG") not in ("TAG", ""):
-        raise TxmqError(f"expression type {ext.get('expressionType', '')[:20]!r} is not supported: txmq filters by tag only",
-                        ErrorCode.INVALID_FIELD)
-    tags = _tags(expr)
+        registered = front.clients.subscription_typed(group, topic)
+        if registered is not None:
+            expr, etype = registered
+    try:
+        tags, match = _filter_of(expr, etype)
+    except _ParseFailed as e:
+        return p.response(cmd, p.SUBSCRIPTION_PARSE_FAILED, remark=str(e))
     if sys_flag & p.PULL_COMMIT_OFFSET:
         committed = opt_int(ext, "commitOffset", -1, -1)
         n = messaging.topic_queues(topic)
@@ -375,19 +414,23 @@ def pull_message(front: Front, conn: Connection, cmd: p.Command) -> Result:
 
     async def reply() -> p.Command:
         return pull_response(cmd, await messaging.pull(topic, qid, offset, count, max_bytes, wait), offset, tags, conn.store_addr,
-                             front.port)
+                             front.port, match)
 
     return reply()
 
 
-def pull_response(cmd: p.Command, r: PullResult, offset: int, tags: frozenset[str] | None, store_addr: bytes, store_port: int) -> p.Command:
-    """PULL_MESSAGE's response to a pull from ``offset``: its code, the queue's bounds and where the client pulls next."""
+def pull_response(cmd: p.Command, r: PullResult, offset: int, tags: frozenset[str] | None, store_addr: bytes, store_port: int,
+                  match: Predicate | None = None) -> p.Command:
+    """PULL_MESSAGE's response to a pull from ``offset``: its code, the queue's bounds and where the client pulls next;
+    the messages those of ``tags``, or those whose properties ``match`` (a SQL92 subscription)."""
     status = r.status
     head = {"suggestWhichBrokerId": "0", "minOffset": str(r.min_offset), "maxOffset": str(r.max_offset)}
     if status is PullStatus.FOUND:
         msgs = r.messages
         if tags is not None:
             msgs = [m for m in msgs if m["properties"].get("TAGS") in tags]
+        elif match is not None:
+            msgs = [m for m in msgs if match(m["properties"])]
         head["nextBeginOffset"] = str(r.next_offset)
         if not msgs:  # every message read was filtered out: the client pulls again from past them
             return p.response(cmd, p.PULL_RETRY_IMMEDIATELY, head, remark="no message matched the subscription")

@@ -17,6 +17,7 @@ import time
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 from ..messaging.consumption import ConsumptionService, Delivery, PopError, check_group, parse_tags
+from ..messaging.sqlfilter import SqlFilterError, compile_sql
 
 from . import convert, limits, routes
 from .limits import Holds, peer_of
@@ -201,10 +202,14 @@ class ReceiveFrontend:
         topic = _topic(mq.topic)
         fe = request.filter_expression
         if fe.type == d.SQL:
-            raise PopError("UNSUPPORTED", "SQL92 filter expressions are not supported by txmq: use a TAG expression")
-        if fe.type not in (d.FILTER_TYPE_UNSPECIFIED, d.TAG):
-            raise PopError("ILLEGAL_FILTER_EXPRESSION", f"filter type {fe.type} is not TAG")
-        tags = parse_tags(fe.expression)
+            try:
+                tags = compile_sql(fe.expression)  # over each message's properties (the tag as TAGS)
+            except SqlFilterError as e:
+                raise PopError("ILLEGAL_FILTER_EXPRESSION", f"SQL92 expression {fe.expression[:80]!r} does not compile: {e}") from None
+        elif fe.type not in (d.FILTER_TYPE_UNSPECIFIED, d.TAG):
+            raise PopError("ILLEGAL_FILTER_EXPRESSION", f"filter type {fe.type} is not TAG or SQL")
+        else:
+            tags = parse_tags(fe.expression)
         invisible = None
         if request.HasField("invisible_duration"):
             invisible = _seconds(request.invisible_duration)

@@ -39,6 +39,10 @@
  *   unknown-code  request code -Dcode=9999 to the name server and to the broker through the client's own connection:
  *             each answer's code and remark, then whether a send on the same connection still works
  *   no-topic  a send, a pull consumer's queue lookup and a push consumer's start for a topic that does not exist
+ *   sql       12 messages m0..m11 with user properties a=1..10 (m10, m11 without), region eu/us in turn (m11 without),
+ *             tag TagS (m0..m5) or TagT; then per case of -Dcases="count|expression;..." a push consumer (a group of its
+ *             own) with MessageSelector.bySql(expression): the bodies it received (waiting for count of them), or the
+ *             response code its start failed with
  *   hold      a push consumer of -Dgroup on the topic, consuming from the first offset; prints "GOT <body>" for each
  *             message, "READY" once it has -Dexpect of them, then runs until its standard input closes; its RESULT
  *             lists the bodies received
@@ -61,6 +65,7 @@ import java.util.concurrent.atomic.AtomicInteger;
 import org.apache.rocketmq.client.QueryResult;
 import org.apache.rocketmq.client.consumer.DefaultMQPullConsumer;
 import org.apache.rocketmq.client.consumer.DefaultMQPushConsumer;
+import org.apache.rocketmq.client.consumer.MessageSelector;
 import org.apache.rocketmq.client.consumer.PullResult;
 import org.apache.rocketmq.client.consumer.PullStatus;
 import org.apache.rocketmq.client.consumer.listener.ConsumeConcurrentlyStatus;
@@ -113,6 +118,7 @@ public class RmqDriver {
             case "delays": out = delays(); break;
             case "unknown-code": out = unknownCode(); break;
             case "no-topic": out = noTopic(); break;
+            case "sql": out = sql(); break;
             default: throw new IllegalArgumentException("unknown scenario " + scenario);
         }
         System.out.println("RESULT " + json(out));
@@ -959,6 +965,71 @@ public class RmqDriver {
         } finally {
             c.shutdown();
         }
+        return o;
+    }
+
+    static Map<String, Object> sql() throws Exception {
+        DefaultMQProducer p = producer();
+        try {
+            for (int i = 0; i < 12; i++) {
+                Message m = message("k" + i, i < 6 ? "TagS" : "TagT", "m" + i);
+                if (i < 10) m.putUserProperty("a", Integer.toString(i + 1));
+                if (i < 11) m.putUserProperty("region", i % 2 == 0 ? "eu" : "us");
+                p.send(m);
+            }
+        } finally {
+            p.shutdown();
+        }
+        String[] cases = str("cases", "4|a BETWEEN 3 AND 6").split(";");
+        List<Map<String, Object>> results = new ArrayList<>();
+        List<DefaultMQPushConsumer> consumers = new ArrayList<>();
+        List<CountDownLatch> latches = new ArrayList<>();
+        List<Set<String>> received = new ArrayList<>();
+        for (int k = 0; k < cases.length; k++) {
+            String[] c = cases[k].split("\\|", 2);
+            Map<String, Object> r = new LinkedHashMap<>();
+            r.put("expression", c[1]);
+            results.add(r);
+            CountDownLatch got = new CountDownLatch(Integer.parseInt(c[0]));
+            Set<String> bodies = Collections.synchronizedSet(new TreeSet<>());
+            DefaultMQPushConsumer consumer = new DefaultMQPushConsumer(GROUP + "-" + k);
+            consumer.setNamesrvAddr(NAMESRV);
+            consumer.setInstanceName("sql-" + k + "-" + STAMP);
+            consumer.setConsumeFromWhere(ConsumeFromWhere.CONSUME_FROM_FIRST_OFFSET);
+            consumer.subscribe(TOPIC, MessageSelector.bySql(c[1]));
+            consumer.registerMessageListener((MessageListenerConcurrently) (msgs, ctx) -> {
+                for (MessageExt m : msgs) {
+                    if (bodies.add(new String(m.getBody(), StandardCharsets.UTF_8))) got.countDown();
+                }
+                return ConsumeConcurrentlyStatus.CONSUME_SUCCESS;
+            });
+            try {
+                consumer.start();
+                consumers.add(consumer);
+                latches.add(got);
+                received.add(bodies);
+            } catch (MQClientException e) {
+                r.put("startError", e.getResponseCode());
+                consumer.shutdown();
+                consumers.add(null);
+                latches.add(null);
+                received.add(null);
+            }
+        }
+        long deadline = System.currentTimeMillis() + num("timeout", 90) * 1000;
+        for (int k = 0; k < cases.length; k++) {
+            if (latches.get(k) == null) continue;
+            boolean all = latches.get(k).await(Math.max(0, deadline - System.currentTimeMillis()), TimeUnit.MILLISECONDS);
+            results.get(k).put("allReceived", all);
+        }
+        Thread.sleep(num("settle", 1000));  // nothing more arrives: the others were filtered out
+        for (int k = 0; k < cases.length; k++) {
+            if (consumers.get(k) == null) continue;
+            consumers.get(k).shutdown();
+            results.get(k).put("received", new ArrayList<>(received.get(k)));
+        }
+        Map<String, Object> o = new LinkedHashMap<>();
+        o.put("cases", results);
         return o;
     }
 
