@@ -9,6 +9,7 @@ end_transaction refused with TX_NOT_FOUND. CheckService._finish waits for
 the flusher before saving txcheck.json.
 """
 import asyncio
+import json
 
 from txhelpers import G, arun, end, half_fields, power_cut
 from txmq.broker.clock import ManualClock
@@ -87,3 +88,44 @@ def test_an_async_power_cut_after_a_pass_keeps_the_decision_it_moved_past(tmp_pa
     offs, code, f = arun(second())
     # the pass fsynced the rollback before saving its progress: the outcome survives the cut
     assert offs["pending"] == 0 and code == 0 and f["status"] == "already" and f["outcome"] == "rolled_back", (offs, f)
+
+
+def test_a_pass_saves_the_progress_off_the_event_loop_and_only_when_it_moved(tmp_path, monkeypatch):
+    """Saving txcheck.json costs two fsyncs: done in a worker thread, so the front ends sharing the event loop are not
+    held up by the disk, and skipped by a pass that moved nothing."""
+    import threading
+
+    from txmq.broker.transactions import check
+
+    writes: list[str] = []
+    real = check.atomic_write_json
+
+    def recording(path, doc):
+        writes.append(threading.current_thread().name)
+        real(path, doc)
+
+    monkeypatch.setattr(check, "atomic_write_json", recording)
+    clock = ManualClock()
+
+    async def go():
+        async with running_broker(tmp_path / "data", clock=clock, check_interval_s=3600, flush="sync") as b:
+            loop_thread = threading.current_thread().name
+            c = await RawClient.open(b.address)
+            await c.ok("hello", {"producer_groups": [G]})
+            h = await c.ok("send", half_fields())
+            await c.ok("end_transaction", end(h, "commit"))  # decided: the passes move past it and then stay
+            clock.advance(10)
+            passes = [await b.core.check.run_pass()]
+            while len(passes) < 10 and (len(passes) < 2 or passes[-1]["half_progress"] != passes[-2]["half_progress"]):
+                passes.append(await b.core.check.run_pass())  # the check copy written is passed over in turn
+            before_idle = len(writes)
+            idle = await b.core.check.run_pass()  # nothing moved: nothing written
+            await c.close()
+            return loop_thread, passes, before_idle, idle
+
+    loop_thread, passes, before_idle, idle = arun(go())
+    assert idle["half_progress"] == passes[-1]["half_progress"] >= 1
+    assert before_idle >= 1 and len(writes) == before_idle, writes
+    assert loop_thread not in writes, writes
+    saved = json.loads((tmp_path / "data" / "txcheck.json").read_text())
+    assert saved["half_progress"] == idle["half_progress"] and saved["op_progress"] == idle["op_progress"]

@@ -104,9 +104,17 @@ class CheckProgress:
                 moved = f"not moved ({exc.strerror or exc})"
             log.warning("event=data_file_damaged file=%s why=%r moved_to=%s msg=%s", path, why, moved,
                         "'the check progress starts again from 0 (it is for people: pending transactions come from the index)'")
+        self._saved: tuple[int, int] | None = None  # what this process last wrote (None: nothing yet)
+
+    def unsaved(self) -> bool:
+        """Whether the progress moved since this process last saved it (always, before its first save)."""
+        return self._saved != (self.half, self.op)
 
     def save(self) -> None:
-        atomic_write_json(self.path, {"half_progress": self.half, "op_progress": self.op})
+        """Write txcheck.json (a temporary file, its fsync, the rename, the folder's fsync): safe in a worker thread."""
+        now = (self.half, self.op)
+        atomic_write_json(self.path, {"half_progress": now[0], "op_progress": now[1]})
+        self._saved = now
 
 
 @dataclass
@@ -394,7 +402,10 @@ class CheckService:
         if new_half > self.progress.half:
             self.progress.half = new_half
         self._advance_op()
-        self.progress.save()
+        if self.progress.unsaved():
+            # two fsyncs: in a worker thread, not on the event loop every front end shares; a pass that moved
+            # nothing writes nothing
+            await asyncio.to_thread(self.progress.save)
         self.passes += 1
         took = asyncio.get_running_loop().time() - walk.started
         stats = walk.stats
