@@ -119,3 +119,28 @@ def test_rocketmq_sdk_benchmark_runs_the_sdk_and_the_client_library_on_one_broke
         run = res["runs"][name]
         assert run["completed"] > 0 and run["errors"] == {}, (name, run)
         assert run["broker_us_per_tx"] > 0, name
+
+
+@pytest.mark.rocketmq_peer
+@pytest.mark.slow  # ~1-2 min: RocketMQ's two JVMs and a txmq broker boot, ten TxBench runs
+@pytest.mark.timeout(1200)
+def test_rocketmq_peer_benchmark_runs_every_row_against_rocketmq_and_txmq():
+    p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "rocketmq_peer.py"), "--quick", "-o", "json"],
+                       capture_output=True, text=True, timeout=1100, cwd=REPO)  # an upper bound for a loaded machine
+    if p.returncode == 77:  # no peer, Java or jars here (what the rocketmq_peer fixture skips on)
+        pytest.skip(p.stderr.strip()[-500:])
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads(p.stdout)
+    assert res["kind"] == "rocketmq_peer" and res["java"]
+    (sit,) = res["sittings"]
+    assert sit["flush"] == "sync"
+    for name in ("rocketmq", "txmq"):
+        s = sit["servers"][name]
+        assert s["ready_s"] > 0 and s["rss_after_load"]["broker_VmRSS"] > 0, (name, s)
+    assert sit["servers"]["rocketmq"]["rss_after_load"]["namesrv_VmRSS"] > 0
+    rows = {(r["server"], r["row"]): r for r in sit["runs"]}
+    assert set(rows) == {(s, row) for s in ("rocketmq", "txmq") for row in ("tx_1", "tx_32", "sync_1", "sync_32", "consume")}
+    for key, r in rows.items():
+        assert r["rate"] > 0 and r["broker_us_per_op"] >= 0, (key, r)  # CPU is counted in 10 ms ticks: a quick consume may show none
+    assert rows[("txmq", "consume")]["distinct"] == res["n"] + res["warmup"]
+    assert {t["flush"] for t in res["targets"]} == {"sync"} and len(res["targets"]) == 12
