@@ -109,12 +109,23 @@ class Run:
         self.consumer.wait(60)
         return result_of(self.consumer_out.read_text(errors="replace"))["bodies"]
 
+    def kill(self) -> None:
+        """Whatever still runs, ended: an example left behind (it sleeps on) would stay a producer of its group, and a
+        broker sends the next run's check-backs to either producer of a group."""
+        for proc in (self.proc, self.consumer):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait(30)
+
 
 def both(compiled, broker, tmp_path, main_class: str, topic: str, expect: int, run_until) -> tuple[dict, dict]:
     outcomes = []
     for name, namesrv in (("rocketmq", compiled.namesrv), ("txmq", broker.namesrv)):
         run = Run(compiled, namesrv, main_class, topic, f"examples-{topic}-{name}", expect, tmp_path / name)
-        outcomes.append(run_until(run))
+        try:
+            outcomes.append(run_until(run))
+        finally:
+            run.kill()
     return outcomes[0], outcomes[1]
 
 
