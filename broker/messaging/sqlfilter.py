@@ -226,32 +226,27 @@ def _not(f: Expr) -> Expr:
     return neg
 
 
-def _and(*fs: Expr) -> Expr:
-    """a AND b AND ...: FALSE at the first FALSE (the rest not evaluated), else unknown if one is, else TRUE."""
-    def every(p: Mapping[str, str]) -> Any:
+def _junction(fs: tuple[Expr, ...], decisive: bool) -> Expr:
+    """AND (decisive False) or OR (decisive True): the decisive value at the first operand that has it (the rest not
+    evaluated), else unknown if one is, else the other value."""
+    def junction(p: Mapping[str, str]) -> Any:
         unknown = False
         for f in fs:
             v = f(p)
-            if v is False:
-                return False
+            if v is decisive:
+                return decisive
             unknown = unknown or v is None
-        return None if unknown else True
+        return None if unknown else not decisive
 
-    return every
+    return junction
+
+
+def _and(*fs: Expr) -> Expr:
+    return _junction(fs, False)
 
 
 def _or(*fs: Expr) -> Expr:
-    """a OR b OR ...: TRUE at the first TRUE (the rest not evaluated), else unknown if one is, else FALSE."""
-    def some(p: Mapping[str, str]) -> Any:
-        unknown = False
-        for f in fs:
-            v = f(p)
-            if v is True:
-                return True
-            unknown = unknown or v is None
-        return None if unknown else False
-
-    return some
+    return _junction(fs, True)
 
 
 def _check_ordered(n: _Node, op: str) -> None:
