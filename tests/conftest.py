@@ -79,3 +79,9 @@ def spark_session():
     yield s.spark
     s.stop()
     sess.cleanup(s)
+
+
+@pytest.fixture
+def spark(spark_session):
+    """The session's one SparkSession (spark_session), under the name the Spark tests use."""
+    return spark_session

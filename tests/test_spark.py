@@ -39,11 +39,6 @@ def _spark_problem() -> str | None:
     return missing_dependency() or missing_java()
 
 
-@pytest.fixture
-def spark(spark_session):
-    return spark_session  # the session's one SparkSession (conftest.py)
-
-
 def ts(ms: int) -> datetime:
     return datetime.fromtimestamp(ms / 1000, timezone.utc)
 

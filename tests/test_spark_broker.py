@@ -19,11 +19,6 @@ pytestmark = pytest.mark.spark
 
 
 @pytest.fixture(scope="module")
-def spark(spark_session):
-    return spark_session  # the session's one SparkSession (conftest.py)
-
-
-@pytest.fixture(scope="module")
 def served(tmp_path_factory):
     d = tmp_path_factory.mktemp("sparkbroker") / "data"
     sent = run_scenario(d, plain=9)

@@ -172,11 +172,6 @@ def test_the_discard_section_says_what_it_counts_and_adds_up_with_the_outcomes()
 
 
 # ---- the figures, from a small log -----------------------------------------------------
-@pytest.fixture(scope="module")
-def spark(spark_session):
-    return spark_session  # the session's one SparkSession (conftest.py)
-
-
 def _records(spark, rows):
     from txmq.spark.schema import MESSAGE_COLUMNS
 

@@ -19,11 +19,6 @@ pytestmark = pytest.mark.spark
 
 
 @pytest.fixture(scope="module")
-def spark(spark_session):
-    return spark_session  # the session's one SparkSession (conftest.py)
-
-
-@pytest.fixture(scope="module")
 def scenario(tmp_path_factory):
     d = tmp_path_factory.mktemp("small") / "data"
     run_scenario(d)  # every record kind, every transaction outcome
