@@ -7,7 +7,7 @@ PY      = $(VENV)/bin/python
 PIP     = $(VENV)/bin/pip
 ARGS   ?=
 
-.PHONY: help run test test-fast lint format fault-long binary dist wheelhouse image image-base bench completions clean
+.PHONY: help run test test-fast test-workers lint format fault-long binary dist wheelhouse image image-base bench completions clean
 .DEFAULT_GOAL := help
 
 # The compiled speed-ups (setup.py) are rebuilt when their sources change.
@@ -65,6 +65,15 @@ test: $(VENV)/.installed-test
 test-fast: $(VENV)/.installed-test
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q $(XDIST) -m "not spark and not slow and not rocketmq_peer" $(ARGS)
+
+## test-workers: the RocketMQ 5 suites again, the gRPC port served by WORKERS front-end worker processes (default 2)
+WORKERS ?= 2
+ROCKETMQ5_SUITES = tests/test_rocketmq_frontend.py tests/test_rocketmq_receive.py tests/test_rocketmq_refusals.py \
+	tests/test_rocketmq_topics.py tests/test_rocketmq_fifo.py tests/test_rocketmq_long_poll_bounds.py \
+	tests/test_rocketmq_sdk_python.py tests/test_rocketmq_sdk_fifo.py tests/test_rocketmq_sdk_long_polls.py \
+	tests/test_rocketmq_sdk_node.py tests/test_rocketmq_mixed.py tests/test_frontend_workers.py
+test-workers: $(VENV)/.installed-test
+	TXMQ_TEST_FRONTEND_PROCESSES=$(WORKERS) $(PY) -m pytest -q $(XDIST) $(ROCKETMQ5_SUITES) $(ARGS)
 
 ## lint: ruff check (rules in pyproject.toml); `make lint ARGS=--fix` applies the safe fixes
 lint: $(VENV)/.installed-test

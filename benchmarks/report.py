@@ -281,6 +281,32 @@ def rocketmq_sdk_md(res: dict[str, Any]) -> str:
         "round trips per transaction where the native library pays one of each.",
         "",
     ]
+    worker_rows = []
+    for c in ("1", "32"):
+        n, s, w = runs.get(f"native_{c}"), runs.get(f"sdk_{c}"), runs.get(f"sdkw_{c}")
+        if not s or not w:
+            continue
+        worker_rows.append([f"{c} producer{'s' if c != '1' else ''}", num(s["throughput"]), num(s.get("broker_us_per_tx")),
+                            num(w["throughput"]), num(p99(w)), num(w.get("broker_us_per_tx")), num(w.get("workers_us_per_tx")),
+                            num(w.get("client_cpu_s")), ratio(w["throughput"], s["throughput"]),
+                            ratio(w.get("broker_us_per_tx"), (n or {}).get("broker_us_per_tx"))])
+    if worker_rows:
+        nw = sorted({str(r.get("frontend_processes")) for k, r in runs.items() if k.startswith("sdkw_")})
+        out += [
+            "### Through front-end worker processes",
+            "",
+            table(["SDK producers", "one process: tx/s", "broker CPU µs/tx", f"{', '.join(nw)} workers: tx/s", "p99 ms",
+                   "broker process CPU µs/tx", "workers' CPU µs/tx", "SDK CPU s", "workers / one process",
+                   "broker process / native"], worker_rows),
+            "",
+            "The same SDK load against a second broker started with `--frontend-processes` (docs/architecture.md, "
+            "\"Front-end workers\"): the workers hold the SDK's connections (gRPC core, HTTP/2) and relay each RPC's "
+            "bytes to the broker process, which parses and answers it. The broker process's CPU per transaction is "
+            "its ceiling (one core: 10^6 / µs transactions/s); the workers' CPU per transaction (summed over the "
+            "workers) says how many cores reach it. On a machine with as many cores as the SDK load, the broker and "
+            "its workers take, the SDK load's own CPU is no longer in the way.",
+            "",
+        ]
     bound_rows = []
     # What the transaction itself costs the broker: the native path's figure where its requests are batched
     # most (32 producers); at 1 producer the native figure is mostly its own wake-ups, which the empty calls

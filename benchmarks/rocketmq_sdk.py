@@ -7,6 +7,9 @@ acknowledged after fdatasync):
 
 - native: `txmq bench tx-client --broker ... -c N -n 1` (N TransactionProducers of txmq's client library,
   each back to back with its pipelined end, the library's default);
+- SDK through workers: the same SDK load against a second broker started with `--frontend-processes W`
+  (`--workers`, default 2), whose worker processes hold the gRPC connections and relay each RPC to the
+  broker process: the broker process's CPU per transaction and the workers' (summed) beside each other;
 - SDK: N `rocketmq.Producer`s of rocketmq-python-client (pinned in tests/sdkenv.py, installed in a cached
   virtual environment of its own), each back to back: begin_transaction, send the half message, commit
   (the local transaction commits at once) -- benchmarks/rocketmq_sdk_load.py, in min(N, --procs)
@@ -68,8 +71,9 @@ def sdk_python() -> tuple[Path, str]:
 
 
 class Plan:
-    def __init__(self, mode: str, procs: int) -> None:
+    def __init__(self, mode: str, procs: int, workers: int = 2) -> None:
         self.mode = mode
+        self.workers = workers
         self.seconds = {"full": 5.0, "quick": 2.0, "smoke": 0.5}[mode]
         self.rounds = 2 if mode == "full" else 1
         self.procs = procs
@@ -85,8 +89,9 @@ def native_run(broker: BrokerProc, clients: int, seconds: float, topic: str) -> 
 
 
 def sdk_run(python: Path, broker: BrokerProc, endpoint: str, clients: int, seconds: float, topic: str, procs: int,
-            home: Path, loader: Path = LOADER) -> dict[str, Any]:
-    """N producers of loader (rocketmq_sdk_load.py; grpc_empty.py's callers) in min(N, procs) processes; the server's CPU."""
+            home: Path, loader: Path = LOADER, workers: list[int] | None = None) -> dict[str, Any]:
+    """N producers of loader (rocketmq_sdk_load.py; grpc_empty.py's callers) in min(N, procs) processes; the server's CPU,
+    and with ``workers`` (the front-end worker processes' pids) theirs too."""
     nproc = max(1, min(clients, procs))
     split = [clients // nproc + (1 if i < clients % nproc else 0) for i in range(nproc)]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
@@ -108,8 +113,10 @@ def sdk_run(python: Path, broker: BrokerProc, endpoint: str, clients: int, secon
             p.stdin.flush()
         time.sleep(max(0.0, start - time.time()))
         cpu0 = cpu_seconds(broker.pid)
+        wcpu0 = sum(cpu_seconds(p) for p in workers or ())
         time.sleep(max(0.0, end - time.time()))
         cpu1 = cpu_seconds(broker.pid)
+        wcpu1 = sum(cpu_seconds(p) for p in workers or ())
         outs = []
         for p in loaders:
             line = p.stdout.readline()
@@ -130,13 +137,25 @@ def sdk_run(python: Path, broker: BrokerProc, endpoint: str, clients: int, secon
             errors[k] = errors.get(k, 0) + v
     lat = [x / 1000.0 for o in outs for x in o["latency_ms"]]
     broker_cpu = round(cpu1 - cpu0, 3)
-    return {
+    more: dict[str, Any] = {}
+    if workers:
+        wcpu = round(wcpu1 - wcpu0, 3)
+        more = {"frontend_processes": len(workers), "workers_cpu_s": wcpu,
+                "workers_us_per_tx": round(wcpu / completed * 1e6, 1) if completed else None}
+    return {**more,
         "mode": "rocketmq-sdk", "sdk_processes": nproc, "producers": clients, "size": SIZE, "completed": completed,
         "elapsed_s": seconds, "throughput": round(completed / seconds, 1), "unit": "transactions/s",
         "latency_ms": {"tx": percentiles_ms(lat) if lat else {}}, "errors": errors,
         "client_cpu_s": round(sum(o["cpu_s"] for o in outs), 3), "broker_cpu_s": broker_cpu,
         "broker_us_per_tx": round(broker_cpu / completed * 1e6, 1) if completed else None,
     }
+
+
+def worker_pids(broker: BrokerProc) -> list[int]:
+    """The broker's front-end worker processes (`txmq broker status -o json`: frontend_workers)."""
+    out = subprocess.run([*TXMQ, "broker", "status", "-o", "json", "--broker", broker.address], check=True, capture_output=True,
+                         text=True, timeout=60).stdout
+    return [r["pid"] for r in json.loads(out)["frontend_workers"] if r["alive"]]
 
 
 class EmptyServer:
@@ -174,9 +193,9 @@ def empty_run(python: Path, server: EmptyServer, clients: int, seconds: float, t
     return r
 
 
-def run(mode: str = "quick", procs: int | None = None) -> dict[str, Any]:
+def run(mode: str = "quick", procs: int | None = None, workers: int = 2) -> dict[str, Any]:
     """Measure and return the result (also used by compare.py --rocketmq-sdk)."""
-    plan = Plan(mode, procs or max(2, os.cpu_count() or 2))
+    plan = Plan(mode, procs or max(2, os.cpu_count() or 2), workers)
     python, pin = sdk_python()
     t0 = time.perf_counter()
     machine = machine_info(data_disk_dir())
@@ -184,6 +203,10 @@ def run(mode: str = "quick", procs: int | None = None) -> dict[str, Any]:
     gport = free_port()
     broker = BrokerProc(tmp / "data", "--flush", "sync", "--rocketmq-port", str(gport), log_path=tmp / "broker.log")
     broker.start()
+    wport = free_port()
+    wbroker = BrokerProc(tmp / "data-workers", "--flush", "sync", "--rocketmq-port", str(wport), "--frontend-processes",
+                         str(plan.workers), log_path=tmp / "broker-workers.log")
+    wbroker.start()
     runs: dict[str, dict[str, Any]] = {}
     empty: EmptyServer | None = None
     noop: EmptyServer | None = None
@@ -194,6 +217,8 @@ def run(mode: str = "quick", procs: int | None = None) -> dict[str, Any]:
         home.mkdir()
         empty = EmptyServer(tmp / "empty-server.log")
         noop = EmptyServer(tmp / "noop-server.log", rocketmq=True)
+        wait_port(wport, 30, wbroker.proc)
+        wendpoint = f"127.0.0.1:{wport}"
         for rnd in range(plan.rounds):
             for c in CONCURRENCY:
                 say(f"  native client library, {c} producer(s), round {rnd + 1}")
@@ -210,6 +235,14 @@ def run(mode: str = "quick", procs: int | None = None) -> dict[str, Any]:
                     + (f"  errors {r['errors']}" if r["errors"] else ""))
                 if f"sdk_{c}" not in runs or r["throughput"] > runs[f"sdk_{c}"]["throughput"]:
                     runs[f"sdk_{c}"] = r
+                say(f"  Python SDK over gRPC through {plan.workers} front-end worker processes, {c} producer(s), round {rnd + 1}")
+                topic = f"bench_sdkw_{c}_{rnd}"
+                subprocess.run([*TXMQ, "topics", "create", topic, "--broker", wbroker.address], check=True, capture_output=True, timeout=60)
+                r = sdk_run(python, wbroker, wendpoint, c, plan.seconds, topic, plan.procs, home, workers=worker_pids(wbroker))
+                say(f"    -> {r['throughput']:,.0f} tx/s, broker {r['broker_us_per_tx']} us/tx, workers {r['workers_us_per_tx']} us/tx, "
+                    f"SDK CPU {r['client_cpu_s']} s" + (f"  errors {r['errors']}" if r["errors"] else ""))
+                if f"sdkw_{c}" not in runs or r["throughput"] > runs[f"sdkw_{c}"]["throughput"]:
+                    runs[f"sdkw_{c}"] = r
                 say(f"  empty unary calls on grpc.aio + uvloop, {c} caller(s), round {rnd + 1}")
                 r = empty_run(python, empty, c, plan.seconds, f"empty_{c}_{rnd}", plan.procs, home)
                 say(f"    -> {r['throughput']:,.0f} calls/s, server {r['server_us_per_call']} us/call"
@@ -227,6 +260,7 @@ def run(mode: str = "quick", procs: int | None = None) -> dict[str, Any]:
         raise
     finally:
         broker.stop()
+        wbroker.stop()
         for server in (empty, noop):
             if server is not None:
                 server.stop()
@@ -242,13 +276,14 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="one round of 2 s runs")
     ap.add_argument("--smoke", action="store_true", help="0.5 s runs, to test the script itself")
     ap.add_argument("--procs", type=int, help="most SDK load processes (default: max(2, cores))")
+    ap.add_argument("--workers", type=int, default=2, help="the second broker's --frontend-processes (default: 2)")
     ap.add_argument("--write", type=Path, metavar="DOC", help="save the result and write the document's generated section")
     ap.add_argument("-o", "--output", choices=["table", "json"], default="table")
     a = ap.parse_args()
     load = os.getloadavg()[0]
     if load > 0.5 * (os.cpu_count() or 1):
         say(f"warning: load average {load:.2f} on {os.cpu_count()} cores: other work is running and will lower every figure")
-    result = run("smoke" if a.smoke else "quick" if a.quick else "full", a.procs)
+    result = run("smoke" if a.smoke else "quick" if a.quick else "full", a.procs, a.workers)
     if a.write:
         save_result("rocketmq_sdk", result)
         report.write_doc(a.write)

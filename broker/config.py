@@ -184,6 +184,10 @@ class BrokerConfig:
     # Seconds one CPU keeps spinning (lowest priority) after a lone client's request or reply; 0 = off
     # (broker/busypoll.py; docs/architecture.md, "Busy polling").
     busy_poll_s: float = defaults.BUSY_POLL_S
+    # Worker processes that serve --rocketmq-port (each holds its share of the connections and relays their RPCs
+    # to this process, which alone owns the store; broker/workers/, docs/architecture.md, "Front-end workers"); 0: this
+    # process serves it itself.
+    frontend_processes: int = 0
 
     def validated(self) -> "BrokerConfig":
         """Raise ValueError, naming the start option, for limits the broker could not serve with."""

@@ -117,6 +117,7 @@ class BrokerCore:
         self.connection_gauges: Callable[[], dict[str, int]] = lambda: {"connections": 0, "partial_frame_bytes": 0}
         # The other front ends' own ({"remoting_connections": n, ...}), which connection_stats adds in.
         self.frontend_gauges: list[Callable[[], dict[str, int]]] = []
+        self.worker_status: list[Callable[[], list[dict[str, Any]]]] = []  # front-end worker processes' rows (Broker.own)
         self.draining: bool = False  # refuse new requests; in-flight ones finish
         # Every port the broker listens on, by name (native, rocketmq, metrics): {host, port, ...}, as
         # ``broker_info`` shows them; each is entered by what binds it (``listening``).
@@ -458,6 +459,7 @@ class BrokerCore:
             **self.busy_poll.status(),
             "damaged_records": self.store.damage.count,
             "counters": self.metrics.snapshot(),
+            "frontend_workers": [row for rows in self.worker_status for row in rows()],
         }
 
     async def stats(self) -> dict[str, Any]:

@@ -17,7 +17,7 @@ must not (the import contracts in pyproject.toml).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .server import Broker
@@ -34,12 +34,15 @@ async def bind_frontends(broker: Broker) -> None:
         if config.rocketmq_port is not None:  # RocketMQ 5's gRPC service (docs/rocketmq.md)
             from .rocketmq.server import BindError, RocketMQServer
 
-            grpc_frontend = RocketMQServer(core.messaging, config)  # the broker's config: its connection caps are derived
+            workers = config.frontend_processes
+            grpc_frontend = RocketMQServer(core.messaging, config, relayed=workers > 0)  # the broker's config: its caps are derived
             try:
                 await grpc_frontend.bind()
             except BindError as exc:
                 raise FrontendBindError(str(exc)) from None
             broker.own(grpc_frontend)
+            if workers:
+                broker.own(await _worker_pool(broker, grpc_frontend, workers))
         if config.remoting_port is not None:  # RocketMQ 4's remoting protocol (docs/remoting.md)
             from .remoting.server import BindError as RemotingBindError
             from .remoting.server import RemotingFrontend
@@ -54,3 +57,23 @@ async def bind_frontends(broker: Broker) -> None:
         for frontend in broker.frontends:
             await frontend.stop()
         raise
+
+
+async def _worker_pool(broker: Broker, grpc_frontend: Any, workers: int) -> Any:
+    """The worker processes that serve the gRPC port grpc_frontend reserved, relaying to its handlers (broker/workers/).
+
+    Owned after the front end: started once it lets requests through, stopped once its Telemetry streams ended.
+    Each worker holds its share of --rocketmq-max-connections (rounded up).
+    """
+    from .rocketmq.server import SERVICE
+    from .workers.pool import GrpcService, Handler, WorkerPool
+
+    config = broker.config
+    share = -(-grpc_frontend.max_connections // workers)
+    handlers = {name: Handler(kind, fn, ser) for name, (kind, fn, ser) in grpc_frontend.handler_table().items()}
+    pool = WorkerPool(workers, broker.core.data_dir)
+    pool.serve_grpc(GrpcService(SERVICE, handlers, config.host, grpc_frontend.port, grpc_frontend.grpc_options(True, share),
+                                str(config.rocketmq_tls_cert) if config.rocketmq_tls_cert else None,
+                                str(config.rocketmq_tls_key) if config.rocketmq_tls_key else None))
+    await pool.bind()
+    return pool

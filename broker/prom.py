@@ -160,6 +160,22 @@ class BrokerCollector:
         for g, n in sorted(_retry(core.registry.groups, {}).items()):
             online.add_metric([g], n)
         yield online
+        rows = [row for status in core.worker_status for row in _retry(status, [])]
+        if rows:  # --frontend-processes: one series per worker process (docs/architecture.md, "Front-end workers")
+            up = GaugeMetricFamily("txmq_frontend_worker_up", "1 while the front-end worker process is connected to the broker",
+                                   labels=["worker"])
+            restarts = CounterMetricFamily("txmq_frontend_worker_restarts", "Times the front-end worker process was started again",
+                                           labels=["worker"])
+            relayed = CounterMetricFamily("txmq_frontend_worker_relayed_calls", "RPCs the worker process relayed to the broker "
+                                          "(its current process)", labels=["worker"])
+            cpu = GaugeMetricFamily("txmq_frontend_worker_cpu_seconds", "CPU time of the worker's current process", labels=["worker"])
+            for row in rows:
+                w = str(row["worker"])
+                up.add_metric([w], 1 if row["alive"] else 0)
+                restarts.add_metric([w], row["restarts"])
+                relayed.add_metric([w], row["relayed"])
+                cpu.add_metric([w], row["cpu_s"] or 0.0)
+            yield from (up, restarts, relayed, cpu)
         yield GaugeMetricFamily("txmq_commit_log_max_offset", "Written end of the commit log", value=core.store.max_offset)
         yield GaugeMetricFamily("txmq_commit_log_durable_offset", "fsynced end of the commit log", value=core.store.durable_offset)
         yield GaugeMetricFamily("txmq_log_sync_failing", "1 while the last fsync of the commit log failed and none succeeded since",

@@ -144,6 +144,9 @@ class Broker:
         """A front end built for this broker: started and stopped with it, its connections counted in its figures."""
         self.frontends.append(frontend)
         self.core.frontend_gauges.append(frontend.gauges)
+        workers = getattr(frontend, "status", None)  # a pool of front-end worker processes (broker/workers/): one row each
+        if workers is not None:
+            self.core.worker_status.append(workers)
 
     async def start(self) -> None:
         core = self.core

@@ -12,6 +12,11 @@ import sys
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["__frontend-worker"]:  # a broker's front-end worker process (broker/workers/worker.py), no CLI
+        from txmq.broker.workers.worker import main as worker
+
+        worker(sys.argv[2:])
+        return
     if sys.argv[1:] == ["--version"]:
         from txmq import __version__
 

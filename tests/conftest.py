@@ -1,4 +1,5 @@
 import asyncio
+import os
 import sys
 from pathlib import Path
 
@@ -9,6 +10,21 @@ sys.path.insert(0, str(Path(__file__).parent))
 from rocketmq_peer import rocketmq_peer  # noqa: E402,F401  the session's RocketMQ 4.9.8 (tests marked rocketmq_peer)
 
 REPO = Path(__file__).resolve().parent.parent
+
+# `make test-workers`: the RocketMQ 5 suites again, the gRPC port served by front-end worker processes. The
+# subprocess brokers get --frontend-processes from tests/sdkenv.py; the in-process ones from here.
+_FRONTEND_PROCESSES = os.environ.get("TXMQ_TEST_FRONTEND_PROCESSES")
+if _FRONTEND_PROCESSES:
+    import txmq.broker.testing as _testing
+
+    _running_broker = _testing.running_broker
+
+    def _running_broker_through_workers(data_dir, clock=None, **overrides):
+        if overrides.get("rocketmq_port") is not None:
+            overrides.setdefault("frontend_processes", int(_FRONTEND_PROCESSES))
+        return _running_broker(data_dir, clock, **overrides)
+
+    _testing.running_broker = _running_broker_through_workers
 
 
 def arun(coro):

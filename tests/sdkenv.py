@@ -343,6 +343,9 @@ def start_rocketmq_broker(root: Path, *args: str, name: str = "broker"):
     if missing:
         pytest.skip(f"txmq's rocketmq extra is not installed (no {', '.join(missing)}): pip install -e '.[rocketmq]'")
     grpc_port = free_port()
+    workers = os.environ.get("TXMQ_TEST_FRONTEND_PROCESSES")  # run a suite through front-end workers (make test-workers)
+    if workers and "--frontend-processes" not in args:
+        args = ("--frontend-processes", workers, *args)
     broker = start_broker(root, "--rocketmq-port", str(grpc_port), *args, name=name)
     try:
         wait_for_port(grpc_port)

@@ -89,9 +89,20 @@ class BindError(Exception):
 
 
 class RocketMQServer:
-    def __init__(self, messaging: Messaging, config: BrokerConfig) -> None:
+    """RocketMQ 5's gRPC service on the broker's messaging service.
+
+    ``relayed``: the port is served by front-end worker processes
+    (broker/workers/, ``--frontend-processes``) that relay each RPC here;
+    this process reserves the port (``reserve_port``) and answers the
+    relayed calls with ``handler_table()``, the same handlers gRPC runs in a
+    single process.
+    """
+
+    def __init__(self, messaging: Messaging, config: BrokerConfig, relayed: bool = False) -> None:
         self.messaging = messaging
         self.config = config
+        self.relayed = relayed
+        self.reservation: socket.socket | None = None  # relayed: holds the port the workers share
         self.settings = FrontendSettings.of(config, config.rocketmq_port or 0)
         self.service: MessagingService | None = None
         self.server: aio.Server | None = None
@@ -115,6 +126,12 @@ class RocketMQServer:
         host = cfg.host
         address = f"[{host}]:{cfg.rocketmq_port}" if ":" in host else f"{host}:{cfg.rocketmq_port}"
         check_port_free(host, cfg.rocketmq_port or 0, address)
+        if self.relayed:  # the workers read the TLS files; unreadable ones end the start here, as in one process
+            if self.tls:
+                _read(cfg.rocketmq_tls_key, "--rocketmq-tls-key"), _read(cfg.rocketmq_tls_cert, "--rocketmq-tls-cert")
+            self.reservation, port = reserve_port(host, cfg.rocketmq_port or 0, address)
+            self._serving(port)
+            return port
         self.server = aio.server(options=options, maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS + GRPC_MARGIN)
         try:
             if self.tls:
@@ -131,18 +148,21 @@ class RocketMQServer:
             raise BindError(f"cannot listen on {address} (--rocketmq-port): {why}") from None
         if not port:
             raise BindError(f"cannot listen on {address} (--rocketmq-port)")
-        self.port = port
-        self.messaging.listening("rocketmq", host, port, tls=self.tls)
-        self.settings.port = port
-        self.service = MessagingService(self.messaging, self.settings)
+        self._serving(port)
         self.server.add_generic_rpc_handlers((self._handlers(),))
         # Listening from now on, as the native port does once bound: requests wait until the broker serves (start()).
         await self.server.start()
         return port
 
+    def _serving(self, port: int) -> None:
+        self.port = port
+        self.messaging.listening("rocketmq", self.config.host, port, tls=self.tls)
+        self.settings.port = port
+        self.service = MessagingService(self.messaging, self.settings)
+
     async def start(self) -> None:
         """The broker serves: let the requests through."""
-        assert self.server is not None, "bind() first"
+        assert self.service is not None, "bind() first"
         self.ready.set()
         cfg = self.config
         polls = self.settings.long_polls
@@ -163,25 +183,40 @@ class RocketMQServer:
             await server.stop(SHUTDOWN_GRACE_S)
 
     async def close(self) -> None:
-        """gRPC closed its connections in stop()."""
+        """gRPC closed its connections in stop(); relayed, the workers have gone (they stop first): the port is let go."""
+        if self.reservation is not None:
+            self.reservation.close()
+            self.reservation = None
 
     # ---- the handler table -------------------------------------------------------------
-    def _handlers(self) -> grpc.GenericRpcHandler:
+    def handler_table(self) -> dict[str, tuple[str, Callable, Callable[[Any], bytes]]]:
+        """Each RPC's kind ("unary", "stream": server streaming, "bidi"), its handler (it takes the request's bytes, or
+        for "bidi" an async iterator of them, and a servicer context) and its response serializer."""
         svc = self.service
         desc = s.DESCRIPTOR.services_by_name["MessagingService"]
-        handlers: dict[str, grpc.RpcMethodHandler] = {}
+        table: dict[str, tuple[str, Callable, Callable[[Any], bytes]]] = {}
         for m in desc.methods:
             req_cls = getattr(s, m.input_type.name)
             resp_cls = getattr(s, m.output_type.name)
             if m.name == "Telemetry":
-                handlers[m.name] = grpc.stream_stream_rpc_method_handler(
-                    self._telemetry, request_deserializer=None, response_serializer=s.TelemetryCommand.SerializeToString)
+                table[m.name] = ("bidi", self._telemetry, s.TelemetryCommand.SerializeToString)
             elif m.server_streaming:
-                handlers[m.name] = grpc.unary_stream_rpc_method_handler(
-                    self._server_stream(m.name, getattr(svc, m.name), req_cls, resp_cls), response_serializer=resp_cls.SerializeToString)
+                table[m.name] = ("stream", self._server_stream(m.name, getattr(svc, m.name), req_cls, resp_cls), resp_cls.SerializeToString)
             else:
-                handlers[m.name] = grpc.unary_unary_rpc_method_handler(
-                    self._unary(m.name, getattr(svc, m.name), req_cls, resp_cls), response_serializer=resp_cls.SerializeToString)
+                table[m.name] = ("unary", self._unary(m.name, getattr(svc, m.name), req_cls, resp_cls), resp_cls.SerializeToString)
+        return table
+
+    def grpc_options(self, reuseport: bool, max_connections: int | None = None) -> list[tuple[str, int]]:
+        """The gRPC server's channel arguments; ``reuseport``: for a worker sharing the port (``grpc.so_reuseport``),
+        ``max_connections``: its share of --rocketmq-max-connections."""
+        options = server_options(self.settings.max_receive_message, max_connections or self.max_connections, self.config.auth_timeout_s)
+        return [(k, int(reuseport)) if k == "grpc.so_reuseport" else (k, v) for k, v in options]
+
+    def _handlers(self) -> grpc.GenericRpcHandler:
+        make = {"bidi": grpc.stream_stream_rpc_method_handler, "stream": grpc.unary_stream_rpc_method_handler,
+                "unary": grpc.unary_unary_rpc_method_handler}
+        handlers = {name: make[kind](fn, request_deserializer=None, response_serializer=ser)
+                    for name, (kind, fn, ser) in self.handler_table().items()}
         return grpc.method_handlers_generic_handler(SERVICE, handlers)
 
     async def _refusal(self, context: Any) -> RmqError | None:
@@ -472,6 +507,28 @@ def check_port_free(host: str, port: int, address: str) -> None:
             first = first or exc
     reason = (first.strerror or str(first)) if first is not None else "no address to bind"
     raise BindError(f"cannot listen on {address} (--rocketmq-port): {reason}")
+
+
+def reserve_port(host: str, port: int, address: str) -> tuple[socket.socket, int]:
+    """A socket bound (not listening) to host:port with SO_REUSEPORT, and the port (port 0: a free one).
+
+    The front-end workers bind the same port with SO_REUSEPORT beside it and
+    the kernel spreads connections among those listening; this one takes
+    none, and keeps the port the broker's while workers are started again.
+    """
+    try:
+        info = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as exc:
+        raise BindError(f"cannot listen on {address} (--rocketmq-port): {exc.strerror or exc}") from None
+    sock = socket.socket(info[0], info[1], info[2])
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind(info[4])
+    except OSError as exc:
+        sock.close()
+        raise BindError(f"cannot listen on {address} (--rocketmq-port): {exc.strerror or exc}") from None
+    return sock, sock.getsockname()[1]
 
 
 def _read(path: Path | None, option: str) -> bytes:

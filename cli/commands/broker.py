@@ -110,6 +110,10 @@ def start(
                                            "delivery_timestamp) may be due (RocketMQ's default: 3 days); a send due later is "
                                            "refused. DELAY levels wait their --message-delay-level delay, as in RocketMQ "
                                            "(docs/scheduled.md).")] = _duration(defaults.MAX_DELAY_S),
+    frontend_processes: Annotated[int, typer.Option(min=0, max=64, help="With --rocketmq-port: serve it from this many worker "
+                                                     "processes, which hold the connections (gRPC, HTTP/2, TLS) and relay each RPC to the "
+                                                     "broker process, the only one that opens the data directory; 0: the broker process "
+                                                     "serves it itself (docs/architecture.md, \"Front-end workers\").")] = 0,
     index_snapshot_records: Annotated[Optional[int], typer.Option(min=0, hidden=True, help="Deprecated, no effect: the transaction index is flushed to txindex.db every second.", show_default=False)] = None,
 ) -> None:
     """Run a broker in the foreground until SIGINT/SIGTERM (logs on stderr)."""
@@ -130,6 +134,7 @@ def start(
         remoting_port=remoting_port, remoting_max_connections=remoting_max_connections, remoting_vip_channel=remoting_vip_channel,
         message_delay_levels_ms=_delay_levels(message_delay_level),
         busy_poll_s=parse_duration(busy_poll), auto_create_topics=auto_create_topics, max_delay_s=parse_duration(max_delay),
+        frontend_processes=frontend_processes,
     )
     _run_broker(config)
 
@@ -200,6 +205,16 @@ def _run_broker(config: BrokerConfig) -> None:
         raise CliError(explain_in_use(str(e)) or str(e)) from None
 
 
+def _workers(rows: list | None) -> str:
+    """2 up (pids 6180 6181), 1 restart"""
+    if not rows:
+        return "-"
+    up = [r for r in rows if r.get("alive")]
+    restarts = sum(r.get("restarts", 0) for r in rows)
+    text = f"{len(up)} of {len(rows)} up (pids {' '.join(str(r['pid']) for r in up)})" if up else f"0 of {len(rows)} up"
+    return text + (f", {restarts} restart{'s' if restarts != 1 else ''}" if restarts else "")
+
+
 def _listeners(listeners: dict | None) -> str:
     """native 127.0.0.1:9876, rocketmq 127.0.0.1:8081 (tls), metrics http://127.0.0.1:9100/metrics"""
     if not listeners:
@@ -245,6 +260,8 @@ def status(broker: BrokerOpt = DEFAULT_BROKER, token: TokenOpt = None, output: O
         "auto_create_topics": info.get("auto_create_topics"),  # null: a broker older than the option (it creates them)
         # every port it listens on: native, and rocketmq and metrics when started with them (null: an older broker)
         "listeners": info.get("listeners"),
+        # the worker processes serving --rocketmq-port with --frontend-processes (null: an older broker)
+        "frontend_workers": info.get("frontend_workers"),
         # the check settings in effect (start options, else config.json, else the defaults)
         **{k: check.get(k) for k in ("check_interval_s", "transaction_timeout_s", "max_checks", "retention_s")},
         "rtt_ms": round(rtt_ms, 2),
@@ -255,10 +272,10 @@ def status(broker: BrokerOpt = DEFAULT_BROKER, token: TokenOpt = None, output: O
 
         shown = {k.removesuffix("_s") if k.endswith("_s") else k: v for k, v in row.items()}
         kv_table(shown, output, title=f"txmq broker at {broker}",
-                 formatters={"listeners": _listeners, "uptime": fmt_age,
+                 formatters={"listeners": _listeners, "frontend_workers": _workers, "uptime": fmt_age,
                              **{k: fmt_duration for k in ("check_interval", "transaction_timeout", "retention")}})
     else:
-        kv_table(row, output, title=f"txmq broker at {broker}", formatters={"listeners": _listeners})
+        kv_table(row, output, title=f"txmq broker at {broker}", formatters={"listeners": _listeners, "frontend_workers": _workers})
     if row["log_sync_error"]:
         warn(f"the last fsync of the commit log failed ({row['log_sync_error']}); nothing past durable_offset "
              "is acknowledged until one succeeds (docs/reliability.md, \"A failed fsync\")")

@@ -215,6 +215,43 @@ def scenario_send(args) -> None:
     RESULT["shutdown"] = True
 
 
+def scenario_tx_load(args) -> None:
+    """Transactions one after the other for --seconds, each committed; an error is recorded and the next one goes on.
+    "committed": the bodies whose commit the SDK reported done; "commit_failed": sent, commit raised; "send_failed": the
+    send raised. The checker commits whatever it is asked about: the application meant to commit every one."""
+    t = args.topic
+    intent: dict[str, int] = {}
+    checker = RecordingChecker(intent)
+    producer = Producer(config(args), (t,), checker, tls_enable=args.tls)
+    producer.startup()
+    committed, commit_failed, send_failed, errors = [], [], [], {}
+    end = time.monotonic() + args.seconds
+    i = 0
+    while time.monotonic() < end:
+        body = f"load-{t}-{i}"
+        i += 1
+        intent[body] = TransactionResolution.COMMIT
+        try:
+            tx = producer.begin_transaction()
+            producer.send(message(t, body, tag="load"), tx)
+        except Exception as e:  # noqa: BLE001
+            send_failed.append(body)
+            errors[type(e).__name__] = str(e)[:300]
+            time.sleep(0.05)
+            continue
+        try:
+            tx.commit()
+            committed.append(body)
+        except Exception as e:  # noqa: BLE001
+            commit_failed.append(body)
+            errors[type(e).__name__] = str(e)[:300]
+    RESULT.update(committed=committed, commit_failed=commit_failed, send_failed=send_failed, load_errors=errors)
+    time.sleep(args.settle)  # stay online for check-backs of what was left pending
+    RESULT["checks"] = len(checker.checks)
+    producer.shutdown()
+    RESULT["shutdown"] = True
+
+
 def scenario_unsupported(args) -> None:
     """A delay (delivery_timestamp, due in 60 s) and a FIFO (message_group) message: for each, the error the
     application sees if the broker refuses it (None when sent); a normal message is sent right after."""
@@ -539,7 +576,7 @@ def scenario_lite(args) -> None:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("scenario", choices=["transactions", "half", "checker", "send", "unsupported", "receive", "push", "invisible",
-                                        "idle", "unknown", "delay", "fifo-send", "fifo-receive", "lite", "flood"])
+                                        "idle", "unknown", "delay", "fifo-send", "fifo-receive", "lite", "flood", "tx-load"])
     p.add_argument("--endpoint", required=True)
     p.add_argument("--topic", required=True)
     p.add_argument("--group", default="sdk-consumers")
@@ -578,7 +615,8 @@ def main() -> None:
          "unsupported": scenario_unsupported,
          "receive": scenario_receive, "push": scenario_push, "invisible": scenario_invisible, "idle": scenario_idle,
          "unknown": scenario_unknown, "delay": scenario_delay, "fifo-send": scenario_fifo_send,
-         "fifo-receive": scenario_fifo_receive, "lite": scenario_lite, "flood": scenario_flood}[args.scenario](args)
+         "fifo-receive": scenario_fifo_receive, "lite": scenario_lite, "flood": scenario_flood,
+         "tx-load": scenario_tx_load}[args.scenario](args)
     except BaseException as e:  # noqa: BLE001 - reported to the test, which fails on it
         RESULT["errors"].append(f"{type(e).__name__}: {e}")
         RESULT["traceback"] = traceback.format_exc()

@@ -1,0 +1,522 @@
+"""The owning process's side of the front-end workers: it starts them, answers what they relay, and restarts them.
+
+``WorkerPool`` is a front end to the broker (``Broker.own``): started after
+the front ends whose requests it relays, stopped after them. For each
+worker it runs a supervisor that spawns the process (``txmq
+__frontend-worker``, see worker.py), waits for its hello, and, when the
+process ends while the broker serves, spawns it again at once (a worker
+that keeps dying within a second of its start is spawned again after a
+growing pause, at most ``MAX_BACKOFF_S``). The broker's own death takes
+the workers with it: each asks the kernel for SIGKILL when its parent dies,
+and leaves when its channel closes.
+
+A relayed call runs the front end's own handler (``Handlers``: the
+callables broker/rocketmq/server.py registers with gRPC in a single
+process) on a ``RelayedContext``, the few methods of a gRPC servicer
+context the handlers use. So an RPC is answered by the same code, with
+the same limits, refusals and counters, whichever process holds its
+connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+from .relay import ABORT, CALL, CANCEL, DATA, DRAIN, END, HALF_CLOSE, HELLO, OPEN, REPLY, WORKER_ENV, WRITE, WROTE, FrameProtocol
+
+log = logging.getLogger("txmq.workers")
+
+UNARY, SERVER_STREAM, BIDI = "unary", "stream", "bidi"
+GRPC_INTERNAL, GRPC_UNIMPLEMENTED, GRPC_UNAVAILABLE = 13, 12, 14  # grpc.StatusCode values
+HELLO_TIMEOUT_S = 30.0  # a worker that has not bound its port and said hello by then is killed and spawned again
+DRAIN_GRACE_S = 5.0  # after DRAIN, a worker that has not exited by then is killed
+MAX_BACKOFF_S = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class Handler:
+    kind: str  # UNARY, SERVER_STREAM or BIDI
+    call: Callable[..., Any]  # (request bytes, context) -> response; an async generator for SERVER_STREAM; (requests, context) for BIDI
+    serialize: Callable[[Any], bytes]
+
+
+@dataclass(slots=True)
+class GrpcService:
+    """What a worker serves on a gRPC port, and what answers it here."""
+
+    name: str  # the full service name, apache.rocketmq.v2.MessagingService
+    handlers: dict[str, Handler]
+    host: str
+    port: int
+    options: list[tuple[str, Any]]  # the gRPC server's channel arguments (with grpc.so_reuseport = 1)
+    tls_cert: str | None = None
+    tls_key: str | None = None
+
+
+class RelayAborted(Exception):
+    """Raised by ``RelayedContext.abort``, as gRPC's own abort raises: the handler ends there."""
+
+
+class RelayedContext:
+    """The handler's view of an RPC a worker relayed: its headers, peer and deadline, and its stream's writes."""
+
+    __slots__ = ("_link", "_id", "_md", "_peer", "_deadline")
+
+    def __init__(self, link: WorkerLink, call_id: int, md: list, peer: str, timeout_s: float | None) -> None:
+        self._link = link
+        self._id = call_id
+        self._md = md
+        self._peer = peer
+        self._deadline = None if timeout_s is None else time.monotonic() + timeout_s
+
+    def invocation_metadata(self) -> list:
+        return self._md
+
+    def peer(self) -> str:
+        return self._peer
+
+    def time_remaining(self) -> float | None:
+        return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
+
+    async def write(self, message: Any) -> None:
+        await self._link.write(self._id, message)
+
+    async def abort(self, code: Any, details: str = "") -> None:
+        value = code.value[0] if hasattr(code, "value") else int(code)
+        self._link.sender_send([ABORT, self._id, value, details])
+        raise RelayAborted(details)
+
+
+class WorkerLink:
+    """One worker's channel: the calls it relayed that are open here, by id."""
+
+    def __init__(self, pool: WorkerPool) -> None:
+        self.pool = pool
+        self.index = -1
+        self.pid = 0
+        self.protocol = FrameProtocol(self._on_frame, self._on_lost)
+        self.calls: dict[int, asyncio.Task] = {}
+        self.streams: dict[int, asyncio.Queue] = {}  # BIDI calls: the client's messages (None: it wrote its last)
+        self.writes: dict[int, deque[asyncio.Future]] = {}
+        self.relayed = 0
+        self.lost = False
+        self.hello = asyncio.get_running_loop().create_future()
+
+    def sender_send(self, frame: list) -> None:
+        if not self.lost and self.protocol.sender is not None:
+            self.protocol.sender.send(frame)
+
+    # ---- frames from the worker -----------------------------------------------------------
+    def _on_frame(self, f: list) -> None:
+        kind = f[0]
+        if kind == CALL:
+            self._call(f[1], f[2], f[3], f[4], f[5], f[6])
+        elif kind == DATA:
+            q = self.streams.get(f[1])
+            if q is not None:
+                q.put_nowait(f[2])
+        elif kind == WROTE:
+            waiting = self.writes.get(f[1])
+            if waiting:
+                fut = waiting.popleft()
+                if not fut.done():
+                    fut.set_result(bool(f[2]))
+        elif kind == OPEN:
+            self._open(f[1], f[2], f[3], f[4], f[5])
+        elif kind == HALF_CLOSE:
+            q = self.streams.get(f[1])
+            if q is not None:
+                q.put_nowait(None)
+        elif kind == CANCEL:
+            task = self.calls.get(f[1])
+            if task is not None:
+                task.cancel()
+        elif kind == HELLO:
+            self._hello(f)
+        else:
+            log.error("event=worker_frame_unknown worker=%d kind=%r", self.index, kind)
+
+    def _hello(self, f: list) -> None:
+        _, index, pid, token = f[:4]
+        if token != self.pool.token or self.hello.done():
+            log.error("event=worker_hello_refused worker=%r pid=%r", index, pid)
+            if self.protocol.transport is not None:
+                self.protocol.transport.abort()
+            return
+        self.index, self.pid = int(index), int(pid)
+        self.hello.set_result(self)
+
+    def _on_lost(self, exc: BaseException | None) -> None:
+        if self.lost:
+            return
+        self.lost = True
+        for task in list(self.calls.values()):
+            task.cancel()
+        for waiting in self.writes.values():
+            for fut in waiting:
+                if not fut.done():
+                    fut.set_result(False)
+        self.writes.clear()
+        if not self.hello.done():
+            self.hello.set_exception(ConnectionError("the worker's channel closed before its hello"))
+            self.hello.exception()  # retrieved: a worker that died early is the supervisor's to report
+        self.pool.lost(self, exc)
+
+    # ---- calls -------------------------------------------------------------------------------
+    def _call(self, call_id: int, method: str, md: list, peer: str, timeout_s: float | None, request: bytes) -> None:
+        handler = self.pool.service.handlers.get(method) if self.pool.service is not None else None
+        if handler is None or handler.kind == BIDI:
+            self.sender_send([ABORT, call_id, GRPC_UNIMPLEMENTED, f"method {method} is not served"])
+            return
+        self.relayed += 1
+        ctx = RelayedContext(self, call_id, md, peer, timeout_s)
+        run = self._unary(call_id, handler, request, ctx) if handler.kind == UNARY else self._stream(call_id, handler, request, ctx)
+        self.calls[call_id] = asyncio.ensure_future(run)
+
+    async def _unary(self, call_id: int, handler: Handler, request: bytes, ctx: RelayedContext) -> None:
+        try:
+            resp = await handler.call(request, ctx)
+            self.sender_send([REPLY, call_id, handler.serialize(resp)])
+        except RelayAborted:
+            pass
+        except Exception as exc:  # the handlers answer every error in the response: this is a defect
+            log.exception("event=relayed_call_failed worker=%d", self.index)
+            self.sender_send([ABORT, call_id, GRPC_INTERNAL, f"internal error: {exc!r}"[:500]])
+        finally:
+            self.calls.pop(call_id, None)
+
+    async def _stream(self, call_id: int, handler: Handler, request: bytes, ctx: RelayedContext) -> None:
+        # A response goes out once the worker handed the one before it to gRPC, as the generator waits on gRPC in one
+        # process: a ReceiveMessage whose client went away mid-stream stops there and gives back what it did not
+        # send. The generator is asked for its next response first, so a stream of one response (a refusal, "no new
+        # message") ends without waiting for the worker, and holds its place among the open RPCs no longer than that.
+        responses = handler.call(request, ctx)
+        try:
+            last: asyncio.Future | None = None
+            async for resp in responses:
+                if last is not None and not await last:
+                    raise ConnectionError("the stream's client is gone")
+                last = self._write(call_id, handler.serialize(resp))
+            self.sender_send([END, call_id])
+        except (RelayAborted, ConnectionError):
+            pass
+        except Exception as exc:
+            log.exception("event=relayed_call_failed worker=%d", self.index)
+            self.sender_send([ABORT, call_id, GRPC_INTERNAL, f"internal error: {exc!r}"[:500]])
+        finally:
+            await responses.aclose()
+            self.calls.pop(call_id, None)
+            for fut in self.writes.pop(call_id, ()):
+                if not fut.done():
+                    fut.set_result(False)
+
+    def _open(self, call_id: int, method: str, md: list, peer: str, timeout_s: float | None) -> None:
+        handler = self.pool.service.handlers.get(method) if self.pool.service is not None else None
+        if handler is None or handler.kind != BIDI:
+            self.sender_send([ABORT, call_id, GRPC_UNIMPLEMENTED, f"method {method} is not served"])
+            return
+        self.relayed += 1
+        q: asyncio.Queue = asyncio.Queue()
+        self.streams[call_id] = q
+        ctx = RelayedContext(self, call_id, md, peer, timeout_s)
+        self.calls[call_id] = asyncio.ensure_future(self._bidi(call_id, handler, q, ctx))
+
+    async def _bidi(self, call_id: int, handler: Handler, q: asyncio.Queue, ctx: RelayedContext) -> None:
+        try:
+            await handler.call(_requests(q), ctx)
+            self.sender_send([END, call_id])
+        except RelayAborted:
+            pass
+        except Exception as exc:
+            log.exception("event=relayed_call_failed worker=%d", self.index)
+            self.sender_send([ABORT, call_id, GRPC_INTERNAL, f"internal error: {exc!r}"[:500]])
+        finally:
+            self.calls.pop(call_id, None)
+            self.streams.pop(call_id, None)
+            for fut in self.writes.pop(call_id, ()):
+                if not fut.done():
+                    fut.set_result(False)
+
+    async def write(self, call_id: int, message: Any) -> None:
+        """Write one message on a stream and wait until the worker handed it to gRPC (gRPC's back pressure)."""
+        if not await self._write(call_id, message if isinstance(message, bytes) else message.SerializeToString()):
+            raise ConnectionError("the stream's client is gone")
+
+    def _write(self, call_id: int, data: bytes) -> asyncio.Future:
+        """Send one WRITE; the future is True once the worker handed it to gRPC, False if it could not."""
+        fut = asyncio.get_running_loop().create_future()
+        if self.lost:
+            fut.set_result(False)
+            return fut
+        self.writes.setdefault(call_id, deque()).append(fut)
+        self.sender_send([WRITE, call_id, data])
+        return fut
+
+
+async def _requests(q: asyncio.Queue) -> AsyncIterator[bytes]:
+    while True:
+        item = await q.get()
+        if item is None:
+            return
+        yield item
+
+
+@dataclass(slots=True)
+class Slot:
+    """One worker's place in the pool: its process now, and what it did."""
+
+    index: int
+    process: asyncio.subprocess.Process | None = None
+    link: WorkerLink | None = None
+    started_at: float = 0.0
+    restarts: int = 0
+    quick_deaths: int = 0
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class WorkerPool:
+    """N worker processes serving the relayed front ends' ports; a front end of the broker (server.Frontend)."""
+
+    def __init__(self, count: int, data_dir: Path) -> None:
+        if count < 1:
+            raise ValueError("a worker pool has at least one worker")
+        self.count = count
+        self.data_dir = data_dir
+        self.service: GrpcService | None = None
+        self.token = os.urandom(16).hex()
+        self.slots = [Slot(i) for i in range(count)]
+        self.links: set[WorkerLink] = set()
+        self._pending_links: list[WorkerLink] = []
+        self._dir: str | None = None
+        self._server: asyncio.AbstractServer | None = None
+        self._supervisors: list[asyncio.Task] = []
+        self._stopping = False
+        self._lost_calls = 0
+
+    @property
+    def socket_path(self) -> str:
+        assert self._dir is not None
+        return os.path.join(self._dir, "relay.sock")
+
+    def serve_grpc(self, service: GrpcService) -> None:
+        self.service = service
+
+    async def bind(self) -> None:
+        """The channel's socket, in a directory of this user's only (mode 0700): the workers connect to it."""
+        self._dir = tempfile.mkdtemp(prefix="txmq-workers-")
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_unix_server(self._accept, self.socket_path, backlog=max(16, self.count * 2))
+        os.chmod(self.socket_path, 0o600)
+
+    def _accept(self) -> asyncio.Protocol:
+        link = WorkerLink(self)
+        self.links.add(link)
+        link.hello.add_done_callback(lambda f, link=link: self._greeted(link, f))
+        return _PeerChecked(link)
+
+    def _greeted(self, link: WorkerLink, fut: asyncio.Future) -> None:
+        if fut.cancelled() or fut.exception() is not None:
+            return
+        if not 0 <= link.index < self.count:
+            if link.protocol.transport is not None:
+                link.protocol.transport.abort()
+            return
+        slot = self.slots[link.index]
+        if slot.process is None or slot.process.pid != link.pid:  # a worker of an earlier spawn, still on its way out
+            if link.protocol.transport is not None:
+                link.protocol.transport.abort()
+            return
+        slot.link = link
+        slot.ready.set()
+
+    def lost(self, link: WorkerLink, exc: BaseException | None) -> None:
+        self.links.discard(link)
+        open_calls = len(link.calls)
+        self._lost_calls += open_calls
+        if link.index >= 0:
+            slot = self.slots[link.index]
+            if slot.link is link:
+                slot.link = None
+                slot.ready.clear()
+                if not self._stopping:
+                    log.warning("event=frontend_worker_channel_lost worker=%d pid=%d open_calls=%d error=%r", link.index, link.pid,
+                                open_calls, exc)
+
+    async def start(self) -> None:
+        assert self.service is not None, "serve_grpc() first"
+        loop = asyncio.get_running_loop()
+        self._supervisors = [loop.create_task(self._supervise(slot), name=f"txmq-worker-{slot.index}") for slot in self.slots]
+        waits = [asyncio.ensure_future(slot.ready.wait()) for slot in self.slots]
+        done, pending = await asyncio.wait(waits, timeout=HELLO_TIMEOUT_S)
+        for w in pending:
+            w.cancel()
+        if pending:
+            log.error("event=frontend_workers_slow ready=%d of=%d", len(done), self.count)
+        log.info("event=frontend_workers_started workers=%d pids=%s", self.count,
+                 ",".join(str(s.process.pid) for s in self.slots if s.process is not None))
+
+    def _command(self, index: int) -> list[str]:
+        spec = {"relay": self.socket_path, "index": index, "parent": os.getpid(), "grpc": _grpc_spec(self.service),
+                "log_format": _log_format(), "log_level": logging.getLevelName(logging.getLogger("txmq").getEffectiveLevel()).lower()}
+        prefix = [sys.executable] if getattr(sys, "frozen", False) else [sys.executable, "-m", "txmq.cli.launch"]
+        return [*prefix, "__frontend-worker", json.dumps(spec, separators=(",", ":"))]
+
+    async def _supervise(self, slot: Slot) -> None:
+        backoff = 0.0
+        while not self._stopping:
+            if backoff:
+                await asyncio.sleep(backoff)
+                if self._stopping:
+                    return
+            env = {**os.environ, WORKER_ENV: self.token}
+            try:
+                slot.process = await asyncio.create_subprocess_exec(*self._command(slot.index), env=env, stdin=asyncio.subprocess.DEVNULL)
+            except OSError as exc:
+                log.error("event=frontend_worker_spawn_failed worker=%d error=%r", slot.index, exc)
+                backoff = min(MAX_BACKOFF_S, max(0.1, backoff * 2))
+                continue
+            slot.started_at = time.monotonic()
+            proc = slot.process
+            try:
+                await asyncio.wait_for(_first(slot.ready.wait(), proc.wait()), HELLO_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                log.error("event=frontend_worker_no_hello worker=%d pid=%d waited_s=%g", slot.index, proc.pid, HELLO_TIMEOUT_S)
+                _kill(proc)
+            rc = await proc.wait()
+            slot.ready.clear()
+            if self._stopping:
+                return
+            lived = time.monotonic() - slot.started_at
+            slot.restarts += 1
+            slot.quick_deaths = slot.quick_deaths + 1 if lived < 1.0 else 0
+            backoff = 0.0 if slot.quick_deaths < 2 else min(MAX_BACKOFF_S, 0.1 * 2 ** (slot.quick_deaths - 2))
+            log.warning("event=frontend_worker_exited worker=%d pid=%d returncode=%s lived_s=%.3f restart_in_s=%g", slot.index, proc.pid,
+                        rc, lived, backoff)
+
+    async def stop(self) -> None:
+        """Stop the workers: each stops accepting, finishes what is open (its calls here end first), and exits."""
+        self._stopping = True
+        for slot in self.slots:
+            if slot.link is not None:
+                slot.link.sender_send([DRAIN])
+            elif slot.process is not None and slot.process.returncode is None:
+                _kill(slot.process)
+        procs = [s.process for s in self.slots if s.process is not None and s.process.returncode is None]
+        if procs:
+            _, pending = await asyncio.wait([asyncio.ensure_future(p.wait()) for p in procs], timeout=DRAIN_GRACE_S)
+            for p in procs:
+                if p.returncode is None:
+                    _kill(p)
+            for p in procs:
+                await p.wait()
+        for task in self._supervisors:
+            task.cancel()
+        for task in self._supervisors:
+            try:
+                await task
+            except (asyncio.CancelledError, Exception):
+                pass
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+
+    async def close(self) -> None:
+        for link in list(self.links):
+            if link.protocol.transport is not None:
+                link.protocol.transport.abort()
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
+
+    def gauges(self) -> dict[str, int]:
+        return {"frontend_workers": sum(1 for s in self.slots if s.link is not None),
+                "frontend_worker_restarts": sum(s.restarts for s in self.slots)}
+
+    def status(self) -> list[dict[str, Any]]:
+        """One row per worker, as ``txmq broker status`` lists them."""
+        now = time.monotonic()
+        rows = []
+        for s in self.slots:
+            alive = s.link is not None
+            pid = s.process.pid if s.process is not None else None
+            rows.append({"worker": s.index, "pid": pid, "alive": alive, "up_s": round(now - s.started_at, 1) if alive else 0.0,
+                         "restarts": s.restarts, "relayed": s.link.relayed if s.link is not None else 0,
+                         "open_calls": len(s.link.calls) if s.link is not None else 0, "cpu_s": _cpu_seconds(pid) if alive else None})
+        return rows
+
+
+class _PeerChecked(asyncio.Protocol):
+    """The link's protocol, behind a check that the peer runs as this user (the directory's mode is the first guard)."""
+
+    def __init__(self, link: WorkerLink) -> None:
+        self._link = link
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        sock = transport.get_extra_info("socket")
+        try:
+            creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
+            uid = int.from_bytes(creds[4:8], sys.byteorder)
+        except (OSError, AttributeError):
+            uid = -1
+        if uid != os.getuid():
+            log.error("event=worker_peer_refused uid=%d", uid)
+            transport.abort()
+        self._link.protocol.connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        self._link.protocol.data_received(data)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self._link.protocol.connection_lost(exc)
+
+
+def _grpc_spec(service: GrpcService | None) -> dict[str, Any]:
+    assert service is not None
+    return {"service": service.name, "methods": {name: h.kind for name, h in service.handlers.items()}, "host": service.host,
+            "port": service.port, "options": service.options, "tls_cert": service.tls_cert, "tls_key": service.tls_key}
+
+
+async def _first(*aws: Awaitable[Any]) -> None:
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+def _kill(proc: asyncio.subprocess.Process) -> None:
+    try:
+        proc.send_signal(signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _cpu_seconds(pid: int | None) -> float | None:
+    if pid is None:
+        return None
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return round((int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), 2)
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _log_format() -> str:
+    """The broker's log format (broker/logs.py), for its workers' lines to read alike."""
+    from ..logs import JsonFormatter
+
+    return "json" if any(isinstance(h.formatter, JsonFormatter) for h in logging.getLogger("txmq").handlers) else "kv"

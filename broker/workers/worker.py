@@ -1,0 +1,292 @@
+"""A front-end worker process: it holds clients' gRPC connections and relays their RPCs to the broker process.
+
+Started by the broker (pool.py) as ``txmq __frontend-worker SPEC`` (SPEC
+is JSON: the channel's socket, this worker's index, the parent's pid, and
+the gRPC service to serve: its name, its methods and their kinds, host,
+port, channel arguments, TLS files). The hello token comes in the
+environment. The worker:
+
+1. asks the kernel to kill it when its parent dies, and leaves at once if
+   the parent is already gone;
+2. connects to the broker's channel, binds the port with SO_REUSEPORT
+   beside its siblings (the broker holds the port reserved), starts
+   serving, then says hello;
+3. relays every RPC (relay.py), answers what the broker answers, and
+   turns the client's cancellation into CANCEL;
+4. on DRAIN or SIGTERM stops accepting, lets open calls finish (gRPC's
+   grace), and exits; when the channel closes (the broker died) it exits
+   at once.
+
+It imports no part of the broker that touches the store: nothing here can
+write it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import itertools
+import json
+import logging
+import os
+import signal
+import sys
+from typing import Any, AsyncIterator
+
+from .relay import ABORT, CALL, CANCEL, DATA, DRAIN, END, HALF_CLOSE, HELLO, OPEN, REPLY, WORKER_ENV, WRITE, WROTE, FrameProtocol
+
+log = logging.getLogger("txmq.worker")
+
+GRACE_S = 2.0  # open calls finish within this after DRAIN (the single process's SHUTDOWN_GRACE_S)
+PR_SET_PDEATHSIG = 1
+
+
+class Aborted(Exception):
+    def __init__(self, code: int, details: str) -> None:
+        super().__init__(details)
+        self.code = code
+        self.details = details
+
+
+_END = object()
+
+
+class Worker:
+    def __init__(self, spec: dict[str, Any], token: str) -> None:
+        self.spec = spec
+        self.token = token
+        self.index = int(spec["index"])
+        self.calls: dict[int, Any] = {}  # id -> a future (unary) or a queue (streams)
+        self.ids = itertools.count(1)
+        self.protocol: FrameProtocol | None = None
+        self.server: Any = None
+        self.done = asyncio.Event()
+        self.draining = False
+
+    # ---- the channel ----------------------------------------------------------------------
+    def send(self, frame: list) -> None:
+        if self.protocol is not None and self.protocol.sender is not None:
+            self.protocol.sender.send(frame)
+
+    def on_frame(self, f: list) -> None:
+        kind = f[0]
+        if kind == REPLY:
+            fut = self.calls.get(f[1])
+            if fut is not None and not fut.done():
+                fut.set_result(f[2])
+        elif kind == WRITE:
+            q = self.calls.get(f[1])
+            if q is not None:
+                q.put_nowait(f[2])
+        elif kind == END:
+            q = self.calls.get(f[1])
+            if q is not None and isinstance(q, asyncio.Queue):
+                q.put_nowait(_END)
+        elif kind == ABORT:
+            target = self.calls.get(f[1])
+            err = Aborted(int(f[2]), str(f[3]))
+            if isinstance(target, asyncio.Queue):
+                target.put_nowait(err)
+            elif target is not None and not target.done():
+                target.set_exception(err)
+        elif kind == DRAIN:
+            asyncio.ensure_future(self.drain())
+        else:
+            log.error("event=worker_frame_unknown kind=%r", kind)
+
+    def on_lost(self, exc: BaseException | None) -> None:
+        if self.done.is_set():
+            return
+        if not self.draining:
+            log.warning("event=worker_channel_lost worker=%d error=%r", self.index, exc)
+        gone = Aborted(14, "the broker is gone")  # UNAVAILABLE: the clients connect again, to the broker started again
+        for target in list(self.calls.values()):
+            if isinstance(target, asyncio.Queue):
+                target.put_nowait(gone)
+            elif not target.done():
+                target.set_exception(gone)
+        self.done.set()
+
+    # ---- the relayed RPCs --------------------------------------------------------------------
+    def unary(self, method: str):
+        import grpc
+
+        codes = {c.value[0]: c for c in grpc.StatusCode}
+
+        async def call(request: bytes, context: Any) -> bytes:
+            cid = next(self.ids)
+            fut = asyncio.get_running_loop().create_future()
+            self.calls[cid] = fut
+            self.send([CALL, cid, method, _metadata(context), context.peer() or "", context.time_remaining(), request])
+            try:
+                return await fut
+            except Aborted as a:
+                await context.abort(codes.get(a.code, grpc.StatusCode.UNKNOWN), a.details)
+                raise
+            except asyncio.CancelledError:
+                self.send([CANCEL, cid])
+                raise
+            finally:
+                self.calls.pop(cid, None)
+
+        return call
+
+    def server_stream(self, method: str):
+        import grpc
+
+        codes = {c.value[0]: c for c in grpc.StatusCode}
+
+        async def call(request: bytes, context: Any) -> AsyncIterator[bytes]:
+            cid = next(self.ids)
+            q: asyncio.Queue = asyncio.Queue()
+            self.calls[cid] = q
+            self.send([CALL, cid, method, _metadata(context), context.peer() or "", context.time_remaining(), request])
+            ended = False
+            try:
+                while True:
+                    item = await q.get()
+                    if item is _END:
+                        ended = True
+                        return
+                    if isinstance(item, Aborted):
+                        ended = True
+                        await context.abort(codes.get(item.code, grpc.StatusCode.UNKNOWN), item.details)
+                    yield item
+                    self.send([WROTE, cid, True])  # gRPC took it: the broker sends the next
+            finally:
+                if not ended:
+                    self.send([CANCEL, cid])
+                self.calls.pop(cid, None)
+
+        return call
+
+    def bidi(self, method: str):
+        import grpc
+
+        codes = {c.value[0]: c for c in grpc.StatusCode}
+
+        async def call(requests: AsyncIterator[bytes], context: Any) -> None:
+            cid = next(self.ids)
+            q: asyncio.Queue = asyncio.Queue()
+            self.calls[cid] = q
+            self.send([OPEN, cid, method, _metadata(context), context.peer() or "", context.time_remaining()])
+
+            async def pump() -> None:
+                try:
+                    async for raw in requests:
+                        self.send([DATA, cid, raw])
+                except Exception:  # the client went away: gRPC cancels this call too
+                    pass
+                self.send([HALF_CLOSE, cid])
+
+            reader = asyncio.ensure_future(pump())
+            ended = False
+            try:
+                while True:
+                    item = await q.get()
+                    if item is _END:
+                        ended = True
+                        return
+                    if isinstance(item, Aborted):
+                        ended = True
+                        await context.abort(codes.get(item.code, grpc.StatusCode.UNKNOWN), item.details)
+                    ok = True
+                    try:
+                        await context.write(item)
+                    except Exception:
+                        ok = False
+                    self.send([WROTE, cid, ok])
+            finally:
+                reader.cancel()
+                if not ended:
+                    self.send([CANCEL, cid])
+                self.calls.pop(cid, None)
+
+        return call
+
+    # ---- life ------------------------------------------------------------------------------------
+    async def run(self) -> int:
+        import grpc
+        from grpc import aio
+
+        loop = asyncio.get_running_loop()
+        self.protocol = FrameProtocol(self.on_frame, self.on_lost)
+        try:
+            await loop.create_unix_connection(lambda: self.protocol, self.spec["relay"])
+        except OSError as exc:
+            log.error("event=worker_channel_unreachable worker=%d error=%r", self.index, exc)
+            return 1
+        g = self.spec["grpc"]
+        handlers = {}
+        for name, kind in g["methods"].items():
+            if kind == "unary":
+                handlers[name] = grpc.unary_unary_rpc_method_handler(self.unary(name))
+            elif kind == "stream":
+                handlers[name] = grpc.unary_stream_rpc_method_handler(self.server_stream(name))
+            else:
+                handlers[name] = grpc.stream_stream_rpc_method_handler(self.bidi(name))
+        options = [tuple(o) for o in g["options"]]
+        self.server = aio.server(options=options)
+        self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(g["service"], handlers),))
+        host, port = g["host"], int(g["port"])
+        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        try:
+            if g.get("tls_cert"):
+                with open(g["tls_key"], "rb") as k, open(g["tls_cert"], "rb") as c:
+                    creds = grpc.ssl_server_credentials([(k.read(), c.read())])
+                bound = self.server.add_secure_port(address, creds)
+            else:
+                bound = self.server.add_insecure_port(address)
+        except Exception as exc:
+            log.error("event=worker_bind_failed worker=%d address=%s error=%s", self.index, address, exc)
+            return 1
+        if bound != port:
+            log.error("event=worker_bind_failed worker=%d address=%s bound=%d", self.index, address, bound)
+            return 1
+        await self.server.start()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, lambda: asyncio.ensure_future(self.drain()))
+        self.send([HELLO, self.index, os.getpid(), self.token])
+        await self.done.wait()
+        if not self.draining:  # the broker died: what is open cannot be answered
+            await self.server.stop(0)
+        return 0
+
+    async def drain(self) -> None:
+        if self.draining:
+            return
+        self.draining = True
+        log.info("event=worker_draining worker=%d open_calls=%d", self.index, len(self.calls))
+        if self.server is not None:
+            await self.server.stop(GRACE_S)
+        self.done.set()
+
+
+def _metadata(context: Any) -> list[list[str]]:
+    return [[m[0], m[1]] for m in (context.invocation_metadata() or ()) if isinstance(m[1], str)]
+
+
+def _die_with_parent(parent: int) -> None:
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent:  # the broker died before the request took effect
+        os._exit(0)
+
+
+def main(argv: list[str]) -> None:
+    """``txmq __frontend-worker SPEC``: run one worker until DRAIN, SIGTERM or the broker's end."""
+    spec = json.loads(argv[0])
+    _die_with_parent(int(spec["parent"]))
+    token = os.environ.pop(WORKER_ENV, "")
+    from ..logs import setup
+
+    setup(spec.get("log_format", "kv"), spec.get("log_level", "info"))
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    sys.exit(asyncio.run(Worker(spec, token).run()))

@@ -1,0 +1,260 @@
+"""The owning process's side of the front-end workers' channel (broker/workers/pool.py), against a scripted worker.
+
+A test here is the worker: it connects to the pool's Unix socket and writes
+relay frames (broker/workers/relay.py) as a worker process would; the
+pool answers them with fake handlers. No gRPC, no broker, no process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import stat
+
+import msgpack
+import pytest
+
+from txmq.broker.workers.pool import BIDI, SERVER_STREAM, UNARY, GrpcService, Handler, WorkerPool
+from txmq.broker.workers.relay import ABORT, CALL, CANCEL, DATA, END, HALF_CLOSE, HELLO, OPEN, REPLY, WRITE, WROTE, unpacker
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class Script:
+    """A fake worker's end of the channel: frames out, frames in (in order)."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+        self.unpacker = unpacker()
+        self.got: list[list] = []
+
+    def send(self, *frames: list) -> None:
+        self.writer.write(b"".join(msgpack.packb(f, use_bin_type=True) for f in frames))
+
+    async def next(self, timeout: float = 5.0) -> list:
+        while not self.got:
+            data = await asyncio.wait_for(self.reader.read(65536), timeout)
+            if not data:
+                raise EOFError("the pool closed the channel")
+            self.unpacker.feed(data)
+            self.got.extend(self.unpacker)
+        return self.got.pop(0)
+
+
+def _identity(b: bytes) -> bytes:
+    return b
+
+
+async def _pool(handlers: dict[str, Handler]):
+    pool = WorkerPool(1, data_dir=None)  # type: ignore[arg-type]
+    pool.serve_grpc(GrpcService("test.Service", handlers, "127.0.0.1", 0, []))
+    await pool.bind()
+    reader, writer = await asyncio.open_unix_connection(pool.socket_path)
+    return pool, Script(reader, writer)
+
+
+async def _close(pool: WorkerPool, script: Script) -> None:
+    script.writer.close()
+    await pool.stop()
+    await pool.close()
+
+
+def test_unary_calls_are_answered_with_the_handlers_reply_and_see_the_relayed_headers_peer_and_deadline():
+    seen = {}
+
+    async def echo(request: bytes, ctx) -> bytes:
+        seen[request] = (list(ctx.invocation_metadata()), ctx.peer(), ctx.time_remaining())
+        return request[::-1]
+
+    async def go():
+        pool, w = await _pool({"Echo": Handler(UNARY, echo, _identity)})
+        w.send([CALL, 1, "Echo", [["x-mq-client-id", "c1"]], "ipv4:127.0.0.1:5000", 9.5, b"abc"],
+               [CALL, 2, "Echo", [], "", None, b"xyz"])
+        replies = {tuple(await w.next()) for _ in range(2)}
+        assert replies == {(REPLY, 1, b"cba"), (REPLY, 2, b"zyx")}
+        assert pool.slots[0].link is None  # no hello: calls are answered all the same; the slot is not this link
+        await _close(pool, w)
+        return seen
+
+    seen = asyncio.run(go())
+    md, peer, left = seen[b"abc"]
+    assert md == [["x-mq-client-id", "c1"]] and peer == "ipv4:127.0.0.1:5000" and 0 < left <= 9.5
+    assert seen[b"xyz"] == ([], "", None)  # no deadline relayed: none
+
+
+def test_a_server_stream_sends_each_response_then_its_end_and_an_unknown_method_is_unimplemented():
+    async def items(request: bytes, ctx):
+        for i in range(3):
+            yield request + str(i).encode()
+
+    async def go():
+        pool, w = await _pool({"Items": Handler(SERVER_STREAM, items, _identity)})
+        w.send([CALL, 7, "Items", [], "", None, b"m"], [CALL, 8, "Nope", [], "", None, b""])
+        frames = [await w.next(), await w.next()]
+        with pytest.raises(asyncio.TimeoutError):  # the next response waits until the worker handed this one to gRPC
+            await w.next(timeout=0.3)
+        for _ in range(2):
+            w.send([WROTE, 7, True])
+            frames.append(await w.next())
+        frames.append(await w.next())  # the end follows the last response at once: nothing is left to hold back
+        await _close(pool, w)
+        return frames
+
+    frames = asyncio.run(go())
+    assert [f for f in frames if f[1] == 7] == [[WRITE, 7, b"m0"], [WRITE, 7, b"m1"], [WRITE, 7, b"m2"], [END, 7]]
+    assert [f[:3] for f in frames if f[1] == 8] == [[ABORT, 8, 12]]  # UNIMPLEMENTED
+
+
+def test_a_server_stream_whose_client_went_away_stops_and_runs_its_cleanup():
+    closed = {}
+
+    async def items(request: bytes, ctx):
+        try:
+            for i in range(100):
+                yield str(i).encode()
+        finally:
+            closed["at"] = i
+
+    async def go():
+        pool, w = await _pool({"Items": Handler(SERVER_STREAM, items, _identity)})
+        w.send([CALL, 1, "Items", [], "", None, b""])
+        assert await w.next() == [WRITE, 1, b"0"]
+        w.send([WROTE, 1, True])
+        assert await w.next() == [WRITE, 1, b"1"]
+        w.send([WROTE, 1, False])  # gRPC could not take it: the client is gone
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if "at" in closed:
+                break
+        await _close(pool, w)
+
+    asyncio.run(go())
+    assert closed["at"] == 2  # it stopped one response past the one gRPC refused: the one taken to see whether it went on
+
+
+def test_an_abort_ends_the_call_with_its_code_and_a_handler_error_is_an_internal_error_not_a_dead_channel():
+    async def refuse(request: bytes, ctx):
+        await ctx.abort(8, "too much")  # RESOURCE_EXHAUSTED
+
+    async def boom(request: bytes, ctx):
+        raise RuntimeError("defect")
+
+    async def echo(request: bytes, ctx):
+        return request
+
+    async def go():
+        pool, w = await _pool({"Refuse": Handler(UNARY, refuse, _identity), "Boom": Handler(UNARY, boom, _identity),
+                               "Echo": Handler(UNARY, echo, _identity)})
+        w.send([CALL, 1, "Refuse", [], "", None, b""])
+        a = await w.next()
+        w.send([CALL, 2, "Boom", [], "", None, b""])
+        b = await w.next()
+        w.send([CALL, 3, "Echo", [], "", None, b"still here"])
+        c = await w.next()
+        await _close(pool, w)
+        return a, b, c
+
+    a, b, c = asyncio.run(go())
+    assert a == [ABORT, 1, 8, "too much"]
+    assert b[:3] == [ABORT, 2, 13] and "defect" in b[3]
+    assert c == [REPLY, 3, b"still here"]
+
+
+def test_a_cancel_from_the_worker_cancels_the_handler_and_a_lost_channel_cancels_every_open_call():
+    events = {"cancelled": 0}
+
+    async def hang(request: bytes, ctx):
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            events["cancelled"] += 1
+            raise
+
+    async def go():
+        pool, w = await _pool({"Hang": Handler(UNARY, hang, _identity)})
+        w.send([CALL, 1, "Hang", [], "", None, b""], [CALL, 2, "Hang", [], "", None, b""], [CALL, 3, "Hang", [], "", None, b""])
+        for _ in range(50):
+            await asyncio.sleep(0.01)
+            link = next(iter(pool.links), None)
+            if link is not None and len(link.calls) == 3:
+                break
+        w.send([CANCEL, 1])
+        for _ in range(50):
+            await asyncio.sleep(0.01)
+            if events["cancelled"] == 1:
+                break
+        assert events["cancelled"] == 1 and set(link.calls) == {2, 3}
+        w.writer.close()  # the worker dies
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if events["cancelled"] == 3:
+                break
+        assert events["cancelled"] == 3 and not link.calls and link.lost
+        await pool.stop()
+        await pool.close()
+
+    asyncio.run(go())
+
+
+def test_a_bidirectional_stream_reads_the_clients_messages_and_each_write_waits_for_the_worker_to_deliver_it():
+    async def chat(requests, ctx):
+        async for raw in requests:
+            await ctx.write(raw.upper())
+        await ctx.write(b"bye")
+
+    async def go():
+        pool, w = await _pool({"Chat": Handler(BIDI, chat, _identity)})
+        w.send([OPEN, 5, "Chat", [], "p", None], [DATA, 5, b"hello"])
+        first = await w.next()
+        # no second write until the first is delivered: back pressure as gRPC's own context.write
+        w.send([DATA, 5, b"again"])
+        with pytest.raises(asyncio.TimeoutError):
+            await w.next(timeout=0.3)
+        w.send([WROTE, 5, True])
+        second = await w.next()
+        w.send([WROTE, 5, True], [HALF_CLOSE, 5])
+        third = await w.next()
+        w.send([WROTE, 5, True])
+        end = await w.next()
+        await _close(pool, w)
+        return first, second, third, end
+
+    assert asyncio.run(go()) == ([WRITE, 5, b"HELLO"], [WRITE, 5, b"AGAIN"], [WRITE, 5, b"bye"], [END, 5])
+
+
+def test_a_write_the_worker_could_not_deliver_fails_in_the_handler():
+    outcome = {}
+
+    async def chat(requests, ctx):
+        try:
+            await ctx.write(b"x")
+        except ConnectionError as exc:
+            outcome["error"] = str(exc)
+
+    async def go():
+        pool, w = await _pool({"Chat": Handler(BIDI, chat, _identity)})
+        w.send([OPEN, 1, "Chat", [], "", None])
+        assert await w.next() == [WRITE, 1, b"x"]
+        w.send([WROTE, 1, False])
+        assert await w.next() == [END, 1]
+        await _close(pool, w)
+
+    asyncio.run(go())
+    assert "gone" in outcome["error"]
+
+
+def test_the_channel_lives_in_a_directory_only_its_user_enters_and_a_hello_with_a_wrong_token_is_shut_out():
+    async def go():
+        pool, w = await _pool({})
+        mode = stat.S_IMODE(os.stat(os.path.dirname(pool.socket_path)).st_mode)
+        w.send([HELLO, 0, os.getpid(), "not-the-token"])
+        with pytest.raises(EOFError):
+            await w.next(timeout=5)
+        path = pool.socket_path
+        await pool.stop()
+        await pool.close()
+        return mode, os.path.exists(path)
+
+    mode, left = asyncio.run(go())
+    assert mode == 0o700
+    assert not left  # close() removes the directory

@@ -1,0 +1,137 @@
+"""`txmq broker start --rocketmq-port P --frontend-processes N`: worker processes serve P and relay to the broker process.
+
+Real broker processes, real worker processes, Apache RocketMQ's official
+Python SDK (tests/sdkenv.py) as the client. The rest of the RocketMQ 5
+suites run through workers with ``make test-workers``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from brokerproc import free_port
+from clihelpers import lines, ok, one, out, txmq
+from sdkenv import create_topics, python_scenario, python_sdk_python, start_rocketmq_broker
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+
+@pytest.fixture(scope="module")
+def sdk_python():
+    return python_sdk_python()
+
+
+def _workers(b) -> list[dict]:
+    return one(txmq("broker", "status", "-o", "json", broker=b.address))["frontend_workers"]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+def _wait(pred, seconds: float, step: float = 0.02):
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        got = pred()
+        if got:
+            return got
+        time.sleep(step)
+    return pred()
+
+
+def test_sdk_transactions_with_check_backs_go_through_workers_and_status_stats_and_metrics_show_the_workers(sdk_python, tmp_path):
+    metrics_port = free_port()
+    b, endpoint = start_rocketmq_broker(tmp_path, "--frontend-processes", "2", "--metrics-port", str(metrics_port))
+    try:
+        rows = _workers(b)
+        assert [r["worker"] for r in rows] == [0, 1] and all(r["alive"] and r["pid"] for r in rows), rows
+        topic, group = "WorkerTx", "worker-consumers"
+        create_topics(b, topic)
+        r = python_scenario(sdk_python, "transactions", tmp_path / "home", "--endpoint", endpoint, "--topic", topic, "--group", group)
+        assert r["orphan_checked"], f"no check-back reached the SDK through a worker: {r['checks']}"
+        assert sorted(m["body"] for m in r["received"]) == sorted([f"commit-{topic}", f"orphan-{topic}"])
+        assert all(m["delivery_attempt"] == 1 and not m["corrupted"] for m in r["received"])
+        stored = lines(ok(txmq("read", topic, "-o", "jsonl", broker=b.address)))
+        assert sorted(m["body"] for m in stored) == sorted([f"commit-{topic}", f"orphan-{topic}"])
+        relayed = sum(r["relayed"] for r in _workers(b))
+        assert relayed >= 8, f"the SDK's RPCs were not relayed by the workers: {_workers(b)}"
+        # the workers hold no file of the data directory: only the broker process opens the store
+        data = str(b.data_dir.resolve())
+        for row in _workers(b):
+            held = [os.readlink(f"/proc/{row['pid']}/fd/{fd}") for fd in os.listdir(f"/proc/{row['pid']}/fd")]
+            assert not [h for h in held if h.startswith(data)], held
+        table = out(ok(txmq("broker", "status", "-o", "table", broker=b.address)))
+        assert "2 of 2 up (pids" in table
+        gauges = one(txmq("stats", "-o", "json", broker=b.address))["gauges"]
+        assert gauges["frontend_workers"] == 2 and gauges["frontend_worker_restarts"] == 0, gauges
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+        for w in ("0", "1"):
+            assert f'txmq_frontend_worker_up{{worker="{w}"}} 1.0' in text
+            assert f'txmq_frontend_worker_restarts_total{{worker="{w}"}} 0.0' in text
+        assert sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines()
+                   if ln.startswith("txmq_frontend_worker_relayed_calls_total{")) >= relayed
+    finally:
+        assert b.stop() == 0
+
+
+def test_a_killed_worker_is_started_again_at_once_and_acknowledged_transactions_are_neither_lost_nor_doubled(sdk_python, tmp_path):
+    b, endpoint = start_rocketmq_broker(tmp_path, "--frontend-processes", "2")
+    try:
+        topic = "WorkerKill"
+        create_topics(b, topic)
+        with ThreadPoolExecutor(1) as ex:
+            load = ex.submit(python_scenario, sdk_python, "tx-load", tmp_path / "home", "--endpoint", endpoint, "--topic", topic,
+                             "--seconds", "12", "--settle", "8", timeout=150)
+            restarts_s = []
+            time.sleep(3)
+            for cycle in range(3):
+                before = {r["worker"]: r["pid"] for r in _workers(b)}
+                victim = cycle % 2
+                t0 = time.monotonic()
+                os.kill(before[victim], signal.SIGKILL)
+                back = _wait(lambda: [r for r in _workers(b) if r["worker"] == victim and r["alive"] and r["pid"] != before[victim]], 10)
+                restarts_s.append(time.monotonic() - t0)
+                assert back, f"worker {victim} was not started again: {_workers(b)}"
+                time.sleep(2)
+            r = load.result()
+        assert r["committed"], f"the load made no transaction: {r}"
+        stored = [m["body"] for m in lines(ok(txmq("read", topic, "-o", "jsonl", "--count", "100000", broker=b.address)))]
+        assert len(stored) == len(set(stored)), "a transaction's message was stored twice"
+        missing = set(r["committed"]) - set(stored)
+        assert not missing, f"{len(missing)} acknowledged commits were lost: {sorted(missing)[:5]}"
+        assert set(stored) <= {*r["committed"], *r["commit_failed"], *r["send_failed"]}, "a message nobody sent was delivered"
+        rows = _workers(b)
+        assert sum(row["restarts"] for row in rows) == 3
+        print(f"restarts took {[round(s, 3) for s in restarts_s]} s; {len(r['committed'])} committed, "
+              f"{len(r['commit_failed'])} commit failed, {len(r['send_failed'])} send failed: {r.get('load_errors')}")
+        assert max(restarts_s) < 5.0, restarts_s  # within 1 s on an idle machine (docs/architecture.md); no timing bound under load
+    finally:
+        b.stop()
+
+
+def test_the_broker_killed_takes_its_workers_down_and_sigterm_drains_them_before_the_store_closes(tmp_path):
+    b, _ = start_rocketmq_broker(tmp_path / "a", "--frontend-processes", "2")
+    pids = [r["pid"] for r in _workers(b)]
+    assert all(_alive(p) for p in pids)
+    b.kill()
+    assert _wait(lambda: not any(_alive(p) for p in pids), 10), "workers outlived their broker"
+
+    b, _ = start_rocketmq_broker(tmp_path / "b", "--frontend-processes", "2")
+    pids = [r["pid"] for r in _workers(b)]
+    assert b.stop() == 0
+    assert not any(_alive(p) for p in pids)
+    log = b.log.read_text()
+    assert log.count("event=worker_draining") == 2
+    assert log.rindex("event=worker_draining") < log.index("event=shutdown_done")
