@@ -1,6 +1,6 @@
 """Transactions/s of Apache RocketMQ's official Python SDK through txmq's gRPC front end, next to txmq's own client library.
 
-One broker (`txmq broker start --flush sync --rocketmq-port P` on a fresh data directory in the temp dir, as
+One broker (`txmq broker start --flush sync --rocketmq-port P --busy-poll 0` on a fresh data directory in the temp dir, as
 `txmq bench --embedded` uses) serves both, one run after the other, at the same concurrency (1 and 32
 producers), the same 256-byte body and the same durability (sync flush: a half message and an end are
 acknowledged after fdatasync):
@@ -79,10 +79,11 @@ class Plan:
         self.procs = procs
 
 
-def native_run(broker: BrokerProc, clients: int, seconds: float, topic: str) -> dict[str, Any]:
+def native_run(broker: BrokerProc, clients: int, seconds: float, topic: str, rate: float | None = None) -> dict[str, Any]:
     cpu0 = cpu_seconds(broker.pid)
-    res = txmq_bench(["tx-client", "--broker", broker.address, "-c", str(clients), "-n", "1", "--size", str(SIZE),
-                      "-d", f"{seconds}s", "--topic", topic])
+    # at a rate: `bench tx` (the same protocol's transactions, half then end; tx-client sends back to back only)
+    res = txmq_bench(["tx" if rate else "tx-client", "--broker", broker.address, "-c", str(clients), "-n", "1", "--size", str(SIZE),
+                      "-d", f"{seconds}s", "--topic", topic, *(["--rate", f"{rate:g}"] if rate else [])])
     res["broker_cpu_s"] = round(cpu_seconds(broker.pid) - cpu0, 3)
     res["broker_us_per_tx"] = round(res["broker_cpu_s"] / res["completed"] * 1e6, 1) if res["completed"] else None
     return res
@@ -201,11 +202,13 @@ def run(mode: str = "quick", procs: int | None = None, workers: int = 2) -> dict
     machine = machine_info(data_disk_dir())
     tmp = Path(tempfile.mkdtemp(prefix="txmq-rmq-sdk-bench-", dir=data_disk_dir()))
     gport = free_port()
-    broker = BrokerProc(tmp / "data", "--flush", "sync", "--rocketmq-port", str(gport), log_path=tmp / "broker.log")
+    # --busy-poll 0: its spin after a lone client's request (idle priority) would count as broker CPU, and the native
+    # runs held to a rate are all lone requests
+    broker = BrokerProc(tmp / "data", "--flush", "sync", "--rocketmq-port", str(gport), "--busy-poll", "0", log_path=tmp / "broker.log")
     broker.start()
     wport = free_port()
     wbroker = BrokerProc(tmp / "data-workers", "--flush", "sync", "--rocketmq-port", str(wport), "--frontend-processes",
-                         str(plan.workers), log_path=tmp / "broker-workers.log")
+                         str(plan.workers), "--busy-poll", "0", log_path=tmp / "broker-workers.log")
     wbroker.start()
     runs: dict[str, dict[str, Any]] = {}
     empty: EmptyServer | None = None
@@ -243,6 +246,12 @@ def run(mode: str = "quick", procs: int | None = None, workers: int = 2) -> dict
                     f"SDK CPU {r['client_cpu_s']} s" + (f"  errors {r['errors']}" if r["errors"] else ""))
                 if f"sdkw_{c}" not in runs or r["throughput"] > runs[f"sdkw_{c}"]["throughput"]:
                     runs[f"sdkw_{c}"] = r
+                    # the native path's CPU per transaction at the same rate: fsyncs and wake-ups are shared by fewer
+                    # transactions at a few hundred a second than at the native path's own thousands
+                    say(f"  native client library at that rate ({r['throughput']:,.0f}/s), {c} producer(s), round {rnd + 1}")
+                    nr = native_run(wbroker, c, plan.seconds, f"bench_native_rate_{c}_{rnd}", rate=r["throughput"])
+                    say(f"    -> {nr['throughput']:,.0f} tx/s, broker {nr['broker_us_per_tx']} us/tx")
+                    runs[f"native_rate_{c}"] = nr
                 say(f"  empty unary calls on grpc.aio + uvloop, {c} caller(s), round {rnd + 1}")
                 r = empty_run(python, empty, c, plan.seconds, f"empty_{c}_{rnd}", plan.procs, home)
                 say(f"    -> {r['throughput']:,.0f} calls/s, server {r['server_us_per_call']} us/call"

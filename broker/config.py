@@ -68,6 +68,19 @@ class CheckSettings:
         return s
 
 
+def auto_frontend_processes(cores: int | None = None) -> int:
+    """``--frontend-processes auto``: none below 4 cores, else one per core beyond two, at most 4.
+
+    Measured on 2 cores (docs/benchmarks.md, "Through front-end worker
+    processes"): the workers' relay hop costs a lone SDK client 10-40% of
+    its rate, and 32 producers gain 20%, the machine's CPU being all taken;
+    the broker process is the ceiling from about 3 workers on (its CPU per
+    relayed transaction against theirs), so more than 4 add nothing to it.
+    """
+    cores = cores if cores is not None else (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    return 0 if cores < 4 else min(4, cores - 2)
+
+
 def read_settings_file(path: Path, overridden: Iterable[str] = ()) -> dict[str, Any]:
     """The check settings stored in config.json ({} when there is none), each value checked.
 

@@ -71,7 +71,7 @@ async def _worker_pool(broker: Broker, grpc_frontend: Any, workers: int) -> Any:
     config = broker.config
     share = -(-grpc_frontend.max_connections // workers)
     handlers = {name: Handler(kind, fn, ser) for name, (kind, fn, ser) in grpc_frontend.handler_table().items()}
-    pool = WorkerPool(workers, broker.core.data_dir)
+    pool = WorkerPool(workers, broker.core.data_dir, busy_poll_s=config.busy_poll_s)
     pool.serve_grpc(GrpcService(SERVICE, handlers, config.host, grpc_frontend.port, grpc_frontend.grpc_options(True, share),
                                 str(config.rocketmq_tls_cert) if config.rocketmq_tls_cert else None,
                                 str(config.rocketmq_tls_key) if config.rocketmq_tls_key else None))

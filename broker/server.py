@@ -16,7 +16,7 @@ import logging
 import socket
 import time
 from dataclasses import replace
-from typing import Protocol
+from typing import Callable, Protocol
 
 from .clock import Clock
 from .config import BrokerConfig, read_settings_file
@@ -139,6 +139,7 @@ class Broker:
         # The front ends this broker owns: RocketMQ's gRPC service and RocketMQ 4's remoting when the configuration asks
         # for them (broker/frontends.py builds and binds them before serve), then the native one (serve).
         self.frontends: list[Frontend] = []
+        self._in_flight: list[Callable[[], int]] = []  # each RocketMQ front end's requests in flight (Broker.own)
 
     def own(self, frontend: Frontend) -> None:
         """A front end built for this broker: started and stopped with it, its connections counted in its figures."""
@@ -147,6 +148,22 @@ class Broker:
         workers = getattr(frontend, "status", None)  # a pool of front-end worker processes (broker/workers/): one row each
         if workers is not None:
             self.core.worker_status.append(workers)
+        in_flight = getattr(frontend, "in_flight", None)
+        if in_flight is not None:
+            self._in_flight.append(in_flight)
+
+    def _lone_client(self) -> bool:
+        """At most one request in flight over every front end: the flusher's test for an fsync on the loop (flush.py).
+
+        The native port's connections alone are not the answer: 32 SDK producers on the gRPC port would each find
+        the native port idle, and each fsync would then block the loop their other requests wait on.
+        """
+        busy = self.native.state.busy if self.native is not None else 0
+        for in_flight in self._in_flight:
+            busy += in_flight()
+            if busy > 1:
+                return False
+        return busy <= 1
 
     async def start(self) -> None:
         core = self.core
@@ -166,7 +183,7 @@ class Broker:
         core = self.core
         self.native = NativeFrontend(core.messaging, core.operations, sock)
         core.connection_gauges = self.native.gauges  # the native port's own: its partial_frame_bytes too
-        core.flusher.lone_client = self.native.lone_client
+        core.flusher.lone_client = self._lone_client if self._in_flight else self.native.lone_client
         self.frontends.append(self.native)
         for frontend in self.frontends:
             await frontend.start()

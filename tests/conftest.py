@@ -14,6 +14,8 @@ REPO = Path(__file__).resolve().parent.parent
 # `make test-workers`: the RocketMQ 5 suites again, the gRPC port served by front-end worker processes. The
 # subprocess brokers get --frontend-processes from tests/sdkenv.py; the in-process ones from here.
 _FRONTEND_PROCESSES = os.environ.get("TXMQ_TEST_FRONTEND_PROCESSES")
+# `broker start`'s default (auto) depends on the machine's cores: the suite is the same on every machine
+os.environ["TXMQ_FRONTEND_PROCESSES"] = _FRONTEND_PROCESSES or "0"
 if _FRONTEND_PROCESSES:
     import txmq.broker.testing as _testing
 

@@ -103,7 +103,7 @@ def test_bench_tx_rolls_back_what_the_mix_left_unknown(tmp_path):
 
 @pytest.mark.slow  # ~20 s: one broker, the RocketMQ Python SDK in its own environment (built once, tests/sdkenv.py)
 @pytest.mark.timeout(900)
-def test_rocketmq_sdk_benchmark_runs_the_sdk_and_the_client_library_on_one_broker():
+def test_rocketmq_sdk_benchmark_runs_the_sdk_and_the_client_library_on_one_broker_and_through_workers():
     import importlib.util
 
     from sdkenv import python_sdk_python
@@ -114,11 +114,15 @@ def test_rocketmq_sdk_benchmark_runs_the_sdk_and_the_client_library_on_one_broke
     res = _json([sys.executable, str(REPO / "benchmarks" / "rocketmq_sdk.py"), "--smoke", "-o", "json"], timeout=600)
     assert res["kind"] == "rocketmq_sdk" and res["flush"] == "sync"
     # beside the SDK and the client library: grpc.aio's empty-call bound and the SDK against a front end that does nothing
-    assert {"native_1", "sdk_1", "native_32", "sdk_32"} <= set(res["runs"]), sorted(res["runs"])
-    for name in ("native_1", "sdk_1", "native_32", "sdk_32"):
+    # and through front-end worker processes, with the native path held to that rate beside it
+    names = ("native_1", "sdk_1", "native_32", "sdk_32", "sdkw_1", "sdkw_32", "native_rate_1", "native_rate_32")
+    assert set(names) <= set(res["runs"]), sorted(res["runs"])
+    for name in names:
         run = res["runs"][name]
         assert run["completed"] > 0 and run["errors"] == {}, (name, run)
         assert run["broker_us_per_tx"] > 0, name
+    for name in ("sdkw_1", "sdkw_32"):
+        assert res["runs"][name]["frontend_processes"] == 2 and res["runs"][name]["workers_us_per_tx"] > 0, res["runs"][name]
 
 
 @pytest.mark.rocketmq_peer

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from brokerproc import free_port
-from clihelpers import lines, ok, one, out, txmq
+from clihelpers import err, lines, ok, one, out, txmq
 from sdkenv import create_topics, python_scenario, python_sdk_python, start_rocketmq_broker
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -135,3 +135,12 @@ def test_the_broker_killed_takes_its_workers_down_and_sigterm_drains_them_before
     log = b.log.read_text()
     assert log.count("event=worker_draining") == 2
     assert log.rindex("event=worker_draining") < log.index("event=shutdown_done")
+
+
+def test_frontend_processes_auto_follows_the_cores_and_a_bad_value_is_a_usage_error(tmp_path):
+    from txmq.broker.config import auto_frontend_processes
+
+    assert [auto_frontend_processes(c) for c in (1, 2, 3, 4, 5, 6, 8, 16, 64)] == [0, 0, 0, 2, 3, 4, 4, 4, 4]
+    r = txmq("broker", "start", "--data-dir", str(tmp_path / "d"), "--rocketmq-port", "18999", "--frontend-processes", "many")
+    assert r.returncode == 2 and "--frontend-processes must be auto or a number from 0 to 64, not 'many'" in err(r)
+    assert not (tmp_path / "d").exists()

@@ -131,6 +131,10 @@ class RemotingFrontend:
             self.vip_server = await loop.create_server(lambda: RemotingConnection(self), sock=vip, backlog=2048)
         return self.port
 
+    def in_flight(self) -> int:
+        """Connections with requests in flight (the broker's test for a lone client: Broker._lone_client)."""
+        return self.busy
+
     def gauges(self) -> dict[str, int]:
         """The remoting port's share of `txmq broker status`, `txmq stats` and Prometheus (BrokerCore.connection_stats)."""
         return {"remoting_connections": len(self.connections), "remoting_partial_frame_bytes": self.partial_frame_bytes}

@@ -114,6 +114,12 @@ class RocketMQServer:
         self.ready = asyncio.Event()  # set once the broker serves: requests that come earlier wait for it
         self.stopping = False
         self.open_rpcs = 0  # RPCs being served (at most MAX_CONCURRENT_RPCS)
+        self.open_unary = 0  # of them, unary ones
+
+    def in_flight(self) -> int:
+        """Unary RPCs being served (Telemetry streams and long polls wait on clients, not on the broker): the
+        broker's test for a lone client (Broker._lone_client)."""
+        return self.open_unary
 
     def gauges(self) -> dict[str, int]:
         """Nothing of its own: gRPC core holds the connections (its figures are the rmq_* counters)."""
@@ -272,6 +278,11 @@ class RocketMQServer:
             busy = self._admit(context)
             if busy is not None:
                 return resp_cls(status=status(Code.TOO_MANY_REQUESTS, busy))
+            self.open_unary += 1
+            if self.open_unary == 1:  # a lone client's request: keep a CPU awake through its fsync, as the native port does
+                arm = self.messaging.busy_poll_arm
+                if arm is not None:
+                    arm()
             try:
                 try:
                     req = req_cls.FromString(raw)
@@ -291,6 +302,7 @@ class RocketMQServer:
                     return resp_cls(status=of_error(exc))
             finally:
                 self.open_rpcs -= 1
+                self.open_unary -= 1
 
         call.__name__ = name
         return call

@@ -290,10 +290,11 @@ class Slot:
 class WorkerPool:
     """N worker processes serving the relayed front ends' ports; a front end of the broker (server.Frontend)."""
 
-    def __init__(self, count: int, data_dir: Path) -> None:
+    def __init__(self, count: int, data_dir: Path, busy_poll_s: float = 0.0) -> None:
         if count < 1:
             raise ValueError("a worker pool has at least one worker")
         self.count = count
+        self.busy_poll_s = busy_poll_s  # each worker's --busy-poll window (worker.py)
         self.data_dir = data_dir
         self.service: GrpcService | None = None
         self.token = os.urandom(16).hex()
@@ -370,7 +371,7 @@ class WorkerPool:
 
     def _command(self, index: int) -> list[str]:
         spec = {"relay": self.socket_path, "index": index, "parent": os.getpid(), "grpc": _grpc_spec(self.service),
-                "log_format": _log_format(), "log_level": logging.getLevelName(logging.getLogger("txmq").getEffectiveLevel()).lower()}
+                "busy_poll_s": self.busy_poll_s, "log_format": _log_format(), "log_level": logging.getLevelName(logging.getLogger("txmq").getEffectiveLevel()).lower()}
         prefix = [sys.executable] if getattr(sys, "frozen", False) else [sys.executable, "-m", "txmq.cli.launch"]
         return [*prefix, "__frontend-worker", json.dumps(spec, separators=(",", ":"))]
 

@@ -62,6 +62,8 @@ class Worker:
         self.server: Any = None
         self.done = asyncio.Event()
         self.draining = False
+        self.busy_poll: Any = None
+        self.arm: Any = None  # busy polling (broker/busypoll.py) while a lone call waits for the broker, and after its answer
 
     # ---- the channel ----------------------------------------------------------------------
     def send(self, frame: list) -> None:
@@ -74,6 +76,8 @@ class Worker:
             fut = self.calls.get(f[1])
             if fut is not None and not fut.done():
                 fut.set_result(f[2])
+                if self.arm is not None and len(self.calls) == 1:  # a lone client's answer: its next request comes soon
+                    self.arm()
         elif kind == WRITE:
             q = self.calls.get(f[1])
             if q is not None:
@@ -118,6 +122,8 @@ class Worker:
             fut = asyncio.get_running_loop().create_future()
             self.calls[cid] = fut
             self.send([CALL, cid, method, _metadata(context), context.peer() or "", context.time_remaining(), request])
+            if self.arm is not None and len(self.calls) == 1:  # a lone call: its answer finds a CPU awake
+                self.arm()
             try:
                 return await fut
             except Aborted as a:
@@ -244,12 +250,19 @@ class Worker:
             log.error("event=worker_bind_failed worker=%d address=%s bound=%d", self.index, address, bound)
             return 1
         await self.server.start()
+        if self.spec.get("busy_poll_s"):
+            from ..busypoll import BusyPoll
+
+            self.busy_poll = BusyPoll(float(self.spec["busy_poll_s"]))
+            self.arm = self.busy_poll.arm
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, lambda: asyncio.ensure_future(self.drain()))
         self.send([HELLO, self.index, os.getpid(), self.token])
         await self.done.wait()
         if not self.draining:  # the broker died: what is open cannot be answered
             await self.server.stop(0)
+        if self.busy_poll is not None:
+            self.busy_poll.stop()
         return 0
 
     async def drain(self) -> None:

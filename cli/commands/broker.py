@@ -110,10 +110,12 @@ def start(
                                            "delivery_timestamp) may be due (RocketMQ's default: 3 days); a send due later is "
                                            "refused. DELAY levels wait their --message-delay-level delay, as in RocketMQ "
                                            "(docs/scheduled.md).")] = _duration(defaults.MAX_DELAY_S),
-    frontend_processes: Annotated[int, typer.Option(min=0, max=64, help="With --rocketmq-port: serve it from this many worker "
-                                                     "processes, which hold the connections (gRPC, HTTP/2, TLS) and relay each RPC to the "
+    frontend_processes: Annotated[str, typer.Option(envvar="TXMQ_FRONTEND_PROCESSES",
+                                                     help="With --rocketmq-port: serve it from this many worker processes (0 to "
+                                                     "64), which hold the connections (gRPC, HTTP/2, TLS) and relay each RPC to the "
                                                      "broker process, the only one that opens the data directory; 0: the broker process "
-                                                     "serves it itself (docs/architecture.md, \"Front-end workers\").")] = 0,
+                                                     "serves it itself; auto: none below 4 cores, else one per core beyond two, at most "
+                                                     "4 (docs/architecture.md, \"Front-end workers\").")] = "auto",
     index_snapshot_records: Annotated[Optional[int], typer.Option(min=0, hidden=True, help="Deprecated, no effect: the transaction index is flushed to txindex.db every second.", show_default=False)] = None,
 ) -> None:
     """Run a broker in the foreground until SIGINT/SIGTERM (logs on stderr)."""
@@ -134,9 +136,23 @@ def start(
         remoting_port=remoting_port, remoting_max_connections=remoting_max_connections, remoting_vip_channel=remoting_vip_channel,
         message_delay_levels_ms=_delay_levels(message_delay_level),
         busy_poll_s=parse_duration(busy_poll), auto_create_topics=auto_create_topics, max_delay_s=parse_duration(max_delay),
-        frontend_processes=frontend_processes,
+        frontend_processes=_frontend_processes(frontend_processes) if rocketmq_port is not None else 0,
     )
     _run_broker(config)
+
+
+def _frontend_processes(text: str) -> int:
+    from txmq.broker.config import auto_frontend_processes
+
+    if text.strip().lower() == "auto":
+        return auto_frontend_processes()
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if not 0 <= n <= 64:
+        raise CliError(f"--frontend-processes must be auto or a number from 0 to 64, not {text!r}", exitcodes.USAGE)
+    return n
 
 
 def _delay_levels(text: str) -> tuple[int, ...]:
