@@ -258,3 +258,26 @@ def test_the_channel_lives_in_a_directory_only_its_user_enters_and_a_hello_with_
     mode, left = asyncio.run(go())
     assert mode == 0o700
     assert not left  # close() removes the directory
+
+
+def test_a_stream_whose_client_writes_faster_than_the_broker_reads_is_ended_not_buffered_without_bound():
+    from txmq.broker.workers.pool import MAX_STREAM_BACKLOG
+
+    async def stuck(requests, ctx):
+        await asyncio.sleep(3600)  # never reads
+
+    async def go():
+        pool, w = await _pool({"Chat": Handler(BIDI, stuck, _identity)})
+        w.send([OPEN, 3, "Chat", [], "", None], *([DATA, 3, b"x"] for _ in range(MAX_STREAM_BACKLOG + 5)))
+        f = await w.next()
+        link = next(iter(pool.links))
+        for _ in range(100):
+            if not link.calls:
+                break
+            await asyncio.sleep(0.01)
+        await _close(pool, w)
+        return f, link
+
+    f, link = asyncio.run(go())
+    assert f[:3] == [ABORT, 3, 8] and str(MAX_STREAM_BACKLOG) in f[3]  # RESOURCE_EXHAUSTED
+    assert not link.streams

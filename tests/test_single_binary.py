@@ -172,13 +172,13 @@ def test_spark_export_says_in_one_line_how_to_run_it(root):
     assert len(lines) == 1 and "[spark]" in lines[0] and "txmq spark-export" in lines[0], r.stderr
 
 
-def test_broker_serves_the_cli_a_checked_back_transaction_and_the_rocketmq_sdk(root, tmp_path):
+def test_broker_serves_the_cli_a_checked_back_transaction_and_the_rocketmq_sdk_through_its_worker_processes(root, tmp_path):
     native, grpc = free_port(), free_port()
     broker = f"127.0.0.1:{native}"
     _ok(root.txmq("--version"))  # unpacked: what follows is a warm start
     t0 = time.monotonic()
     proc = subprocess.Popen(root.argv(root.exe, "broker", "start", "--data-dir", f"/data/{root.id}", "--port", str(native),
-                                      "--rocketmq-port", str(grpc), "--flush", "sync", *FAST_CHECKS),
+                                      "--rocketmq-port", str(grpc), "--frontend-processes", "2", "--flush", "sync", *FAST_CHECKS),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         wait_for_port(native, timeout=30)
@@ -189,6 +189,8 @@ def test_broker_serves_the_cli_a_checked_back_transaction_and_the_rocketmq_sdk(r
         env = {"TXMQ_BROKER": broker}
         status = json.loads(_ok(root.txmq("broker", "status", "-o", "json", env=env)))
         assert status["speedups"] == "native" and status["fsync_thread"] == "native", status
+        # the gRPC port is served by two worker processes the executable started from itself
+        assert [w["alive"] for w in status["frontend_workers"]] == [True, True], status["frontend_workers"]
 
         # native protocol: a send and a consume, both by the executable
         _ok(root.txmq("send", "Plain", "hello from no-python", env=env))
@@ -213,6 +215,8 @@ def test_broker_serves_the_cli_a_checked_back_transaction_and_the_rocketmq_sdk(r
         committed = sorted([f"commit-{topic}", f"orphan-{topic}"])  # the orphan is committed by the check-back
         assert r["orphan_checked"], r["checks"]
         assert sorted(m["body"] for m in r["received"]) == committed, r["received"]
+        status = json.loads(_ok(root.txmq("broker", "status", "-o", "json", env=env)))
+        assert sum(w["relayed"] for w in status["frontend_workers"]) > 0, status["frontend_workers"]
     finally:
         proc.terminate()
         try:

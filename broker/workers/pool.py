@@ -40,7 +40,10 @@ from .relay import ABORT, CALL, CANCEL, DATA, DRAIN, END, HALF_CLOSE, HELLO, OPE
 log = logging.getLogger("txmq.workers")
 
 UNARY, SERVER_STREAM, BIDI = "unary", "stream", "bidi"
-GRPC_INTERNAL, GRPC_UNIMPLEMENTED, GRPC_UNAVAILABLE = 13, 12, 14  # grpc.StatusCode values
+GRPC_INTERNAL, GRPC_UNIMPLEMENTED, GRPC_UNAVAILABLE, GRPC_RESOURCE_EXHAUSTED = 13, 12, 14, 8  # grpc.StatusCode values
+# A client's messages on one stream the broker has not read yet (a Telemetry stream carries a few: settings, now and
+# then): past it the stream ends, RESOURCE_EXHAUSTED. In one process gRPC's flow control holds the client back instead.
+MAX_STREAM_BACKLOG = 256
 HELLO_TIMEOUT_S = 30.0  # a worker that has not bound its port and said hello by then is killed and spawned again
 DRAIN_GRACE_S = 5.0  # after DRAIN, a worker that has not exited by then is killed
 MAX_BACKOFF_S = 2.0
@@ -127,7 +130,10 @@ class WorkerLink:
         elif kind == DATA:
             q = self.streams.get(f[1])
             if q is not None:
-                q.put_nowait(f[2])
+                if q.qsize() >= MAX_STREAM_BACKLOG:  # the handler does not keep up with what its client writes: end it
+                    self._overrun(f[1])
+                else:
+                    q.put_nowait(f[2])
         elif kind == WROTE:
             waiting = self.writes.get(f[1])
             if waiting:
@@ -148,6 +154,15 @@ class WorkerLink:
             self._hello(f)
         else:
             log.error("event=worker_frame_unknown worker=%d kind=%r", self.index, kind)
+
+    def _overrun(self, call_id: int) -> None:
+        task = self.calls.get(call_id)
+        self.streams.pop(call_id, None)
+        if task is not None:
+            task.cancel()
+        log.warning("event=relayed_stream_overrun worker=%d backlog=%d", self.index, MAX_STREAM_BACKLOG)
+        self.sender_send([ABORT, call_id, GRPC_RESOURCE_EXHAUSTED,
+                          f"more than {MAX_STREAM_BACKLOG} messages written on the stream and not yet read by the broker"])
 
     def _hello(self, f: list) -> None:
         _, index, pid, token = f[:4]
@@ -383,6 +398,11 @@ class WorkerPool:
                 if self._stopping:
                     return
             env = {**os.environ, WORKER_ENV: self.token}
+            if not getattr(sys, "frozen", False):
+                # the modules this process imports, wherever they come from (a venv, an editable checkout, a shiv
+                # zipapp unpacked at start): the worker is `python -m txmq.cli.launch` and must find the same ones
+                paths = [p for p in sys.path if p and os.path.isdir(p)]
+                env["PYTHONPATH"] = os.pathsep.join([*paths, *filter(None, [os.environ.get("PYTHONPATH")])])
             try:
                 slot.process = await asyncio.create_subprocess_exec(*self._command(slot.index), env=env, stdin=asyncio.subprocess.DEVNULL)
             except OSError as exc:
