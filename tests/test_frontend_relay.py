@@ -45,16 +45,36 @@ def _identity(b: bytes) -> bytes:
     return b
 
 
-async def _pool(handlers: dict[str, Handler]):
+class _Spawned:
+    """What the pool takes for its worker's process: this process's pid, running (the hello must name it); the
+    pool's stop() kills it as it would a worker that outlived its drain."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.returncode: int | None = None
+
+    def send_signal(self, sig: int) -> None:
+        self.returncode = -sig
+
+    async def wait(self) -> int | None:
+        return self.returncode
+
+
+async def _pool(handlers: dict[str, Handler], hello: bool = True):
     pool = WorkerPool(1, data_dir=None)  # type: ignore[arg-type]
     pool.serve_grpc(GrpcService("test.Service", handlers, "127.0.0.1", 0, []))
     await pool.bind()
+    pool.slots[0].process = _Spawned()  # type: ignore[assignment]
     reader, writer = await asyncio.open_unix_connection(pool.socket_path)
-    return pool, Script(reader, writer)
+    script = Script(reader, writer)
+    if hello:
+        script.send([HELLO, 0, os.getpid(), pool.token])
+    return pool, script
 
 
 async def _close(pool: WorkerPool, script: Script) -> None:
     script.writer.close()
+    pool.slots[0].process = None
     await pool.stop()
     await pool.close()
 
@@ -72,7 +92,7 @@ def test_unary_calls_are_answered_with_the_handlers_reply_and_see_the_relayed_he
                [CALL, 2, "Echo", [], "", None, b"xyz"])
         replies = {tuple(await w.next()) for _ in range(2)}
         assert replies == {(REPLY, 1, b"cba"), (REPLY, 2, b"zyx")}
-        assert pool.slots[0].link is None  # no hello: calls are answered all the same; the slot is not this link
+        assert pool.slots[0].link is next(iter(pool.links))  # the hello made this channel the slot's
         await _close(pool, w)
         return seen
 
@@ -245,7 +265,7 @@ def test_a_write_the_worker_could_not_deliver_fails_in_the_handler():
 
 def test_the_channel_lives_in_a_directory_only_its_user_enters_and_a_hello_with_a_wrong_token_is_shut_out():
     async def go():
-        pool, w = await _pool({})
+        pool, w = await _pool({}, hello=False)
         mode = stat.S_IMODE(os.stat(os.path.dirname(pool.socket_path)).st_mode)
         w.send([HELLO, 0, os.getpid(), "not-the-token"])
         with pytest.raises(EOFError):
@@ -281,3 +301,177 @@ def test_a_stream_whose_client_writes_faster_than_the_broker_reads_is_ended_not_
     f, link = asyncio.run(go())
     assert f[:3] == [ABORT, 3, 8] and str(MAX_STREAM_BACKLOG) in f[3]  # RESOURCE_EXHAUSTED
     assert not link.streams
+
+
+def test_a_call_cancelled_in_the_same_read_as_it_came_leaves_nothing_open():
+    ran = []
+
+    async def hang(request, ctx):
+        ran.append(request)
+        await asyncio.sleep(3600)
+
+    async def chat(requests, ctx):
+        ran.append(b"chat")
+        await asyncio.sleep(3600)
+
+    async def go():
+        pool, w = await _pool({"Hang": Handler(UNARY, hang, _identity), "Items": Handler(SERVER_STREAM, hang, _identity),
+                               "Chat": Handler(BIDI, chat, _identity)})
+        # one write, so one read: the call's task is cancelled before its first step
+        w.send([CALL, 1, "Hang", [], "", None, b"u"], [CALL, 2, "Items", [], "", None, b"s"], [OPEN, 3, "Chat", [], "", None],
+               [DATA, 3, b"x"], [CANCEL, 1], [CANCEL, 2], [CANCEL, 3])
+        w.send([CALL, 4, "Hang", [], "", None, b"later"])  # a call that runs: the three before it were taken in
+        for _ in range(500):
+            if ran:
+                break
+            await asyncio.sleep(0.01)
+        link = next(iter(pool.links))
+        for _ in range(500):
+            if set(link.calls) == {4}:
+                break
+            await asyncio.sleep(0.01)
+        open_calls, streams = set(link.calls), set(link.streams)
+        await _close(pool, w)
+        return open_calls, streams
+
+    open_calls, streams = asyncio.run(go())
+    assert open_calls == {4} and not streams
+    assert ran == [b"later"]
+
+
+def test_a_stream_cancelled_by_its_client_finishes_its_cleanup_when_the_worker_dies_during_it():
+    state = {"cleanup": "not started"}
+
+    async def go():
+        release = asyncio.Event()
+
+        async def items(request: bytes, ctx):
+            try:
+                yield b"0"
+                await asyncio.sleep(3600)  # a long poll
+                yield b"1"
+            finally:
+                state["cleanup"] = "started"
+                await release.wait()  # gives back what it did not send: the store is slow
+                state["cleanup"] = "done"
+
+        pool, w = await _pool({"Items": Handler(SERVER_STREAM, items, _identity)})
+        w.send([CALL, 1, "Items", [], "", None, b""])
+        assert await w.next() == [WRITE, 1, b"0"]
+        w.send([CANCEL, 1])  # the client went away
+        for _ in range(500):
+            if state["cleanup"] == "started":
+                break
+            await asyncio.sleep(0.01)
+        link = next(iter(pool.links))
+        w.writer.close()  # then its worker dies
+        for _ in range(500):
+            if link.lost:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
+        release.set()
+        for _ in range(500):
+            if not link.calls:
+                break
+            await asyncio.sleep(0.01)
+        await pool.stop()
+        await pool.close()
+
+    asyncio.run(go())
+    assert state["cleanup"] == "done"  # one cancellation, as gRPC gives: the second did not break into the cleanup
+
+
+def test_stop_kills_a_worker_spawned_while_the_others_drained(monkeypatch):
+    import signal
+
+    class FakeProcess:
+        def __init__(self, pid: int, dies_on_kill: bool) -> None:
+            self.pid, self.returncode, self.dies_on_kill = pid, None, dies_on_kill
+            self.signals: list[int] = []
+            self.exited = asyncio.Event()
+
+        def send_signal(self, sig: int) -> None:
+            self.signals.append(sig)
+            if self.dies_on_kill:
+                self.exit(-sig)
+
+        def exit(self, rc: int) -> None:
+            self.returncode = rc
+            self.exited.set()
+
+        async def wait(self) -> int:
+            await self.exited.wait()
+            return self.returncode
+
+    async def go():
+        slow, spawning, gate = FakeProcess(100, dies_on_kill=False), asyncio.Event(), asyncio.Event()
+        late = FakeProcess(101, dies_on_kill=True)
+
+        async def spawn(*argv, **kw):
+            if '"index":0' in argv[-1]:
+                return slow  # worker 0: up, and slow to go when told
+            spawning.set()
+            await gate.wait()  # worker 1: its spawn returns while the pool stops
+            return late
+
+        monkeypatch.setattr(asyncio, "create_subprocess_exec", spawn)
+        pool = WorkerPool(2, data_dir=None)  # type: ignore[arg-type]
+        pool.serve_grpc(GrpcService("test.Service", {}, "127.0.0.1", 0, []))
+        await pool.bind()
+        starting = asyncio.ensure_future(pool.start())
+        await asyncio.wait_for(spawning.wait(), 5)
+        stopping = asyncio.ensure_future(pool.stop())
+        for _ in range(500):
+            if slow.signals:
+                break
+            await asyncio.sleep(0.01)
+        gate.set()  # worker 1's process exists now
+        for _ in range(500):
+            if pool.slots[1].process is late:
+                break
+            await asyncio.sleep(0.01)
+        slow.exit(-signal.SIGKILL)
+        await asyncio.wait_for(stopping, 10)
+        starting.cancel()
+        await pool.close()
+        return late
+
+    late = asyncio.run(go())
+    assert late.returncode is not None, "a worker outlived the pool's stop"
+
+
+def test_stop_alone_removes_the_channels_directory_as_a_failed_start_calls_only_stop():
+    async def go():
+        pool = WorkerPool(1, data_dir=None)  # type: ignore[arg-type]
+        pool.serve_grpc(GrpcService("test.Service", {}, "127.0.0.1", 0, []))
+        await pool.bind()
+        where = os.path.dirname(pool.socket_path)
+        await pool.stop()  # bind_frontends and the start-up's error paths stop the front ends, and do not close them
+        return where
+
+    assert not os.path.exists(asyncio.run(go()))
+
+
+def test_nothing_is_served_before_a_hello_nor_after_one_the_pool_refused():
+    async def echo(request: bytes, ctx) -> bytes:
+        served.append(request)
+        return request
+
+    served: list[bytes] = []
+
+    async def go():
+        pool, w = await _pool({"Echo": Handler(UNARY, echo, _identity)}, hello=False)
+        w.send([CALL, 1, "Echo", [], "", None, b"before"])
+        with pytest.raises(EOFError):
+            await w.next(timeout=5)
+        reader, writer = await asyncio.open_unix_connection(pool.socket_path)
+        w2 = Script(reader, writer)
+        w2.send([HELLO, 0, os.getpid() + 1, pool.token], [CALL, 2, "Echo", [], "", None, b"stale pid"])  # not the spawn's pid
+        with pytest.raises(EOFError):
+            await w2.next(timeout=5)
+        await _close(pool, w)
+        w2.writer.close()
+
+    asyncio.run(go())
+    assert served == []

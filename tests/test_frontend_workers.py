@@ -125,6 +125,11 @@ def test_the_broker_killed_takes_its_workers_down_and_sigterm_drains_them_before
     b, _ = start_rocketmq_broker(tmp_path / "a", "--frontend-processes", "2")
     pids = [r["pid"] for r in _workers(b)]
     assert all(_alive(p) for p in pids)
+    # Ctrl-C on a terminal, or a SIGTERM to the process group, reaches the workers too: the broker decides their life
+    os.kill(pids[0], signal.SIGINT)
+    os.kill(pids[1], signal.SIGTERM)
+    time.sleep(1.0)  # what is checked is that nothing happened: given its time to happen
+    assert [(r["pid"], r["alive"], r["restarts"]) for r in _workers(b)] == [(pids[0], True, 0), (pids[1], True, 0)]
     b.kill()
     assert _wait(lambda: not any(_alive(p) for p in pids), 10), "workers outlived their broker"
 

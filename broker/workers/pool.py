@@ -116,6 +116,7 @@ class WorkerLink:
         self.writes: dict[int, deque[asyncio.Future]] = {}
         self.relayed = 0
         self.lost = False
+        self.greeted = False
         self.hello = asyncio.get_running_loop().create_future()
 
     def sender_send(self, frame: list) -> None:
@@ -125,6 +126,13 @@ class WorkerLink:
     # ---- frames from the worker -----------------------------------------------------------
     def _on_frame(self, f: list) -> None:
         kind = f[0]
+        if not self.greeted:  # nothing but a hello the pool admits is served (the token, the spawn's pid)
+            if kind == HELLO:
+                self._hello(f)
+            else:
+                log.error("event=worker_frame_before_hello kind=%r", kind)
+                self._abort()
+            return
         if kind == CALL:
             self._call(f[1], f[2], f[3], f[4], f[5], f[6])
         elif kind == DATA:
@@ -149,9 +157,7 @@ class WorkerLink:
         elif kind == CANCEL:
             task = self.calls.get(f[1])
             if task is not None:
-                task.cancel()
-        elif kind == HELLO:
-            self._hello(f)
+                _cancel(task)
         else:
             log.error("event=worker_frame_unknown worker=%d kind=%r", self.index, kind)
 
@@ -159,27 +165,30 @@ class WorkerLink:
         task = self.calls.get(call_id)
         self.streams.pop(call_id, None)
         if task is not None:
-            task.cancel()
+            _cancel(task)
         log.warning("event=relayed_stream_overrun worker=%d backlog=%d", self.index, MAX_STREAM_BACKLOG)
         self.sender_send([ABORT, call_id, GRPC_RESOURCE_EXHAUSTED,
                           f"more than {MAX_STREAM_BACKLOG} messages written on the stream and not yet read by the broker"])
 
     def _hello(self, f: list) -> None:
-        _, index, pid, token = f[:4]
-        if token != self.pool.token or self.hello.done():
+        _, index, pid, token = (f + [None] * 4)[:4]
+        if token != self.pool.token or not isinstance(index, int) or not isinstance(pid, int) or not self.pool.admit(self, index, pid):
             log.error("event=worker_hello_refused worker=%r pid=%r", index, pid)
-            if self.protocol.transport is not None:
-                self.protocol.transport.abort()
+            self._abort()
             return
-        self.index, self.pid = int(index), int(pid)
+        self.greeted = True
         self.hello.set_result(self)
+
+    def _abort(self) -> None:
+        if self.protocol.transport is not None:
+            self.protocol.transport.abort()
 
     def _on_lost(self, exc: BaseException | None) -> None:
         if self.lost:
             return
         self.lost = True
         for task in list(self.calls.values()):
-            task.cancel()
+            _cancel(task)
         for waiting in self.writes.values():
             for fut in waiting:
                 if not fut.done():
@@ -198,8 +207,22 @@ class WorkerLink:
             return
         self.relayed += 1
         ctx = RelayedContext(self, call_id, md, peer, timeout_s)
-        run = self._unary(call_id, handler, request, ctx) if handler.kind == UNARY else self._stream(call_id, handler, request, ctx)
-        self.calls[call_id] = asyncio.ensure_future(run)
+        self._track(call_id, self._unary(call_id, handler, request, ctx) if handler.kind == UNARY else self._stream(call_id, handler, request, ctx))
+
+    def _track(self, call_id: int, run: Awaitable[None]) -> None:
+        """Run one call. Whatever ends it, its state here goes: a task cancelled before its first step (its CANCEL came
+        in the same read as its CALL) never runs the finally clauses below, and a cleanup may itself raise."""
+        task = asyncio.ensure_future(run)
+        self.calls[call_id] = task
+        task.add_done_callback(lambda t, cid=call_id: self._ended(cid, t))
+
+    def _ended(self, call_id: int, task: asyncio.Future) -> None:
+        if self.calls.get(call_id) is task:
+            del self.calls[call_id]
+            self.streams.pop(call_id, None)
+            for fut in self.writes.pop(call_id, ()):
+                if not fut.done():
+                    fut.set_result(False)
 
     async def _unary(self, call_id: int, handler: Handler, request: bytes, ctx: RelayedContext) -> None:
         try:
@@ -247,7 +270,7 @@ class WorkerLink:
         q: asyncio.Queue = asyncio.Queue()
         self.streams[call_id] = q
         ctx = RelayedContext(self, call_id, md, peer, timeout_s)
-        self.calls[call_id] = asyncio.ensure_future(self._bidi(call_id, handler, q, ctx))
+        self._track(call_id, self._bidi(call_id, handler, q, ctx))
 
     async def _bidi(self, call_id: int, handler: Handler, q: asyncio.Queue, ctx: RelayedContext) -> None:
         try:
@@ -340,23 +363,20 @@ class WorkerPool:
     def _accept(self) -> asyncio.Protocol:
         link = WorkerLink(self)
         self.links.add(link)
-        link.hello.add_done_callback(lambda f, link=link: self._greeted(link, f))
         return _PeerChecked(link)
 
-    def _greeted(self, link: WorkerLink, fut: asyncio.Future) -> None:
-        if fut.cancelled() or fut.exception() is not None:
-            return
-        if not 0 <= link.index < self.count:
-            if link.protocol.transport is not None:
-                link.protocol.transport.abort()
-            return
-        slot = self.slots[link.index]
-        if slot.process is None or slot.process.pid != link.pid:  # a worker of an earlier spawn, still on its way out
-            if link.protocol.transport is not None:
-                link.protocol.transport.abort()
-            return
+    def admit(self, link: WorkerLink, index: int, pid: int) -> bool:
+        """A hello with the token: the worker of slot ``index`` if that slot's process is ``pid`` (not a worker of an
+        earlier spawn, still on its way out) and the slot has no channel yet."""
+        if not 0 <= index < self.count:
+            return False
+        slot = self.slots[index]
+        if slot.process is None or slot.process.pid != pid or slot.link is not None:
+            return False
+        link.index, link.pid = index, pid
         slot.link = link
         slot.ready.set()
+        return True
 
     def lost(self, link: WorkerLink, exc: BaseException | None) -> None:
         self.links.discard(link)
@@ -405,7 +425,7 @@ class WorkerPool:
                 env["PYTHONPATH"] = os.pathsep.join([*paths, *filter(None, [os.environ.get("PYTHONPATH")])])
             try:
                 slot.process = await asyncio.create_subprocess_exec(*self._command(slot.index), env=env, stdin=asyncio.subprocess.DEVNULL)
-            except OSError as exc:
+            except Exception as exc:  # noqa: BLE001 - whatever it is, the slot keeps trying, and says why
                 log.error("event=frontend_worker_spawn_failed worker=%d error=%r", slot.index, exc)
                 backoff = min(MAX_BACKOFF_S, max(0.1, backoff * 2))
                 continue
@@ -450,14 +470,22 @@ class WorkerPool:
                 await task
             except (asyncio.CancelledError, Exception):
                 pass
+        for slot in self.slots:  # spawned while the others drained: its supervisor ended before it could see it end
+            if slot.process is not None and slot.process.returncode is None:
+                _kill(slot.process)
+                await slot.process.wait()
         if self._server is not None:
             self._server.close()
             self._server = None
+        self._remove_dir()  # nothing connects from now on; and a start that failed calls stop() alone, not close()
 
     async def close(self) -> None:
         for link in list(self.links):
             if link.protocol.transport is not None:
                 link.protocol.transport.abort()
+        self._remove_dir()
+
+    def _remove_dir(self) -> None:
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None
@@ -517,6 +545,13 @@ async def _first(*aws: Awaitable[Any]) -> None:
     finally:
         for t in tasks:
             t.cancel()
+
+
+def _cancel(task: asyncio.Task) -> None:
+    """Cancel a relayed call once, as gRPC cancels a handler once: a second cancellation (its CANCEL, then the
+    worker's death) would break into the cleanup the first one started (a ReceiveMessage giving back what it did not send)."""
+    if not task.cancelling():
+        task.cancel()
 
 
 def _kill(proc: asyncio.subprocess.Process) -> None:

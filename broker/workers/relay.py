@@ -99,6 +99,8 @@ class FrameProtocol(asyncio.Protocol):
         self._unpacker.feed(data)
         try:
             for frame in self._unpacker:
+                if self.transport is not None and self.transport.is_closing():  # ended by an earlier frame of this read
+                    return
                 self._on_frame(frame)
         except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, msgpack.BufferFull) as exc:
             # Only txmq's own processes speak here: a frame that does not decode ends the channel, loudly.

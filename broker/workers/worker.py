@@ -13,9 +13,11 @@ environment. The worker:
    serving, then says hello;
 3. relays every RPC (relay.py), answers what the broker answers, and
    turns the client's cancellation into CANCEL;
-4. on DRAIN or SIGTERM stops accepting, lets open calls finish (gRPC's
-   grace), and exits; when the channel closes (the broker died) it exits
-   at once.
+4. on DRAIN stops accepting, lets open calls finish (gRPC's grace), and
+   exits; when the channel closes (the broker died) it exits at once.
+   SIGINT and SIGTERM are ignored: a Ctrl-C on a terminal or a SIGTERM to
+   the process group reaches the workers too, and the broker drains them
+   itself (SIGKILL is what a worker that hangs gets).
 
 It imports no part of the broker that touches the store: nothing here can
 write it.
@@ -63,6 +65,7 @@ class Worker:
         self.done = asyncio.Event()
         self.draining = False
         self.busy_poll: Any = None
+        self.draining_task: asyncio.Future | None = None
         self.arm: Any = None  # busy polling (broker/busypoll.py) while a lone call waits for the broker, and after its answer
 
     # ---- the channel ----------------------------------------------------------------------
@@ -94,7 +97,7 @@ class Worker:
             elif target is not None and not target.done():
                 target.set_exception(err)
         elif kind == DRAIN:
-            asyncio.ensure_future(self.drain())
+            self.draining_task = asyncio.ensure_future(self.drain())
         else:
             log.error("event=worker_frame_unknown kind=%r", kind)
 
@@ -255,8 +258,10 @@ class Worker:
 
             self.busy_poll = BusyPoll(float(self.spec["busy_poll_s"]))
             self.arm = self.busy_poll.arm
+        # The broker decides a worker's life (DRAIN, or its own death): Ctrl-C on a terminal or a SIGTERM to the whole
+        # process group reaches the workers too, and a worker that left on its own would only be started again.
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, lambda: asyncio.ensure_future(self.drain()))
+            loop.add_signal_handler(sig, lambda: None)
         self.send([HELLO, self.index, os.getpid(), self.token])
         await self.done.wait()
         if not self.draining:  # the broker died: what is open cannot be answered
