@@ -53,6 +53,36 @@ class Aborted(Exception):
 _END = object()
 
 
+class _Stream:
+    """A stream's messages from the broker (WRITE), up to its END or ABORT."""
+
+    __slots__ = ("q", "ended")
+
+    def __init__(self) -> None:
+        self.q: asyncio.Queue = asyncio.Queue()
+        self.ended = False
+
+    async def next(self, context: Any) -> bytes | None:
+        """The next message to write; None at the stream's end; the broker's ABORT ends the call as gRPC's abort does."""
+        item = await self.q.get()
+        if item is _END:
+            self.ended = True
+            return None
+        if isinstance(item, Aborted):
+            self.ended = True
+            await context.abort(_status(item.code), item.details)
+        return item
+
+
+def _status(code: int) -> Any:
+    import grpc
+
+    for c in grpc.StatusCode:
+        if c.value[0] == code:
+            return c
+    return grpc.StatusCode.UNKNOWN
+
+
 class Worker:
     def __init__(self, spec: dict[str, Any], token: str) -> None:
         self.spec = spec
@@ -116,10 +146,6 @@ class Worker:
 
     # ---- the relayed RPCs --------------------------------------------------------------------
     def unary(self, method: str):
-        import grpc
-
-        codes = {c.value[0]: c for c in grpc.StatusCode}
-
         async def call(request: bytes, context: Any) -> bytes:
             cid = next(self.ids)
             fut = asyncio.get_running_loop().create_future()
@@ -130,7 +156,7 @@ class Worker:
             try:
                 return await fut
             except Aborted as a:
-                await context.abort(codes.get(a.code, grpc.StatusCode.UNKNOWN), a.details)
+                await context.abort(_status(a.code), a.details)
                 raise
             except asyncio.CancelledError:
                 self.send([CANCEL, cid])
@@ -141,43 +167,25 @@ class Worker:
         return call
 
     def server_stream(self, method: str):
-        import grpc
-
-        codes = {c.value[0]: c for c in grpc.StatusCode}
-
         async def call(request: bytes, context: Any) -> AsyncIterator[bytes]:
             cid = next(self.ids)
-            q: asyncio.Queue = asyncio.Queue()
-            self.calls[cid] = q
+            stream = _Stream()
+            self.calls[cid] = stream.q
             self.send([CALL, cid, method, _metadata(context), context.peer() or "", context.time_remaining(), request])
-            ended = False
             try:
-                while True:
-                    item = await q.get()
-                    if item is _END:
-                        ended = True
-                        return
-                    if isinstance(item, Aborted):
-                        ended = True
-                        await context.abort(codes.get(item.code, grpc.StatusCode.UNKNOWN), item.details)
+                while (item := await stream.next(context)) is not None:
                     yield item
                     self.send([WROTE, cid, True])  # gRPC took it: the broker sends the next
             finally:
-                if not ended:
-                    self.send([CANCEL, cid])
-                self.calls.pop(cid, None)
+                self._end(cid, stream)
 
         return call
 
     def bidi(self, method: str):
-        import grpc
-
-        codes = {c.value[0]: c for c in grpc.StatusCode}
-
         async def call(requests: AsyncIterator[bytes], context: Any) -> None:
             cid = next(self.ids)
-            q: asyncio.Queue = asyncio.Queue()
-            self.calls[cid] = q
+            stream = _Stream()
+            self.calls[cid] = stream.q
             self.send([OPEN, cid, method, _metadata(context), context.peer() or "", context.time_remaining()])
 
             async def pump() -> None:
@@ -189,16 +197,8 @@ class Worker:
                 self.send([HALF_CLOSE, cid])
 
             reader = asyncio.ensure_future(pump())
-            ended = False
             try:
-                while True:
-                    item = await q.get()
-                    if item is _END:
-                        ended = True
-                        return
-                    if isinstance(item, Aborted):
-                        ended = True
-                        await context.abort(codes.get(item.code, grpc.StatusCode.UNKNOWN), item.details)
+                while (item := await stream.next(context)) is not None:
                     ok = True
                     try:
                         await context.write(item)
@@ -207,11 +207,15 @@ class Worker:
                     self.send([WROTE, cid, ok])
             finally:
                 reader.cancel()
-                if not ended:
-                    self.send([CANCEL, cid])
-                self.calls.pop(cid, None)
+                self._end(cid, stream)
 
         return call
+
+    def _end(self, cid: int, stream: _Stream) -> None:
+        """A stream's call is over: the broker is told if it did not end it itself (the client went away)."""
+        if not stream.ended:
+            self.send([CANCEL, cid])
+        self.calls.pop(cid, None)
 
     # ---- life ------------------------------------------------------------------------------------
     async def run(self) -> int:
