@@ -475,3 +475,31 @@ def test_nothing_is_served_before_a_hello_nor_after_one_the_pool_refused():
 
     asyncio.run(go())
     assert served == []
+
+
+def test_a_start_removes_the_channel_directories_of_killed_brokers_and_keeps_a_live_ones(tmp_path, monkeypatch):
+    import subprocess
+    import tempfile
+
+    from txmq.broker.workers.pool import DIR_PREFIX
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    left = tmp_path / f"{DIR_PREFIX}{dead.pid}-abc"  # a broker killed with SIGKILL left it
+    left.mkdir()
+    (left / "relay.sock").write_text("")
+    live = tmp_path / f"{DIR_PREFIX}{os.getpid()}-xyz"  # a broker that runs
+    live.mkdir()
+    other = tmp_path / "txmq-workers-notapid"
+    other.mkdir()
+
+    async def go():
+        pool, w = await _pool({})
+        path = pool.socket_path
+        await _close(pool, w)
+        return path
+
+    path = asyncio.run(go())
+    assert path.startswith(str(tmp_path / f"{DIR_PREFIX}{os.getpid()}-"))
+    assert not left.exists() and live.exists() and other.exists()

@@ -354,8 +354,13 @@ class WorkerPool:
         self.service = service
 
     async def bind(self) -> None:
-        """The channel's socket, in a directory of this user's only (mode 0700): the workers connect to it."""
-        self._dir = tempfile.mkdtemp(prefix="txmq-workers-")
+        """The channel's socket, in a directory of this user's only (mode 0700): the workers connect to it.
+
+        Named after this process (txmq-workers-<pid>-*): a broker killed with SIGKILL leaves its directory behind, and
+        the next start of a broker by the same user removes those of processes no longer running.
+        """
+        _sweep_dead_dirs(tempfile.gettempdir())
+        self._dir = tempfile.mkdtemp(prefix=f"{DIR_PREFIX}{os.getpid()}-")
         loop = asyncio.get_running_loop()
         self._server = await loop.create_unix_server(self._accept, self.socket_path, backlog=max(16, self.count * 2))
         os.chmod(self.socket_path, 0o600)
@@ -536,6 +541,35 @@ def _grpc_spec(service: GrpcService | None) -> dict[str, Any]:
     assert service is not None
     return {"service": service.name, "methods": {name: h.kind for name, h in service.handlers.items()}, "host": service.host,
             "port": service.port, "options": service.options, "tls_cert": service.tls_cert, "tls_key": service.tls_key}
+
+
+DIR_PREFIX = "txmq-workers-"
+
+
+def _sweep_dead_dirs(parent: str) -> None:
+    """Remove the channel directories this user's brokers left when they were killed (their pid no longer runs)."""
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return
+    for name in names:
+        if not name.startswith(DIR_PREFIX):
+            continue
+        pid = name[len(DIR_PREFIX):].split("-", 1)[0]
+        path = os.path.join(parent, name)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if not pid.isdigit() or st.st_uid != os.getuid() or not os.path.isdir(path) or os.path.islink(path):
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue  # still running (or another user's pid we may not signal: left alone)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+        except PermissionError:
+            continue
 
 
 async def _first(*aws: Awaitable[Any]) -> None:
