@@ -199,13 +199,21 @@ def test_two_push_consumers_share_or_each_get_the_messages_by_their_model_as_on_
 
 def test_a_lite_pull_consumer_subscribes_commits_assigns_and_seeks_as_on_rocketmq(rocketmq_peer, broker):
     theirs, ours = both(rocketmq_peer, broker, "litepull", topic="Diff-litepull", group="diff-litepull", n=6)
-    assert ours == theirs == {
+    want = {
         "subscribed": ["lite-0", "lite-2", "lite-4"],  # TagA only
         "subscribedAgainAfterCommit": [],  # the group's committed offsets hold after its consumer is gone
         "assignedFromBegin": [f"lite-{i}" for i in range(6)],
         "committedAfterCommit": {"sum": 6},
         "afterSeekTo1": "1 of the queue's 2",
         "afterSeekToEnd": []}
+    assert ours == want
+    # A lite pull consumer's commitSync only records the offsets in the client; its shutdown sends them to the broker
+    # oneway. RocketMQ's broker serves that oneway update and the next consumer's offset query on different threads,
+    # so now and then the query wins and RocketMQ delivers an already consumed message again (seen: lite-2). txmq
+    # serves requests on one event loop in the order they arrive. RocketMQ may redeliver only what the group consumed.
+    again = theirs.pop("subscribedAgainAfterCommit")
+    assert set(again) <= set(want["subscribed"]), again
+    assert theirs == {k: v for k, v in want.items() if k != "subscribedAgainAfterCommit"}
 
 
 def test_a_restarted_push_consumer_resumes_from_its_groups_offsets_as_on_rocketmq(rocketmq_peer, broker):

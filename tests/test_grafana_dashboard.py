@@ -32,7 +32,9 @@ SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), 
 def exported(tmp_path_factory) -> tuple[set[str], set[str]]:
     """(series names a running broker's /metrics exports, its metric family names)."""
     port = free_port()
-    with BrokerProcess(tmp_path_factory.mktemp("dash") / "data", "--metrics-port", str(port)) as b:
+    # with a front-end worker, whose series exist only then
+    with BrokerProcess(tmp_path_factory.mktemp("dash") / "data", "--metrics-port", str(port), "--rocketmq-port", str(free_port()),
+                       "--frontend-processes", "1") as b:
         deadline = time.monotonic() + 20
         while "event=listening" not in b.log.read_text():
             assert time.monotonic() < deadline, b.log.read_text()

@@ -122,6 +122,7 @@ def start(
     from txmq.broker.config import BrokerConfig, default_data_dir
 
     _check_start_options(flush, log_format, log_level, data_dir)
+    workers = _frontend_processes(frontend_processes) if rocketmq_port is not None else 0  # a bad value: before any set-up
     _start_logging(log_format, log_level, index_snapshot_records)
     check, overrides = _check_settings_from_options(check_interval, transaction_timeout, retention, max_checks)
     config = BrokerConfig(
@@ -136,7 +137,7 @@ def start(
         remoting_port=remoting_port, remoting_max_connections=remoting_max_connections, remoting_vip_channel=remoting_vip_channel,
         message_delay_levels_ms=_delay_levels(message_delay_level),
         busy_poll_s=parse_duration(busy_poll), auto_create_topics=auto_create_topics, max_delay_s=parse_duration(max_delay),
-        frontend_processes=_frontend_processes(frontend_processes) if rocketmq_port is not None else 0,
+        frontend_processes=workers,
     )
     _run_broker(config)
 
