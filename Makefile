@@ -71,7 +71,7 @@ WORKERS ?= 2
 ROCKETMQ5_SUITES = tests/test_rocketmq_frontend.py tests/test_rocketmq_receive.py tests/test_rocketmq_refusals.py \
 	tests/test_rocketmq_topics.py tests/test_rocketmq_fifo.py tests/test_rocketmq_long_poll_bounds.py \
 	tests/test_rocketmq_sdk_python.py tests/test_rocketmq_sdk_fifo.py tests/test_rocketmq_sdk_long_polls.py \
-	tests/test_rocketmq_sdk_node.py tests/test_rocketmq_mixed.py tests/test_frontend_workers.py
+	tests/test_rocketmq_sdk_node.py tests/test_rocketmq_mixed.py tests/test_rocketmq_connection_limits.py tests/test_frontend_workers.py
 test-workers: $(VENV)/.installed-test
 	TXMQ_TEST_FRONTEND_PROCESSES=$(WORKERS) $(PY) -m pytest -q $(XDIST) $(ROCKETMQ5_SUITES) $(ARGS)
 
