@@ -10,6 +10,7 @@ Profiling section, as it was.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -322,13 +323,13 @@ def rocketmq_sdk_md(res: dict[str, Any]) -> str:
                 f"{num(owner)} µs per relayed SDK transaction: one core for it is a ceiling of about {num(ceiling)} transactions/s "
                 f"({ratio(ceiling, today)} the one-process ceiling of {num(today)}/s, {num(s32['broker_us_per_tx'])} µs each, which "
                 f"gRPC's own work fills). The workers spent {num(wk)} µs per transaction: {wk * ceiling / 1e6:.1f} cores of "
-                f"workers reach that ceiling, so from about {max(1, round(wk / owner + 0.49))} worker(s) on the broker process is "
+                f"workers reach that ceiling, so from about {max(1, math.ceil(wk / owner))} worker(s) on the broker process is "
                 "the limit. On this 2-core machine the SDK load itself took "
                 + (f"{num(sdk_us)} µs of CPU per transaction" if sdk_us else "the rest")
                 + ": the SDK, the workers and the broker process together need more CPU per transaction than two cores "
                 "give at twice the one-process rate, so the machine, not the broker, is the bound here. A 16-core "
                 f"machine with the clients elsewhere should serve about {num(ceiling)} SDK transactions/s with "
-                f"{max(1, round(wk / owner + 0.49))}-4 workers (`auto` starts 4) and cores to spare; the broker process's "
+                f"{max(1, math.ceil(wk / owner))}-4 workers (`auto` starts 4) and cores to spare; the broker process's "
                 "CPU per transaction falls as its rate rises (fsyncs and wake-ups shared by more transactions, as the "
                 "native path's does between the two native rows), so this is a floor.",
                 "",

@@ -139,7 +139,7 @@ class Broker:
         # The front ends this broker owns: RocketMQ's gRPC service and RocketMQ 4's remoting when the configuration asks
         # for them (broker/frontends.py builds and binds them before serve), then the native one (serve).
         self.frontends: list[Frontend] = []
-        self._in_flight: list[Callable[[], int]] = []  # each RocketMQ front end's requests in flight (Broker.own)
+        self._in_flight: list[Callable[[], int]] = []  # each front end's requests in flight (own, serve)
 
     def own(self, frontend: Frontend) -> None:
         """A front end built for this broker: started and stopped with it, its connections counted in its figures."""
@@ -158,12 +158,12 @@ class Broker:
         The native port's connections alone are not the answer: 32 SDK producers on the gRPC port would each find
         the native port idle, and each fsync would then block the loop their other requests wait on.
         """
-        busy = self.native.state.busy if self.native is not None else 0
+        busy = 0
         for in_flight in self._in_flight:
             busy += in_flight()
             if busy > 1:
                 return False
-        return busy <= 1
+        return True
 
     async def start(self) -> None:
         core = self.core
@@ -183,7 +183,8 @@ class Broker:
         core = self.core
         self.native = NativeFrontend(core.messaging, core.operations, sock)
         core.connection_gauges = self.native.gauges  # the native port's own: its partial_frame_bytes too
-        core.flusher.lone_client = self._lone_client if self._in_flight else self.native.lone_client
+        self._in_flight.insert(0, self.native.in_flight)  # the native port's first: most often the one that is busy
+        core.flusher.lone_client = self._lone_client
         self.frontends.append(self.native)
         for frontend in self.frontends:
             await frontend.start()

@@ -73,6 +73,11 @@ def test_sdk_transactions_with_check_backs_go_through_workers_and_status_stats_a
             assert not [h for h in held if h.startswith(data)], held
         table = out(ok(txmq("broker", "status", "-o", "table", broker=b.address)))
         assert "2 of 2 up (pids" in table
+        # a second broker on the same port is told which broker's worker holds it
+        grpc_port = endpoint.rsplit(":", 1)[1]
+        second = txmq("broker", "start", "--data-dir", str(tmp_path / "second"), "--port", str(free_port()), "--rocketmq-port",
+                      grpc_port, subprocess_=True)
+        assert second.returncode == 1 and f"a front-end worker of the txmq broker pid {b.pid}" in err(second), err(second)
         gauges = one(txmq("stats", "-o", "json", broker=b.address))["gauges"]
         assert gauges["frontend_workers"] == 2 and gauges["frontend_worker_restarts"] == 0, gauges
         with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as resp:

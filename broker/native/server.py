@@ -56,7 +56,7 @@ class NativeFrontend:
     """txmq's own protocol on one listening socket, over the messaging service and the operator's calls.
 
     The broker builds it (broker/server.py) and reads its figures through
-    ``gauges`` and ``lone_client``; it changes nothing of the broker's.
+    ``gauges`` and ``in_flight``; it changes nothing of the broker's.
     """
 
     def __init__(self, messaging: Messaging, operations: Operations, sock: socket.socket) -> None:
@@ -73,9 +73,9 @@ class NativeFrontend:
         """Open connections and the bytes of their incomplete frames (`txmq broker status`, `txmq stats`, Prometheus)."""
         return self.state.gauges()
 
-    def lone_client(self) -> bool:
-        """At most one connection has requests in flight: the inline fsync's test, as busy polling's (connection.py)."""
-        return self.state.busy <= 1
+    def in_flight(self) -> int:
+        """Connections with requests in flight (the broker's test for a lone client: Broker._lone_client)."""
+        return self.state.busy
 
     async def start(self) -> None:
         state = self.state

@@ -73,6 +73,10 @@ class RelayAborted(Exception):
     """Raised by ``RelayedContext.abort``, as gRPC's own abort raises: the handler ends there."""
 
 
+class ClientGone(ConnectionError):
+    """A stream's message could not be handed to its client (it went away, or its worker did)."""
+
+
 class RelayedContext:
     """The handler's view of an RPC a worker relayed: its headers, peer and deadline, and its stream's writes."""
 
@@ -200,21 +204,44 @@ class WorkerLink:
         self.pool.lost(self, exc)
 
     # ---- calls -------------------------------------------------------------------------------
-    def _call(self, call_id: int, method: str, md: list, peer: str, timeout_s: float | None, request: bytes) -> None:
+    def _handler(self, call_id: int, method: str, bidi: bool) -> Handler | None:
+        """The handler of a relayed call, or None (answered UNIMPLEMENTED): CALL names a unary or server-streaming
+        method, OPEN a bidirectional one."""
         handler = self.pool.service.handlers.get(method) if self.pool.service is not None else None
-        if handler is None or handler.kind == BIDI:
+        if handler is None or (handler.kind == BIDI) != bidi:
             self.sender_send([ABORT, call_id, GRPC_UNIMPLEMENTED, f"method {method} is not served"])
-            return
+            return None
         self.relayed += 1
-        ctx = RelayedContext(self, call_id, md, peer, timeout_s)
-        self._track(call_id, self._unary(call_id, handler, request, ctx) if handler.kind == UNARY else self._stream(call_id, handler, request, ctx))
+        return handler
 
-    def _track(self, call_id: int, run: Awaitable[None]) -> None:
-        """Run one call. Whatever ends it, its state here goes: a task cancelled before its first step (its CANCEL came
-        in the same read as its CALL) never runs the finally clauses below, and a cleanup may itself raise."""
-        task = asyncio.ensure_future(run)
+    def _call(self, call_id: int, method: str, md: list, peer: str, timeout_s: float | None, request: bytes) -> None:
+        handler = self._handler(call_id, method, bidi=False)
+        if handler is not None:
+            run = self._unary if handler.kind == UNARY else self._stream
+            self._track(call_id, run, handler, request, RelayedContext(self, call_id, md, peer, timeout_s))
+
+    def _open(self, call_id: int, method: str, md: list, peer: str, timeout_s: float | None) -> None:
+        handler = self._handler(call_id, method, bidi=True)
+        if handler is not None:
+            q: asyncio.Queue = asyncio.Queue()
+            self.streams[call_id] = q
+            self._track(call_id, self._bidi, handler, _requests(q), RelayedContext(self, call_id, md, peer, timeout_s))
+
+    def _track(self, call_id: int, run: Callable[..., Awaitable[None]], *args: Any) -> None:
+        """Run one call. Whatever ends it, its state here goes (``_ended``): a task cancelled before its first step
+        (its CANCEL came in the same read as its CALL) never runs a finally clause, and a cleanup may itself raise."""
+        task = asyncio.ensure_future(self._guarded(call_id, run, *args))
         self.calls[call_id] = task
         task.add_done_callback(lambda t, cid=call_id: self._ended(cid, t))
+
+    async def _guarded(self, call_id: int, run: Callable[..., Awaitable[None]], *args: Any) -> None:
+        try:
+            await run(call_id, *args)
+        except (RelayAborted, ClientGone):  # ended by the handler's abort, or the stream's client is gone
+            pass
+        except Exception as exc:  # the handlers answer every error in the response: this is a defect
+            log.exception("event=relayed_call_failed worker=%d", self.index)
+            self.sender_send([ABORT, call_id, GRPC_INTERNAL, f"internal error: {exc!r}"[:500]])
 
     def _ended(self, call_id: int, task: asyncio.Future) -> None:
         if self.calls.get(call_id) is task:
@@ -225,16 +252,8 @@ class WorkerLink:
                     fut.set_result(False)
 
     async def _unary(self, call_id: int, handler: Handler, request: bytes, ctx: RelayedContext) -> None:
-        try:
-            resp = await handler.call(request, ctx)
-            self.sender_send([REPLY, call_id, handler.serialize(resp)])
-        except RelayAborted:
-            pass
-        except Exception as exc:  # the handlers answer every error in the response: this is a defect
-            log.exception("event=relayed_call_failed worker=%d", self.index)
-            self.sender_send([ABORT, call_id, GRPC_INTERNAL, f"internal error: {exc!r}"[:500]])
-        finally:
-            self.calls.pop(call_id, None)
+        resp = await handler.call(request, ctx)
+        self.sender_send([REPLY, call_id, handler.serialize(resp)])
 
     async def _stream(self, call_id: int, handler: Handler, request: bytes, ctx: RelayedContext) -> None:
         # A response goes out once the worker handed the one before it to gRPC, as the generator waits on gRPC in one
@@ -246,52 +265,20 @@ class WorkerLink:
             last: asyncio.Future | None = None
             async for resp in responses:
                 if last is not None and not await last:
-                    raise ConnectionError("the stream's client is gone")
+                    raise ClientGone("the stream's client is gone")
                 last = self._write(call_id, handler.serialize(resp))
             self.sender_send([END, call_id])
-        except (RelayAborted, ConnectionError):
-            pass
-        except Exception as exc:
-            log.exception("event=relayed_call_failed worker=%d", self.index)
-            self.sender_send([ABORT, call_id, GRPC_INTERNAL, f"internal error: {exc!r}"[:500]])
         finally:
             await responses.aclose()
-            self.calls.pop(call_id, None)
-            for fut in self.writes.pop(call_id, ()):
-                if not fut.done():
-                    fut.set_result(False)
 
-    def _open(self, call_id: int, method: str, md: list, peer: str, timeout_s: float | None) -> None:
-        handler = self.pool.service.handlers.get(method) if self.pool.service is not None else None
-        if handler is None or handler.kind != BIDI:
-            self.sender_send([ABORT, call_id, GRPC_UNIMPLEMENTED, f"method {method} is not served"])
-            return
-        self.relayed += 1
-        q: asyncio.Queue = asyncio.Queue()
-        self.streams[call_id] = q
-        ctx = RelayedContext(self, call_id, md, peer, timeout_s)
-        self._track(call_id, self._bidi(call_id, handler, q, ctx))
-
-    async def _bidi(self, call_id: int, handler: Handler, q: asyncio.Queue, ctx: RelayedContext) -> None:
-        try:
-            await handler.call(_requests(q), ctx)
-            self.sender_send([END, call_id])
-        except RelayAborted:
-            pass
-        except Exception as exc:
-            log.exception("event=relayed_call_failed worker=%d", self.index)
-            self.sender_send([ABORT, call_id, GRPC_INTERNAL, f"internal error: {exc!r}"[:500]])
-        finally:
-            self.calls.pop(call_id, None)
-            self.streams.pop(call_id, None)
-            for fut in self.writes.pop(call_id, ()):
-                if not fut.done():
-                    fut.set_result(False)
+    async def _bidi(self, call_id: int, handler: Handler, requests: AsyncIterator[bytes], ctx: RelayedContext) -> None:
+        await handler.call(requests, ctx)
+        self.sender_send([END, call_id])
 
     async def write(self, call_id: int, message: Any) -> None:
         """Write one message on a stream and wait until the worker handed it to gRPC (gRPC's back pressure)."""
         if not await self._write(call_id, message if isinstance(message, bytes) else message.SerializeToString()):
-            raise ConnectionError("the stream's client is gone")
+            raise ClientGone("the stream's client is gone")
 
     def _write(self, call_id: int, data: bytes) -> asyncio.Future:
         """Send one WRITE; the future is True once the worker handed it to gRPC, False if it could not."""

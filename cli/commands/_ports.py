@@ -69,11 +69,23 @@ def _command(pid: int) -> str:
         return ""
     if not argv:
         return ""
+    if "__frontend-worker" in argv[:4]:  # a broker's front-end worker holds its --rocketmq-port: name the broker
+        ppid = _parent(pid)
+        broker = _command(ppid) if ppid else ""
+        return f"a front-end worker of the txmq broker pid {ppid}" + (f": {broker}" if broker else "")
     main = next((a for a in argv[1:] if a.startswith("org.apache.rocketmq.")), None)  # a JVM: its main class says more
     words = [os.path.basename(argv[0]), *([main] if main else [os.path.basename(a) if "/" in a and i == 0 else a
                                                                for i, a in enumerate(argv[1:])])]
     text = " ".join(words)
     return text if len(text) <= 100 else text[:99] + "\u2026"
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def what_answers(host: str, port: int) -> str | None:
