@@ -66,14 +66,18 @@ test-fast: $(VENV)/.installed-test
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q $(XDIST) -m "not spark and not slow and not rocketmq_peer" $(ARGS)
 
-## test-workers: the RocketMQ 5 suites again, the gRPC port served by WORKERS front-end worker processes (default 2)
+## test-workers: the RocketMQ 5 and 4 suites again, their ports served by WORKERS front-end worker processes (default 2)
 WORKERS ?= 2
 ROCKETMQ5_SUITES = tests/test_rocketmq_frontend.py tests/test_rocketmq_receive.py tests/test_rocketmq_refusals.py \
 	tests/test_rocketmq_topics.py tests/test_rocketmq_fifo.py tests/test_rocketmq_long_poll_bounds.py \
 	tests/test_rocketmq_sdk_python.py tests/test_rocketmq_sdk_fifo.py tests/test_rocketmq_sdk_long_polls.py \
 	tests/test_rocketmq_sdk_node.py tests/test_rocketmq_mixed.py tests/test_rocketmq_connection_limits.py tests/test_frontend_workers.py
+ROCKETMQ4_SUITES = tests/test_remoting_wire.py tests/test_remoting_admin.py tests/test_remoting_stored_like_rocketmq.py \
+	tests/test_remoting_sdk_python.py tests/test_remoting_sdk_node.py tests/test_remoting_java_quickstart.py tests/test_mqadmin_txmq.py \
+	tests/test_differential_rocketmq.py tests/test_differential_cpp_client.py tests/test_rocketmq_article_examples.py \
+	tests/test_badinput_nested_bodies.py tests/test_refusals_logged.py tests/test_lone_client.py tests/test_frontend_workers_remoting.py
 test-workers: $(VENV)/.installed-test
-	TXMQ_TEST_FRONTEND_PROCESSES=$(WORKERS) $(PY) -m pytest -q $(XDIST) $(ROCKETMQ5_SUITES) $(ARGS)
+	TXMQ_TEST_FRONTEND_PROCESSES=$(WORKERS) $(PY) -m pytest -q $(XDIST) $(ROCKETMQ5_SUITES) $(ROCKETMQ4_SUITES) $(ARGS)
 
 ## lint: ruff check (rules in pyproject.toml); `make lint ARGS=--fix` applies the safe fixes
 lint: $(VENV)/.installed-test

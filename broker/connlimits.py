@@ -24,7 +24,12 @@ how its replies are encoded. What lives here, the same on both ports:
 
 The ``shared`` object a connection is built with (native's ServerState,
 remoting's RemotingFrontend) holds ``connections``, ``by_ip``,
-``partial_frame_bytes``, ``busy`` and ``inflight``.
+``partial_frame_bytes``, ``working`` and ``inflight``. ``working`` counts the
+requests in flight that wait on the broker (every one but pulls, which may
+wait on a long poll): the broker's test for a lone client
+(``Broker._lone_client``) and the busy-poll arming read it. It counts
+requests, not connections: a RocketMQ 4 Java client sends the requests of
+all its threads over one connection.
 """
 
 from __future__ import annotations
@@ -222,8 +227,8 @@ class LimitedConnection(asyncio.Protocol):
     def _track(self, fut: asyncio.Future, cost: int = 0) -> None:
         """Count a request in flight (``cost``: the reply bytes a pull may return); reading pauses past the limits."""
         self.inflight += 1
-        if self.inflight == 1:
-            self.shared.busy += 1
+        if not cost:
+            self.shared.working += 1
         if self.inflight >= self.messaging.config.max_inflight_per_conn:
             self._pause_reading()
         self.shared.inflight.add(fut)
@@ -235,8 +240,8 @@ class LimitedConnection(asyncio.Protocol):
     def _untrack(self, fut: asyncio.Future, cost: int) -> None:
         self.shared.inflight.discard(fut)
         self.inflight -= 1
-        if self.inflight == 0:
-            self.shared.busy -= 1
+        if not cost:
+            self.shared.working -= 1
         self._pull_bytes -= cost
 
     # ---- output --------------------------------------------------------------------------------
@@ -270,7 +275,7 @@ class LimitedConnection(asyncio.Protocol):
             else:
                 self.transport.write(b"".join(out))
             arm = self.messaging.busy_poll_arm
-            if arm is not None and self.shared.busy <= 1:
+            if arm is not None and self.shared.working <= 1:
                 arm()  # a lone client's next request: keep a CPU awake through its fsync (broker/busypoll.py)
         else:
             self._out.clear()

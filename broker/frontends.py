@@ -30,50 +30,58 @@ class FrontendBindError(Exception):
 async def bind_frontends(broker: Broker) -> None:
     """Build and bind the RocketMQ front ends ``broker.config`` asks for; on a failure, those bound are stopped."""
     config, core = broker.config, broker.core
+    workers = config.frontend_processes
+    grpc_frontend = remoting = None
     try:
         if config.rocketmq_port is not None:  # RocketMQ 5's gRPC service (docs/rocketmq.md)
             from .rocketmq.server import BindError, RocketMQServer
 
-            workers = config.frontend_processes
             grpc_frontend = RocketMQServer(core.messaging, config, relayed=workers > 0)  # the broker's config: its caps are derived
             try:
                 await grpc_frontend.bind()
             except BindError as exc:
                 raise FrontendBindError(str(exc)) from None
             broker.own(grpc_frontend)
-            if workers:
-                broker.own(await _worker_pool(broker, grpc_frontend, workers))
         if config.remoting_port is not None:  # RocketMQ 4's remoting protocol (docs/remoting.md)
             from .remoting.server import BindError as RemotingBindError
             from .remoting.server import RemotingFrontend
 
-            remoting = RemotingFrontend(core.messaging, core.operations, config)
+            remoting = RemotingFrontend(core.messaging, core.operations, config, relayed=workers > 0)
             try:
                 await remoting.bind()
             except RemotingBindError as exc:
                 raise FrontendBindError(str(exc)) from None
             broker.own(remoting)
+        if workers and (grpc_frontend is not None or remoting is not None):
+            broker.own(await _worker_pool(broker, grpc_frontend, remoting, workers))
     except BaseException:
         for frontend in broker.frontends:
             await frontend.stop()
         raise
 
 
-async def _worker_pool(broker: Broker, grpc_frontend: Any, workers: int) -> Any:
-    """The worker processes that serve the gRPC port grpc_frontend reserved, relaying to its handlers (broker/workers/).
+async def _worker_pool(broker: Broker, grpc_frontend: Any, remoting: Any, workers: int) -> Any:
+    """The worker processes that serve the ports the RocketMQ front ends reserved, relaying to them (broker/workers/).
 
-    Owned after the front end: started once it lets requests through, stopped once its Telemetry streams ended.
-    Each worker holds its share of --rocketmq-max-connections (rounded up).
+    Owned after the front ends: started once they let requests through, stopped once they finished what was in
+    flight (and the gRPC port's Telemetry streams ended). Each worker holds its share of
+    --rocketmq-max-connections (rounded up); the remoting port's connections are counted here, against
+    --remoting-max-connections in total, as in one process.
     """
-    from .rocketmq.server import SERVICE
-    from .workers.pool import GrpcService, Handler, WorkerPool
+    from .workers.pool import GrpcService, Handler, TcpService, WorkerPool
 
     config = broker.config
-    share = -(-grpc_frontend.max_connections // workers)
-    handlers = {name: Handler(kind, fn, ser) for name, (kind, fn, ser) in grpc_frontend.handler_table().items()}
     pool = WorkerPool(workers, broker.core.data_dir, busy_poll_s=config.busy_poll_s)
-    pool.serve_grpc(GrpcService(SERVICE, handlers, config.host, grpc_frontend.port, grpc_frontend.grpc_options(True, share),
-                                str(config.rocketmq_tls_cert) if config.rocketmq_tls_cert else None,
-                                str(config.rocketmq_tls_key) if config.rocketmq_tls_key else None))
+    if grpc_frontend is not None:
+        from .rocketmq.server import SERVICE
+
+        share = -(-grpc_frontend.max_connections // workers)
+        handlers = {name: Handler(kind, fn, ser) for name, (kind, fn, ser) in grpc_frontend.handler_table().items()}
+        pool.serve_grpc(GrpcService(SERVICE, handlers, config.host, grpc_frontend.port, grpc_frontend.grpc_options(True, share),
+                                    str(config.rocketmq_tls_cert) if config.rocketmq_tls_cert else None,
+                                    str(config.rocketmq_tls_key) if config.rocketmq_tls_key else None))
+    if remoting is not None:
+        for name, port in remoting.listeners():
+            pool.serve_tcp(TcpService(name, config.host, port, remoting.connection))
     await pool.bind()
     return pool

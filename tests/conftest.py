@@ -11,7 +11,7 @@ from rocketmq_peer import rocketmq_peer  # noqa: E402,F401  the session's Rocket
 
 REPO = Path(__file__).resolve().parent.parent
 
-# `make test-workers`: the RocketMQ 5 suites again, the gRPC port served by front-end worker processes. The
+# `make test-workers`: the RocketMQ 5 and 4 suites again, their ports served by front-end worker processes. The
 # subprocess brokers get --frontend-processes from tests/sdkenv.py; the in-process ones from here.
 _FRONTEND_PROCESSES = os.environ.get("TXMQ_TEST_FRONTEND_PROCESSES")
 # `broker start`'s default (auto) depends on the machine's cores: the suite is the same on every machine
@@ -22,7 +22,7 @@ if _FRONTEND_PROCESSES:
     _running_broker = _testing.running_broker
 
     def _running_broker_through_workers(data_dir, clock=None, **overrides):
-        if overrides.get("rocketmq_port") is not None:
+        if overrides.get("rocketmq_port") is not None or overrides.get("remoting_port") is not None:
             overrides.setdefault("frontend_processes", int(_FRONTEND_PROCESSES))
         return _running_broker(data_dir, clock, **overrides)
 

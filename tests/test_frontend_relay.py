@@ -180,6 +180,34 @@ def test_an_abort_ends_the_call_with_its_code_and_a_handler_error_is_an_internal
     assert c == [REPLY, 3, b"still here"]
 
 
+def test_a_stream_write_after_its_abort_raises_at_once_instead_of_waiting_for_the_worker():
+    outcome = {}
+
+    async def abort_then_write(requests, ctx):
+        try:
+            await ctx.abort(8, "done")
+        except Exception:  # a handler that swallows gRPC's abort and writes on
+            pass
+        try:
+            await asyncio.wait_for(ctx.write(b"late"), 5)
+            outcome["write"] = "written"
+        except asyncio.TimeoutError:
+            outcome["write"] = "hung"
+        except ConnectionError:
+            outcome["write"] = "refused"
+
+    async def go():
+        pool, w = await _pool({"Chat": Handler(BIDI, abort_then_write, _identity)})
+        w.send([OPEN, 1, "Chat", [], "", None])
+        first = await w.next()
+        await _close(pool, w)
+        return first
+
+    first = asyncio.run(go())
+    assert first == [ABORT, 1, 8, "done"]
+    assert outcome["write"] == "refused"
+
+
 def test_a_cancel_from_the_worker_cancels_the_handler_and_a_lost_channel_cancels_every_open_call():
     events = {"cancelled": 0}
 

@@ -10,9 +10,12 @@ native port idle and block the loop on their fsyncs.
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from conftest import arun
+from remotingwire import RemotingClient
 from txmq.broker.testing import running_broker
 
 pytest.importorskip("grpc", reason="the rocketmq extra (grpcio) is not installed")
@@ -30,12 +33,40 @@ def test_requests_in_flight_on_the_grpc_and_remoting_ports_keep_fsyncs_off_the_l
             grpc_fe.open_unary = 2
             assert not lone()
             grpc_fe.open_unary = 0
-            remoting.busy = 2
+            remoting.working = 2
             assert not lone()
-            remoting.busy = 1
+            remoting.working = 1
             grpc_fe.open_unary = 1
             assert not lone()  # one on each port: two clients
-            remoting.busy = 0
+            remoting.working = 0
             grpc_fe.open_unary = 0
+
+    arun(go())
+
+
+def test_requests_pipelined_on_one_remoting_connection_are_not_a_lone_client(tmp_path):
+    """A RocketMQ 4 Java client sends the requests of all its threads over one connection: each counts."""
+
+    async def go():
+        async with running_broker(tmp_path / "d", remoting_port=0, flush="sync") as b:
+            remoting = next(f for f in b.broker.frontends if type(f).__name__ == "RemotingFrontend")
+            flusher = b.core.flusher
+            asked, lone = [], flusher.lone_client
+
+            def recording() -> bool:
+                answer = lone()
+                asked.append((answer, len(remoting.inflight)))
+                return answer
+
+            flusher.lone_client = recording
+            c = await RemotingClient.connect(b.remoting_address)
+            try:
+                for _ in range(5):  # bursts of 16 sends, written together on the one connection
+                    replies = await asyncio.gather(*(c.send("PipelinedT", b"x" * 64) for _ in range(16)))
+                    assert all(r.code == 0 for r in replies)
+            finally:
+                await c.close()
+            assert any(n > 1 for _, n in asked)  # the flusher did ask while several sends were in flight
+            assert not [n for answer, n in asked if answer and n > 1]  # and never took them for a lone client
 
     arun(go())

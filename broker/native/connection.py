@@ -103,7 +103,7 @@ class BrokerConnection(LimitedConnection):
             self._received_before_hello(data)
             return
         arm = self.messaging.busy_poll_arm
-        if arm is not None and self.state.busy <= 1:
+        if arm is not None and self.state.working <= 1:
             arm()  # a lone client's request: keep a CPU awake through its fsync (broker/busypoll.py)
         try:
             payloads = self.decoder.feed(data)

@@ -30,7 +30,7 @@ class ServerState:
         self.connections: set[BrokerConnection] = set()
         self.inflight: set[asyncio.Future] = set()
         self.by_ip: dict[str, int] = {}  # open connections per remote address
-        self.busy = 0  # connections with requests in flight
+        self.working = 0  # requests in flight that wait on the broker (not pulls): connlimits.py
         self.partial_frame_bytes = 0  # held by all connections in frames not yet complete
 
     def gauges(self) -> dict[str, int]:
@@ -74,8 +74,8 @@ class NativeFrontend:
         return self.state.gauges()
 
     def in_flight(self) -> int:
-        """Connections with requests in flight (the broker's test for a lone client: Broker._lone_client)."""
-        return self.state.busy
+        """Requests in flight that wait on the broker (the broker's test for a lone client: Broker._lone_client)."""
+        return self.state.working
 
     async def start(self) -> None:
         state = self.state

@@ -83,9 +83,13 @@ class RemotingFrontend:
     the store opens; requests that come before ``start()`` wait for it.
     """
 
-    def __init__(self, messaging: Messaging, operations: Operations, config: BrokerConfig) -> None:
+    def __init__(self, messaging: Messaging, operations: Operations, config: BrokerConfig, relayed: bool = False) -> None:
         if config.remoting_max_connections is None:  # the Broker derives it (server.connection_limits)
             raise ValueError("build the remoting front end on Broker.config")
+        # relayed: front-end worker processes (broker/workers/) accept the connections and relay their bytes; this
+        # process keeps the ports reserved and runs a RemotingConnection per connection on the worker's transport.
+        self.relayed = relayed
+        self.reservations: list[socket.socket] = []
         self.messaging = messaging
         self.operations = operations
         self.config = config
@@ -98,7 +102,7 @@ class RemotingFrontend:
         self.connections: set[RemotingConnection] = set()
         self.by_ip: dict[str, int] = {}
         self.inflight: set[asyncio.Future] = set()
-        self.busy = 0  # connections with requests in flight (busy polling only for a lone client, as on the native port)
+        self.working = 0  # requests in flight that wait on the broker, not pulls (connlimits.py): a lone client's test
         self.partial_frame_bytes = 0
         self.clients = ClientTable(self)
         self.ready = asyncio.Event()
@@ -123,7 +127,21 @@ class RemotingFrontend:
                 sock.close()
                 raise
             self.vip_port = self.port - 2
+        if self.relayed:  # the ports were free: from now on held for the workers, which listen beside these
+            socks = [s for s in (sock, vip) if s is not None]
+            try:
+                self.reservations = [_reserve(cfg.host, s) for s in socks]
+            except BindError:
+                for r in self.reservations:
+                    r.close()
+                raise
+            finally:
+                for s in socks:
+                    s.close()
+            self.sock = None
         self.messaging.listening("remoting", cfg.host, self.port, **({"vip_port": self.vip_port} if vip is not None else {}))
+        if self.relayed:
+            return self.port
         loop = asyncio.get_running_loop()
         # Listening from now on: connections are accepted, their requests wait until the broker serves.
         self.server = await loop.create_server(lambda: RemotingConnection(self), sock=sock, backlog=2048)
@@ -131,9 +149,17 @@ class RemotingFrontend:
             self.vip_server = await loop.create_server(lambda: RemotingConnection(self), sock=vip, backlog=2048)
         return self.port
 
+    def listeners(self) -> list[tuple[str, int]]:
+        """The ports a relayed front end's workers serve, named: the remoting port, and its VIP channel if any."""
+        return [("remoting", self.port)] + ([("remoting-vip", self.vip_port)] if self.vip_port is not None else [])
+
+    def connection(self) -> RemotingConnection:
+        """The protocol object of one more connection (a worker's, relayed)."""
+        return RemotingConnection(self)
+
     def in_flight(self) -> int:
-        """Connections with requests in flight (the broker's test for a lone client: Broker._lone_client)."""
-        return self.busy
+        """Requests in flight that wait on the broker (the broker's test for a lone client: Broker._lone_client)."""
+        return self.working
 
     def gauges(self) -> dict[str, int]:
         """The remoting port's share of `txmq broker status`, `txmq stats` and Prometheus (BrokerCore.connection_stats)."""
@@ -162,6 +188,9 @@ class RemotingFrontend:
     async def close(self) -> None:
         for conn in list(self.connections):
             conn.close()
+        for r in self.reservations:
+            r.close()
+        self.reservations = []
         for server in (self.server, self.vip_server):
             if server is not None:
                 try:
@@ -242,7 +271,7 @@ class RemotingConnection(LimitedConnection):
         if self._closing:
             return
         arm = self.messaging.busy_poll_arm
-        if arm is not None and self.front.busy <= 1:
+        if arm is not None and self.front.working <= 1:
             arm()  # a lone client's request: keep a CPU awake through its fsync (broker/busypoll.py), as the native port does
         self._buf += data
         while True:
@@ -457,6 +486,27 @@ def _listen(host: str, port: int, what: str) -> socket.socket:
         sock.close()
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         raise BindError(f"cannot listen on {address} ({what}): {getattr(exc, 'strerror', None) or exc}") from None
+    return sock
+
+
+def _reserve(host: str, listening: socket.socket) -> socket.socket:
+    """A socket bound (not listening) with SO_REUSEPORT to the port ``listening`` holds, which it then lets go.
+
+    The workers listen on the port beside it (SO_REUSEPORT); it takes no
+    connection, and keeps the port the broker's while a worker is started
+    again. A process that binds without SO_REUSEPORT (another broker) is
+    refused the port, as it would be by a listener.
+    """
+    addr = listening.getsockname()
+    sock = socket.socket(listening.family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        listening.close()  # the port was free a moment ago; this takes it back at once
+        sock.bind(addr[:2] if listening.family == socket.AF_INET else addr)
+    except OSError as exc:
+        sock.close()
+        raise BindError(f"cannot hold {host}:{addr[1]} for the front-end workers: {exc.strerror or exc}") from None
     return sock
 
 

@@ -16,6 +16,13 @@ process) on a ``RelayedContext``, the few methods of a gRPC servicer
 context the handlers use. So an RPC is answered by the same code, with
 the same limits, refusals and counters, whichever process holds its
 connection.
+
+A relayed TCP connection (the remoting port) is the front end's own
+protocol object (``TcpService.factory``: what a single process hands to
+``loop.create_server``) on a ``RelayedTransport``, an asyncio transport
+whose socket is in a worker: the same framing, limits, authentication,
+backpressure and answers, and the broker's own requests to the client
+(check-backs) go out the same way.
 """
 
 from __future__ import annotations
@@ -35,7 +42,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator, Awaitable, Callable
 
-from .relay import ABORT, CALL, CANCEL, DATA, DRAIN, END, HALF_CLOSE, HELLO, OPEN, REPLY, WORKER_ENV, WRITE, WROTE, FrameProtocol
+from .relay import (ABORT, ACCEPTED, BYTES, CALL, CANCEL, CLOSED, DATA, DRAIN, END, HALF_CLOSE, HELLO, HOLD, LIMITS, OPEN, PAUSED, READ,
+                    REPLY, RESET, RESUMED, SEND, SHUT, SHUT_WRITE, WORKER_ENV, WRITE, WROTE, FrameProtocol)
 
 log = logging.getLogger("txmq.workers")
 
@@ -69,6 +77,98 @@ class GrpcService:
     tls_key: str | None = None
 
 
+@dataclass(slots=True)
+class TcpService:
+    """A TCP port whose connections the workers accept and relay as byte streams, and what serves them here."""
+
+    name: str  # what the logs call it: "remoting", "remoting-vip"
+    host: str
+    port: int
+    factory: Callable[[], asyncio.Protocol]  # one protocol object per connection, as loop.create_server takes
+
+
+class RelayedTransport(asyncio.Transport):
+    """The transport of a client connection a worker holds: what the protocol asks of it goes to the worker as frames.
+
+    ``connection_lost`` comes when the worker says the socket ended (CLOSED),
+    or when the worker or its channel is gone; after ``close`` or ``abort``
+    no more ``data_received`` reaches the protocol, as with asyncio's own.
+    """
+
+    __slots__ = ("_link", "_conn", "_protocol", "_closing", "_reading", "_eof")
+
+    def __init__(self, link: WorkerLink, conn: int, protocol: asyncio.Protocol, peer: tuple, local: tuple) -> None:
+        super().__init__({"peername": peer, "sockname": local})
+        self._link = link
+        self._conn = conn
+        self._protocol = protocol
+        self._closing = False
+        self._reading = True
+        self._eof = False
+
+    def get_protocol(self) -> asyncio.BaseProtocol:
+        return self._protocol
+
+    def is_closing(self) -> bool:
+        return self._closing
+
+    def write(self, data: Any) -> None:
+        if self._eof:
+            raise RuntimeError("Cannot call write() after write_eof()")  # as asyncio's transports say
+        if not self._closing and data:
+            self._link.sender_send([SEND, self._conn, data if type(data) is bytes else bytes(data)])
+
+    def writelines(self, list_of_data: Any) -> None:
+        self.write(b"".join(list_of_data))
+
+    def can_write_eof(self) -> bool:
+        return True
+
+    def write_eof(self) -> None:
+        if not self._closing and not self._eof:
+            self._eof = True
+            self._link.sender_send([SHUT_WRITE, self._conn])
+
+    def close(self) -> None:
+        if not self._closing:
+            self._closing = True
+            self._link.sender_send([SHUT, self._conn])
+
+    def abort(self) -> None:
+        if not self._closing:
+            self._closing = True
+        self._link.sender_send([RESET, self._conn])
+
+    def is_reading(self) -> bool:
+        return self._reading and not self._closing
+
+    def pause_reading(self) -> None:
+        if self._reading and not self._closing:
+            self._reading = False
+            self._link.sender_send([HOLD, self._conn])
+
+    def resume_reading(self) -> None:
+        if not self._reading and not self._closing:
+            self._reading = True
+            self._link.sender_send([READ, self._conn])
+
+    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
+        # asyncio's defaults and checks, here: limits a socket would refuse raise in the protocol, not in the worker
+        if high is None:
+            high = 64 * 1024 if low is None else 4 * low
+        if low is None:
+            low = high // 4
+        if not high >= low >= 0:
+            raise ValueError(f"high ({high!r}) must be >= low ({low!r}) must be >= 0")
+        self._link.sender_send([LIMITS, self._conn, high, low])
+
+    def get_write_buffer_size(self) -> int:
+        return 0  # the bytes wait in the worker: it says when they are over the limit (PAUSED)
+
+    def set_protocol(self, protocol: asyncio.BaseProtocol) -> None:
+        self._protocol = protocol  # type: ignore[assignment]
+
+
 class RelayAborted(Exception):
     """Raised by ``RelayedContext.abort``, as gRPC's own abort raises: the handler ends there."""
 
@@ -80,9 +180,10 @@ class ClientGone(ConnectionError):
 class RelayedContext:
     """The handler's view of an RPC a worker relayed: its headers, peer and deadline, and its stream's writes."""
 
-    __slots__ = ("_link", "_id", "_md", "_peer", "_deadline")
+    __slots__ = ("_link", "_id", "_md", "_peer", "_deadline", "_aborted")
 
     def __init__(self, link: WorkerLink, call_id: int, md: list, peer: str, timeout_s: float | None) -> None:
+        self._aborted = False
         self._link = link
         self._id = call_id
         self._md = md
@@ -99,9 +200,12 @@ class RelayedContext:
         return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
 
     async def write(self, message: Any) -> None:
+        if self._aborted:  # the worker ended the call: no WROTE would ever come for it
+            raise ClientGone("the call was aborted")
         await self._link.write(self._id, message)
 
     async def abort(self, code: Any, details: str = "") -> None:
+        self._aborted = True
         value = code.value[0] if hasattr(code, "value") else int(code)
         self._link.sender_send([ABORT, self._id, value, details])
         raise RelayAborted(details)
@@ -118,6 +222,7 @@ class WorkerLink:
         self.calls: dict[int, asyncio.Task] = {}
         self.streams: dict[int, asyncio.Queue] = {}  # BIDI calls: the client's messages (None: it wrote its last)
         self.writes: dict[int, deque[asyncio.Future]] = {}
+        self.conns: dict[int, RelayedTransport] = {}  # the relayed TCP connections the worker holds, by its id
         self.relayed = 0
         self.lost = False
         self.greeted = False
@@ -137,7 +242,11 @@ class WorkerLink:
                 log.error("event=worker_frame_before_hello kind=%r", kind)
                 self._abort()
             return
-        if kind == CALL:
+        if kind == BYTES:
+            t = self.conns.get(f[1])
+            if t is not None and not t._closing:
+                self._protocol_call(t, "data_received", f[2])
+        elif kind == CALL:
             self._call(f[1], f[2], f[3], f[4], f[5], f[6])
         elif kind == DATA:
             q = self.streams.get(f[1])
@@ -162,8 +271,45 @@ class WorkerLink:
             task = self.calls.get(f[1])
             if task is not None:
                 _cancel(task)
+        elif kind == ACCEPTED:
+            self._accepted(f[1], f[2], f[3], f[4])
+        elif kind == CLOSED:
+            t = self.conns.pop(f[1], None)
+            if t is not None:
+                t._closing = True
+                self._protocol_call(t, "connection_lost", None if f[2] is None else ConnectionResetError(f[2]))
+        elif kind == PAUSED or kind == RESUMED:
+            t = self.conns.get(f[1])
+            if t is not None:
+                self._protocol_call(t, "pause_writing" if kind == PAUSED else "resume_writing")
         else:
             log.error("event=worker_frame_unknown worker=%d kind=%r", self.index, kind)
+
+    # ---- relayed TCP connections ---------------------------------------------------------------
+    def _accepted(self, conn: int, listener: int, peer: list, local: list) -> None:
+        services = self.pool.tcp
+        if not (type(conn) is int and type(listener) is int and 0 <= listener < len(services)) or conn in self.conns:
+            log.error("event=worker_frame_bad worker=%d kind=accepted conn=%r listener=%r", self.index, conn, listener)
+            self.sender_send([RESET, conn])
+            return
+        protocol = services[listener].factory()
+        t = RelayedTransport(self, conn, protocol, tuple(peer), tuple(local))
+        self.conns[conn] = t
+        self._protocol_call(t, "connection_made", t)
+
+    def _protocol_call(self, t: RelayedTransport, method: str, *args: Any) -> None:
+        """One call into a connection's protocol; what it raises ends that connection alone (asyncio's transports do the same)."""
+        try:
+            getattr(t._protocol, method)(*args)
+        except Exception as exc:
+            log.exception("event=relayed_connection_failed worker=%d callback=%s", self.index, method)
+            if method != "connection_lost" and self.conns.pop(t._conn, None) is not None:
+                t.abort()
+                t._closing = True
+                try:
+                    t._protocol.connection_lost(exc)  # as asyncio's transports end a connection whose protocol raised
+                except Exception:
+                    log.exception("event=relayed_connection_failed worker=%d callback=connection_lost", self.index)
 
     def _overrun(self, call_id: int) -> None:
         task = self.calls.get(call_id)
@@ -198,6 +344,11 @@ class WorkerLink:
                 if not fut.done():
                     fut.set_result(False)
         self.writes.clear()
+        conns, self.conns = self.conns, {}
+        gone = ConnectionResetError("its front-end worker process is gone")
+        for t in conns.values():  # the worker held their sockets: they are closed, and their clients connect again
+            t._closing = True
+            self._protocol_call(t, "connection_lost", gone)
         if not self.hello.done():
             self.hello.set_exception(ConnectionError("the worker's channel closed before its hello"))
             self.hello.exception()  # retrieved: a worker that died early is the supervisor's to report
@@ -322,6 +473,7 @@ class WorkerPool:
         self.busy_poll_s = busy_poll_s  # each worker's --busy-poll window (worker.py)
         self.data_dir = data_dir
         self.service: GrpcService | None = None
+        self.tcp: list[TcpService] = []
         self.token = os.urandom(16).hex()
         self.slots = [Slot(i) for i in range(count)]
         self.links: set[WorkerLink] = set()
@@ -339,6 +491,9 @@ class WorkerPool:
 
     def serve_grpc(self, service: GrpcService) -> None:
         self.service = service
+
+    def serve_tcp(self, service: TcpService) -> None:
+        self.tcp.append(service)
 
     async def bind(self) -> None:
         """The channel's socket, in a directory of this user's only (mode 0700): the workers connect to it.
@@ -384,7 +539,7 @@ class WorkerPool:
                                 open_calls, exc)
 
     async def start(self) -> None:
-        assert self.service is not None, "serve_grpc() first"
+        assert self.service is not None or self.tcp, "serve_grpc() or serve_tcp() first"
         loop = asyncio.get_running_loop()
         self._supervisors = [loop.create_task(self._supervise(slot), name=f"txmq-worker-{slot.index}") for slot in self.slots]
         waits = [asyncio.ensure_future(slot.ready.wait()) for slot in self.slots]
@@ -397,7 +552,9 @@ class WorkerPool:
                  ",".join(str(s.process.pid) for s in self.slots if s.process is not None))
 
     def _command(self, index: int) -> list[str]:
-        spec = {"relay": self.socket_path, "index": index, "parent": os.getpid(), "grpc": _grpc_spec(self.service),
+        spec = {"relay": self.socket_path, "index": index, "parent": os.getpid(),
+                "grpc": _grpc_spec(self.service) if self.service is not None else None,
+                "tcp": [{"name": t.name, "host": t.host, "port": t.port} for t in self.tcp],
                 "busy_poll_s": self.busy_poll_s, "log_format": _log_format(), "log_level": logging.getLevelName(logging.getLogger("txmq").getEffectiveLevel()).lower()}
         prefix = [sys.executable] if getattr(sys, "frozen", False) else [sys.executable, "-m", "txmq.cli.launch"]
         return [*prefix, "__frontend-worker", json.dumps(spec, separators=(",", ":"))]
@@ -495,7 +652,8 @@ class WorkerPool:
             pid = s.process.pid if s.process is not None else None
             rows.append({"worker": s.index, "pid": pid, "alive": alive, "up_s": round(now - s.started_at, 1) if alive else 0.0,
                          "restarts": s.restarts, "relayed": s.link.relayed if s.link is not None else 0,
-                         "open_calls": len(s.link.calls) if s.link is not None else 0, "cpu_s": _cpu_seconds(pid) if alive else None})
+                         "open_calls": len(s.link.calls) if s.link is not None else 0,
+                         "connections": len(s.link.conns) if s.link is not None else 0, "cpu_s": _cpu_seconds(pid) if alive else None})
         return rows
 
 
@@ -524,8 +682,7 @@ class _PeerChecked(asyncio.Protocol):
         self._link.protocol.connection_lost(exc)
 
 
-def _grpc_spec(service: GrpcService | None) -> dict[str, Any]:
-    assert service is not None
+def _grpc_spec(service: GrpcService) -> dict[str, Any]:
     return {"service": service.name, "methods": {name: h.kind for name, h in service.handlers.items()}, "host": service.host,
             "port": service.port, "options": service.options, "tls_cert": service.tls_cert, "tls_key": service.tls_key}
 

@@ -36,6 +36,31 @@ Owner to worker::
 ``metadata`` is a list of ``[key, value]`` text pairs (binary headers are
 not relayed: no handler reads one); ``timeout_s`` is what was left of the
 client's deadline when the worker relayed the call, or None.
+
+A TCP port (RocketMQ 4's remoting port and its VIP channel) is relayed as
+byte streams: the worker accepts the connection and moves its bytes; the
+owner runs the front end's own protocol object on a transport of the
+channel (pool.RelayedTransport), so framing, limits, authentication,
+backpressure and every answer stay the single process's code. Worker to
+owner::
+
+    [ACCEPTED, conn, listener, peer, local]    a connection on listener (its index in the spec); addresses as [host, port]
+    [BYTES, conn, data]                        what the client sent
+    [CLOSED, conn, reason]                     the connection ended (reason: None, or why)
+    [PAUSED, conn] / [RESUMED, conn]           the client's socket is above / back under its write buffer's limit
+
+Owner to worker::
+
+    [SEND, conn, data]                         write to the client
+    [SHUT, conn]                               close once what was sent is written
+    [SHUT_WRITE, conn]                         half-close (write_eof): no more bytes to the client
+    [RESET, conn]                              close at once (abort)
+    [HOLD, conn] / [READ, conn]                pause / resume reading from the client
+    [LIMITS, conn, high, low]                  the write buffer's limits (set_write_buffer_limits)
+
+A connection id is the worker's and never reused; a frame for an id that
+is gone is dropped on either side (the other end learns of the end from
+CLOSED, or from the channel's).
 """
 
 from __future__ import annotations
@@ -47,6 +72,8 @@ import msgpack
 
 HELLO, CALL, OPEN, DATA, HALF_CLOSE, CANCEL, WROTE = 1, 2, 3, 4, 5, 6, 7
 REPLY, WRITE, END, ABORT, DRAIN = 10, 12, 13, 14, 15
+ACCEPTED, BYTES, CLOSED, PAUSED, RESUMED = 20, 21, 22, 23, 24
+SEND, SHUT, SHUT_WRITE, RESET, HOLD, READ, LIMITS = 30, 31, 32, 33, 34, 35, 36
 
 # The largest msgpack object either side takes: a request or response is bounded by the front end's
 # --max-frame-derived message limit (a few MiB); this leaves room and stops a runaway buffer.
@@ -84,12 +111,22 @@ class Sender:
 class FrameProtocol(asyncio.Protocol):
     """An asyncio protocol that hands each whole frame to ``on_frame`` and tells ``on_lost`` when the socket ends."""
 
-    def __init__(self, on_frame: Callable[[list[Any]], None], on_lost: Callable[[BaseException | None], None]) -> None:
+    def __init__(self, on_frame: Callable[[list[Any]], None], on_lost: Callable[[BaseException | None], None],
+                 on_pressure: Callable[[bool], None] | None = None) -> None:
         self._unpacker = unpacker()
         self._on_frame = on_frame
         self._on_lost = on_lost
+        self._on_pressure = on_pressure  # told True when the channel's write buffer is full, False once it drained
         self.transport: asyncio.Transport | None = None
         self.sender: Sender | None = None
+
+    def pause_writing(self) -> None:
+        if self._on_pressure is not None:
+            self._on_pressure(True)
+
+    def resume_writing(self) -> None:
+        if self._on_pressure is not None:
+            self._on_pressure(False)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]

@@ -1,19 +1,25 @@
 """A front-end worker process: it holds clients' gRPC connections and relays their RPCs to the broker process.
 
 Started by the broker (pool.py) as ``txmq __frontend-worker SPEC`` (SPEC
-is JSON: the channel's socket, this worker's index, the parent's pid, and
-the gRPC service to serve: its name, its methods and their kinds, host,
-port, channel arguments, TLS files). The hello token comes in the
-environment. The worker:
+is JSON: the channel's socket, this worker's index, the parent's pid, the
+gRPC service to serve, if any: its name, its methods and their kinds,
+host, port, channel arguments, TLS files; and the TCP ports whose byte
+streams it relays: RocketMQ 4's remoting port and its VIP channel). The
+hello token comes in the environment. The worker:
 
 1. asks the kernel to kill it when its parent dies, and leaves at once if
    the parent is already gone;
-2. connects to the broker's channel, binds the port with SO_REUSEPORT
-   beside its siblings (the broker holds the port reserved), starts
-   serving, then says hello;
+2. connects to the broker's channel, binds the ports with SO_REUSEPORT
+   beside its siblings (the broker holds them reserved), starts serving,
+   then says hello;
 3. relays every RPC (relay.py), answers what the broker answers, and
-   turns the client's cancellation into CANCEL;
-4. on DRAIN stops accepting, lets open calls finish (gRPC's grace), and
+   turns the client's cancellation into CANCEL; relays each TCP
+   connection's bytes both ways, and does with the socket what the
+   broker's protocol object asks (close, pause reading, ...). When the
+   channel to the broker is full it stops reading every client until it
+   drained: a worker buffers no more than a flooding client's socket would;
+4. on DRAIN stops accepting, lets open calls finish (gRPC's grace), closes
+   its TCP connections once what the broker sent them is written, and
    exits; when the channel closes (the broker died) it exits at once.
    SIGINT and SIGTERM are ignored: a Ctrl-C on a terminal or a SIGTERM to
    the process group reaches the workers too, and the broker drains them
@@ -32,10 +38,12 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 from typing import Any, AsyncIterator
 
-from .relay import ABORT, CALL, CANCEL, DATA, DRAIN, END, HALF_CLOSE, HELLO, OPEN, REPLY, WORKER_ENV, WRITE, WROTE, FrameProtocol
+from .relay import (ABORT, ACCEPTED, BYTES, CALL, CANCEL, CLOSED, DATA, DRAIN, END, HALF_CLOSE, HELLO, HOLD, LIMITS, OPEN, PAUSED, READ,
+                    REPLY, RESET, RESUMED, SEND, SHUT, SHUT_WRITE, WORKER_ENV, WRITE, WROTE, FrameProtocol)
 
 log = logging.getLogger("txmq.worker")
 
@@ -83,6 +91,68 @@ def _status(code: int) -> Any:
     return grpc.StatusCode.UNKNOWN
 
 
+class TcpRelay(asyncio.Protocol):
+    """One client's TCP connection on a relayed port: its bytes go to the broker, the broker's come back (relay.py)."""
+
+    __slots__ = ("worker", "listener", "conn", "transport", "held", "paused")
+
+    def __init__(self, worker: Worker, listener: int) -> None:
+        self.worker = worker
+        self.listener = listener
+        self.conn = 0
+        self.transport: asyncio.Transport | None = None
+        self.held = False  # the broker asked to stop reading (HOLD)
+        self.paused = False  # reading is paused (held, or the channel is full)
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        w = self.worker
+        self.transport = transport  # type: ignore[assignment]
+        if w.draining or w.done.is_set():
+            transport.abort()
+            return
+        self.conn = next(w.conn_ids)
+        w.conns[self.conn] = self
+        w.send([ACCEPTED, self.conn, self.listener, _address(transport.get_extra_info("peername")),
+                _address(transport.get_extra_info("sockname"))])
+        if w.channel_full:
+            self.set_paused()
+
+    def data_received(self, data: bytes) -> None:
+        if self.conn in self.worker.conns:
+            self.worker.send([BYTES, self.conn, data])
+
+    def eof_received(self) -> bool:
+        return False  # the client's half-close ends the connection, as it does in the broker's own transports
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        w = self.worker
+        if w.conns.pop(self.conn, None) is not None:
+            w.send([CLOSED, self.conn, None if exc is None else (str(exc) or type(exc).__name__)[:200]])
+            if not w.conns and w.draining:
+                w.tcp_idle.set()
+
+    def pause_writing(self) -> None:
+        self.worker.send([PAUSED, self.conn])
+
+    def resume_writing(self) -> None:
+        self.worker.send([RESUMED, self.conn])
+
+    def set_paused(self) -> None:
+        """Read or not, as the broker (HOLD/READ) and the channel's fill say."""
+        want = self.held or self.worker.channel_full
+        t = self.transport
+        if want != self.paused and t is not None and not t.is_closing():
+            self.paused = want
+            if want:
+                t.pause_reading()
+            else:
+                t.resume_reading()
+
+
+def _address(a: Any) -> list:
+    return [str(a[0]), int(a[1])] if isinstance(a, tuple) and len(a) >= 2 else [str(a or ""), 0]
+
+
 class Worker:
     def __init__(self, spec: dict[str, Any], token: str) -> None:
         self.spec = spec
@@ -90,6 +160,11 @@ class Worker:
         self.index = int(spec["index"])
         self.calls: dict[int, Any] = {}  # id -> a future (unary) or a queue (streams)
         self.ids = itertools.count(1)
+        self.conns: dict[int, TcpRelay] = {}  # the relayed TCP connections, by id
+        self.conn_ids = itertools.count(1)
+        self.channel_full = False
+        self.tcp_servers: list[asyncio.AbstractServer] = []
+        self.tcp_idle = asyncio.Event()
         self.protocol: FrameProtocol | None = None
         self.server: Any = None
         self.done = asyncio.Event()
@@ -105,7 +180,9 @@ class Worker:
 
     def on_frame(self, f: list) -> None:
         kind = f[0]
-        if kind == REPLY:
+        if kind >= SEND:
+            self._tcp_frame(kind, f)
+        elif kind == REPLY:
             fut = self.calls.get(f[1])
             if fut is not None and not fut.done():
                 fut.set_result(f[2])
@@ -131,6 +208,38 @@ class Worker:
         else:
             log.error("event=worker_frame_unknown kind=%r", kind)
 
+    def _tcp_frame(self, kind: int, f: list) -> None:
+        relay = self.conns.get(f[1])
+        if relay is None or relay.transport is None:
+            return  # ended here already: the broker learns it from CLOSED
+        t = relay.transport
+        try:
+            if kind == SEND:
+                t.write(f[2])
+            elif kind == SHUT:
+                t.close()
+            elif kind == HOLD or kind == READ:
+                relay.held = kind == HOLD
+                relay.set_paused()
+            elif kind == SHUT_WRITE:
+                if t.can_write_eof():
+                    t.write_eof()
+            elif kind == RESET:
+                t.abort()
+            elif kind == LIMITS:
+                t.set_write_buffer_limits(high=f[2], low=f[3])
+            else:
+                log.error("event=worker_frame_unknown kind=%r", kind)
+        except Exception as exc:  # what the socket refuses (a write after its end, limits out of order) ends it alone
+            log.error("event=worker_connection_refused_frame worker=%d kind=%d error=%r", self.index, kind, exc)
+            t.abort()
+
+    def on_pressure(self, full: bool) -> None:
+        """The channel to the broker is full (or drained): every relayed client stops (or starts again) being read."""
+        self.channel_full = full
+        for relay in list(self.conns.values()):
+            relay.set_paused()
+
     def on_lost(self, exc: BaseException | None) -> None:
         if self.done.is_set():
             return
@@ -142,6 +251,9 @@ class Worker:
                 target.put_nowait(gone)
             elif not target.done():
                 target.set_exception(gone)
+        for relay in list(self.conns.values()):  # nothing can answer them now: they connect again, to the broker started again
+            if relay.transport is not None:
+                relay.transport.abort()
         self.done.set()
 
     # ---- the relayed RPCs --------------------------------------------------------------------
@@ -219,17 +331,43 @@ class Worker:
 
     # ---- life ------------------------------------------------------------------------------------
     async def run(self) -> int:
-        import grpc
-        from grpc import aio
-
         loop = asyncio.get_running_loop()
-        self.protocol = FrameProtocol(self.on_frame, self.on_lost)
+        self.protocol = FrameProtocol(self.on_frame, self.on_lost, self.on_pressure)
         try:
             await loop.create_unix_connection(lambda: self.protocol, self.spec["relay"])
         except OSError as exc:
             log.error("event=worker_channel_unreachable worker=%d error=%r", self.index, exc)
             return 1
-        g = self.spec["grpc"]
+        if self.spec.get("grpc") and not await self._serve_grpc(self.spec["grpc"]):
+            return 1
+        for i, listener in enumerate(self.spec.get("tcp") or ()):
+            try:
+                sock = _listen_shared(listener["host"], int(listener["port"]))
+                self.tcp_servers.append(await loop.create_server(lambda i=i: TcpRelay(self, i), sock=sock, backlog=2048))
+            except OSError as exc:
+                log.error("event=worker_bind_failed worker=%d port=%s error=%s", self.index, listener.get("port"), exc)
+                return 1
+        if self.spec.get("busy_poll_s"):
+            from ..busypoll import BusyPoll
+
+            self.busy_poll = BusyPoll(float(self.spec["busy_poll_s"]))
+            self.arm = self.busy_poll.arm
+        # The broker decides a worker's life (DRAIN, or its own death): Ctrl-C on a terminal or a SIGTERM to the whole
+        # process group reaches the workers too, and a worker that left on its own would only be started again.
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, lambda: None)
+        self.send([HELLO, self.index, os.getpid(), self.token])
+        await self.done.wait()
+        if not self.draining and self.server is not None:  # the broker died: what is open cannot be answered
+            await self.server.stop(0)
+        if self.busy_poll is not None:
+            self.busy_poll.stop()
+        return 0
+
+    async def _serve_grpc(self, g: dict[str, Any]) -> bool:
+        import grpc
+        from grpc import aio
+
         handlers = {}
         for name, kind in g["methods"].items():
             if kind == "unary":
@@ -252,36 +390,50 @@ class Worker:
                 bound = self.server.add_insecure_port(address)
         except Exception as exc:
             log.error("event=worker_bind_failed worker=%d address=%s error=%s", self.index, address, exc)
-            return 1
+            return False
         if bound != port:
             log.error("event=worker_bind_failed worker=%d address=%s bound=%d", self.index, address, bound)
-            return 1
+            return False
         await self.server.start()
-        if self.spec.get("busy_poll_s"):
-            from ..busypoll import BusyPoll
-
-            self.busy_poll = BusyPoll(float(self.spec["busy_poll_s"]))
-            self.arm = self.busy_poll.arm
-        # The broker decides a worker's life (DRAIN, or its own death): Ctrl-C on a terminal or a SIGTERM to the whole
-        # process group reaches the workers too, and a worker that left on its own would only be started again.
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, lambda: None)
-        self.send([HELLO, self.index, os.getpid(), self.token])
-        await self.done.wait()
-        if not self.draining:  # the broker died: what is open cannot be answered
-            await self.server.stop(0)
-        if self.busy_poll is not None:
-            self.busy_poll.stop()
-        return 0
+        return True
 
     async def drain(self) -> None:
         if self.draining:
             return
         self.draining = True
-        log.info("event=worker_draining worker=%d open_calls=%d", self.index, len(self.calls))
+        log.info("event=worker_draining worker=%d open_calls=%d connections=%d", self.index, len(self.calls), len(self.conns))
+        for server in self.tcp_servers:
+            server.close()
         if self.server is not None:
             await self.server.stop(GRACE_S)
+        # The broker answered what its clients asked before it drained us: each connection closes once that is written.
+        for relay in list(self.conns.values()):
+            if relay.transport is not None:
+                relay.transport.close()
+        if self.conns:
+            try:
+                await asyncio.wait_for(self.tcp_idle.wait(), GRACE_S)
+            except asyncio.TimeoutError:
+                for relay in list(self.conns.values()):
+                    if relay.transport is not None:
+                        relay.transport.abort()
         self.done.set()
+
+
+def _listen_shared(host: str, port: int) -> socket.socket:
+    """A listening socket on host:port beside the broker's reservation and the other workers' (SO_REUSEPORT)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host.strip("[]"), port))
+        sock.listen(2048)
+        sock.setblocking(False)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 def _metadata(context: Any) -> list[list[str]]:

@@ -69,7 +69,7 @@ def _command(pid: int) -> str:
         return ""
     if not argv:
         return ""
-    if "__frontend-worker" in argv[:4]:  # a broker's front-end worker holds its --rocketmq-port: name the broker
+    if "__frontend-worker" in argv[:4]:  # a front-end worker holds its broker's --rocketmq-port or --remoting-port: name the broker
         ppid = _parent(pid)
         broker = _command(ppid) if ppid else ""
         return f"a front-end worker of the txmq broker pid {ppid}" + (f": {broker}" if broker else "")

@@ -111,18 +111,20 @@ def start(
                                            "refused. DELAY levels wait their --message-delay-level delay, as in RocketMQ "
                                            "(docs/scheduled.md).")] = _duration(defaults.MAX_DELAY_S),
     frontend_processes: Annotated[str, typer.Option(envvar="TXMQ_FRONTEND_PROCESSES",
-                                                     help="With --rocketmq-port: serve it from this many worker processes (0 to "
-                                                     "64), which hold the connections (gRPC, HTTP/2, TLS) and relay each RPC to the "
-                                                     "broker process, the only one that opens the data directory; 0: the broker process "
-                                                     "serves it itself; auto: none below 4 cores, else one per core beyond two, at most "
-                                                     "4 (docs/architecture.md, \"Front-end workers\").")] = "auto",
+                                                     help="With --rocketmq-port or --remoting-port: serve them from this many worker "
+                                                     "processes (0 to 64), which hold the connections (gRPC, HTTP/2, TLS; remoting's TCP) "
+                                                     "and relay each RPC, or each connection's bytes, to the broker process, the only one "
+                                                     "that opens the data directory; 0: the broker process serves them itself; auto: none "
+                                                     "below 4 cores, else one per core beyond two, at most 4 (docs/architecture.md, "
+                                                     "\"Front-end workers\").")] = "auto",
     index_snapshot_records: Annotated[Optional[int], typer.Option(min=0, hidden=True, help="Deprecated, no effect: the transaction index is flushed to txindex.db every second.", show_default=False)] = None,
 ) -> None:
     """Run a broker in the foreground until SIGINT/SIGTERM (logs on stderr)."""
     from txmq.broker.config import BrokerConfig, default_data_dir
 
     _check_start_options(flush, log_format, log_level, data_dir)
-    workers = _frontend_processes(frontend_processes) if rocketmq_port is not None else 0  # a bad value: before any set-up
+    relayable = rocketmq_port is not None or remoting_port is not None
+    workers = _frontend_processes(frontend_processes) if relayable else 0  # a bad value: before any set-up
     _start_logging(log_format, log_level, index_snapshot_records)
     check, overrides = _check_settings_from_options(check_interval, transaction_timeout, retention, max_checks)
     config = BrokerConfig(
@@ -277,7 +279,7 @@ def status(broker: BrokerOpt = DEFAULT_BROKER, token: TokenOpt = None, output: O
         "auto_create_topics": info.get("auto_create_topics"),  # null: a broker older than the option (it creates them)
         # every port it listens on: native, and rocketmq and metrics when started with them (null: an older broker)
         "listeners": info.get("listeners"),
-        # the worker processes serving --rocketmq-port with --frontend-processes (null: an older broker)
+        # the worker processes serving --rocketmq-port and --remoting-port with --frontend-processes (null: an older broker)
         "frontend_workers": info.get("frontend_workers"),
         # the check settings in effect (start options, else config.json, else the defaults)
         **{k: check.get(k) for k in ("check_interval_s", "transaction_timeout_s", "max_checks", "retention_s")},

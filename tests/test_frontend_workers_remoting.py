@@ -1,0 +1,178 @@
+"""`txmq broker start --remoting-port P --frontend-processes N`: worker processes accept P's connections and relay their bytes.
+
+Real broker and worker processes; the client is tests/remotingwire.py (RocketMQ 4's
+remoting frames). Apache's Java client runs through workers in `make test-workers`
+(the RocketMQ 4 suites again) and in benchmarks/rocketmq_peer.py --workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import signal
+import threading
+import time
+import uuid
+
+import pytest
+
+from brokerproc import free_port
+from clihelpers import err, lines, ok, one, start_broker, txmq
+from remotingwire import CHECK_TRANSACTION_STATE, COMMIT, HEART_BEAT, RemotingClient
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+SUCCESS, SYSTEM_BUSY = 0, 2
+
+
+def _workers(b) -> list[dict]:
+    return one(txmq("broker", "status", "-o", "json", broker=b.address))["frontend_workers"]
+
+
+def _wait(pred, seconds: float, step: float = 0.02):
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        got = pred()
+        if got:
+            return got
+        time.sleep(step)
+    return pred()
+
+
+def _read(b, topic: str) -> list[str]:
+    return [m["body"] for m in lines(ok(txmq("read", topic, "-o", "jsonl", "--count", "100000", broker=b.address)))]
+
+
+def test_remoting_transactions_check_backs_and_the_connection_cap_go_through_workers(tmp_path):
+    rport = free_port()
+    b = start_broker(tmp_path, "--remoting-port", str(rport), "--frontend-processes", "2", "--remoting-max-connections", "4")
+    address = f"127.0.0.1:{rport}"
+    try:
+        assert [r["worker"] for r in _workers(b)] == [0, 1]
+
+        async def go() -> list:
+            producer = await RemotingClient.connect(address)
+            try:
+                assert (await producer.heartbeat("wp-1", producers=["wgroup"])).code == SUCCESS
+                uniq = uuid.uuid4().hex
+                half = await producer.send_half("WRemTx", b"committed", "wgroup", uniq)
+                assert half.code == SUCCESS, half.remark
+                end = await producer.end("wgroup", half, COMMIT, uniq, oneway=False)
+                assert end.code == SUCCESS, end.remark
+                orphan = await producer.send_half("WRemTx", b"checked", "wgroup", uuid.uuid4().hex)
+                assert orphan.code == SUCCESS
+                while True:  # the check-back reaches the producer's connection, through the worker that holds it
+                    check = await producer.next_pushed(timeout=30)
+                    if check.code == CHECK_TRANSACTION_STATE:
+                        break
+                producer.end_check("wgroup", check, COMMIT)
+                # the cap counts every worker's connections together, as one process counts its own
+                others = [await RemotingClient.connect(address) for _ in range(4)]
+                try:
+                    return await asyncio.gather(*(_heartbeat_or_refusal(c) for c in others))
+                finally:
+                    for c in others:
+                        await c.close()
+            finally:
+                await producer.close()
+
+        answers = asyncio.run(go())
+        assert sorted(answers) == [("answered", SUCCESS)] * 3 + [("refused", SYSTEM_BUSY)], answers
+        assert _wait(lambda: sorted(_read(b, "WRemTx")) == ["checked", "committed"], 15), _read(b, "WRemTx")
+        rows = _workers(b)
+        assert all(r["alive"] for r in rows)
+        # a second broker on the port is told it is this broker's (a worker of it listens there)
+        second = txmq("broker", "start", "--data-dir", str(tmp_path / "second"), "--port", str(free_port()), "--remoting-port",
+                      str(rport), subprocess_=True)
+        assert second.returncode == 1 and f"a front-end worker of the txmq broker pid {b.pid}" in err(second), err(second)
+    finally:
+        assert b.stop() == 0
+
+
+async def _heartbeat_or_refusal(c: RemotingClient) -> tuple[str, int | None]:
+    """("answered", code) for a connection the broker serves; ("refused", the code it said) for one it closed at once."""
+    req = asyncio.ensure_future(c.request(HEART_BEAT, {}, b'{"clientID":"x","producerDataSet":[],"consumerDataSet":[]}', timeout=60))
+    closed = asyncio.ensure_future(c.closed.wait())
+    done, _ = await asyncio.wait({req, closed}, return_when=asyncio.FIRST_COMPLETED)
+    if req in done and req.exception() is None:
+        closed.cancel()
+        return ("answered", req.result().code)
+    req.cancel()
+    refusal = c.pushed.get_nowait() if not c.pushed.empty() else None
+    return ("refused", refusal.code if refusal is not None else None)
+
+
+def test_a_killed_worker_loses_no_acknowledged_remoting_transaction_and_its_clients_connect_again(tmp_path):
+    rport = free_port()
+    b = start_broker(tmp_path, "--remoting-port", str(rport), "--frontend-processes", "2", "--flush", "sync")
+    address = f"127.0.0.1:{rport}"
+    topic = "WRemKill"
+    committed: list[str] = []
+    attempted: list[str] = []
+    errors: list[str] = []
+    stop = threading.Event()
+
+    async def producer(n: int) -> None:
+        seq = itertools.count()
+        client = None
+        while not stop.is_set():
+            try:
+                if client is None or client.closed.is_set():
+                    client = await RemotingClient.connect(address)
+                body = f"p{n}-{next(seq)}"
+                attempted.append(body)
+                uniq = uuid.uuid4().hex
+                half = await client.send_half(topic, body.encode(), "wkill", uniq)
+                if half.code != SUCCESS:
+                    errors.append(f"half {half.code} {half.remark}")
+                    continue
+                end = await client.end("wkill", half, COMMIT, uniq, oneway=False)
+                if end.code == SUCCESS:
+                    committed.append(body)
+                else:
+                    errors.append(f"end {end.code} {end.remark}")
+            except (ConnectionError, OSError, asyncio.TimeoutError) as exc:  # its worker died under it: connect again
+                errors.append(type(exc).__name__)
+                client = None
+                await asyncio.sleep(0.01)
+        if client is not None:
+            await client.close()
+
+    def load() -> None:
+        async def run() -> None:
+            await asyncio.gather(*(producer(n) for n in range(8)))
+
+        asyncio.run(run())
+
+    thread = threading.Thread(target=load)
+    thread.start()
+    restarts_s = []
+    try:
+        assert _wait(lambda: len(committed) > 50, 30), f"no load: {errors[:5]}"
+        for cycle in range(3):
+            before = {r["worker"]: r["pid"] for r in _workers(b)}
+            victim = cycle % 2
+            t0 = time.monotonic()
+            os.kill(before[victim], signal.SIGKILL)
+            back = _wait(lambda: [r for r in _workers(b) if r["worker"] == victim and r["alive"] and r["pid"] != before[victim]], 10)
+            restarts_s.append(time.monotonic() - t0)
+            assert back, f"worker {victim} was not started again: {_workers(b)}"
+            seen = len(committed)
+            assert _wait(lambda: len(committed) > seen + 20, 30), f"the clients did not get going again: {errors[-5:]}"
+        stop.set()
+        thread.join(60)
+        assert not thread.is_alive()
+        stored = _read(b, topic)
+        assert len(stored) == len(set(stored)), "a transaction's message was stored twice"
+        missing = set(committed) - set(stored)
+        assert not missing, f"{len(missing)} acknowledged commits were lost: {sorted(missing)[:5]}"
+        assert set(stored) <= set(attempted), "a message nobody sent was delivered"
+        assert sum(r["restarts"] for r in _workers(b)) == 3
+        print(f"restarts took {[round(s, 3) for s in restarts_s]} s; {len(committed)} committed of {len(attempted)} attempted; "
+              f"{len(errors)} errors")
+        assert max(restarts_s) < 5.0, restarts_s  # within 1 s on an idle machine; no timing bound under load
+    finally:
+        stop.set()
+        thread.join(60)
+        b.stop()
