@@ -169,13 +169,16 @@ class BrokerCollector:
             relayed = CounterMetricFamily("txmq_frontend_worker_relayed_calls", "RPCs the worker process relayed to the broker "
                                           "(its current process)", labels=["worker"])
             cpu = GaugeMetricFamily("txmq_frontend_worker_cpu_seconds", "CPU time of the worker's current process", labels=["worker"])
+            conns = GaugeMetricFamily("txmq_frontend_worker_connections", "RocketMQ 4 remoting connections the worker process holds",
+                                      labels=["worker"])
             for row in rows:
                 w = str(row["worker"])
                 up.add_metric([w], 1 if row["alive"] else 0)
                 restarts.add_metric([w], row["restarts"])
                 relayed.add_metric([w], row["relayed"])
                 cpu.add_metric([w], row["cpu_s"] or 0.0)
-            yield from (up, restarts, relayed, cpu)
+                conns.add_metric([w], row.get("connections", 0))
+            yield from (up, restarts, relayed, cpu, conns)
         yield GaugeMetricFamily("txmq_commit_log_max_offset", "Written end of the commit log", value=core.store.max_offset)
         yield GaugeMetricFamily("txmq_commit_log_durable_offset", "fsynced end of the commit log", value=core.store.durable_offset)
         yield GaugeMetricFamily("txmq_log_sync_failing", "1 while the last fsync of the commit log failed and none succeeded since",

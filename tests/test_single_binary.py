@@ -13,6 +13,7 @@ otherwise.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import platform
@@ -27,6 +28,7 @@ from pathlib import Path
 import pytest
 
 from brokerproc import free_port
+from remotingwire import RemotingClient
 from sdkenv import REPO, python_scenario, python_sdk_python, wait_for_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]  # a first run builds the root file system and the executable
@@ -173,12 +175,13 @@ def test_spark_export_says_in_one_line_how_to_run_it(root):
 
 
 def test_broker_serves_the_cli_a_checked_back_transaction_and_the_rocketmq_sdk_through_its_worker_processes(root, tmp_path):
-    native, grpc = free_port(), free_port()
+    native, grpc, remoting = free_port(), free_port(), free_port()
     broker = f"127.0.0.1:{native}"
     _ok(root.txmq("--version"))  # unpacked: what follows is a warm start
     t0 = time.monotonic()
     proc = subprocess.Popen(root.argv(root.exe, "broker", "start", "--data-dir", f"/data/{root.id}", "--port", str(native),
-                                      "--rocketmq-port", str(grpc), "--frontend-processes", "2", "--flush", "sync", *FAST_CHECKS),
+                                      "--rocketmq-port", str(grpc), "--remoting-port", str(remoting), "--frontend-processes", "2",
+                                      "--flush", "sync", *FAST_CHECKS),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         wait_for_port(native, timeout=30)
@@ -217,6 +220,18 @@ def test_broker_serves_the_cli_a_checked_back_transaction_and_the_rocketmq_sdk_t
         assert sorted(m["body"] for m in r["received"]) == committed, r["received"]
         status = json.loads(_ok(root.txmq("broker", "status", "-o", "json", env=env)))
         assert sum(w["relayed"] for w in status["frontend_workers"]) > 0, status["frontend_workers"]
+
+        # RocketMQ 4's remoting port, through the same workers: a send and its consumption
+        async def remoting_send() -> int:
+            c = await RemotingClient.connect(f"127.0.0.1:{remoting}")
+            try:
+                return (await c.send("Plain", b"hello over remoting")).code
+            finally:
+                await c.close()
+
+        assert asyncio.run(remoting_send()) == 0
+        got = [json.loads(x) for x in _ok(root.txmq("consume", "Plain", "--group", "g", "-o", "jsonl", env=env)).splitlines()]
+        assert [m["body"] for m in got] == ["hello over remoting"], got
     finally:
         proc.terminate()
         try:
