@@ -243,7 +243,14 @@ def test_a_push_consumer_resumes_from_its_groups_offsets_after_a_broker_restart_
             ours_broker.proc.stop()
             ours_broker.proc.start()
             theirs, ours = phase("second")
-            assert ours == theirs == {"secondRun": ["after-0", "after-1", "after-2"]}
+            assert ours == {"secondRun": ["after-0", "after-1", "after-2"]}
+            # The consumer's shutdown sends its offsets oneway and RocketMQ's broker writes them to its store on a timer
+            # (and at a shutdown it was given the time for): now and then RocketMQ delivers a consumed message again
+            # after its restart (seen: before-1). txmq applies the update before the connection's end, and its
+            # shutdown writes the offsets before it ends. RocketMQ may redeliver only what the group consumed before.
+            again = [m for m in theirs["secondRun"] if m not in ours["secondRun"]]
+            assert set(again) <= set(first[0]["firstRun"]), theirs
+            assert [m for m in theirs["secondRun"] if m in ours["secondRun"]] == ours["secondRun"], theirs
     finally:
         peer.stop()
 
