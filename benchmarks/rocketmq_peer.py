@@ -8,27 +8,41 @@ sync,async``: RocketMQ's ``flushDiskType=SYNC_FLUSH`` / ``ASYNC_FLUSH`` against 
 - RocketMQ: ``run.sh start`` (name server, then broker, G1, broker heap ``--heap``), on ports picked here;
 - txmq: ``txmq broker start --remoting-port R`` (the name server and the broker in one process), with
   ``--busy-poll 0`` (its spinning at idle priority would count as broker CPU), and RocketMQ's check timing
-  of run.sh (``--check-interval 10s --transaction-timeout 6s``).
+  of run.sh (``--check-interval 10s --transaction-timeout 6s``);
+- txmq-workers, when ``--servers`` names it: txmq started exactly so, plus ``--frontend-processes N``
+  (``--workers``, default 2): the remoting port is served by N worker processes (children of the broker
+  process, ``txmq __frontend-worker``) that relay the connections' bytes to the broker process, which alone
+  works on the store (docs/architecture.md, "Front-end workers").
 
 Time to ready runs from the spawn of the process(es) to the first answered route query
 (GET_ROUTEINFO_BY_TOPIC for TBW102 on the name server port, polled every 20 ms); for RocketMQ also the sum
 of the two JVMs' own "boot success" times that run.sh prints (name server, then broker). RSS is VmRSS from
 /proc: at ready, after ``--idle`` idle seconds (where the idle CPU is sampled too) and after the load, with
-VmHWM; for RocketMQ the broker alone and with the name server.
+VmHWM; for RocketMQ the broker alone and with the name server, for txmq-workers the broker process and the sum
+over its workers (``workers_*``).
 
-Then ``--rounds`` rounds, each row alternating RocketMQ then txmq: TxBench (the peer's TxBench.java, through
-Apache's Java client, ``run.sh bench``) ``tx`` with 1 and 32 threads, ``sync`` with 1 and 32 threads, and a
+Then ``--rounds`` rounds, each row alternating RocketMQ, txmq (then txmq-workers): TxBench (the peer's
+TxBench.java, through Apache's Java client, ``run.sh bench``) ``tx`` with 1 and 32 threads, ``sync`` with 1 and 32 threads, and a
 push consumer (``consume``) reading the backlog the sync 32-thread run left in its own topic: its rate is
 the messages received between the first and the last one, over that time (the script reads TxBench's
 per-message lines as they come and stops the consumer once all arrived). Broker CPU per operation is
 TxBench's (``/proc/PID/stat`` of the broker around the timed part, plus its 2 s settle); for RocketMQ the
-name server's CPU over the same run is added; for consume it is the broker's CPU from the first message to
-the last. The client JVM's CPU per operation (TxBench's) is kept beside it: on two cores it competes with
-the broker. Every run records the 1-minute load average it started with.
+name server's CPU over the same run is added (``namesrv_us_per_op``); for txmq-workers ``broker_us_per_op`` is
+the broker process's (``owner_us_per_op``) plus its workers' (``workers_us_per_op``: their CPU over the whole
+TxBench run, warm-up included, over the n + warm-up operations they relayed; the workers are looked up again
+at each reading, so a restarted one is counted); for consume it is the broker's (and the name server's, or
+the workers') CPU from the first message to the last. The client JVM's CPU per operation (TxBench's) is kept
+beside it: on two cores it competes with the broker. Every run records the 1-minute load average it started with.
 
     .venv/bin/python benchmarks/rocketmq_peer.py [--quick] [--flush sync,async] [--rounds 2] [-n 3000] [-o json]
+        [--servers rocketmq,txmq,txmq-workers] [--workers 2] [--profile tx_32]
 
-Full runs save benchmarks/results/rocketmq_peer.json; docs/benchmarks.md has the figures and their reading.
+With txmq-workers the summary adds, per row, ``workers_rate_ratio`` (txmq-workers' best rate over txmq's)
+and the broker process's CPU per op, and the targets a "with N workers ≥ 2× txmq's one process" line for
+tx_32 and, for information, the broker process's CPU per op beside the single process's.
+
+Full runs of RocketMQ and txmq (with or without txmq-workers) save benchmarks/results/rocketmq_peer.json;
+docs/benchmarks.md has the figures and their reading.
 """
 
 from __future__ import annotations
@@ -60,7 +74,7 @@ from rocketmq_peer import PeerUnavailable, RocketMQPeer  # noqa: E402
 ROWS = ("tx_1", "tx_32", "sync_1", "sync_32", "consume")
 LABELS = {"tx_1": "transactions/s, 1 thread", "tx_32": "transactions/s, 32 threads", "sync_1": "sync sends/s, 1 thread",
           "sync_32": "sync sends/s, 32 threads", "consume": "consumed/s, push consumer"}
-SERVERS = ("rocketmq", "txmq")
+SERVERS = ("rocketmq", "txmq", "txmq-workers")
 
 
 def say(msg: str) -> None:
@@ -103,9 +117,10 @@ def wait_route(port: int, t0: float, timeout: float, alive) -> float:
     raise TimeoutError(f"no route answer on port {port} within {timeout} s")
 
 
-def rss(pids: dict[str, int]) -> dict[str, float]:
-    """VmRSS, RssAnon, RssFile and VmHWM (MiB) of each pid."""
-    return {f"{name}_{key}": round(proc_status(pid, key), 1) for name, pid in pids.items() for key in ("VmRSS", "RssAnon", "RssFile", "VmHWM")}
+def rss(pids: dict[str, int | list[int]]) -> dict[str, float]:
+    """VmRSS, RssAnon, RssFile and VmHWM (MiB) of each pid; of a list of pids, their sums."""
+    return {f"{name}_{key}": round(sum(proc_status(p, key) for p in (pid if isinstance(pid, list) else [pid])), 1)
+            for name, pid in pids.items() for key in ("VmRSS", "RssAnon", "RssFile", "VmHWM")}
 
 
 def java_version() -> str:
@@ -137,6 +152,7 @@ def broker_ports() -> tuple[int, int]:
 
 class RocketMQ:
     name = "rocketmq"
+    other = "namesrv"  # what other_cpu() counts
 
     def __init__(self, peer: RocketMQPeer, flush: str, heap: str) -> None:
         self.peer, self.flush, self.heap = peer, flush, heap
@@ -192,11 +208,12 @@ class RocketMQ:
 
 class Txmq:
     name = "txmq"
+    other = ""  # one process: other_cpu() counts nothing
 
-    def __init__(self, home: Path, flush: str) -> None:
+    def __init__(self, home: Path, flush: str, *extra: str) -> None:
         self.rport = free_port()
-        self.proc = BrokerProc(home / f"txmq-{flush}" / "data", "--flush", flush, "--remoting-port", str(self.rport), "--busy-poll", "0",
-                               "--check-interval", "10s", "--transaction-timeout", "6s", log_path=home / f"txmq-{flush}.log")
+        self.proc = BrokerProc(home / f"{self.name}-{flush}" / "data", "--flush", flush, "--remoting-port", str(self.rport), "--busy-poll", "0",
+                               "--check-interval", "10s", "--transaction-timeout", "6s", *extra, log_path=home / f"{self.name}-{flush}.log")
         self.namesrv = f"127.0.0.1:{self.rport}"
         self.boot: dict[str, float] = {}
 
@@ -221,6 +238,62 @@ class Txmq:
         self.proc.stop()
 
 
+def child_pids(pid: int) -> list[int]:
+    """Live child processes of pid (/proc/PID/task/*/children; a scan of /proc where the kernel lacks it)."""
+    try:
+        return sorted({int(c) for t in Path(f"/proc/{pid}/task").iterdir() for c in (t / "children").read_text().split()})
+    except (OSError, ValueError):
+        pass
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    out.append(int(d.name))
+            except (OSError, IndexError, ValueError):
+                continue
+    return out
+
+
+class TxmqWorkers(Txmq):
+    """txmq as Txmq starts it, with ``--frontend-processes N``: the remoting port is served by N worker processes."""
+
+    name = "txmq-workers"
+    other = "workers"
+
+    def __init__(self, home: Path, flush: str, workers: int) -> None:
+        super().__init__(home, flush, "--frontend-processes", str(workers))
+        self.workers = workers
+
+    def start(self) -> None:
+        super().start()
+        self.boot["workers"] = self.workers
+        deadline = time.monotonic() + 60
+        while len(self.worker_pids()) < self.workers:  # they serve the port that answered: up, unless some died at once
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"txmq-workers: {len(self.worker_pids())} of {self.workers} front-end workers running; see {self.proc.log_path}")
+            time.sleep(0.05)
+
+    def worker_pids(self) -> list[int]:
+        """The broker process's children running ``txmq __frontend-worker``, looked up afresh (a restarted worker has a new pid)."""
+        out = []
+        for pid in child_pids(self.proc.pid):
+            try:
+                if b"__frontend-worker" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    out.append(pid)
+            except OSError:
+                continue
+        return out
+
+    @property
+    def pids(self) -> dict[str, int | list[int]]:  # type: ignore[override]
+        return {"broker": self.proc.pid, "workers": self.worker_pids()}
+
+    def other_cpu(self) -> float:
+        """CPU seconds of the front-end workers running now."""
+        return sum(cpu_seconds(pid) for pid in self.worker_pids())
+
+
 # ---- TxBench runs -----------------------------------------------------------------------------------
 def parse_result(text: str) -> dict[str, Any]:
     for line in reversed(text.splitlines()):
@@ -237,7 +310,7 @@ def parse_result(text: str) -> dict[str, Any]:
 
 
 def bench(peer: RocketMQPeer, server, mode: str, threads: int, n: int, warmup: int, topic: str | None = None) -> dict[str, Any]:
-    """One TxBench tx|sync run against server: its RESULT, with the name server's CPU added for RocketMQ."""
+    """One TxBench tx|sync run against server: its RESULT, with the name server's CPU added for RocketMQ, the workers' for txmq-workers."""
     props = [f"-Dn={n}", f"-Dthreads={threads}", f"-Dwarmup={warmup}"] + ([f"-Dtopic={topic}"] if topic else [])
     env = {**peer.env, "NAMESRV": server.namesrv, "BROKER_PID": str(server.broker_pid)}
     start_load, other0 = load1(), server.other_cpu()
@@ -247,10 +320,14 @@ def bench(peer: RocketMQPeer, server, mode: str, threads: int, n: int, warmup: i
     r = parse_result(p.stdout + "\n" + p.stderr[-2000:])
     if r.get("failed") or not r.get("ok"):
         raise RuntimeError(f"TxBench {mode} against {server.name} failed: {r}\n{p.stderr[-1500:]}")
-    us = r["broker_us_per_op"] + other / n * 1e6
-    return {"rate": r["rate"], "p50_ms": r["p50_ms"], "p99_ms": r["p99_ms"], "broker_us_per_op": round(us, 1),
-            "namesrv_us_per_op": round(other / n * 1e6, 1), "client_us_per_op": r["client_us_per_op"], "n": n, "threads": threads,
-            "secs": r["secs"], "load1": start_load}
+    # the name server serves routes, not operations: over n as ever; the workers relay every operation, the warm-up's too
+    other_us = other / (n + warmup if server.other == "workers" else n) * 1e6
+    out = {"rate": r["rate"], "p50_ms": r["p50_ms"], "p99_ms": r["p99_ms"], "broker_us_per_op": round(r["broker_us_per_op"] + other_us, 1)}
+    if server.other == "workers":
+        out.update(owner_us_per_op=r["broker_us_per_op"], workers_us_per_op=round(other_us, 1))
+    elif server.other:
+        out[f"{server.other}_us_per_op"] = round(other_us, 1)
+    return {**out, "client_us_per_op": r["client_us_per_op"], "n": n, "threads": threads, "secs": r["secs"], "load1": start_load}
 
 
 def consume(peer: RocketMQPeer, server, topic: str, expected: int, timeout: float) -> dict[str, Any]:
@@ -292,9 +369,12 @@ def consume(peer: RocketMQPeer, server, topic: str, expected: int, timeout: floa
         raise RuntimeError(f"consume from {server.name}: {len(keys)} of {expected} messages within {timeout} s")
     took = t_last - t_first
     per = got - 1
-    return {"rate": round(per / took, 1) if took > 0 else None, "received": got, "distinct": len(keys), "secs": round(took, 3),
-            "broker_us_per_op": round(((cpu_last - cpu_first) + (other_last - other_first)) / per * 1e6, 1) if per else None,
-            "load1": start_load}
+    out = {"rate": round(per / took, 1) if took > 0 else None, "received": got, "distinct": len(keys), "secs": round(took, 3),
+           "broker_us_per_op": round(((cpu_last - cpu_first) + (other_last - other_first)) / per * 1e6, 1) if per else None,
+           "load1": start_load}
+    if server.other == "workers" and per:
+        out.update(owner_us_per_op=round((cpu_last - cpu_first) / per * 1e6, 1), workers_us_per_op=round((other_last - other_first) / per * 1e6, 1))
+    return out
 
 
 def idle_cpu(server, seconds: float) -> float:
@@ -339,7 +419,7 @@ class Spy:
 # ---- a sitting --------------------------------------------------------------------------------------
 def sitting(peer: RocketMQPeer, home: Path, flush: str, a: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {"flush": flush, "servers": {}, "runs": []}
-    servers = [s for s in (RocketMQ(peer, flush, a.heap), Txmq(home, flush)) if s.name in a.servers]
+    servers = [s for s in (RocketMQ(peer, flush, a.heap), Txmq(home, flush), TxmqWorkers(home, flush, a.workers)) if s.name in a.servers]
     started = []
     try:
         for s in servers:  # one at a time: each boots with the machine to itself
@@ -350,24 +430,28 @@ def sitting(peer: RocketMQPeer, home: Path, flush: str, a: argparse.Namespace) -
             info["idle_cpu_per_s"] = idle_cpu(s, a.idle) if a.idle > 0 else None
             info["rss_idle"] = rss(s.pids)
             out["servers"][s.name] = info
-            say(f"[{flush}] {s.name} ready in {s.boot['ready_s']} s, broker VmRSS {info['rss_idle']['broker_VmRSS']} MiB")
+            say(f"[{flush}] {s.name} ready in {s.boot['ready_s']} s, broker VmRSS {info['rss_idle']['broker_VmRSS']} MiB"
+                + (f", {s.workers} workers {info['rss_idle']['workers_VmRSS']} MiB" if isinstance(s, TxmqWorkers) else ""))
         for rnd in range(1, a.rounds + 1):
             for row in ROWS:
                 for s in servers:
                     mode, _, thr = row.partition("_")
-                    topic = f"Backlog{s.name.capitalize()}{flush.capitalize()}R{rnd}"
-                    spy = Spy(s.broker_pid, home / f"stacks-{flush}-{row}-{rnd}.txt", native=a.native) if s.name == "txmq" and row in a.profile else None
+                    topic = f"Backlog{s.name.title().replace('-', '')}{flush.capitalize()}R{rnd}"
+                    profiled = isinstance(s, Txmq) and row in a.profile and s.name in a.profile_servers  # the broker process
+                    spy = Spy(s.broker_pid, home / f"stacks-{s.name}-{flush}-{row}-{rnd}.txt", native=a.native) if profiled else None
                     if row == "consume":
                         r = consume(peer, s, topic, a.n + a.warmup, a.consume_timeout)
                     else:
                         r = bench(peer, s, mode, int(thr), a.n, a.warmup, topic if row == "sync_32" else None)
                     if spy is not None:
                         r["profiled"] = True
-                        out.setdefault("profiles", {})[f"{row}/round {rnd}"] = text = spy.summary()
+                        key = f"{row}/round {rnd}" + ("" if s.name == "txmq" else f" ({s.name})")
+                        out.setdefault("profiles", {})[key] = text = spy.summary()
                         say(text)
                     r.update(round=rnd, server=s.name, row=row)
                     out["runs"].append(r)
-                    say(f"[{flush}] round {rnd} {row:8} {s.name:8} {r['rate']:>9,.0f}/s  broker {r['broker_us_per_op']:>7} us/op  "
+                    owner = f" (owner {r.get('owner_us_per_op')}, workers {r.get('workers_us_per_op')})" if s.other == "workers" else ""
+                    say(f"[{flush}] round {rnd} {row:8} {s.name:12} {r['rate']:>9,.0f}/s  broker {r['broker_us_per_op']:>7} us/op{owner}  "
                         f"client {r.get('client_us_per_op', '-')} us/op  load {r['load1']}")
         for s in servers:
             out["servers"][s.name]["rss_after_load"] = rss(s.pids)
@@ -389,14 +473,20 @@ def best(runs: list[dict[str, Any]], server: str, row: str) -> dict[str, Any] | 
 def summarise(sit: dict[str, Any]) -> dict[str, Any]:
     rows: dict[str, Any] = {}
     for row in ROWS:
-        r, t = best(sit["runs"], "rocketmq", row), best(sit["runs"], "txmq", row)
+        r, t, w = (best(sit["runs"], name, row) for name in SERVERS)
         if r and t:
             rows[row] = {"rocketmq": r["rate"], "txmq": t["rate"], "rate_ratio": round(t["rate"] / r["rate"], 2),
                          "rocketmq_us_per_op": r["broker_us_per_op"], "txmq_us_per_op": t["broker_us_per_op"],
                          "cpu_ratio": round(t["broker_us_per_op"] / r["broker_us_per_op"], 2) if r["broker_us_per_op"] else None}
+        if t and w:  # txmq-workers beside the one process
+            rows.setdefault(row, {"txmq": t["rate"], "txmq_us_per_op": t["broker_us_per_op"]}).update(
+                txmq_workers=w["rate"], workers_rate_ratio=round(w["rate"] / t["rate"], 2), txmq_workers_us_per_op=w["broker_us_per_op"],
+                owner_us_per_op=w.get("owner_us_per_op"), workers_us_per_op=w.get("workers_us_per_op"))
     srv = sit["servers"]
     rq, tq = srv.get("rocketmq", {}), srv.get("txmq", {})
     out: dict[str, Any] = {"rows": rows}
+    if srv.get("txmq-workers"):
+        out["workers"] = srv["txmq-workers"].get("workers")
     if rq.get("rss_after_load") and tq.get("rss_after_load"):
         both = rq["rss_after_load"]["broker_VmRSS"] + rq["rss_after_load"]["namesrv_VmRSS"]
         out["rss_after_load_mib"] = {"rocketmq": round(both, 1), "rocketmq_broker": rq["rss_after_load"]["broker_VmRSS"],
@@ -414,6 +504,8 @@ def targets(sittings: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for sit in sittings:
         s, f = sit["summary"], sit["flush"]
         for row, v in s["rows"].items():
+            if "rate_ratio" not in v:  # txmq-workers and txmq only
+                continue
             out.append({"flush": f, "target": f"{LABELS[row]}: txmq ≥ RocketMQ", "measured": f"{v['txmq']:,.0f} vs {v['rocketmq']:,.0f} = {v['rate_ratio']}×",
                         "met": v["rate_ratio"] >= 1})
             if v["cpu_ratio"] is not None:
@@ -427,12 +519,41 @@ def targets(sittings: list[dict[str, Any]]) -> list[dict[str, Any]]:
             m = s["ready_s"]
             out.append({"flush": f, "target": "ready ≥ 4× sooner", "measured": f"{m['txmq']} s vs {min(m['rocketmq'], m['rocketmq_boot_s'])} s = {m['times_sooner']}× sooner",
                         "met": m["times_sooner"] >= 4})
+        v = s["rows"].get("tx_32", {})
+        if "workers_rate_ratio" in v:  # met is None: a figure for information
+            out.append({"flush": f, "target": f"{LABELS['tx_32']}: with {s.get('workers')} workers ≥ 2× txmq's one process",
+                        "measured": f"{v['txmq_workers']:,.0f} vs {v['txmq']:,.0f} = {v['workers_rate_ratio']}×", "met": v["workers_rate_ratio"] >= 2})
+            out.append({"flush": f, "target": f"{LABELS['tx_32']}: broker process CPU/op with {s.get('workers')} workers",
+                        "measured": f"{num(v['owner_us_per_op'])} µs (+ workers {num(v['workers_us_per_op'])} µs) vs txmq's one process "
+                                    f"{num(v['txmq_us_per_op'])} µs", "met": None})
     return out
+
+
+def verdict(met: bool | None, md: bool = False) -> str:
+    """A target's column: met, missed, or a figure for information."""
+    return "info" if met is None else "met" if met else "**missed**" if md else "MISSED"
 
 
 # ---- output -----------------------------------------------------------------------------------------
 def num(x: Any) -> str:
     return "-" if x is None else f"{x:,.0f}" if isinstance(x, (int, float)) and abs(x) >= 100 else str(x)
+
+
+# text table: each server's column group (header cells, then one run's cells)
+COLUMNS = {"rocketmq": (("RocketMQ/s", 10, "rate"), ("µs/op", 7, "broker_us_per_op"), ("client", 7, "client_us_per_op"), ("load", 5, "load1")),
+           "txmq": (("txmq/s", 9, "rate"), ("µs/op", 7, "broker_us_per_op"), ("client", 7, "client_us_per_op"), ("load", 5, "load1")),
+           "txmq-workers": (("txmq-workers/s", 14, "rate"), ("µs/op", 7, "broker_us_per_op"), ("owner", 7, "owner_us_per_op"),
+                            ("client", 7, "client_us_per_op"), ("load", 5, "load1"))}
+# Markdown: each server's title and column group
+MD_TITLES = {"rocketmq": "RocketMQ 4.9.8", "txmq": "txmq", "txmq-workers": "txmq with workers"}
+MD_COLUMNS = {"rocketmq": (("RocketMQ /s", "rate"), ("broker µs/op", "broker_us_per_op"), ("client µs/op", "client_us_per_op"), ("load", "load1")),
+              "txmq": (("txmq /s", "rate"), ("broker µs/op", "broker_us_per_op"), ("client µs/op", "client_us_per_op"), ("load", "load1")),
+              "txmq-workers": (("txmq with workers /s", "rate"), ("broker + workers µs/op", "broker_us_per_op"), ("broker process µs/op", "owner_us_per_op"),
+                               ("client µs/op", "client_us_per_op"), ("load", "load1"))}
+
+
+def cell(run: dict[str, Any], key: str) -> str:
+    return str(run.get(key, "-")) if key == "load1" else num(run.get(key))
 
 
 def table(doc: dict[str, Any]) -> str:
@@ -447,22 +568,33 @@ def table(doc: dict[str, Any]) -> str:
             rss_line = f"broker VmRSS {rl['broker_VmRSS']} MiB idle, {ra.get('broker_VmRSS', '-')} after load (HWM {ra.get('broker_VmHWM', '-')})"
             if name == "rocketmq":
                 rss_line += f"; name server {rl['namesrv_VmRSS']} / {ra.get('namesrv_VmRSS', '-')} MiB"
+            if "workers_VmRSS" in rl:
+                rss_line += f"; {s.get('workers', '?')} workers {rl['workers_VmRSS']} / {ra.get('workers_VmRSS', '-')} MiB (HWM {ra.get('workers_VmHWM', '-')})"
             lines.append(f"{name:9} ready {s['ready_s']} s{extra}; {rss_line}; idle CPU {s['idle_cpu_per_s']} s/s; load {s['load1_at_start']}")
-        lines.append(f"{'row':10} {'round':>5} | {'RocketMQ/s':>10} {'µs/op':>7} {'client':>7} {'load':>5} | {'txmq/s':>9} {'µs/op':>7} {'client':>7} {'load':>5}")
+        names = [n for n in SERVERS if n in sit["servers"]]
+        lines.append(f"{'row':10} {'round':>5} | " + " | ".join(" ".join(f"{h:>{w}}" for h, w, _ in COLUMNS[n]) for n in names))
         for rnd in range(1, doc["rounds"] + 1):
             for row in ROWS:
-                r = next((x for x in sit["runs"] if x["round"] == rnd and x["row"] == row and x["server"] == "rocketmq"), None)
-                t = next((x for x in sit["runs"] if x["round"] == rnd and x["row"] == row and x["server"] == "txmq"), None)
-                if not r and not t:
+                runs = [next((x for x in sit["runs"] if x["round"] == rnd and x["row"] == row and x["server"] == n), None) for n in names]
+                if not any(runs):
                     continue
-                r, t = r or {}, t or {}
-                lines.append(f"{row:10} {rnd:>5} | {num(r.get('rate')):>10} {num(r.get('broker_us_per_op')):>7} {num(r.get('client_us_per_op')):>7} "
-                             f"{r.get('load1', '-'):>5} | {num(t.get('rate')):>9} {num(t.get('broker_us_per_op')):>7} "
-                             f"{num(t.get('client_us_per_op')):>7} {t.get('load1', '-'):>5}")
+                lines.append(f"{row:10} {rnd:>5} | " + " | ".join(" ".join(f"{cell(r or {}, k):>{w}}" for _, w, k in COLUMNS[n]) for n, r in zip(names, runs)))
     lines.append("\ntargets (best round of each):")
     for t in doc["targets"]:
-        lines.append(f"  [{t['flush']:5}] {'met   ' if t['met'] else 'MISSED'} {t['target']}: {t['measured']}")
+        lines.append(f"  [{t['flush']:5}] {verdict(t['met']):6} {t['target']}: {t['measured']}")
     return "\n".join(lines)
+
+
+def md_row(label: str, cells: list[str]) -> str:
+    return f"| {label} | " + " | ".join(cells) + " |"
+
+
+def rss_cell(name: str, r: dict[str, float], field: str) -> str:
+    """A server's memory in the conditions table: RocketMQ's name server + broker, txmq-workers' broker + workers; VmRSS with the broker alone."""
+    other = "namesrv" if name == "rocketmq" else "workers" if f"workers_{field}" in r else ""
+    if not other:
+        return str(r["broker_" + field])
+    return f"{r[f'{other}_{field}'] + r['broker_' + field]:.1f}" + (f" ({r['broker_' + field]})" if field == "VmRSS" else "")
 
 
 def markdown(doc: dict[str, Any]) -> str:
@@ -475,33 +607,38 @@ def markdown(doc: dict[str, Any]) -> str:
            f"TxBench: n = {doc['n']:,} per run after {doc['warmup']} warm-up, 128-byte bodies; rounds: {doc['rounds']}; RocketMQ broker heap {doc['heap']}.", ""]
     for sit in doc["sittings"]:
         f = sit["flush"]
-        out += [f"**{f} flush**", "", "| | RocketMQ 4.9.8 | txmq |", "| --- | ---: | ---: |"]
-        rq, tq = sit["servers"].get("rocketmq", {}), sit["servers"].get("txmq", {})
-        if rq and tq:
-            out.append(f"| time to ready, s (spawn → route answered; RocketMQ's own boot times) | {rq['ready_s']} ({rq['namesrv_boot_s']} + "
-                       f"{rq['broker_boot_s']}) | {tq['ready_s']} |")
+        names = [n for n in SERVERS if n in sit["servers"]] if "txmq-workers" in sit["servers"] else ["rocketmq", "txmq"]
+        out += [f"**{f} flush**", "", "| | " + " | ".join(MD_TITLES[n] for n in names) + " |", "| --- |" + " ---: |" * len(names)]
+        srv = {n: sit["servers"][n] for n in names if n in sit["servers"]}
+        if len(srv) == len(names) and len(names) > 1:
+            also = "txmq-workers" in srv  # the labels name what each server's cell sums
+            rss_label = "; ".join([*(["name server + broker (broker alone)"] if "rocketmq" in srv else []),
+                                   *(["with workers: broker + workers (broker alone)"] if also else [])])
+            hwm_label = "; ".join([*(["name server + broker"] if "rocketmq" in srv else []), *(["with workers: broker + workers"] if also else [])])
+            out.append(md_row("time to ready, s (spawn → route answered; RocketMQ's own boot times)",
+                              [f"{s['ready_s']} ({s['namesrv_boot_s']} + {s['broker_boot_s']})" if n == "rocketmq" else str(s["ready_s"]) for n, s in srv.items()]))
             for when, key in (("at ready", "rss_at_ready"), (f"after {doc['idle_s']:g} s idle", "rss_idle"), ("after the load", "rss_after_load")):
-                r, t = rq[key], tq[key]
-                out.append(f"| RSS MiB {when}: name server + broker (broker alone) | {r['namesrv_VmRSS'] + r['broker_VmRSS']:.1f} "
-                           f"({r['broker_VmRSS']}) | {t['broker_VmRSS']} |")
-            r, t = rq["rss_after_load"], tq["rss_after_load"]
-            out.append(f"| … of it RssAnon / RssFile, broker, after the load | {r['broker_RssAnon']} / {r['broker_RssFile']} | "
-                       f"{t['broker_RssAnon']} / {t['broker_RssFile']} |")
-            out.append(f"| peak (VmHWM) MiB: name server + broker | {r['namesrv_VmHWM'] + r['broker_VmHWM']:.1f} | {t['broker_VmHWM']} |")
-            out.append(f"| idle CPU, s per s | {rq['idle_cpu_per_s']} | {tq['idle_cpu_per_s']} |")
-            out.append(f"| load average (1 min) at boot | {rq['load1_at_start']} | {tq['load1_at_start']} |")
-        out += ["", "| row | round | RocketMQ /s | broker µs/op | client µs/op | load | txmq /s | broker µs/op | client µs/op | load |",
-                "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-        for row in ROWS:
+                out.append(md_row(f"RSS MiB {when}: {rss_label}",
+                                  [rss_cell(n, s[key], "VmRSS") for n, s in srv.items()]))
+            out.append(md_row("… of it RssAnon / RssFile, broker, after the load",
+                              [f"{s['rss_after_load']['broker_RssAnon']} / {s['rss_after_load']['broker_RssFile']}" for s in srv.values()]))
+            out.append(md_row(f"peak (VmHWM) MiB: {hwm_label}",
+                              [rss_cell(n, s["rss_after_load"], "VmHWM") for n, s in srv.items()]))
+            out.append(md_row("idle CPU, s per s" + ("; with workers: broker + workers" if also else ""), [str(s["idle_cpu_per_s"]) for s in srv.values()]))
+            out.append(md_row("load average (1 min) at boot", [str(s["load1_at_start"]) for s in srv.values()]))
+        names = [n for n in SERVERS if n in sit["servers"]] or ["rocketmq", "txmq"]
+        cols = [c for n in names for c in MD_COLUMNS[n]]
+        out += ["", "| row | round | " + " | ".join(h for h, _ in cols) + " |", "| --- |" + " ---: |" * (len(cols) + 1)]
+        for row_ in ROWS:
             for rnd in range(1, doc["rounds"] + 1):
                 cells = []
-                for name in SERVERS:
-                    r = next((x for x in sit["runs"] if x["round"] == rnd and x["row"] == row and x["server"] == name), {})
-                    cells += [num(r.get("rate")), num(r.get("broker_us_per_op")), num(r.get("client_us_per_op")), str(r.get("load1", "-"))]
-                out.append(f"| {LABELS[row]} | {rnd} | " + " | ".join(cells) + " |")
+                for name in names:
+                    r = next((x for x in sit["runs"] if x["round"] == rnd and x["row"] == row_ and x["server"] == name), {})
+                    cells += [cell(r, k) for _, k in MD_COLUMNS[name]]
+                out.append(f"| {LABELS[row_]} | {rnd} | " + " | ".join(cells) + " |")
         out.append("")
     out += ["| flush | target | measured (best round of each) | |", "| --- | --- | --- | --- |"]
-    out += [f"| {t['flush']} | {t['target']} | {t['measured']} | {'met' if t['met'] else '**missed**'} |" for t in doc["targets"]]
+    out += [f"| {t['flush']} | {t['target']} | {t['measured']} | {verdict(t['met'], md=True)} |" for t in doc["targets"]]
     return "\n".join(out)
 
 
@@ -515,8 +652,12 @@ def main() -> None:
     ap.add_argument("--heap", default="512m", help="RocketMQ broker heap (run.sh -H; the name server has 256m)")
     ap.add_argument("--idle", type=float, default=None, help="idle seconds after each boot, CPU sampled (default 10; --quick: 1)")
     ap.add_argument("--consume-timeout", type=float, default=120)
-    ap.add_argument("--servers", default="rocketmq,txmq", help="which to run (default both; one alone: no comparison)")
-    ap.add_argument("--profile", default="", help="rows (e.g. tx_32,sync_1) whose txmq runs py-spy samples; their figures carry its cost")
+    ap.add_argument("--servers", default="rocketmq,txmq",
+                    help="which to run, of rocketmq, txmq, txmq-workers (default rocketmq,txmq; one alone: no comparison)")
+    ap.add_argument("--workers", type=int, default=2, help="txmq-workers: its --frontend-processes (default 2)")
+    ap.add_argument("--profile", default="", help="rows (e.g. tx_32,sync_1) whose txmq runs py-spy samples (the broker process, also that of "
+                                                   "txmq-workers when run; --profile-server picks one); their figures carry its cost")
+    ap.add_argument("--profile-server", default="txmq,txmq-workers", help="with --profile: the txmq server(s) profiled (default both that run)")
     ap.add_argument("--native", action="store_true", help="with --profile: py-spy --native (C frames: uvloop, the store's extension; it pauses the broker per sample)")
     ap.add_argument("-o", "--output", default="table", choices=("table", "json", "md"))
     ap.add_argument("--from-json", type=Path, default=None, help="print a saved result (benchmarks/results/rocketmq_peer.json) as -o says; runs nothing")
@@ -527,8 +668,11 @@ def main() -> None:
         return
     a.servers = a.servers.split(",")
     a.profile = [r for r in a.profile.split(",") if r]
-    if not set(a.servers) <= set(SERVERS) or not set(a.profile) <= set(ROWS):
-        ap.error(f"--servers: {', '.join(SERVERS)}; --profile: {', '.join(ROWS)}")
+    a.profile_servers = [r for r in a.profile_server.split(",") if r]
+    if not a.servers or not set(a.servers) <= set(SERVERS) or not set(a.profile) <= set(ROWS) or not set(a.profile_servers) <= {"txmq", "txmq-workers"}:
+        ap.error(f"--servers: {', '.join(SERVERS)}; --profile: {', '.join(ROWS)}; --profile-server: txmq, txmq-workers")
+    if a.workers < 1:
+        ap.error("--workers: at least 1")
     a.flush = (a.flush or ("sync" if a.quick else "sync,async")).split(",")
     if not set(a.flush) <= {"sync", "async"}:
         ap.error("--flush: sync, async or both")
@@ -543,7 +687,7 @@ def main() -> None:
     peer = RocketMQPeer(home / "rocketmq")
     doc: dict[str, Any] = {"kind": "rocketmq_peer", "command": command_line(), "started": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                            "machine": machine_info(home), "n": a.n, "warmup": a.warmup, "rounds": a.rounds, "heap": a.heap,
-                           "idle_s": a.idle, "quick": a.quick, "nice": os.nice(0)}
+                           "idle_s": a.idle, "quick": a.quick, "nice": os.nice(0), **({"workers": a.workers} if "txmq-workers" in a.servers else {})}
     try:
         say("laying out the peer (setup.sh)")
         peer.prepare()
@@ -557,7 +701,7 @@ def main() -> None:
     doc["targets"] = targets(doc["sittings"])
     doc["load_avg_at_end"] = [round(x, 2) for x in os.getloadavg()]
     doc["took_s"] = round(time.perf_counter() - t0, 1)
-    if not a.quick and not a.profile and len(a.servers) == 2:
+    if not a.quick and not a.profile and {"rocketmq", "txmq"} <= set(a.servers):
         say(f"saved {save_result('rocketmq_peer', doc)}")
     print(json.dumps(doc, indent=2) if a.output == "json" else markdown(doc) if a.output == "md" else table(doc))
 

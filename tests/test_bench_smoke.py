@@ -126,11 +126,11 @@ def test_rocketmq_sdk_benchmark_runs_the_sdk_and_the_client_library_on_one_broke
 
 
 @pytest.mark.rocketmq_peer
-@pytest.mark.slow  # ~1-2 min: RocketMQ's two JVMs and a txmq broker boot, ten TxBench runs
+@pytest.mark.slow  # ~2 min: RocketMQ's two JVMs, a txmq broker and one with two front-end workers boot, fifteen TxBench runs
 @pytest.mark.timeout(1200)
-def test_rocketmq_peer_benchmark_runs_every_row_against_rocketmq_and_txmq():
-    p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "rocketmq_peer.py"), "--quick", "-o", "json"],
-                       capture_output=True, text=True, timeout=1100, cwd=REPO)  # an upper bound for a loaded machine
+def test_rocketmq_peer_benchmark_runs_every_row_against_rocketmq_txmq_and_txmq_with_workers(tmp_path):
+    p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "rocketmq_peer.py"), "--quick", "--servers", "rocketmq,txmq,txmq-workers",
+                        "--workers", "2", "-o", "json"], capture_output=True, text=True, timeout=1100, cwd=REPO)  # an upper bound for a loaded machine
     if p.returncode == 77:  # no peer, Java or jars here (what the rocketmq_peer fixture skips on)
         pytest.skip(p.stderr.strip()[-500:])
     assert p.returncode == 0, p.stderr[-3000:]
@@ -142,9 +142,25 @@ def test_rocketmq_peer_benchmark_runs_every_row_against_rocketmq_and_txmq():
         s = sit["servers"][name]
         assert s["ready_s"] > 0 and s["rss_after_load"]["broker_VmRSS"] > 0, (name, s)
     assert sit["servers"]["rocketmq"]["rss_after_load"]["namesrv_VmRSS"] > 0
+    w = sit["servers"]["txmq-workers"]
+    assert w["workers"] == 2 and w["ready_s"] > 0 and w["rss_after_load"]["workers_VmRSS"] > 0, w
     rows = {(r["server"], r["row"]): r for r in sit["runs"]}
-    assert set(rows) == {(s, row) for s in ("rocketmq", "txmq") for row in ("tx_1", "tx_32", "sync_1", "sync_32", "consume")}
+    assert set(rows) == {(s, row) for s in ("rocketmq", "txmq", "txmq-workers") for row in ("tx_1", "tx_32", "sync_1", "sync_32", "consume")}
     for key, r in rows.items():
         assert r["rate"] > 0 and r["broker_us_per_op"] >= 0, (key, r)  # CPU is counted in 10 ms ticks: a quick consume may show none
-    assert rows[("txmq", "consume")]["distinct"] == res["n"] + res["warmup"]
-    assert {t["flush"] for t in res["targets"]} == {"sync"} and len(res["targets"]) == 12
+    assert "namesrv_us_per_op" in rows[("rocketmq", "tx_1")] and "namesrv_us_per_op" not in rows[("txmq-workers", "tx_1")]
+    for row in ("tx_1", "tx_32", "sync_1", "sync_32"):  # the broker process and its workers, each counted once
+        r = rows[("txmq-workers", row)]
+        assert r["owner_us_per_op"] > 0 and r["workers_us_per_op"] >= 0, r
+        assert abs(r["broker_us_per_op"] - r["owner_us_per_op"] - r["workers_us_per_op"]) <= 0.2, r
+    for s in ("txmq", "txmq-workers"):
+        assert rows[(s, "consume")]["distinct"] == res["n"] + res["warmup"]
+    assert set(sit["summary"]["rows"]["tx_32"]) >= {"rate_ratio", "workers_rate_ratio", "owner_us_per_op"}
+    assert {t["flush"] for t in res["targets"]} == {"sync"} and len(res["targets"]) == 14
+    assert [t["met"] for t in res["targets"] if "workers" in t["target"]][1] is None  # the broker process's CPU: for information
+    saved = tmp_path / "rocketmq_peer.json"
+    saved.write_text(p.stdout)
+    for fmt, title in (("md", "txmq with workers /s"), ("table", "txmq-workers/s")):
+        out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "rocketmq_peer.py"), "--from-json", str(saved), "-o", fmt],
+                             capture_output=True, text=True, timeout=120, cwd=REPO)
+        assert out.returncode == 0 and title in out.stdout, out.stderr[-2000:]
