@@ -176,3 +176,35 @@ def test_a_killed_worker_loses_no_acknowledged_remoting_transaction_and_its_clie
         stop.set()
         thread.join(60)
         b.stop()
+
+
+def test_sigterm_answers_a_suspended_pull_through_its_worker_before_the_connection_closes(tmp_path):
+    rport = free_port()
+    b = start_broker(tmp_path, "--remoting-port", str(rport), "--frontend-processes", "2")
+    address = f"127.0.0.1:{rport}"
+
+    async def go() -> tuple[int, bool, float]:
+        c = await RemotingClient.connect(address)
+        try:
+            assert (await c.send("WDrain", b"first", queue_id=0)).code == SUCCESS
+            waiting = asyncio.ensure_future(c.pull("dg", "WDrain", 0, 1, suspend_ms=60_000))  # nothing new: it waits
+            await asyncio.sleep(0.5)  # the pull reached the broker and was suspended (a later SIGTERM only answers it sooner)
+            t0 = time.monotonic()
+            os.kill(b.pid, signal.SIGTERM)
+            r = await asyncio.wait_for(waiting, 30)
+            answered_after = time.monotonic() - t0
+            await asyncio.wait_for(c.closed.wait(), 30)  # then the worker closes the connection
+            return r.code, c.closed.is_set(), answered_after
+        finally:
+            await c.close()
+
+    try:
+        code, closed, after = asyncio.run(go())
+        # the long poll is answered at the drain (no new message: PULL_NOT_FOUND/NO_NEW_MSG), not reset by the worker's end
+        assert code in (19, 20), code
+        assert closed and after < 30
+        assert b.proc.wait(30) == 0
+        log = b.log.read_text()  # the workers drained before the store closed
+        assert log.index("event=worker_draining") < log.index("event=shutdown_done"), log[-2000:]
+    finally:
+        b.stop()
