@@ -531,3 +531,56 @@ def test_a_start_removes_the_channel_directories_of_killed_brokers_and_keeps_a_l
     path = asyncio.run(go())
     assert path.startswith(str(tmp_path / f"{DIR_PREFIX}{os.getpid()}-"))
     assert not left.exists() and live.exists() and other.exists()
+
+
+class _GrpcContext:
+    """The few methods of grpc.aio's servicer context a worker's relayed handler uses; gRPC's end of the RPC by hand."""
+
+    def __init__(self) -> None:
+        self.done_callbacks: list = []
+
+    def invocation_metadata(self):
+        return ()
+
+    def peer(self) -> str:
+        return "ipv4:127.0.0.1:5000"
+
+    def time_remaining(self):
+        return None
+
+    def add_done_callback(self, fn) -> None:
+        self.done_callbacks.append(fn)
+
+    def end(self) -> None:
+        for fn in self.done_callbacks:
+            fn(self)
+
+
+def test_a_worker_tells_the_broker_once_when_grpc_ends_a_stream_whose_generator_is_held():
+    """A client that cancels while gRPC holds a response back ends the RPC outside the handler's generator: the
+    worker's CANCEL must not wait for the generator to be collected."""
+    from txmq.broker.workers.worker import Worker
+
+    async def go():
+        w = Worker({"index": 0}, "tok")
+        sent: list[list] = []
+        w.send = sent.append  # type: ignore[method-assign]
+        ctx = _GrpcContext()
+        gen = w.server_stream("Receive")(b"req", ctx)
+        first = asyncio.ensure_future(gen.__anext__())  # the CALL goes out; it waits for the broker's first WRITE
+        await asyncio.sleep(0)
+        call_id = sent[0][1]
+        ctx.end()  # gRPC ends the RPC (the client cancelled); the generator is still held, suspended
+        after_end = list(sent)
+        first.cancel()
+        try:
+            await first
+        except asyncio.CancelledError:
+            pass
+        await gen.aclose()
+        return call_id, after_end, sent, w.calls
+
+    call_id, after_end, sent, calls = asyncio.run(go())
+    assert after_end[0][0] == CALL and after_end[1:] == [[CANCEL, call_id]]
+    assert sent == after_end  # the generator's own end later sends no second CANCEL
+    assert not calls

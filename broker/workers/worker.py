@@ -283,6 +283,7 @@ class Worker:
             cid = next(self.ids)
             stream = _Stream()
             self.calls[cid] = stream.q
+            self._on_done(context, cid, stream)
             self.send([CALL, cid, method, _metadata(context), context.peer() or "", context.time_remaining(), request])
             try:
                 while (item := await stream.next(context)) is not None:
@@ -298,6 +299,7 @@ class Worker:
             cid = next(self.ids)
             stream = _Stream()
             self.calls[cid] = stream.q
+            self._on_done(context, cid, stream)
             self.send([OPEN, cid, method, _metadata(context), context.peer() or "", context.time_remaining()])
 
             async def pump() -> None:
@@ -324,10 +326,20 @@ class Worker:
         return call
 
     def _end(self, cid: int, stream: _Stream) -> None:
-        """A stream's call is over: the broker is told if it did not end it itself (the client went away)."""
+        """A stream's call is over: the broker is told if it did not end it itself (the client went away). Once."""
+        if self.calls.pop(cid, None) is None:
+            return
         if not stream.ended:
             self.send([CANCEL, cid])
-        self.calls.pop(cid, None)
+
+    def _on_done(self, context: Any, cid: int, stream: _Stream) -> None:
+        """End the stream's call when gRPC ends the RPC, too: a client that cancels while gRPC holds a response back
+        (its flow-control window is full) cancels the handler's task outside the generator, whose ``finally`` then
+        runs only when the generator is collected (later, if a traceback's reference cycle holds it)."""
+        try:
+            context.add_done_callback(lambda _ctx: self._end(cid, stream))
+        except (AttributeError, NotImplementedError):  # a context without it: the generator's finally is the only end
+            pass
 
     # ---- life ------------------------------------------------------------------------------------
     async def run(self) -> int:
