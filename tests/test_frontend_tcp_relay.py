@@ -612,3 +612,21 @@ def test_a_send_after_shut_write_does_not_end_the_workers_channel():
 
     raised, calls = asyncio.run(go())
     assert raised is None and "abort" not in calls
+
+
+def test_busy_polling_is_armed_for_a_lone_relayed_connection_only():
+    async def go():
+        w, sent = _worker()
+        armed: list[int] = []
+        w.arm = lambda: armed.append(len(w.conns))  # type: ignore[method-assign]
+        a, _ = _connect(w)
+        a.data_received(b"request")
+        w._tcp_frame(SEND, [SEND, a.conn, b"answer"])
+        lone = len(armed)
+        b, _ = _connect(w)
+        a.data_received(b"request")
+        w._tcp_frame(SEND, [SEND, b.conn, b"answer"])
+        return lone, armed
+
+    lone, armed = asyncio.run(go())
+    assert lone == 2 and armed == [1, 1]  # the request and the answer of the lone client; nothing once there are two

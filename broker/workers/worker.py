@@ -118,8 +118,11 @@ class TcpRelay(asyncio.Protocol):
             self.set_paused()
 
     def data_received(self, data: bytes) -> None:
-        if self.conn in self.worker.conns:
-            self.worker.send([BYTES, self.conn, data])
+        w = self.worker
+        if self.conn in w.conns:
+            w.send([BYTES, self.conn, data])
+            if w.arm is not None and len(w.conns) == 1:  # a lone client's request: its answer finds a CPU awake
+                w.arm()
 
     def eof_received(self) -> bool:
         return False  # the client's half-close ends the connection, as it does in the broker's own transports
@@ -216,6 +219,8 @@ class Worker:
         try:
             if kind == SEND:
                 t.write(f[2])
+                if self.arm is not None and len(self.conns) == 1:  # a lone client's answer: its next request comes soon
+                    self.arm()
             elif kind == SHUT:
                 t.close()
             elif kind == HOLD or kind == READ:
