@@ -58,6 +58,23 @@ def proc_status(pid: int, key: str) -> float:
     return 0.0
 
 
+def child_pids(pid: int) -> list[int]:
+    """Live child processes of pid (/proc/PID/task/*/children; a scan of /proc where the kernel lacks it)."""
+    try:
+        return sorted({int(c) for t in Path(f"/proc/{pid}/task").iterdir() for c in (t / "children").read_text().split()})
+    except (OSError, ValueError):
+        pass
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    out.append(int(d.name))
+            except (OSError, IndexError, ValueError):
+                continue
+    return out
+
+
 def cpu_seconds(pid: int, tid: int | None = None) -> float:
     """User + system CPU seconds of a process (and its reaped children: none here), or of its thread tid."""
     return sum(cpu_times(pid, tid))

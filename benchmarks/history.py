@@ -83,7 +83,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import report  # noqa: E402
-from benchlib import BrokerProc, command_line, data_disk_dir, machine_info, proc_status, save_result, txmq_bench  # noqa: E402
+from benchlib import BrokerProc, child_pids, command_line, data_disk_dir, machine_info, proc_status, save_result, txmq_bench  # noqa: E402
 from restart import GROUP, TOPIC, TX_BODY, _transactions  # noqa: E402
 
 from txmq import wire  # noqa: E402
@@ -341,19 +341,6 @@ def start(data_dir: Path, log_path: Path, case: str, timeout: float, settle: flo
     return b, res
 
 
-def children(pid: int) -> list[int]:
-    """Live child processes of pid (the broker forks none any more: a guard that the kill leaves nothing running)."""
-    out = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                if int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                    out.append(int(d.name))
-            except (OSError, IndexError, ValueError):
-                continue
-    return out
-
-
 def _running(pid: int) -> bool:
     """Does pid still run? (A zombie does not: an orphan may wait long to be reaped.)"""
     try:
@@ -386,7 +373,7 @@ def kill(b: BrokerProc, timeout: float) -> int:
     Returns how many there were.
     """
     assert b.proc is not None
-    kids = children(b.pid)
+    kids = child_pids(b.pid)
     b.proc.kill()
     b.proc.wait()
     deadline = time.perf_counter() + timeout

@@ -68,7 +68,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
 
-from benchlib import BrokerProc, command_line, cpu_seconds, data_disk_dir, free_port, machine_info, proc_status, save_result  # noqa: E402
+from benchlib import BrokerProc, child_pids, command_line, cpu_seconds, data_disk_dir, free_port, machine_info, proc_status, save_result  # noqa: E402
 from rocketmq_peer import PeerUnavailable, RocketMQPeer  # noqa: E402
 
 ROWS = ("tx_1", "tx_32", "sync_1", "sync_32", "consume")
@@ -236,23 +236,6 @@ class Txmq:
 
     def stop(self) -> None:
         self.proc.stop()
-
-
-def child_pids(pid: int) -> list[int]:
-    """Live child processes of pid (/proc/PID/task/*/children; a scan of /proc where the kernel lacks it)."""
-    try:
-        return sorted({int(c) for t in Path(f"/proc/{pid}/task").iterdir() for c in (t / "children").read_text().split()})
-    except (OSError, ValueError):
-        pass
-    out = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                if int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                    out.append(int(d.name))
-            except (OSError, IndexError, ValueError):
-                continue
-    return out
 
 
 class TxmqWorkers(Txmq):

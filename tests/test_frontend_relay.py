@@ -40,6 +40,14 @@ class Script:
             self.got.extend(self.unpacker)
         return self.got.pop(0)
 
+    async def until(self, last: list) -> list[list]:
+        """Every frame up to and including ``last``."""
+        frames = []
+        while True:
+            frames.append(await self.next())
+            if frames[-1] == last:
+                return frames
+
 
 def _identity(b: bytes) -> bytes:
     return b

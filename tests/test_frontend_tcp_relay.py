@@ -19,56 +19,14 @@ import pytest
 
 from txmq.broker.workers.pool import TcpService, WorkerPool
 from txmq.broker.workers.relay import (ABORT, ACCEPTED, BYTES, CALL, CLOSED, HELLO, HOLD, LIMITS, PAUSED, READ, RESET, RESUMED, SEND,
-                                       SHUT, SHUT_WRITE, FrameProtocol, unpacker)
+                                       SHUT, SHUT_WRITE, FrameProtocol)
+from test_frontend_relay import Script, _close, _Spawned
 from txmq.broker.workers.worker import TcpRelay, Worker
 
 pytestmark = pytest.mark.timeout(30)
 
 
 # ---- the owner's side ----------------------------------------------------------------------------------
-
-
-class Script:
-    """A fake worker's end of the channel: frames out, frames in (in order)."""
-
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader, self.writer = reader, writer
-        self.unpacker = unpacker()
-        self.got: list[list] = []
-
-    def send(self, *frames: list) -> None:
-        self.writer.write(b"".join(msgpack.packb(f, use_bin_type=True) for f in frames))
-
-    async def next(self, timeout: float = 5.0) -> list:
-        while not self.got:
-            data = await asyncio.wait_for(self.reader.read(65536), timeout)
-            if not data:
-                raise EOFError("the pool closed the channel")
-            self.unpacker.feed(data)
-            self.got.extend(self.unpacker)
-        return self.got.pop(0)
-
-    async def until(self, last: list) -> list[list]:
-        """Every frame up to and including ``last``."""
-        frames = []
-        while True:
-            frames.append(await self.next())
-            if frames[-1] == last:
-                return frames
-
-
-class _Spawned:
-    """What the pool takes for its worker's process: this process's pid (the hello must name it)."""
-
-    def __init__(self) -> None:
-        self.pid = os.getpid()
-        self.returncode: int | None = None
-
-    def send_signal(self, sig: int) -> None:
-        self.returncode = -sig
-
-    async def wait(self) -> int | None:
-        return self.returncode
 
 
 class Recorder(asyncio.Protocol):
@@ -130,13 +88,6 @@ async def _tcp_pool(*factories: Callable[[], asyncio.Protocol]) -> tuple[WorkerP
     script.send([HELLO, 0, os.getpid(), pool.token])
     await _until(lambda: pool.slots[0].link is not None, "the hello")
     return pool, script
-
-
-async def _close(pool: WorkerPool, script: Script) -> None:
-    script.writer.close()
-    pool.slots[0].process = None
-    await pool.stop()
-    await pool.close()
 
 
 async def _until(cond: Callable[[], Any], what: str, timeout: float = 5.0) -> None:

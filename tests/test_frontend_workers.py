@@ -50,6 +50,17 @@ def _wait(pred, seconds: float, step: float = 0.02):
     return pred()
 
 
+def kill_worker(b, victim: int) -> float:
+    """SIGKILL worker ``victim`` of broker b; the seconds until a new process of that slot was up."""
+    before = {r["worker"]: r["pid"] for r in _workers(b)}
+    t0 = time.monotonic()
+    os.kill(before[victim], signal.SIGKILL)
+    back = _wait(lambda: [r for r in _workers(b) if r["worker"] == victim and r["alive"] and r["pid"] != before[victim]], 10)
+    took = time.monotonic() - t0
+    assert back, f"worker {victim} was not started again: {_workers(b)}"
+    return took
+
+
 def test_sdk_transactions_with_check_backs_go_through_workers_and_status_stats_and_metrics_show_the_workers(sdk_python, tmp_path):
     metrics_port = free_port()
     b, endpoint = start_rocketmq_broker(tmp_path, "--frontend-processes", "2", "--metrics-port", str(metrics_port))
@@ -102,13 +113,7 @@ def test_a_killed_worker_is_started_again_at_once_and_acknowledged_transactions_
             restarts_s = []
             time.sleep(3)
             for cycle in range(3):
-                before = {r["worker"]: r["pid"] for r in _workers(b)}
-                victim = cycle % 2
-                t0 = time.monotonic()
-                os.kill(before[victim], signal.SIGKILL)
-                back = _wait(lambda: [r for r in _workers(b) if r["worker"] == victim and r["alive"] and r["pid"] != before[victim]], 10)
-                restarts_s.append(time.monotonic() - t0)
-                assert back, f"worker {victim} was not started again: {_workers(b)}"
+                restarts_s.append(kill_worker(b, cycle % 2))
                 time.sleep(2)
             r = load.result()
         assert r["committed"], f"the load made no transaction: {r}"

@@ -18,26 +18,13 @@ import uuid
 import pytest
 
 from brokerproc import free_port
-from clihelpers import err, lines, ok, one, start_broker, txmq
+from clihelpers import err, lines, ok, start_broker, txmq
 from remotingwire import CHECK_TRANSACTION_STATE, COMMIT, HEART_BEAT, RemotingClient
+from test_frontend_workers import _wait, _workers, kill_worker
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 SUCCESS, SYSTEM_BUSY = 0, 2
-
-
-def _workers(b) -> list[dict]:
-    return one(txmq("broker", "status", "-o", "json", broker=b.address))["frontend_workers"]
-
-
-def _wait(pred, seconds: float, step: float = 0.02):
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        got = pred()
-        if got:
-            return got
-        time.sleep(step)
-    return pred()
 
 
 def _read(b, topic: str) -> list[str]:
@@ -151,13 +138,7 @@ def test_a_killed_worker_loses_no_acknowledged_remoting_transaction_and_its_clie
     try:
         assert _wait(lambda: len(committed) > 50, 30), f"no load: {errors[:5]}"
         for cycle in range(3):
-            before = {r["worker"]: r["pid"] for r in _workers(b)}
-            victim = cycle % 2
-            t0 = time.monotonic()
-            os.kill(before[victim], signal.SIGKILL)
-            back = _wait(lambda: [r for r in _workers(b) if r["worker"] == victim and r["alive"] and r["pid"] != before[victim]], 10)
-            restarts_s.append(time.monotonic() - t0)
-            assert back, f"worker {victim} was not started again: {_workers(b)}"
+            restarts_s.append(kill_worker(b, cycle % 2))
             seen = len(committed)
             assert _wait(lambda: len(committed) > seen + 20, 30), f"the clients did not get going again: {errors[-5:]}"
         stop.set()
