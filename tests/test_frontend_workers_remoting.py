@@ -18,7 +18,7 @@ import uuid
 import pytest
 
 from brokerproc import free_port
-from clihelpers import err, lines, ok, start_broker, txmq
+from clihelpers import err, lines, ok, out, start_broker, txmq
 from remotingwire import CHECK_TRANSACTION_STATE, COMMIT, HEART_BEAT, RemotingClient
 from test_frontend_workers import _wait, _workers, kill_worker
 
@@ -170,6 +170,8 @@ def test_sigterm_answers_a_suspended_pull_through_its_worker_before_the_connecti
             assert (await c.send("WDrain", b"first", queue_id=0)).code == SUCCESS
             waiting = asyncio.ensure_future(c.pull("dg", "WDrain", 0, 1, suspend_ms=60_000))  # nothing new: it waits
             await asyncio.sleep(0.5)  # the pull reached the broker and was suspended (a later SIGTERM only answers it sooner)
+            table = out(ok(txmq("broker", "status", "-o", "table", broker=b.address, subprocess_=True)))
+            assert "2 of 2 up (pids" in table and "1 remoting connection" in table, table
             t0 = time.monotonic()
             os.kill(b.pid, signal.SIGTERM)
             r = await asyncio.wait_for(waiting, 30)

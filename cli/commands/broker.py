@@ -225,12 +225,14 @@ def _run_broker(config: BrokerConfig) -> None:
 
 
 def _workers(rows: list | None) -> str:
-    """2 up (pids 6180 6181), 1 restart"""
+    """2 of 2 up (pids 6180 6181), 3 remoting connections, 1 restart"""
     if not rows:
         return "-"
     up = [r for r in rows if r.get("alive")]
     restarts = sum(r.get("restarts", 0) for r in rows)
     text = f"{len(up)} of {len(rows)} up (pids {' '.join(str(r['pid']) for r in up)})" if up else f"0 of {len(rows)} up"
+    conns = sum(r.get("connections") or 0 for r in rows)  # remoting connections they hold (absent: an older broker)
+    text += f", {conns} remoting connection{'s' if conns != 1 else ''}" if conns else ""
     return text + (f", {restarts} restart{'s' if restarts != 1 else ''}" if restarts else "")
 
 
