@@ -401,3 +401,17 @@ def test_bad_header_fields_are_invalid_parameter_and_reach_no_service(code, ext,
 # ---- what the front end takes of the broker ---------------------------------------------------------------------
 def test_the_tx_types_the_stored_message_encoding_writes_are_the_stores():
     assert (messages.TX_NORMAL, messages.TX_PREPARED, messages.TX_COMMIT) == (TxType.NORMAL, TxType.PREPARED, TxType.COMMIT)
+
+
+def test_a_json_header_is_written_with_its_keys_in_the_order_rocketmqs_fastjson_writes_them():
+    """Apache's Java client (fastjson) reads a header in sorted key order on its fast path; any other order takes a
+    reflective slow path its JIT then compiles."""
+    import struct
+
+    for remark in ("", "why"):
+        frame = p.encode(p.response(req(p.SEND_MESSAGE, {}), p.SUCCESS, ext={"msgId": "X", "queueId": "1"}, remark=remark))
+        (_, mark) = struct.unpack_from(">ii", frame)
+        header = frame[8 : 8 + (mark & 0xFFFFFF)]
+        keys = [k for k, _ in json.loads(header, object_pairs_hook=lambda pairs: pairs)]
+        assert keys == sorted(keys) and {"code", "extFields", "flag", "language", "opaque", "serializeTypeCurrentRPC", "version"} <= set(keys)
+        assert ("remark" in keys) == bool(remark)
