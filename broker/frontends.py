@@ -55,8 +55,9 @@ async def bind_frontends(broker: Broker) -> None:
         if workers and (grpc_frontend is not None or remoting is not None):
             broker.own(await _worker_pool(broker, grpc_frontend, remoting, workers))
     except BaseException:
-        for frontend in broker.frontends:
+        for frontend in broker.frontends:  # none of them started: each lets go of what it bound or reserved
             await frontend.stop()
+            await frontend.close()
         raise
 
 

@@ -18,10 +18,11 @@ import msgpack
 import pytest
 
 from txmq.broker.workers.pool import TcpService, WorkerPool
-from txmq.broker.workers.relay import (ABORT, ACCEPTED, BYTES, CALL, CLOSED, HELLO, HOLD, LIMITS, PAUSED, READ, RESET, RESUMED, SEND,
-                                       SHUT, SHUT_WRITE, FrameProtocol)
-from test_frontend_relay import Script, _close, _Spawned
+from txmq.broker.workers.relay import (ABORT, ACCEPTED, BYTES, CALL, CLOSED, HELLO, HOLD, LIMITS, READ, RESET, SEND,
+                                       SHUT, SHUT_WRITE, WRITTEN, FrameProtocol)
 from txmq.broker.workers.worker import TcpRelay, Worker
+
+from test_frontend_relay import Script, _close, _Spawned
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -161,7 +162,7 @@ def test_what_the_protocol_asks_of_its_transport_goes_to_the_worker_as_frames_on
         return frames, reading_when_held, closing, t.is_reading()
 
     frames, reading_when_held, closing, reading_after_close = asyncio.run(go())
-    assert frames == [[SEND, 1, b"a"], [SEND, 1, b"b"], [SEND, 1, b"cde"], [HOLD, 1], [READ, 1], [HOLD, 1], [SHUT_WRITE, 1],
+    assert frames == [[SEND, 1, b"a"], [SEND, 1, b"b"], [SEND, 1, b"c"], [SEND, 1, b"d"], [SEND, 1, b"e"], [HOLD, 1], [READ, 1], [HOLD, 1], [SHUT_WRITE, 1],
                       [LIMITS, 1, 65536, 16384], [SHUT, 1], [SEND, 2, b"late"], [SHUT, 2], [SEND, 3, b"sentinel"]]
     assert not reading_when_held and closing and not reading_after_close
 
@@ -175,7 +176,7 @@ def test_bytes_after_close_are_not_delivered_and_closed_ends_the_connection_once
         made[0].transport.close()
         w.send([BYTES, 1, b"after"], [BYTES, 2, b"mark"])  # the worker had read these before it saw SHUT
         await _until(lambda: made[1].data, "the mark")
-        w.send([CLOSED, 1, None], [CLOSED, 1, None], [BYTES, 1, b"gone"], [PAUSED, 1], [BYTES, 2, b"mark2"])
+        w.send([CLOSED, 1, None], [CLOSED, 1, None], [BYTES, 1, b"gone"], [WRITTEN, 1, 5], [BYTES, 2, b"mark2"])
         await _until(lambda: len(made[1].data) == 2, "the second mark")
         link = pool.slots[0].link
         conns = set(link.conns)
@@ -223,18 +224,60 @@ def test_closed_with_a_reason_is_a_connection_reset_that_carries_it():
     p.transport.write(b"x")  # after the end: a no-op, not an error
 
 
-def test_the_workers_paused_and_resumed_reach_the_protocols_pause_writing_and_resume_writing():
+def test_writes_past_the_high_mark_pause_the_protocol_at_once_and_the_workers_acknowledgements_resume_it():
+    """What the owner sent and the worker has not acknowledged is the transport's write buffer: a client that never reads
+    (or a stalled worker) stops its protocol at the high mark, inside write, as an asyncio transport would."""
+
     async def go():
         made: list[Recorder] = []
         pool, w = await _tcp_pool(_factory(made))
-        w.send([ACCEPTED, 1, 0, PEER, LOCAL], [PAUSED, 1], [RESUMED, 1], [PAUSED, 1], [PAUSED, 77], [RESUMED, 77], [BYTES, 1, b"mark"])
-        await _until(lambda: made and made[0].data, "the mark")
+        w.send([ACCEPTED, 1, 0, PEER, LOCAL])
+        await _until(lambda: made, "the connection")
+        p, t = made[0], made[0].transport
+        t.set_write_buffer_limits(high=100, low=40)
+        t.write(b"x" * 60)
+        after_60 = list(p.events), t.get_write_buffer_size()
+        t.writelines([b"y" * 30, b"z" * 30])  # 120 > 100: paused inside the call, before it returns
+        after_120 = list(p.events), t.get_write_buffer_size()
+        w.send([WRITTEN, 1, 60], [WRITTEN, 77, 500], [BYTES, 1, b"mark"])  # 60 left: over the low mark, still paused
+        await _until(lambda: p.data, "the mark")
+        still = list(p.events)
+        w.send([WRITTEN, 1, 20], [BYTES, 1, b"mark2"])  # 40: resumed
+        await _until(lambda: len(p.data) == 2, "the second mark")
+        frames = await w.until([SEND, 1, b"z" * 30])
         await _close(pool, w)
-        return made[0]
+        return after_60, after_120, still, p.events, t.get_write_buffer_size(), frames
 
-    p = asyncio.run(go())
-    assert p.events[:4] == [("made",), ("pause_writing",), ("resume_writing",), ("pause_writing",)]
-    assert p.events[4] == ("data", b"mark")  # a frame for an id that is not open is dropped
+    after_60, after_120, still, events, left, frames = asyncio.run(go())
+    assert after_60 == ([("made",)], 60)
+    assert after_120 == ([("made",), ("pause_writing",)], 120)
+    assert still == [("made",), ("pause_writing",), ("data", b"mark")]  # an acknowledgement for an id not open is dropped
+    assert events[3:5] == [("resume_writing",), ("data", b"mark2")] and left == 40
+    assert [SEND, 1, b"y" * 30] in frames  # writelines: each buffer its own frame, none joined
+
+
+def test_a_worker_acknowledges_what_the_clients_socket_took_once_per_turn_and_nothing_while_it_is_full():
+    async def go():
+        w, sent = _worker()
+        a, t = _connect(w)
+        sent.clear()
+        w._tcp_frame(SEND, [SEND, a.conn, b"abc"])
+        w._tcp_frame(SEND, [SEND, a.conn, b"de"])
+        await asyncio.sleep(0)
+        one_turn = list(sent)
+        sent.clear()
+        a.pause_writing()  # the client does not read: its socket buffer is over the limit
+        w._tcp_frame(SEND, [SEND, a.conn, b"fgh"])
+        await asyncio.sleep(0)
+        while_full = list(sent)
+        a.resume_writing()
+        await asyncio.sleep(0)
+        return one_turn, while_full, list(sent)
+
+    one_turn, while_full, drained = asyncio.run(go())
+    assert one_turn == [[WRITTEN, 1, 5]]
+    assert while_full == []
+    assert drained == [[WRITTEN, 1, 3]]
 
 
 def test_the_workers_channel_closing_ends_every_open_connection_once_with_a_connection_reset():
@@ -581,3 +624,26 @@ def test_busy_polling_is_armed_for_a_lone_relayed_connection_only():
 
     lone, armed = asyncio.run(go())
     assert lone == 2 and armed == [1, 1]  # the request and the answer of the lone client; nothing once there are two
+
+
+def test_a_port_held_for_the_workers_lets_in_their_listeners_and_refuses_any_other_even_with_so_reuseaddr():
+    import socket
+
+    from txmq.broker.ports import hold_port
+
+    held = hold_port(socket.AF_INET, ("127.0.0.1", 0), OSError)
+    port = held.getsockname()[1]
+    try:
+        other = socket.socket()
+        other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as a second broker's listener binds
+        with other, pytest.raises(OSError):
+            other.bind(("127.0.0.1", port))
+            other.listen(1)
+        worker = socket.socket()
+        worker.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        worker.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        with worker:
+            worker.bind(("127.0.0.1", port))
+            worker.listen(1)
+    finally:
+        held.close()

@@ -11,9 +11,11 @@ import asyncio
 import itertools
 import os
 import signal
+import socket
 import threading
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -191,3 +193,50 @@ def test_sigterm_answers_a_suspended_pull_through_its_worker_before_the_connecti
         assert log.index("event=worker_draining") < log.index("event=shutdown_done"), log[-2000:]
     finally:
         b.stop()
+
+
+def _rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def test_a_client_that_never_reads_holds_the_broker_and_its_worker_to_a_bounded_buffer(tmp_path):
+    """2,000 pipelined VIEW_MESSAGE_BY_ID requests for a 1 MiB message, answers never read: in one process the
+    socket's buffer pauses the connection after a few MiB; through a worker the answers the worker has not handed to
+    the client's socket count as that buffer (2 GB of answers would otherwise pile up in the broker and the worker)."""
+    from remotingwire import VIEW_MESSAGE_BY_ID, Cmd, encode, offset_of
+
+    rport = free_port()
+    b = start_broker(tmp_path, "--remoting-port", str(rport), "--frontend-processes", "1")
+    address = f"127.0.0.1:{rport}"
+    worker = _workers(b)[0]["pid"]
+
+    async def go() -> tuple[float, float]:
+        c = await RemotingClient.connect(address)
+        big = await c.send("WFlood", os.urandom(1 << 20), queue_id=0)
+        assert big.code == SUCCESS, big.remark
+        before = _rss_mib(b.pid) + _rss_mib(worker)
+        raw = socket.create_connection(("127.0.0.1", rport))
+        raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+        frames = b"".join(encode(Cmd(VIEW_MESSAGE_BY_ID, i + 1, 0, {"offset": str(offset_of(big.ext["msgId"]))})) for i in range(2000))
+        raw.setblocking(False)
+        loop = asyncio.get_running_loop()
+        await loop.sock_sendall(raw, frames)
+        peak = before
+        for _ in range(40):  # 4 s of the broker answering what it can
+            await asyncio.sleep(0.1)
+            peak = max(peak, _rss_mib(b.pid) + _rss_mib(worker))
+        # the broker still serves others meanwhile
+        assert (await c.send("WFlood", b"small", queue_id=1)).code == SUCCESS
+        raw.close()
+        await c.close()
+        return before, peak
+
+    try:
+        before, peak = asyncio.run(go())
+        print(f"broker + worker RSS {before:.0f} MiB before, {peak:.0f} MiB at most while flooded")
+        assert peak - before < 300, (before, peak)
+    finally:
+        assert b.stop() == 0

@@ -48,6 +48,7 @@ from hashlib import sha1
 from typing import TYPE_CHECKING, Any
 
 from ..connlimits import LimitCounters, LimitedConnection, LogThrottle
+from ..ports import hold_port
 from txmq.wire import ErrorCode
 
 from ..messaging import CheckBack
@@ -130,10 +131,12 @@ class RemotingFrontend:
         if self.relayed:  # the ports were free: from now on held for the workers, which listen beside these
             socks = [s for s in (sock, vip) if s is not None]
             try:
-                self.reservations = [_reserve(cfg.host, s) for s in socks]
+                for s in socks:
+                    self.reservations.append(_reserve(cfg.host, s))
             except BindError:
                 for r in self.reservations:
                     r.close()
+                self.reservations = []
                 raise
             finally:
                 for s in socks:
@@ -498,16 +501,9 @@ def _reserve(host: str, listening: socket.socket) -> socket.socket:
     refused the port, as it would be by a listener.
     """
     addr = listening.getsockname()
-    sock = socket.socket(listening.family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        listening.close()  # the port was free a moment ago; this takes it back at once
-        sock.bind(addr[:2] if listening.family == socket.AF_INET else addr)
-    except OSError as exc:
-        sock.close()
-        raise BindError(f"cannot hold {host}:{addr[1]} for the front-end workers: {exc.strerror or exc}") from None
-    return sock
+    listening.close()  # the port was free a moment ago; this takes it back at once
+    return hold_port(listening.family, addr if listening.family != socket.AF_INET else addr[:2],
+                     lambda why: BindError(f"cannot hold {host}:{addr[1]} for the front-end workers: {why}"))
 
 
 def pull_cost(cmd: p.Command) -> int:

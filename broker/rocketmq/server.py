@@ -50,6 +50,7 @@ import grpc
 from grpc import aio
 
 from ..messaging import StoreError
+from ..ports import hold_port
 from txmq.wire import TxmqError
 
 from .clients import TelemetryStream, write_command
@@ -532,14 +533,7 @@ def reserve_port(host: str, port: int, address: str) -> tuple[socket.socket, int
         info = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
     except socket.gaierror as exc:
         raise BindError(f"cannot listen on {address} (--rocketmq-port): {exc.strerror or exc}") from None
-    sock = socket.socket(info[0], info[1], info[2])
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        sock.bind(info[4])
-    except OSError as exc:
-        sock.close()
-        raise BindError(f"cannot listen on {address} (--rocketmq-port): {exc.strerror or exc}") from None
+    sock = hold_port(info[0], info[4], lambda why: BindError(f"cannot listen on {address} (--rocketmq-port): {why}"))
     return sock, sock.getsockname()[1]
 
 

@@ -42,8 +42,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator, Awaitable, Callable
 
-from .relay import (ABORT, ACCEPTED, BYTES, CALL, CANCEL, CLOSED, DATA, DRAIN, END, HALF_CLOSE, HELLO, HOLD, LIMITS, OPEN, PAUSED, READ,
-                    REPLY, RESET, RESUMED, SEND, SHUT, SHUT_WRITE, WORKER_ENV, WRITE, WROTE, FrameProtocol)
+from .relay import (ABORT, ACCEPTED, BYTES, CALL, CANCEL, CLOSED, DATA, DRAIN, END, HALF_CLOSE, HELLO, HOLD, LIMITS, OPEN, READ, REPLY,
+                    RESET, SEND, SHUT, SHUT_WRITE, WORKER_ENV, WRITE, WRITTEN, WROTE, FrameProtocol)
 
 log = logging.getLogger("txmq.workers")
 
@@ -93,9 +93,13 @@ class RelayedTransport(asyncio.Transport):
     ``connection_lost`` comes when the worker says the socket ended (CLOSED),
     or when the worker or its channel is gone; after ``close`` or ``abort``
     no more ``data_received`` reaches the protocol, as with asyncio's own.
+    Its write buffer is what was sent and the worker did not yet acknowledge
+    (WRITTEN: taken by the client's socket): past the high mark the protocol
+    is paused inside ``write``, and resumed once the buffer is down to the
+    low mark, as an asyncio transport does.
     """
 
-    __slots__ = ("_link", "_conn", "_protocol", "_closing", "_reading", "_eof")
+    __slots__ = ("_link", "_conn", "_protocol", "_closing", "_reading", "_eof", "_buffered", "_high", "_low", "_write_paused")
 
     def __init__(self, link: WorkerLink, conn: int, protocol: asyncio.Protocol, peer: tuple, local: tuple) -> None:
         super().__init__({"peername": peer, "sockname": local})
@@ -105,6 +109,9 @@ class RelayedTransport(asyncio.Transport):
         self._closing = False
         self._reading = True
         self._eof = False
+        self._buffered = 0
+        self._high, self._low = 64 * 1024, 16 * 1024  # asyncio's defaults
+        self._write_paused = False
 
     def get_protocol(self) -> asyncio.BaseProtocol:
         return self._protocol
@@ -117,9 +124,20 @@ class RelayedTransport(asyncio.Transport):
             raise RuntimeError("Cannot call write() after write_eof()")  # as asyncio's transports say
         if not self._closing and data:
             self._link.sender_send([SEND, self._conn, data if type(data) is bytes else bytes(data)])
+            self._buffered += len(data)
+            if not self._write_paused and self._buffered > self._high:
+                self._write_paused = True
+                self._link.pressure(self, "pause_writing")
 
     def writelines(self, list_of_data: Any) -> None:
-        self.write(b"".join(list_of_data))
+        for data in list_of_data:  # each its own frame: a large buffer (a pull's records) is not joined
+            self.write(data)
+
+    def _written(self, n: int) -> None:
+        self._buffered = max(0, self._buffered - n)
+        if self._write_paused and self._buffered <= self._low and not self._closing:
+            self._write_paused = False
+            self._link.pressure(self, "resume_writing")
 
     def can_write_eof(self) -> bool:
         return True
@@ -160,10 +178,14 @@ class RelayedTransport(asyncio.Transport):
             low = high // 4
         if not high >= low >= 0:
             raise ValueError(f"high ({high!r}) must be >= low ({low!r}) must be >= 0")
-        self._link.sender_send([LIMITS, self._conn, high, low])
+        self._high, self._low = high, low
+        self._link.sender_send([LIMITS, self._conn, high, low])  # the client socket's own buffer, in the worker, alike
 
     def get_write_buffer_size(self) -> int:
-        return 0  # the bytes wait in the worker: it says when they are over the limit (PAUSED)
+        return self._buffered
+
+    def get_write_buffer_limits(self) -> tuple[int, int]:
+        return self._low, self._high
 
     def set_protocol(self, protocol: asyncio.BaseProtocol) -> None:
         self._protocol = protocol  # type: ignore[assignment]
@@ -278,10 +300,10 @@ class WorkerLink:
             if t is not None:
                 t._closing = True
                 self._protocol_call(t, "connection_lost", None if f[2] is None else ConnectionResetError(f[2]))
-        elif kind == PAUSED or kind == RESUMED:
+        elif kind == WRITTEN:
             t = self.conns.get(f[1])
-            if t is not None:
-                self._protocol_call(t, "pause_writing" if kind == PAUSED else "resume_writing")
+            if t is not None and type(f[2]) is int:
+                t._written(f[2])
         else:
             log.error("event=worker_frame_unknown worker=%d kind=%r", self.index, kind)
 
@@ -296,6 +318,14 @@ class WorkerLink:
         t = RelayedTransport(self, conn, protocol, tuple(peer), tuple(local))
         self.conns[conn] = t
         self._protocol_call(t, "connection_made", t)
+
+    def pressure(self, t: RelayedTransport, method: str) -> None:
+        """pause_writing or resume_writing on a connection's protocol; what it raises is logged (asyncio's way: a
+        transport's own write must not fail for it)."""
+        try:
+            getattr(t._protocol, method)()
+        except Exception:
+            log.exception("event=relayed_connection_failed worker=%d callback=%s", self.index, method)
 
     def _protocol_call(self, t: RelayedTransport, method: str, *args: Any) -> None:
         """One call into a connection's protocol; what it raises ends that connection alone (asyncio's transports do the same)."""

@@ -47,7 +47,8 @@ owner::
     [ACCEPTED, conn, listener, peer, local]    a connection on listener (its index in the spec); addresses as [host, port]
     [BYTES, conn, data]                        what the client sent
     [CLOSED, conn, reason]                     the connection ended (reason: None, or why)
-    [PAUSED, conn] / [RESUMED, conn]           the client's socket is above / back under its write buffer's limit
+    [WRITTEN, conn, n]                         n more bytes of what the owner sent were taken by the client's socket
+                                               (its buffer is under its limit; acknowledged once per loop turn)
 
 Owner to worker::
 
@@ -60,7 +61,12 @@ Owner to worker::
 
 A connection id is the worker's and never reused; a frame for an id that
 is gone is dropped on either side (the other end learns of the end from
-CLOSED, or from the channel's).
+CLOSED, or from the channel's). The owner counts what it sent a
+connection and WRITTEN did not yet acknowledge as that transport's write
+buffer: past its high mark the protocol is paused at once, as an asyncio
+transport pauses it inside ``write``, so a client that does not read (or a
+worker that stalls) holds the owner to the buffer's limit, not to what its
+requests could make it write.
 """
 
 from __future__ import annotations
@@ -72,7 +78,7 @@ import msgpack
 
 HELLO, CALL, OPEN, DATA, HALF_CLOSE, CANCEL, WROTE = 1, 2, 3, 4, 5, 6, 7
 REPLY, WRITE, END, ABORT, DRAIN = 10, 12, 13, 14, 15
-ACCEPTED, BYTES, CLOSED, PAUSED, RESUMED = 20, 21, 22, 23, 24
+ACCEPTED, BYTES, CLOSED, WRITTEN = 20, 21, 22, 23
 SEND, SHUT, SHUT_WRITE, RESET, HOLD, READ, LIMITS = 30, 31, 32, 33, 34, 35, 36
 
 # The largest msgpack object either side takes: a request or response is bounded by the front end's

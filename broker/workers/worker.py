@@ -42,8 +42,8 @@ import socket
 import sys
 from typing import Any, AsyncIterator
 
-from .relay import (ABORT, ACCEPTED, BYTES, CALL, CANCEL, CLOSED, DATA, DRAIN, END, HALF_CLOSE, HELLO, HOLD, LIMITS, OPEN, PAUSED, READ,
-                    REPLY, RESET, RESUMED, SEND, SHUT, SHUT_WRITE, WORKER_ENV, WRITE, WROTE, FrameProtocol)
+from .relay import (ABORT, ACCEPTED, BYTES, CALL, CANCEL, CLOSED, DATA, DRAIN, END, HALF_CLOSE, HELLO, HOLD, LIMITS, OPEN, READ,
+                    REPLY, RESET, SEND, SHUT, SHUT_WRITE, WORKER_ENV, WRITE, WRITTEN, WROTE, FrameProtocol)
 
 log = logging.getLogger("txmq.worker")
 
@@ -94,7 +94,7 @@ def _status(code: int) -> Any:
 class TcpRelay(asyncio.Protocol):
     """One client's TCP connection on a relayed port: its bytes go to the broker, the broker's come back (relay.py)."""
 
-    __slots__ = ("worker", "listener", "conn", "transport", "held", "paused")
+    __slots__ = ("worker", "listener", "conn", "transport", "held", "paused", "unacked", "write_paused")
 
     def __init__(self, worker: Worker, listener: int) -> None:
         self.worker = worker
@@ -103,6 +103,8 @@ class TcpRelay(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.held = False  # the broker asked to stop reading (HOLD)
         self.paused = False  # reading is paused (held, or the channel is full)
+        self.unacked = 0  # bytes the broker sent that WRITTEN has not acknowledged
+        self.write_paused = False  # the client's socket buffer is over its limit: no acknowledgement until it drains
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         w = self.worker
@@ -135,10 +137,11 @@ class TcpRelay(asyncio.Protocol):
                 w.tcp_idle.set()
 
     def pause_writing(self) -> None:
-        self.worker.send([PAUSED, self.conn])
+        self.write_paused = True
 
     def resume_writing(self) -> None:
-        self.worker.send([RESUMED, self.conn])
+        self.write_paused = False
+        self.worker.ack(self)
 
     def set_paused(self) -> None:
         """Read or not, as the broker (HOLD/READ) and the channel's fill say."""
@@ -164,6 +167,7 @@ class Worker:
         self.calls: dict[int, Any] = {}  # id -> a future (unary) or a queue (streams)
         self.ids = itertools.count(1)
         self.conns: dict[int, TcpRelay] = {}  # the relayed TCP connections, by id
+        self.acks: set[TcpRelay] = set()  # connections with bytes to acknowledge at the end of this loop turn
         self.conn_ids = itertools.count(1)
         self.channel_full = False
         self.tcp_servers: list[asyncio.AbstractServer] = []
@@ -219,6 +223,9 @@ class Worker:
         try:
             if kind == SEND:
                 t.write(f[2])
+                relay.unacked += len(f[2])
+                if not relay.write_paused:
+                    self.ack(relay)
                 if self.arm is not None and len(self.conns) == 1:  # a lone client's answer: its next request comes soon
                     self.arm()
             elif kind == SHUT:
@@ -238,6 +245,19 @@ class Worker:
         except Exception as exc:  # what the socket refuses (a write after its end, limits out of order) ends it alone
             log.error("event=worker_connection_refused_frame worker=%d kind=%d error=%r", self.index, kind, exc)
             t.abort()
+
+    def ack(self, relay: TcpRelay) -> None:
+        """Acknowledge what the client's socket took, at the end of this loop turn (one WRITTEN per connection)."""
+        if not self.acks:
+            asyncio.get_running_loop().call_soon(self._send_acks)
+        self.acks.add(relay)
+
+    def _send_acks(self) -> None:
+        acks, self.acks = self.acks, set()
+        for relay in acks:
+            if relay.unacked and not relay.write_paused and self.conns.get(relay.conn) is relay:
+                self.send([WRITTEN, relay.conn, relay.unacked])
+                relay.unacked = 0
 
     def on_pressure(self, full: bool) -> None:
         """The channel to the broker is full (or drained): every relayed client stops (or starts again) being read."""
