@@ -22,6 +22,7 @@ from .clock import Clock
 from .config import BrokerConfig, read_settings_file
 from .core import BrokerCore, speedups_in_use
 from .native.server import NativeFrontend
+from .ports import listen
 
 log = logging.getLogger("txmq.broker")
 
@@ -250,13 +251,8 @@ class Broker:
 
 
 def bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(2048)
-    sock.setblocking(False)
-    return sock
+    """The native port's listening socket."""
+    return listen(host, port)
 
 
 def install_uvloop() -> str:

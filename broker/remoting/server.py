@@ -48,7 +48,7 @@ from hashlib import sha1
 from typing import TYPE_CHECKING, Any
 
 from ..connlimits import LimitCounters, LimitedConnection, LogThrottle
-from ..ports import hold_port
+from ..ports import hold_port, listen
 from txmq.wire import ErrorCode
 
 from ..messaging import CheckBack
@@ -478,18 +478,11 @@ class RemotingConnection(LimitedConnection):
 
 
 def _listen(host: str, port: int, what: str) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        sock.listen(2048)
-        sock.setblocking(False)
+        return listen(host, port)
     except (OSError, OverflowError) as exc:
-        sock.close()
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         raise BindError(f"cannot listen on {address} ({what}): {getattr(exc, 'strerror', None) or exc}") from None
-    return sock
 
 
 def _reserve(host: str, listening: socket.socket) -> socket.socket:

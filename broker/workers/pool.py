@@ -153,8 +153,7 @@ class RelayedTransport(asyncio.Transport):
             self._link.sender_send([SHUT, self._conn])
 
     def abort(self) -> None:
-        if not self._closing:
-            self._closing = True
+        self._closing = True
         self._link.sender_send([RESET, self._conn])
 
     def is_reading(self) -> bool:
@@ -335,7 +334,6 @@ class WorkerLink:
             log.exception("event=relayed_connection_failed worker=%d callback=%s", self.index, method)
             if method != "connection_lost" and self.conns.pop(t._conn, None) is not None:
                 t.abort()
-                t._closing = True
                 try:
                     t._protocol.connection_lost(exc)  # as asyncio's transports end a connection whose protocol raised
                 except Exception:

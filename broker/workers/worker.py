@@ -38,10 +38,10 @@ import json
 import logging
 import os
 import signal
-import socket
 import sys
 from typing import Any, AsyncIterator
 
+from ..ports import listen
 from .relay import (ABORT, ACCEPTED, BYTES, CALL, CANCEL, CLOSED, DATA, DRAIN, END, HALF_CLOSE, HELLO, HOLD, LIMITS, OPEN, READ,
                     REPLY, RESET, SEND, SHUT, SHUT_WRITE, WORKER_ENV, WRITE, WRITTEN, WROTE, FrameProtocol)
 
@@ -379,7 +379,7 @@ class Worker:
             return 1
         for i, listener in enumerate(self.spec.get("tcp") or ()):
             try:
-                sock = _listen_shared(listener["host"], int(listener["port"]))
+                sock = listen(listener["host"], int(listener["port"]), reuseport=True)  # beside the broker's hold and the others
                 self.tcp_servers.append(await loop.create_server(lambda i=i: TcpRelay(self, i), sock=sock, backlog=2048))
             except OSError as exc:
                 log.error("event=worker_bind_failed worker=%d port=%s error=%s", self.index, listener.get("port"), exc)
@@ -455,22 +455,6 @@ class Worker:
                     if relay.transport is not None:
                         relay.transport.abort()
         self.done.set()
-
-
-def _listen_shared(host: str, port: int) -> socket.socket:
-    """A listening socket on host:port beside the broker's reservation and the other workers' (SO_REUSEPORT)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        sock.bind((host.strip("[]"), port))
-        sock.listen(2048)
-        sock.setblocking(False)
-    except OSError:
-        sock.close()
-        raise
-    return sock
 
 
 def _metadata(context: Any) -> list[list[str]]:
