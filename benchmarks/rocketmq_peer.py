@@ -86,8 +86,10 @@ def load1() -> float:
 
 
 # ---- RocketMQ 4 remoting: the one request readiness needs ---------------------------------------------
-def route_answered(port: int, topic: str = "TBW102") -> bool:
-    """True once the name server on port answers GET_ROUTEINFO_BY_TOPIC for topic with SUCCESS and a broker."""
+def route_answered(port: int, broker_port: int, topic: str = "TBW102") -> bool:
+    """True once the name server on port answers GET_ROUTEINFO_BY_TOPIC for topic with SUCCESS and the broker on
+    broker_port: a server that took the port first (another server of the sitting, a JVM's outgoing connection) and
+    answers does not count."""
     head = json.dumps({"code": 105, "language": "JAVA", "version": 0, "opaque": 1, "flag": 0, "extFields": {"topic": topic}}).encode()
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
@@ -102,14 +104,15 @@ def route_answered(port: int, topic: str = "TBW102") -> bool:
     except OSError:
         return False
     hlen = struct.unpack_from(">i", buf, 4)[0] & 0xFFFFFF
-    return json.loads(buf[8 : 8 + hlen]).get("code") == 0 and b"brokerAddrs" in buf[8 + hlen :]
+    body = buf[8 + hlen :]
+    return json.loads(buf[8 : 8 + hlen]).get("code") == 0 and b"brokerAddrs" in body and f':{broker_port}"'.encode() in body
 
 
-def wait_route(port: int, t0: float, timeout: float, alive) -> float:
-    """Seconds from t0 (perf_counter) to the first answered route query; polled every 20 ms."""
+def wait_route(port: int, broker_port: int, t0: float, timeout: float, alive) -> float:
+    """Seconds from t0 (perf_counter) to the first route query answered with the broker on broker_port; polled every 20 ms."""
     deadline = t0 + timeout
     while time.perf_counter() < deadline:
-        if route_answered(port):
+        if route_answered(port, broker_port):
             return time.perf_counter() - t0
         if not alive():
             raise RuntimeError(f"the server on port {port} exited before answering a route query")
@@ -176,7 +179,7 @@ class RocketMQ:
         p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, env=self.peer.env)
         ready = None
         try:
-            ready = wait_route(ns, t0, 300, lambda: p.poll() is None or p.returncode == 0)
+            ready = wait_route(ns, bp, t0, 300, lambda: p.poll() is None or p.returncode == 0)
         except (RuntimeError, TimeoutError):
             pass  # why is in run.sh's output
         finally:
@@ -211,16 +214,40 @@ class Txmq:
     other = ""  # one process: other_cpu() counts nothing
 
     def __init__(self, home: Path, flush: str, *extra: str) -> None:
-        self.rport = free_port()
-        self.proc = BrokerProc(home / f"{self.name}-{flush}" / "data", "--flush", flush, "--remoting-port", str(self.rport), "--busy-poll", "0",
-                               "--check-interval", "10s", "--transaction-timeout", "6s", *extra, log_path=home / f"{self.name}-{flush}.log")
-        self.namesrv = f"127.0.0.1:{self.rport}"
+        self.home, self.flush, self.extra = home, flush, extra
+        self.proc: BrokerProc | None = None
+        self.rport = 0
+        self.namesrv = ""
         self.boot: dict[str, float] = {}
 
     def start(self) -> None:
+        for attempt in range(3):
+            try:
+                return self._start()
+            except PortTaken:  # free when picked, bound by another process before the broker: picked again
+                if attempt == 2:
+                    raise
+
+    def _start(self) -> None:
+        # Picked now, not when the sitting was laid out: the servers started before this one bind ports of their own
+        # (RocketMQ's broker also binds its port - 2 and + 1), and a port picked earlier may be one of them by now.
+        self.rport = free_port()
+        self.proc = BrokerProc(self.home / f"{self.name}-{self.flush}" / "data", "--flush", self.flush, "--remoting-port", str(self.rport),
+                               "--busy-poll", "0", "--check-interval", "10s", "--transaction-timeout", "6s", *self.extra,
+                               log_path=self.home / f"{self.name}-{self.flush}.log")
+        self.namesrv = f"127.0.0.1:{self.rport}"
         self.proc.data_dir.parent.mkdir(parents=True, exist_ok=True)
         self.proc.spawn()
-        ready = wait_route(self.rport, self.proc.started_at, 120, lambda: self.proc.proc.poll() is None)
+        proc = self.proc.proc
+        assert proc is not None
+        try:
+            ready = wait_route(self.rport, self.rport, self.proc.started_at, 120, lambda: proc.poll() is None)
+        except (RuntimeError, TimeoutError) as exc:
+            self.proc.stop()
+            why = self.proc.log_tail(800)
+            if "in use" in why or "already" in why:
+                raise PortTaken(why) from None
+            raise RuntimeError(f"{self.name} did not start ({exc}): {why}") from None
         self.boot = {"ready_s": round(ready, 3)}
 
     @property
@@ -235,7 +262,8 @@ class Txmq:
         return 0.0
 
     def stop(self) -> None:
-        self.proc.stop()
+        if self.proc is not None:
+            self.proc.stop()
 
 
 class TxmqWorkers(Txmq):
@@ -253,8 +281,9 @@ class TxmqWorkers(Txmq):
         self.boot["workers"] = self.workers
         deadline = time.monotonic() + 60
         while len(self.worker_pids()) < self.workers:  # they serve the port that answered: up, unless some died at once
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"txmq-workers: {len(self.worker_pids())} of {self.workers} front-end workers running; see {self.proc.log_path}")
+            if time.monotonic() > deadline or self.proc.proc.poll() is not None:
+                raise RuntimeError(f"txmq-workers: {len(self.worker_pids())} of {self.workers} front-end workers running, broker "
+                                   f"{'running' if self.proc.proc.poll() is None else 'exited'}: {self.proc.log_tail(800)}")
             time.sleep(0.05)
 
     def worker_pids(self) -> list[int]:
