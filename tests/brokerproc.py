@@ -11,10 +11,74 @@ import time
 from pathlib import Path
 
 
+_handed_out: dict[int, None] = {}  # the ports free_port() gave, oldest first (the last 4096)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port nothing listens on now, never one this process was given before: the kernel may hand the port
+    it just gave out (closed again at once) to the next bind to port 0, and a test that picks the native and the
+    remoting port one after the other would then start a broker that cannot bind its second port."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out[port] = None
+            if len(_handed_out) > 4096:
+                del _handed_out[next(iter(_handed_out))]
+            return port
+
+
+# the options whose port the broker binds before it serves (and exits when it cannot)
+PORT_OPTIONS = ("--remoting-port", "--rocketmq-port", "--metrics-port")
+
+
+def _family(pid: int) -> list[int]:
+    """pid and its descendants (a broker's front-end workers)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    family, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        family.append(p)
+        todo.extend(children.get(p, ()))
+    return family
+
+
+def listens_on(pid: int, ports: list[int]) -> bool:
+    """Whether each of ports is listened on by process pid or one of its descendants (a broker's front-end workers
+    listen on its RocketMQ and remoting ports): a port picked free can be taken by another process before the broker
+    binds it, and a connection to it would then reach that process. True where /proc does not say (not Linux)."""
+    listening: dict[int, set[str]] = {p: set() for p in ports}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            return True
+        for row in rows:
+            f = row.split()
+            if len(f) > 9 and f[3] == "0A":  # LISTEN
+                port = int(f[1].rsplit(":", 1)[1], 16)
+                if port in listening:
+                    listening[port].add(f"socket:[{f[9]}]")
+    held = set()
+    for p in _family(pid):
+        try:
+            fds = os.listdir(f"/proc/{p}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                held.add(os.readlink(f"/proc/{p}/fd/{fd}"))
+            except OSError:
+                continue
+    return all(inodes & held for inodes in listening.values())
 
 
 class BrokerProcess:
@@ -43,10 +107,27 @@ class BrokerProcess:
                 raise RuntimeError(f"broker exited with {self.proc.returncode}: {self.log.read_text()[-2000:]}")
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
-                    return self
+                    pass
             except OSError:
                 time.sleep(0.05)
+                continue
+            # the native port answers once bound, before the RocketMQ, remoting and metrics ports are: each of them
+            # served by this broker (or its front-end workers), not by a process that took it first (the broker exits
+            # when it cannot bind one)
+            if listens_on(self.proc.pid, [self.port, *self._option_ports()]):
+                return self
+            time.sleep(0.05)
         raise TimeoutError(f"broker did not start: {self.log.read_text()[-2000:]}")
+
+    def _option_ports(self) -> list[int]:
+        ports = []
+        for i, arg in enumerate(self.args):
+            name, eq, value = arg.partition("=")
+            if name in PORT_OPTIONS:
+                value = value if eq else (self.args[i + 1] if i + 1 < len(self.args) else "")
+                if value.isdigit() and int(value):
+                    ports.append(int(value))
+        return ports
 
     @property
     def pid(self) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -118,6 +119,13 @@ def ok(r: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     return r
 
 
+def port_option_taken(error: str) -> str | None:
+    """The option (--remoting-port, --rocketmq-port, --metrics-port) whose port a broker that did not start found
+    taken, as its error names it; None for any other reason."""
+    m = re.search(r"cannot listen on \S+ \((--[a-z-]+-port)[,)].*(?:in use|held by)", error)
+    return m.group(1) if m else None
+
+
 def start_broker(root: Path, *args: str, name: str = "broker") -> BrokerProcess:
     """A broker subprocess on a free port (retried if another process takes the port first)."""
     last: Exception | None = None
@@ -130,6 +138,8 @@ def start_broker(root: Path, *args: str, name: str = "broker") -> BrokerProcess:
         except (RuntimeError, TimeoutError) as e:  # e.g. the port was taken between picking and binding
             last = e
             b.stop()
+            if port_option_taken(str(e)):  # a port of args: the same args again would find it taken again
+                raise
             continue
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:

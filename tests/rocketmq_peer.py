@@ -237,15 +237,28 @@ class TxmqRemoting:
     server address the same Java clients are pointed at."""
 
     def __init__(self, data_dir: Path, *args: str) -> None:
+        self.data_dir, self.args = data_dir, args
+        self._pick_ports()
+        self.address = ""  # the native port, for `txmq` commands
+
+    def _pick_ports(self) -> None:
         from brokerproc import BrokerProcess, free_port
 
         self.remoting_port = free_port()
-        self.proc = BrokerProcess(data_dir, "--remoting-port", str(self.remoting_port), *args)
+        self.proc = BrokerProcess(self.data_dir, "--remoting-port", str(self.remoting_port), *self.args)
         self.namesrv = f"127.0.0.1:{self.remoting_port}"
-        self.address = ""  # the native port, for `txmq` commands
 
     def __enter__(self) -> "TxmqRemoting":
-        self.proc.start()
+        for attempt in range(3):
+            try:
+                self.proc.start()
+                break
+            except RuntimeError as exc:
+                self.proc.stop()
+                # free when picked, bound by another process before the broker: both ports picked again
+                if attempt == 2 or not re.search(r"cannot listen on .*(in use|held by)", str(exc)):
+                    raise
+                self._pick_ports()
         self.address = self.proc.address
         return self
 

@@ -234,17 +234,31 @@ def remoting_node_scenario(sdk_dir: Path, scenario: str, home: Path, *args: str,
 def start_remoting_broker(root: Path, *args: str, name: str = "broker"):
     """A txmq broker subprocess that also serves RocketMQ 4's remoting protocol; returns (BrokerProcess, "127.0.0.1:PORT"),
     the address 4.x clients take as their namesrvAddr."""
-    from brokerproc import free_port
-    from clihelpers import start_broker
-
-    port = free_port()
-    broker = start_broker(root, "--remoting-port", str(port), *args, name=name)
-    try:
-        wait_for_port(port)
-    except TimeoutError:
-        broker.stop()
-        raise
+    broker, port = start_broker_with_port(root, "--remoting-port", args, name)
     return broker, f"127.0.0.1:{port}"
+
+
+def start_broker_with_port(root: Path, option: str, args: tuple[str, ...], name: str):
+    """A broker subprocess (tests/clihelpers.py) serving ``option`` (--remoting-port, --rocketmq-port) on a free port,
+    and that port: picked again when another process bound it between its picking and the broker's start."""
+    from brokerproc import free_port
+    from clihelpers import port_option_taken, start_broker
+
+    for attempt in range(3):
+        port = free_port()
+        try:
+            broker = start_broker(root, option, str(port), *args, name=name if attempt == 0 else f"{name}-again-{attempt}")
+        except RuntimeError as exc:
+            if port_option_taken(str(exc)) != option or attempt == 2:
+                raise
+            continue
+        try:
+            wait_for_port(port)
+        except TimeoutError:
+            broker.stop()
+            raise
+        return broker, port
+    raise AssertionError("unreachable")
 
 
 def node_sdk_dir() -> Path:
@@ -336,22 +350,13 @@ def start_rocketmq_broker(root: Path, *args: str, name: str = "broker"):
     end; returns (BrokerProcess, "127.0.0.1:GRPC_PORT"). Skips when txmq's `rocketmq` extra is not installed."""
     import importlib.util
 
-    from brokerproc import free_port
-    from clihelpers import start_broker
-
     missing = [m for m in ("grpc", "google.protobuf") if importlib.util.find_spec(m) is None]
     if missing:
         pytest.skip(f"txmq's rocketmq extra is not installed (no {', '.join(missing)}): pip install -e '.[rocketmq]'")
-    grpc_port = free_port()
     workers = os.environ.get("TXMQ_TEST_FRONTEND_PROCESSES")  # run a suite through front-end workers (make test-workers)
     if workers and "--frontend-processes" not in args:
         args = ("--frontend-processes", workers, *args)
-    broker = start_broker(root, "--rocketmq-port", str(grpc_port), *args, name=name)
-    try:
-        wait_for_port(grpc_port)
-    except TimeoutError:
-        broker.stop()
-        raise
+    broker, grpc_port = start_broker_with_port(root, "--rocketmq-port", args, name)
     return broker, f"127.0.0.1:{grpc_port}"
 
 

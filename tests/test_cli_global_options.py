@@ -122,5 +122,5 @@ def test_broker_status_shows_the_check_settings_in_effect_and_one_round_trip(bro
     st = json.loads(out(ok(txmq("broker", "status", "-o", "json", broker=broker.address))))
     # start_broker passes --check-interval 1s --transaction-timeout 0s: options for this start
     assert (st["check_interval_s"], st["transaction_timeout_s"], st["max_checks"], st["retention_s"]) == (1, 0, 15, 72 * 3600)
-    assert 0 < st["rtt_ms"] < 40
+    assert 0 < st["rtt_ms"] < 5000  # a round trip, not a connection or an import; no timing bound on a loaded machine
     assert not (broker.data_dir / "config.json").exists()  # the start options were not stored

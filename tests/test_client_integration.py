@@ -298,7 +298,8 @@ def test_a_slow_check_holds_one_task_per_pending_transaction_however_many_passes
             tp = await TransactionProducer("g", SlowCheck(), b.address, check_concurrency=2).start()
             sent = [await tp.send_in_transaction(Message("t", b"x" * 1000)) for _ in range(5)]
             await wait_until(lambda: len(tp._check_tasks) == 5, what="a check per transaction")
-            await asyncio.sleep(0.6)  # a dozen check passes push every transaction again
+            await wait_until(lambda: len(tp._checks_queued) == 3, what="the waiting transactions pushed again")
+            await asyncio.sleep(0.6)  # a dozen more check passes push every transaction again
             assert len(tp._check_tasks) == 5 and len(tp._checks_queued) == 3, (len(tp._check_tasks), len(tp._checks_queued))
             release.set()
             await wait_until(lambda: len(b.core.tx.index.pending) == 0, what="every transaction decided")

@@ -91,7 +91,8 @@ async def _tcp_pool(*factories: Callable[[], asyncio.Protocol]) -> tuple[WorkerP
     return pool, script
 
 
-async def _until(cond: Callable[[], Any], what: str, timeout: float = 5.0) -> None:
+async def _until(cond: Callable[[], Any], what: str, timeout: float = 20.0) -> None:
+    """Wait until cond() holds; timeout is an upper bound for a loaded machine, never a margin."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while not cond():

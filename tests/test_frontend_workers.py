@@ -8,6 +8,7 @@ suites run through workers with ``make test-workers``.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 import urllib.request
@@ -55,10 +56,17 @@ def kill_worker(b, victim: int) -> float:
     before = {r["worker"]: r["pid"] for r in _workers(b)}
     t0 = time.monotonic()
     os.kill(before[victim], signal.SIGKILL)
-    back = _wait(lambda: [r for r in _workers(b) if r["worker"] == victim and r["alive"] and r["pid"] != before[victim]], 10)
+    # 60 s: an upper bound for a loaded machine (a worker's start is Python's and gRPC's imports); "at once" is pauses()
+    back = _wait(lambda: [r for r in _workers(b) if r["worker"] == victim and r["alive"] and r["pid"] != before[victim]], 60)
     took = time.monotonic() - t0
     assert back, f"worker {victim} was not started again: {_workers(b)}"
     return took
+
+
+def pauses(b) -> list[float]:
+    """The pause the broker logged before starting each exited worker's slot again: 0, or 0.1 s for a worker that had
+    lived less than a second twice in a row (it grows to 2 s for one that keeps dying as it starts)."""
+    return [float(m.group(1)) for m in re.finditer(r"event=frontend_worker_exited .*\brestart_in_s=([\d.e+-]+)", b.log.read_text())]
 
 
 def test_sdk_transactions_with_check_backs_go_through_workers_and_status_stats_and_metrics_show_the_workers(sdk_python, tmp_path):
@@ -126,7 +134,8 @@ def test_a_killed_worker_is_started_again_at_once_and_acknowledged_transactions_
         assert sum(row["restarts"] for row in rows) == 3
         print(f"restarts took {[round(s, 3) for s in restarts_s]} s; {len(r['committed'])} committed, "
               f"{len(r['commit_failed'])} commit failed, {len(r['send_failed'])} send failed: {r.get('load_errors')}")
-        assert max(restarts_s) < 5.0, restarts_s  # within 1 s on an idle machine (docs/architecture.md); no timing bound under load
+        # within 1 s on an idle machine (docs/architecture.md), printed above; what is checked is that none waited out the growing pause
+        assert len(pauses(b)) == 3 and max(pauses(b)) < 1, pauses(b)
     finally:
         b.stop()
 

@@ -20,9 +20,10 @@ from pathlib import Path
 import pytest
 
 from brokerproc import free_port
-from clihelpers import err, lines, ok, out, start_broker, txmq
+from clihelpers import err, lines, ok, out, txmq
 from remotingwire import CHECK_TRANSACTION_STATE, COMMIT, HEART_BEAT, RemotingClient
-from test_frontend_workers import _wait, _workers, kill_worker
+from sdkenv import start_remoting_broker
+from test_frontend_workers import _wait, _workers, kill_worker, pauses
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -34,9 +35,8 @@ def _read(b, topic: str) -> list[str]:
 
 
 def test_remoting_transactions_check_backs_and_the_connection_cap_go_through_workers(tmp_path):
-    rport = free_port()
-    b = start_broker(tmp_path, "--remoting-port", str(rport), "--frontend-processes", "2", "--remoting-max-connections", "4")
-    address = f"127.0.0.1:{rport}"
+    b, address = start_remoting_broker(tmp_path, "--frontend-processes", "2", "--remoting-max-connections", "4")
+    rport = int(address.rsplit(":", 1)[1])
     try:
         assert [r["worker"] for r in _workers(b)] == [0, 1]
 
@@ -93,9 +93,7 @@ async def _heartbeat_or_refusal(c: RemotingClient) -> tuple[str, int | None]:
 
 
 def test_a_killed_worker_loses_no_acknowledged_remoting_transaction_and_its_clients_connect_again(tmp_path):
-    rport = free_port()
-    b = start_broker(tmp_path, "--remoting-port", str(rport), "--frontend-processes", "2", "--flush", "sync")
-    address = f"127.0.0.1:{rport}"
+    b, address = start_remoting_broker(tmp_path, "--frontend-processes", "2", "--flush", "sync")
     topic = "WRemKill"
     committed: list[str] = []
     attempted: list[str] = []
@@ -154,7 +152,8 @@ def test_a_killed_worker_loses_no_acknowledged_remoting_transaction_and_its_clie
         assert sum(r["restarts"] for r in _workers(b)) == 3
         print(f"restarts took {[round(s, 3) for s in restarts_s]} s; {len(committed)} committed of {len(attempted)} attempted; "
               f"{len(errors)} errors")
-        assert max(restarts_s) < 5.0, restarts_s  # within 1 s on an idle machine; no timing bound under load
+        # within 1 s on an idle machine, printed above; what is checked is that none waited out the growing pause
+        assert len(pauses(b)) == 3 and max(pauses(b)) < 1, pauses(b)
     finally:
         stop.set()
         thread.join(60)
@@ -162,9 +161,7 @@ def test_a_killed_worker_loses_no_acknowledged_remoting_transaction_and_its_clie
 
 
 def test_sigterm_answers_a_suspended_pull_through_its_worker_before_the_connection_closes(tmp_path):
-    rport = free_port()
-    b = start_broker(tmp_path, "--remoting-port", str(rport), "--frontend-processes", "2")
-    address = f"127.0.0.1:{rport}"
+    b, address = start_remoting_broker(tmp_path, "--frontend-processes", "2")
 
     async def go() -> tuple[int, bool, float]:
         c = await RemotingClient.connect(address)
@@ -208,9 +205,8 @@ def test_a_client_that_never_reads_holds_the_broker_and_its_worker_to_a_bounded_
     the client's socket count as that buffer (2 GB of answers would otherwise pile up in the broker and the worker)."""
     from remotingwire import VIEW_MESSAGE_BY_ID, Cmd, encode, offset_of
 
-    rport = free_port()
-    b = start_broker(tmp_path, "--remoting-port", str(rport), "--frontend-processes", "1")
-    address = f"127.0.0.1:{rport}"
+    b, address = start_remoting_broker(tmp_path, "--frontend-processes", "1")
+    rport = int(address.rsplit(":", 1)[1])
     worker = _workers(b)[0]["pid"]
 
     async def go() -> tuple[float, float]:

@@ -34,6 +34,8 @@ from pathlib import Path
 
 import pytest
 
+from brokerproc import free_port
+
 REPO = Path(__file__).resolve().parent.parent
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
 PACKAGES: list[str] = PYPROJECT["tool"]["setuptools"]["packages"]
@@ -150,12 +152,6 @@ def test_sdist_holds_the_sources_and_leaves_out_what_builds_generate(built):
     assert generated == []
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _accepts(port: int) -> bool:
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=0.2):
@@ -176,7 +172,7 @@ def test_installed_wheel_serves_rocketmq_from_outside_the_repository(installed, 
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.strip().startswith(str(installed.parent.parent)), r.stdout
 
-    port, rocketmq_port = _free_port(), _free_port()
+    port, rocketmq_port = free_port(), free_port()  # never the same port twice (tests/brokerproc.py)
     log = tmp_path / "broker.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen([str(txmq), "broker", "start", "--data-dir", str(tmp_path / "data"), "--port", str(port),

@@ -110,7 +110,8 @@ def test_python_sdk_change_invisible_duration_brings_a_message_back_under_a_new_
     assert r["handle_changed"]
     (again,) = r["again"]
     assert (again["body"], again["message_id"], again["delivery_attempt"]) == ("come-back", first["message_id"], 2)
-    assert r["again_after_s"] < 10, "the message was invisible for 30 s, not the 1 s it was changed to"
+    # 1 s and a receive, against the 30 s it was first made invisible for: the bound leaves a loaded machine its time
+    assert r["again_after_s"] < 20, "the message was invisible for 30 s, not the 1 s it was changed to"
     assert r["rest"] == []
 
 

