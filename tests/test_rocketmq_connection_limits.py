@@ -108,9 +108,9 @@ def wait_until(cond, timeout: float) -> float:
 
 def test_a_flood_of_stalled_grpc_connections_leaves_the_native_port_the_store_and_the_check_service_working(tmp_path):
     fds = 256
-    handshake_s = 2.0
+    handshake_s = 4.0  # the cap must be seen at work before the timeout closes the rest: seconds, for a loaded machine
     rport = free_port()
-    args = ("--rocketmq-port", str(rport), "--auth-timeout", "2s", "--check-interval", "100ms", "--flush-interval", "100ms")
+    args = ("--rocketmq-port", str(rport), "--auth-timeout", "4s", "--check-interval", "100ms", "--flush-interval", "100ms")
     with BrokerProcess(tmp_path / "data", *args, preexec=_limit_fds(fds)) as b:
         wait_until(lambda: "event=listening" in b.log.read_text(), 10.0)  # the port accepts a moment before the line
         line = next(ln for ln in b.log.read_text().splitlines() if "event=listening" in ln)
