@@ -50,6 +50,7 @@
 
 import java.nio.charset.StandardCharsets;
 import java.util.ArrayList;
+import java.util.Collection;
 import java.util.Collections;
 import java.util.LinkedHashMap;
 import java.util.List;
@@ -57,6 +58,7 @@ import java.util.Map;
 import java.util.Set;
 import java.util.TreeMap;
 import java.util.TreeSet;
+import java.util.concurrent.Callable;
 import java.util.concurrent.ConcurrentHashMap;
 import java.util.concurrent.CountDownLatch;
 import java.util.concurrent.TimeUnit;
@@ -169,6 +171,25 @@ public class RmqDriver {
         return o;
     }
 
+    /** The topic's queues as the name server routes them, sorted. A topic a RocketMQ broker creates at a send is
+     *  registered with its name server by a oneway request, so a lookup right after that send can come first and
+     *  find no route ("Can not find Message Queue for this topic"): asked again for up to 30 s. txmq's one port
+     *  routes a topic as soon as it exists. */
+    static List<MessageQueue> routed(Callable<Collection<MessageQueue>> lookup) throws Exception {
+        long deadline = System.currentTimeMillis() + 30_000;
+        while (true) {
+            try {
+                List<MessageQueue> mqs = new ArrayList<>(lookup.call());
+                Collections.sort(mqs);
+                return mqs;
+            } catch (MQClientException e) {
+                String why = String.valueOf(e.getErrorMessage()) + " " + String.valueOf(e.getMessage());
+                if (!why.contains("Can not find Message Queue") || System.currentTimeMillis() > deadline) throw e;
+                Thread.sleep(100);
+            }
+        }
+    }
+
     /** Every message of the topic, each queue from its first offset, in (queue, offset) order. */
     static List<Map<String, Object>> readAll(String topic) throws Exception {
         DefaultMQPullConsumer c = new DefaultMQPullConsumer(GROUP + "-reader");
@@ -177,8 +198,7 @@ public class RmqDriver {
         c.start();
         try {
             List<Map<String, Object>> out = new ArrayList<>();
-            List<MessageQueue> mqs = new ArrayList<>(c.fetchSubscribeMessageQueues(topic));
-            Collections.sort(mqs);
+            List<MessageQueue> mqs = routed(() -> c.fetchSubscribeMessageQueues(topic));
             for (MessageQueue mq : mqs) {
                 long offset = c.minOffset(mq);
                 while (true) {
@@ -545,8 +565,7 @@ public class RmqDriver {
             c.setInstanceName("drain-" + STAMP);
             c.start();
             try {
-                List<MessageQueue> mqs = new ArrayList<>(c.fetchSubscribeMessageQueues(TOPIC));
-                Collections.sort(mqs);
+                List<MessageQueue> mqs = routed(() -> c.fetchSubscribeMessageQueues(TOPIC));
                 Map<String, Object> starts = new TreeMap<>();
                 for (MessageQueue mq : mqs) {
                     long offset = c.fetchConsumeOffset(mq, true);
@@ -909,7 +928,7 @@ public class RmqDriver {
             o.put("warmup", attempt(p, message("u", "TagU", "before")));
             org.apache.rocketmq.client.impl.factory.MQClientInstance f = p.getDefaultMQProducerImpl().getMqClientFactory();
             org.apache.rocketmq.remoting.RemotingClient rc = f.getMQClientAPIImpl().getRemotingClient();
-            String broker = f.findBrokerAddressInPublish(p.fetchPublishMessageQueues(TOPIC).get(0).getBrokerName());
+            String broker = f.findBrokerAddressInPublish(routed(() -> p.fetchPublishMessageQueues(TOPIC)).get(0).getBrokerName());
             for (String[] target : new String[][] {{"nameServer", NAMESRV}, {"broker", broker}}) {
                 org.apache.rocketmq.remoting.protocol.RemotingCommand req =
                     org.apache.rocketmq.remoting.protocol.RemotingCommand.createRequestCommand(code, null);
