@@ -22,29 +22,14 @@ from typing import Any, Callable
 from txmq import wire
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))
+from brokerproc import free_port  # noqa: E402,F401 - one picker for the suite and the benchmarks: never the same port twice
+
 TXMQ = [sys.executable, "-m", "txmq"]
 RESULTS = REPO / "benchmarks" / "results"
 
 
 # ---- processes ---------------------------------------------------------------
-_handed_out: dict[int, None] = {}  # the ports free_port() gave, oldest first (the last 4096)
-
-
-def free_port() -> int:
-    """A loopback port nothing listens on now, never one this process was given before: the kernel may hand the port
-    it just gave out (closed again at once) to the next bind to port 0, and a broker given a --rocketmq-port and a
-    --port picked one after the other would then not start."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port not in _handed_out:
-            _handed_out[port] = None
-            if len(_handed_out) > 4096:
-                del _handed_out[next(iter(_handed_out))]
-            return port
-
-
 def txmq_bench(args: list[str], timeout: float = 600) -> dict[str, Any]:
     """Run `txmq bench ARGS -o json` in a subprocess and return its summary.
 

@@ -136,6 +136,17 @@ class PortTaken(Exception):
     """run.sh could not bind a port picked here."""
 
 
+def picking_ports_again(start, tries: int = 3) -> None:
+    """start(), which picks its ports: again while one was free when picked and bound by another process before the
+    server (PortTaken), up to tries times."""
+    for attempt in range(tries):
+        try:
+            return start()
+        except PortTaken:
+            if attempt == tries - 1:
+                raise
+
+
 def broker_ports() -> tuple[int, int]:
     """A name server port and a broker port whose VIP (-2) and HA (+1) neighbours are free too."""
     def free(p: int) -> bool:
@@ -164,12 +175,7 @@ class RocketMQ:
         self.boot: dict[str, float] = {}
 
     def start(self) -> None:
-        for attempt in range(3):
-            try:
-                return self._start()
-            except PortTaken:  # free when picked, bound by another process before the JVM: picked again
-                if attempt == 2:
-                    raise
+        picking_ports_again(self._start)
 
     def _start(self) -> None:
         ns, bp = broker_ports()
@@ -221,12 +227,7 @@ class Txmq:
         self.boot: dict[str, float] = {}
 
     def start(self) -> None:
-        for attempt in range(3):
-            try:
-                return self._start()
-            except PortTaken:  # free when picked, bound by another process before the broker: picked again
-                if attempt == 2:
-                    raise
+        picking_ports_again(self._start)
 
     def _start(self) -> None:
         # Picked now, not when the sitting was laid out: the servers started before this one bind ports of their own
