@@ -69,6 +69,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
 
 from benchlib import BrokerProc, child_pids, command_line, cpu_seconds, data_disk_dir, free_port, machine_info, proc_status, save_result  # noqa: E402
+from brokerproc import port_taken  # noqa: E402
 from rocketmq_peer import PeerUnavailable, RocketMQPeer  # noqa: E402
 
 ROWS = ("tx_1", "tx_32", "sync_1", "sync_32", "consume")
@@ -246,7 +247,7 @@ class Txmq:
         except (RuntimeError, TimeoutError) as exc:
             self.proc.stop()
             why = self.proc.log_tail(800)
-            if "in use" in why or "already" in why:
+            if port_taken(why):
                 raise PortTaken(why) from None
             raise RuntimeError(f"{self.name} did not start ({exc}): {why}") from None
         self.boot = {"ready_s": round(ready, 3)}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -54,31 +55,18 @@ def _family(pid: int) -> list[int]:
 def listens_on(pid: int, ports: list[int]) -> bool:
     """Whether each of ports is listened on by process pid or one of its descendants (a broker's front-end workers
     listen on its RocketMQ and remoting ports): a port picked free can be taken by another process before the broker
-    binds it, and a connection to it would then reach that process. True where /proc does not say (not Linux)."""
-    listening: dict[int, set[str]] = {p: set() for p in ports}
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            rows = Path(table).read_text().splitlines()[1:]
-        except OSError:
-            return True
-        for row in rows:
-            f = row.split()
-            if len(f) > 9 and f[3] == "0A":  # LISTEN
-                port = int(f[1].rsplit(":", 1)[1], 16)
-                if port in listening:
-                    listening[port].add(f"socket:[{f[9]}]")
-    held = set()
-    for p in _family(pid):
-        try:
-            fds = os.listdir(f"/proc/{p}/fd")
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                held.add(os.readlink(f"/proc/{p}/fd/{fd}"))
-            except OSError:
-                continue
-    return all(inodes & held for inodes in listening.values())
+    binds it, and a connection to it would then reach that process. Found as `broker start` names a port's holder."""
+    from txmq.cli.commands._ports import holder
+
+    family = set(_family(pid))
+    return all((h := holder(port)) is not None and h.pid in family for port in ports)
+
+
+def port_taken(error: str) -> str | None:
+    """The option (--port, --remoting-port, --rocketmq-port, --metrics-port) whose port a broker that did not start
+    found taken, as its error names it; None for any other reason."""
+    m = re.search(r"cannot listen on \S+?(?: \((--[a-z-]*port)(?:,[^)]*)?\))?: [^;]*(?:in use|held by)", error)
+    return (m.group(1) or "--port") if m else None  # the native port's error names no option
 
 
 class BrokerProcess:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -19,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from brokerproc import BrokerProcess
+from brokerproc import BrokerProcess, port_taken
 
 TXMQ = str(Path(sys.executable).with_name("txmq"))
 if not os.path.exists(TXMQ):  # not in a venv with the console script: go through the module
@@ -119,13 +118,6 @@ def ok(r: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     return r
 
 
-def port_option_taken(error: str) -> str | None:
-    """The option (--remoting-port, --rocketmq-port, --metrics-port) whose port a broker that did not start found
-    taken, as its error names it; None for any other reason."""
-    m = re.search(r"cannot listen on \S+ \((--[a-z-]+-port)[,)].*(?:in use|held by)", error)
-    return m.group(1) if m else None
-
-
 def start_broker(root: Path, *args: str, name: str = "broker") -> BrokerProcess:
     """A broker subprocess on a free port (retried if another process takes the port first)."""
     last: Exception | None = None
@@ -138,7 +130,7 @@ def start_broker(root: Path, *args: str, name: str = "broker") -> BrokerProcess:
         except (RuntimeError, TimeoutError) as e:  # e.g. the port was taken between picking and binding
             last = e
             b.stop()
-            if port_option_taken(str(e)):  # a port of args: the same args again would find it taken again
+            if port_taken(str(e)) not in (None, "--port"):  # a port of args: the same args would find it taken again
                 raise
             continue
         deadline = time.monotonic() + 10

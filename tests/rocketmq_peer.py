@@ -249,6 +249,8 @@ class TxmqRemoting:
         self.namesrv = f"127.0.0.1:{self.remoting_port}"
 
     def __enter__(self) -> "TxmqRemoting":
+        from brokerproc import port_taken
+
         for attempt in range(3):
             try:
                 self.proc.start()
@@ -256,7 +258,7 @@ class TxmqRemoting:
             except RuntimeError as exc:
                 self.proc.stop()
                 # free when picked, bound by another process before the broker: both ports picked again
-                if attempt == 2 or not re.search(r"cannot listen on .*(in use|held by)", str(exc)):
+                if attempt == 2 or port_taken(str(exc)) is None:
                     raise
                 self._pick_ports()
         self.address = self.proc.address

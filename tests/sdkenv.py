@@ -241,15 +241,15 @@ def start_remoting_broker(root: Path, *args: str, name: str = "broker"):
 def start_broker_with_port(root: Path, option: str, args: tuple[str, ...], name: str):
     """A broker subprocess (tests/clihelpers.py) serving ``option`` (--remoting-port, --rocketmq-port) on a free port,
     and that port: picked again when another process bound it between its picking and the broker's start."""
-    from brokerproc import free_port
-    from clihelpers import port_option_taken, start_broker
+    from brokerproc import free_port, port_taken
+    from clihelpers import start_broker
 
     for attempt in range(3):
         port = free_port()
         try:
             broker = start_broker(root, option, str(port), *args, name=name if attempt == 0 else f"{name}-again-{attempt}")
         except RuntimeError as exc:
-            if port_option_taken(str(exc)) != option or attempt == 2:
+            if port_taken(str(exc)) != option or attempt == 2:
                 raise
             continue
         try:
